@@ -1,0 +1,268 @@
+// KvPool: the cache core's front door. Owns every attached session (its arena, block allocator,
+// lease) and every sequence in it, and runs the policies. The service layer converts protobuf to
+// the plain types below and calls in; nothing here knows gRPC, CUDA or RocksDB.
+//
+// Errors (absl codes, mapped 1:1 to gRPC by the service): INVALID_ARGUMENT names the offending
+// field using the proto field names; NOT_FOUND for unknown session/sequence/reservation;
+// FAILED_PRECONDITION for calls in the wrong state; RESOURCE_EXHAUSTED when the arena or the pool
+// is full; ABORTED when a sequence changed under a multi-call read (export). A failed call leaves
+// every session and sequence exactly as it was.
+//
+// Threading: every method is thread-safe. The session map has its own lock; each session has a
+// lock that serialises work on its sequences, so different sessions proceed in parallel.
+#ifndef KVSIDECAR_CACHE_POOL_H_
+#define KVSIDECAR_CACHE_POOL_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "cache/clock.h"
+#include "cache/policy/policy_config.h"
+#include "gpu/arena.h"
+#include "gpu/backend.h"
+#include "gpu/base/layout.h"
+
+namespace kvs {
+
+struct PoolOptions {
+  // Sum of all sessions' arenas may not exceed this.
+  uint64_t arena_capacity_bytes = uint64_t{1} << 30;
+  // Arena size of a session that asks for 0 blocks.
+  uint64_t default_session_bytes = uint64_t{256} << 20;
+  absl::Duration default_lease = absl::Seconds(10);
+  absl::Duration min_lease = absl::Milliseconds(100);
+  absl::Duration max_lease = absl::Minutes(10);
+  int32_t max_sequences_per_session = 1 << 16;
+  int32_t max_tokens_per_call = 1 << 20;  // num_tokens of one Reserve/Append
+  ArenaOptions arena_options;
+  PolicyConfig default_policy;            // for sequences created without a policy
+  BudgetConfig default_budget;            // tokens_per_layer 0 = unbounded
+};
+
+struct AttachParams {
+  ModelLayout layout;                     // block_tokens 0 is resolved to the default
+  std::string tenant = "default";
+  std::string worker_name;
+  int32_t num_blocks = 0;                 // 0 = PoolOptions::default_session_bytes worth
+  absl::Duration lease = absl::ZeroDuration();  // 0 = default
+};
+
+struct SessionView {
+  std::string session_id;
+  ModelLayout layout;
+  ArenaHandle arena;
+  int32_t num_blocks = 0;
+  uint64_t block_bytes = 0;
+  absl::Duration lease;
+  absl::Time lease_expires;
+};
+
+struct ReleaseCounts {
+  int32_t sequences = 0;
+  int32_t blocks = 0;
+};
+
+struct SequenceParams {
+  std::optional<PolicyConfig> policy;     // nullopt = pool default
+  std::optional<BudgetConfig> budget;     // nullopt = pool default
+  std::string sequence_id;                // empty = generated
+  bool retain_evicted = false;            // needs the host tier (not in this build): UNIMPLEMENTED
+};
+
+struct SequenceCreated {
+  std::string sequence_id;
+  PolicyConfig policy;
+  BudgetConfig budget;
+};
+
+// Token i of a reservation sits, for every kv head of `layer`, in slot first_slot + i:
+// block blocks[(first_slot + i) / B - first_slot / B], index (first_slot + i) % B.
+struct LayerSlots {
+  int32_t layer = 0;
+  int32_t first_slot = 0;
+  std::vector<int32_t> blocks;
+};
+
+struct Reservation {
+  uint64_t reservation_id = 0;
+  std::vector<LayerSlots> layers;         // the reserved layers, in the order asked
+  std::vector<int32_t> positions;         // positions of the new tokens
+  int32_t evicted_before = 0;             // strict budget: tokens evicted per layer (max) first
+  uint64_t payload_bytes = 0;             // inline payload size [layers][2][H][T][D]
+};
+
+struct CommitResult {
+  std::vector<int32_t> counts;            // tokens per layer after commit (and compression)
+  int32_t evicted = 0;                    // evicted per layer by compression (max over layers)
+};
+
+struct CompressParams {
+  int32_t budget_tokens = 0;              // 0 = the sequence's budget
+  std::optional<PolicyConfig> policy;     // nullopt = the sequence's policy
+  bool return_positions = false;
+};
+
+struct LayerCompressResult {
+  int32_t layer = 0;
+  int32_t kept = 0;
+  int32_t evicted = 0;
+  int32_t merged = 0;
+  std::vector<int32_t> positions;         // [H][kept] in slot order, if asked
+};
+
+struct CompressResult {
+  std::vector<LayerCompressResult> layers;
+  int32_t blocks_freed = 0;
+};
+
+struct LayerLayoutView {
+  int32_t layer = 0;
+  int32_t count = 0;
+  std::vector<int32_t> block_table;       // ceil(count / B) blocks
+  std::vector<int32_t> positions;         // [H][count], slot order (empty if not asked)
+  int32_t budget = 0;                     // 0 = unbounded
+};
+
+struct SequenceLayout {
+  std::vector<LayerLayoutView> layers;
+  int32_t next_position = 0;
+  int64_t tokens_appended = 0;
+  PolicyConfig policy;
+  BudgetConfig budget;
+  uint64_t version = 0;                   // changes on every mutation of the sequence
+};
+
+struct SessionInfo {
+  std::string session_id;
+  std::string tenant;
+  std::string worker_name;
+  ModelLayout layout;
+  int32_t num_blocks = 0;
+  int32_t free_blocks = 0;
+  int32_t sequences = 0;
+  absl::Time attached;
+  absl::Time last_heartbeat;
+  absl::Time lease_expires;
+};
+
+struct SequenceInfo {
+  std::string session_id;
+  std::string sequence_id;
+  std::string tenant;
+  PolicyConfig policy;
+  BudgetConfig budget;
+  std::vector<int32_t> tokens_per_layer;
+  uint64_t arena_bytes = 0;
+  absl::Time created;
+  absl::Time last_used;
+};
+
+struct PoolStats {
+  int32_t sessions = 0;
+  int32_t sequences = 0;
+  uint64_t arena_bytes_capacity = 0;
+  uint64_t arena_bytes_reserved = 0;      // sum of session arenas
+  uint64_t arena_bytes_used = 0;          // blocks in use * block bytes
+  int64_t tokens_appended = 0;
+  int64_t tokens_evicted = 0;
+  int64_t sessions_reclaimed = 0;         // by lease expiry or Reclaim()
+};
+
+class Session;  // defined in cache/pool.cc
+
+class KvPool {
+ public:
+  // `backend` and `clock` must outlive the pool.
+  KvPool(Backend* backend, const Clock* clock, PoolOptions options);
+  ~KvPool();
+  KvPool(const KvPool&) = delete;
+  KvPool& operator=(const KvPool&) = delete;
+
+  // Sessions.
+  absl::StatusOr<SessionView> Attach(const AttachParams& params);
+  absl::StatusOr<absl::Time> Heartbeat(std::string_view session_id);  // new expiry
+  absl::StatusOr<ReleaseCounts> Detach(std::string_view session_id);
+  // Reclaims every session whose lease lapsed at clock->Now(); returns how many.
+  int ReapExpired();
+  // Reclaims one session at once (its worker's connection ended). NOT_FOUND if already gone.
+  absl::StatusOr<ReleaseCounts> Reclaim(std::string_view session_id);
+  absl::StatusOr<SessionView> GetSession(std::string_view session_id) const;
+
+  // Sequences.
+  absl::StatusOr<SequenceCreated> CreateSequence(std::string_view session_id,
+                                                 const SequenceParams& params);
+  absl::StatusOr<ReleaseCounts> ReleaseSequence(std::string_view session_id,
+                                                std::string_view sequence_id);
+
+  // Reserves slots for `num_tokens` new tokens in `layers` (empty = all, else distinct, any
+  // order). `positions` empty = next positions; else strictly increasing and each above every
+  // position already in the sequence. One outstanding reservation per sequence
+  // (FAILED_PRECONDITION otherwise). Strict budgets first evict down to the budget and refuse
+  // num_tokens > prefill_block_tokens.
+  absl::StatusOr<Reservation> Reserve(std::string_view session_id, std::string_view sequence_id,
+                                      int32_t num_tokens, absl::Span<const int32_t> positions,
+                                      absl::Span<const int32_t> layers);
+  // Drops a pending reservation, returning its blocks.
+  absl::Status CancelReservation(std::string_view session_id, std::string_view sequence_id,
+                                 uint64_t reservation_id);
+  // Copies inline payload bytes (layout [layers][2][H][T][D] of the reservation) starting at
+  // `payload_offset` into the reserved slots. OUT_OF_RANGE past payload_bytes.
+  absl::Status WriteReserved(std::string_view session_id, std::string_view sequence_id,
+                             uint64_t reservation_id, uint64_t payload_offset,
+                             absl::Span<const uint8_t> bytes);
+  // Publishes a reservation: the tokens become part of the sequence.
+  absl::StatusOr<CommitResult> Commit(std::string_view session_id, std::string_view sequence_id,
+                                      uint64_t reservation_id, bool compress_if_over_budget);
+
+  absl::StatusOr<CompressResult> Compress(std::string_view session_id,
+                                          std::string_view sequence_id,
+                                          const CompressParams& params);
+
+  // `layers` empty = all. Positions only if `with_positions`.
+  absl::StatusOr<SequenceLayout> GetLayout(std::string_view session_id,
+                                           std::string_view sequence_id,
+                                           absl::Span<const int32_t> layers,
+                                           bool with_positions) const;
+  // Reads `out.size()` bytes at `payload_offset` of the export payload [layers][2][H][count][D]
+  // (slot order) of `layers`, provided the sequence is still at `version` (ABORTED otherwise).
+  absl::Status ReadExport(std::string_view session_id, std::string_view sequence_id,
+                          absl::Span<const int32_t> layers, uint64_t version,
+                          uint64_t payload_offset, absl::Span<uint8_t> out) const;
+
+  // Introspection (Admin).
+  PoolStats GetStats() const;
+  std::vector<SessionInfo> ListSessions() const;
+  std::vector<SequenceInfo> ListSequences(std::string_view session_id) const;  // empty = all
+
+  const PoolOptions& options() const { return options_; }
+  Backend* backend() const { return backend_; }
+
+ private:
+  absl::StatusOr<std::shared_ptr<Session>> FindSession(std::string_view session_id) const;
+  ReleaseCounts DestroySession(std::shared_ptr<Session> session);
+
+  Backend* const backend_;
+  const Clock* const clock_;
+  const PoolOptions options_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  uint64_t arena_bytes_reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t sessions_reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_CACHE_POOL_H_

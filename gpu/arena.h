@@ -1,0 +1,48 @@
+// Arena: one allocation of KV memory owned by the sidecar and shared with one worker (a shared-
+// memory file on the CPU backend, a cudaMalloc exported through CUDA IPC on the CUDA backend).
+// It is cut into fixed-size blocks by its owner (cache/); the arena itself knows only bytes.
+//
+// Threading: data()/size/handle are immutable after creation and safe from any thread. Read/Write
+// may run concurrently on disjoint byte ranges; callers serialise overlapping ranges.
+#ifndef KVSIDECAR_GPU_ARENA_H_
+#define KVSIDECAR_GPU_ARENA_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace kvs {
+
+// What a worker needs to map an arena (mirrors kvsidecar.v1.ArenaHandle).
+struct ArenaHandle {
+  enum class Kind { kSharedMemoryFile, kCudaIpc };
+  Kind kind = Kind::kSharedMemoryFile;
+  std::string shm_path;          // kSharedMemoryFile: file to open + mmap (mode 0600)
+  std::string cuda_ipc_handle;   // kCudaIpc: the raw 64-byte cudaIpcMemHandle_t
+  int cuda_device = -1;
+  std::string cuda_device_uuid;
+  uint64_t size_bytes = 0;
+  uint64_t generation = 0;       // unique per arena created by this process
+};
+
+class Arena {
+ public:
+  virtual ~Arena() = default;
+
+  // Base address in the sidecar's address space: host memory on the CPU backend, a device
+  // pointer on the CUDA backend (not dereferenceable on the host).
+  virtual uint8_t* data() = 0;
+  virtual const uint8_t* data() const = 0;
+  virtual uint64_t size_bytes() const = 0;
+  virtual const ArenaHandle& handle() const = 0;
+
+  // Copies between host memory and the arena. OUT_OF_RANGE if [offset, offset + bytes) leaves
+  // the arena (checked without overflow); nothing is copied then.
+  virtual absl::Status Write(uint64_t offset, const void* source, uint64_t bytes) = 0;
+  virtual absl::Status Read(uint64_t offset, void* destination, uint64_t bytes) const = 0;
+};
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_GPU_ARENA_H_
