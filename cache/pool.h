@@ -13,6 +13,7 @@
 #ifndef KVSIDECAR_CACHE_POOL_H_
 #define KVSIDECAR_CACHE_POOL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -261,6 +262,9 @@ class KvPool {
   uint64_t arena_bytes_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t sessions_reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
+  // Lifetime totals for PoolStats (layer-tokens), bumped by sessions without taking mu_.
+  std::atomic<int64_t> tokens_appended_{0};
+  std::atomic<int64_t> tokens_evicted_{0};
 };
 
 }  // namespace kvs

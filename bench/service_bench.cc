@@ -1,0 +1,258 @@
+// Service-level benchmarks against the real kvsidecar binary on loopback, through the generated
+// gRPC stubs and a shared-memory mapping of the arena (what a worker does):
+// - BM_DecodeCommit: one decode token for 64 sequences x 32 layers — BatchReserve, K/V written
+//   into the mapped arena, BatchCommit — with p50/p99 of the BatchCommit call and of the step.
+// - BM_Append / BM_Export: inline K/V throughput in GB/s for 1, 2 and 4 MiB chunks, next to
+//   memcpy bandwidth measured in the same run.
+#include <benchmark/benchmark.h>
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "kvsidecar/v1/sidecar.grpc.pb.h"
+
+namespace kvs::bench {
+namespace {
+
+namespace pb = ::kvsidecar::v1;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kLayers = 32, kKvHeads = 8, kQHeads = 32, kHeadDim = 128, kBlockTokens = 16;
+constexpr int kDtypeBytes = 2;
+
+void Check(const grpc::Status& status, const char* what) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "%s: %d %s\n", what, status.error_code(), status.error_message().c_str());
+    std::abort();
+  }
+}
+
+pb::ModelLayout BenchLayout() {
+  pb::ModelLayout layout;
+  layout.set_num_layers(kLayers);
+  layout.set_num_kv_heads(kKvHeads);
+  layout.set_num_q_heads(kQHeads);
+  layout.set_head_dim(kHeadDim);
+  layout.set_dtype(pb::DTYPE_FLOAT16);
+  layout.set_block_tokens(kBlockTokens);
+  return layout;
+}
+
+struct Connection {
+  std::unique_ptr<ServerProcess> server;
+  std::unique_ptr<pb::Sidecar::Stub> stub;
+  pb::AttachResponse attach;
+  uint8_t* arena = nullptr;
+
+  explicit Connection(int num_blocks) {
+    const uint64_t arena_bytes = static_cast<uint64_t>(num_blocks) * 2 * kKvHeads * kBlockTokens * kHeadDim * 2;
+    server = std::make_unique<ServerProcess>(std::vector<std::string>{
+        "--arena_capacity_bytes=" + std::to_string(arena_bytes + (64 << 20))});
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    args.SetMaxSendMessageSize(64 << 20);
+    stub = pb::Sidecar::NewStub(grpc::CreateCustomChannel(
+        server->data_target(), grpc::InsecureChannelCredentials(), args));
+    grpc::ClientContext context;
+    pb::AttachRequest request;
+    *request.mutable_layout() = BenchLayout();
+    request.set_num_blocks(num_blocks);
+    request.set_lease_ms(600000);
+    Check(stub->Attach(&context, request, &attach), "Attach");
+    const int fd = open(attach.arena().shm_path().c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) std::abort();
+    void* base = mmap(nullptr, attach.arena().size_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (base == MAP_FAILED) std::abort();
+    arena = static_cast<uint8_t*>(base);
+  }
+  ~Connection() { munmap(arena, attach.arena().size_bytes()); }
+
+  void CreateSequence(const std::string& id) {
+    grpc::ClientContext context;
+    pb::CreateSequenceRequest request;
+    request.set_session_id(attach.session_id());
+    request.set_sequence_id(id);
+    request.mutable_policy()->set_name("streaming_llm");
+    pb::CreateSequenceResponse response;
+    Check(stub->CreateSequence(&context, request, &response), "CreateSequence");
+  }
+  void ReleaseSequence(const std::string& id) {
+    grpc::ClientContext context;
+    pb::ReleaseSequenceRequest request;
+    request.set_session_id(attach.session_id());
+    request.set_sequence_id(id);
+    pb::ReleaseSequenceResponse response;
+    Check(stub->ReleaseSequence(&context, request, &response), "ReleaseSequence");
+  }
+};
+
+void BM_DecodeCommit(benchmark::State& state) {
+  const int sequences = static_cast<int>(state.range(0));
+  constexpr int kTokensPerRound = 64;  // sequences are recreated (untimed) every 64 tokens
+  const int blocks = sequences * kLayers * (kTokensPerRound / kBlockTokens + 1);
+  Connection connection(blocks);
+  const uint64_t block_bytes = connection.attach.arena().block_bytes();
+  const uint64_t row_bytes = uint64_t{kHeadDim} * kDtypeBytes;
+  std::vector<uint8_t> row(row_bytes, 0x3c);
+
+  std::vector<double> commit_us, step_us;
+  int round_tokens = kTokensPerRound;
+  for (auto _ : state) {
+    if (round_tokens == kTokensPerRound) {
+      state.PauseTiming();
+      for (int s = 0; s < sequences; ++s) {
+        if (commit_us.size() > 0) connection.ReleaseSequence("s" + std::to_string(s));
+        connection.CreateSequence("s" + std::to_string(s));
+      }
+      round_tokens = 0;
+      state.ResumeTiming();
+    }
+    const auto step_start = Clock::now();
+    pb::BatchReserveRequest reserve;
+    for (int s = 0; s < sequences; ++s) {
+      auto* r = reserve.add_requests();
+      r->set_session_id(connection.attach.session_id());
+      r->set_sequence_id("s" + std::to_string(s));
+      r->set_num_tokens(1);
+    }
+    pb::BatchReserveResponse reserved;
+    {
+      grpc::ClientContext context;
+      Check(connection.stub->BatchReserve(&context, reserve, &reserved), "BatchReserve");
+    }
+    // The worker's own write of the new token's K and V rows, every layer and head.
+    for (const auto& response : reserved.responses()) {
+      for (const auto& layer : response.layers()) {
+        const int slot = layer.first_slot();
+        const uint64_t block = layer.blocks(0);
+        for (int kv = 0; kv < 2; ++kv) {
+          for (int h = 0; h < kKvHeads; ++h) {
+            const uint64_t offset = block * block_bytes +
+                ((static_cast<uint64_t>(kv) * kKvHeads + h) * kBlockTokens + slot % kBlockTokens) * row_bytes;
+            std::memcpy(connection.arena + offset, row.data(), row_bytes);
+          }
+        }
+      }
+    }
+    pb::BatchCommitRequest commit;
+    for (int s = 0; s < sequences; ++s) {
+      auto* c = commit.add_requests();
+      c->set_session_id(connection.attach.session_id());
+      c->set_sequence_id("s" + std::to_string(s));
+      c->set_reservation_id(reserved.responses(s).reservation_id());
+    }
+    pb::BatchCommitResponse committed;
+    const auto commit_start = Clock::now();
+    {
+      grpc::ClientContext context;
+      Check(connection.stub->BatchCommit(&context, commit, &committed), "BatchCommit");
+    }
+    const auto end = Clock::now();
+    commit_us.push_back(std::chrono::duration<double, std::micro>(end - commit_start).count());
+    step_us.push_back(std::chrono::duration<double, std::micro>(end - step_start).count());
+    ++round_tokens;
+  }
+  state.counters["commit_p50_us"] = Percentile(commit_us, 0.50);
+  state.counters["commit_p99_us"] = Percentile(commit_us, 0.99);
+  state.counters["step_p50_us"] = Percentile(step_us, 0.50);
+  state.counters["step_p99_us"] = Percentile(step_us, 0.99);
+}
+BENCHMARK(BM_DecodeCommit)->ArgName("sequences")->Arg(64)->Iterations(512)->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+constexpr int kStreamTokens = 2048;  // x 32 layers x 4 KiB per token-layer = 256 MiB payload
+uint64_t StreamPayloadBytes() {
+  return uint64_t{kLayers} * 2 * kKvHeads * kStreamTokens * kHeadDim * kDtypeBytes;
+}
+
+int StreamBlocks() { return kLayers * (kStreamTokens / kBlockTokens) + kLayers; }
+
+void AppendSequence(Connection& connection, const std::string& id, const std::vector<uint8_t>& payload,
+                    uint64_t chunk_bytes) {
+  grpc::ClientContext context;
+  pb::AppendResponse response;
+  auto writer = connection.stub->Append(&context, &response);
+  pb::AppendChunk header;
+  header.mutable_header()->set_session_id(connection.attach.session_id());
+  header.mutable_header()->set_sequence_id(id);
+  header.mutable_header()->set_num_tokens(kStreamTokens);
+  header.mutable_header()->set_payload_bytes(payload.size());
+  writer->Write(header);
+  pb::AppendChunk chunk;
+  for (uint64_t offset = 0; offset < payload.size(); offset += chunk_bytes) {
+    const uint64_t size = std::min<uint64_t>(chunk_bytes, payload.size() - offset);
+    chunk.set_data(payload.data() + offset, size);
+    if (!writer->Write(chunk)) break;
+  }
+  writer->WritesDone();
+  Check(writer->Finish(), "Append");
+}
+
+void BM_Append(benchmark::State& state) {
+  const uint64_t chunk_bytes = uint64_t(state.range(0)) << 20;
+  Connection connection(StreamBlocks());
+  const std::vector<uint8_t> payload(StreamPayloadBytes(), 0x42);
+  double seconds = 0;
+  for (auto _ : state) {
+    connection.CreateSequence("a");
+    const auto start = Clock::now();
+    AppendSequence(connection, "a", payload, chunk_bytes);
+    seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    connection.ReleaseSequence("a");
+  }
+  const double rate = payload.size() * state.iterations() / seconds;
+  state.counters["GBps"] = rate / 1e9;
+  state.counters["memcpy_GBps"] = MemcpyBytesPerSecond(256ull << 20) / 1e9;
+}
+BENCHMARK(BM_Append)->ArgName("chunk_MiB")->Arg(1)->Arg(2)->Arg(4)->Iterations(4)->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+void BM_Export(benchmark::State& state) {
+  const uint64_t chunk_bytes = uint64_t(state.range(0)) << 20;
+  Connection connection(StreamBlocks());
+  const std::vector<uint8_t> payload(StreamPayloadBytes(), 0x42);
+  connection.CreateSequence("e");
+  AppendSequence(connection, "e", payload, 4 << 20);
+  double seconds = 0;
+  uint64_t received = 0;
+  for (auto _ : state) {
+    grpc::ClientContext context;
+    pb::ExportRequest request;
+    request.set_session_id(connection.attach.session_id());
+    request.set_sequence_id("e");
+    request.set_chunk_bytes(chunk_bytes);
+    const auto start = Clock::now();
+    auto reader = connection.stub->Export(&context, request);
+    pb::ExportChunk chunk;
+    std::vector<uint8_t> sink(payload.size());
+    uint64_t offset = 0;
+    while (reader->Read(&chunk)) {
+      if (chunk.has_data()) {
+        std::memcpy(sink.data() + offset, chunk.data().data(), chunk.data().size());
+        offset += chunk.data().size();
+      }
+    }
+    Check(reader->Finish(), "Export");
+    seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    received += offset;
+    if (offset != payload.size()) std::abort();
+  }
+  state.counters["GBps"] = received / seconds / 1e9;
+  state.counters["memcpy_GBps"] = MemcpyBytesPerSecond(256ull << 20) / 1e9;
+}
+BENCHMARK(BM_Export)->ArgName("chunk_MiB")->Arg(1)->Arg(2)->Arg(4)->Iterations(4)->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace kvs::bench
+
+BENCHMARK_MAIN();

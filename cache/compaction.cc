@@ -1,0 +1,94 @@
+#include "cache/compaction.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvs {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+absl::StatusOr<CompactionPlan> PlanCompaction(const ModelLayout& layout,
+                                              absl::Span<const int32_t> block_table, int32_t count,
+                                              int32_t keep, absl::Span<const int32_t> kept,
+                                              absl::Span<const std::vector<int32_t>> positions) {
+  const int32_t heads = layout.num_kv_heads;
+  const int32_t b = layout.block_tokens;
+  if (count < 0 || keep < 0 || keep > count) {
+    return absl::InternalError(absl::StrCat("compaction of ", count, " tokens to ", keep));
+  }
+  if (static_cast<int64_t>(block_table.size()) < CeilDiv(count, b)) {
+    return absl::InternalError(
+        absl::StrCat("block table has ", block_table.size(), " blocks for ", count, " tokens"));
+  }
+  if (static_cast<int64_t>(kept.size()) != int64_t{heads} * keep) {
+    return absl::InternalError(
+        absl::StrCat("kept set has ", kept.size(), " slots, expected ", int64_t{heads} * keep));
+  }
+  if (static_cast<int32_t>(positions.size()) != heads) {
+    return absl::InternalError(absl::StrCat("position table has ", positions.size(), " heads"));
+  }
+
+  CompactionPlan plan;
+  plan.keep_blocks = static_cast<int32_t>(CeilDiv(keep, b));
+  plan.positions.resize(heads);
+  const uint64_t block_bytes = layout.block_bytes();
+  auto row_offset = [&](int kv, int head, int32_t slot) {
+    return static_cast<uint64_t>(block_table[slot / b]) * block_bytes +
+           layout.RowOffsetInBlock(kv, head, slot % b);
+  };
+
+  // At most min(keep, count - keep) tokens per head move, each with a K and a V row.
+  const size_t max_rows = 2ull * heads * std::min(keep, count - keep);
+  plan.src_offsets.reserve(max_rows);
+  plan.dst_offsets.reserve(max_rows);
+  std::vector<int32_t> holes;
+  for (int32_t h = 0; h < heads; ++h) {
+    const absl::Span<const int32_t> head_kept = kept.subspan(int64_t{h} * keep, keep);
+    const std::vector<int32_t>& head_positions = positions[h];
+    if (static_cast<int32_t>(head_positions.size()) != count) {
+      return absl::InternalError(absl::StrCat("head ", h, " has ", head_positions.size(),
+                                              " positions for ", count, " tokens"));
+    }
+    // Walk the kept slots once: the ones below `keep` leave holes between them; the ones at or
+    // above `keep` are the movers, paired in order with the holes.
+    holes.clear();
+    int32_t next_unkept = 0;  // every slot in [next_unkept, slot) below keep is a hole
+    size_t hole_index = 0;
+    std::vector<int32_t>& new_positions = plan.positions[h];
+    new_positions.assign(head_positions.begin(), head_positions.begin() + keep);
+    for (int32_t i = 0; i < keep; ++i) {
+      const int32_t slot = head_kept[i];
+      if (slot < 0 || slot >= count || (i > 0 && slot <= head_kept[i - 1])) {
+        return absl::InternalError(absl::StrCat("kept slots of head ", h,
+                                                " are not strictly ascending in [0, ", count,
+                                                "): slot ", slot, " at index ", i));
+      }
+      if (slot < keep) {
+        for (int32_t hole = next_unkept; hole < slot; ++hole) holes.push_back(hole);
+        next_unkept = slot + 1;
+        continue;
+      }
+      // First mover: every unkept slot below keep is a hole.
+      for (int32_t hole = next_unkept; hole < keep; ++hole) holes.push_back(hole);
+      next_unkept = keep;
+      if (hole_index >= holes.size()) {
+        return absl::InternalError(absl::StrCat("head ", h, ": more movers than holes"));
+      }
+      const int32_t destination = holes[hole_index++];
+      new_positions[destination] = head_positions[slot];
+      for (int kv = 0; kv < 2; ++kv) {
+        plan.src_offsets.push_back(row_offset(kv, h, slot));
+        plan.dst_offsets.push_back(row_offset(kv, h, destination));
+      }
+      ++plan.moved_tokens;
+    }
+    // keep kept slots, so after the walk every hole below keep received exactly one mover.
+  }
+  return plan;
+}
+
+}  // namespace kvs

@@ -1,0 +1,52 @@
+// Compaction planner: after a policy chose which tokens of a layer to keep, plans the row moves
+// that pack them into slots [0, keep) by HOLE FILLING: kept tokens sitting in slots >= keep move
+// into evicted slots < keep (the i-th such token, by slot, into the i-th hole), so the fewest rows
+// move and kept tokens already below `keep` stay where they are. The plan is pure data: arena
+// offsets for Backend::CopyRows and the new position table; the caller executes it and then
+// frees the blocks beyond ceil(keep / B).
+//
+// Threading: pure functions, no state.
+#ifndef KVSIDECAR_CACHE_COMPACTION_H_
+#define KVSIDECAR_CACHE_COMPACTION_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "gpu/backend.h"
+#include "gpu/base/layout.h"
+
+namespace kvs {
+
+struct CompactionPlan {
+  // Row copies (keys and values, every head): row i goes from src_offsets[i] to dst_offsets[i],
+  // both byte offsets into the arena, each row layout.row_bytes() long. Destinations are slots
+  // < keep and sources slots >= keep, so no copy reads what another one writes.
+  std::vector<uint64_t> src_offsets;
+  std::vector<uint64_t> dst_offsets;
+  // New position table, per head `keep` entries in slot order.
+  std::vector<std::vector<int32_t>> positions;
+  int64_t moved_tokens = 0;  // tokens that changed slot, summed over heads
+  int32_t keep_blocks = 0;   // ceil(keep / B): block-table entries still needed
+
+  // A copy job over `arena` for this plan; valid while the plan lives.
+  RowCopyJob Job(uint8_t* arena, uint64_t row_bytes) const {
+    return RowCopyJob{arena, src_offsets.data(), dst_offsets.data(),
+                      static_cast<int64_t>(src_offsets.size()), row_bytes};
+  }
+};
+
+// Plans the compaction of one layer holding `count` tokens down to `keep`.
+//   block_table: the layer's blocks (at least ceil(count / B)).
+//   kept:        [H][keep] slots to keep, strictly ascending per head, each in [0, count).
+//   positions:   per head, the `count` original positions in slot order.
+// INTERNAL when the inputs are inconsistent (a policy or bookkeeping bug); nothing is planned.
+absl::StatusOr<CompactionPlan> PlanCompaction(const ModelLayout& layout,
+                                              absl::Span<const int32_t> block_table, int32_t count,
+                                              int32_t keep, absl::Span<const int32_t> kept,
+                                              absl::Span<const std::vector<int32_t>> positions);
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_CACHE_COMPACTION_H_

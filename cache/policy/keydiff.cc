@@ -1,0 +1,69 @@
+#include "cache/policy/keydiff.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvs {
+
+int32_t KeyDiffPolicy::RecentTokens(int32_t keep) const {
+  // recent_fraction arrives as a float: 0.7f is 0.69999999, and 0.7 * 10 must still give 7, so
+  // the product is nudged up by about one float ulp before flooring.
+  const double product = static_cast<double>(config().keydiff.recent_fraction) * keep;
+  const double recent = std::floor(product * (1.0 + 1.2e-7));
+  return static_cast<int32_t>(std::clamp(recent, 0.0, static_cast<double>(keep)));
+}
+
+ScoredPolicy::Protection KeyDiffPolicy::Protect(int32_t keep) const {
+  return Protection{0, RecentTokens(keep)};
+}
+
+absl::Status KeyDiffPolicy::Score(Backend& backend, absl::Span<const LayerSelection> layers,
+                                  absl::Span<float* const> scores) const {
+  // The anchor runs over all candidates, recent ones included (keydiff.md §10.7).
+  std::vector<KeyDiffScoreJob> jobs(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    jobs[i].keys = layers[i].keys;
+    jobs[i].anchor = config().keydiff.anchor;
+    jobs[i].metric = config().keydiff.metric;
+    jobs[i].scores = scores[i];
+  }
+  return backend.KeyDiffScores(jobs, nullptr);
+}
+
+absl::Status ResolveKeyDiffConfig(PolicyConfig& config) {
+  const KeyDiffConfig& keydiff = config.keydiff;
+  switch (keydiff.anchor) {
+    case KeyDiffAnchor::kMeanNormalized:
+    case KeyDiffAnchor::kMeanRaw:
+    case KeyDiffAnchor::kMedianNormalized:
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.keydiff.anchor is not a known anchor: ", static_cast<int>(keydiff.anchor)));
+  }
+  switch (keydiff.metric) {
+    case KeyDiffMetric::kCosine:
+    case KeyDiffMetric::kPairwise:
+    case KeyDiffMetric::kDot:
+    case KeyDiffMetric::kEuclidean:
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.keydiff.metric is not a known metric: ", static_cast<int>(keydiff.metric)));
+  }
+  // Written so that NaN fails too.
+  if (!(keydiff.recent_fraction >= 0.0f && keydiff.recent_fraction <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.keydiff.recent_fraction must be in [0, 1], got ", keydiff.recent_fraction));
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<Policy> MakeKeyDiffPolicy(const PolicyConfig& config) {
+  return std::make_unique<KeyDiffPolicy>(config);
+}
+
+}  // namespace kvs

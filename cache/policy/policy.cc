@@ -1,0 +1,187 @@
+#include "cache/policy/policy.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "cache/policy/keydiff.h"
+#include "cache/policy/streaming_llm.h"
+#include "gpu/base/status_macros.h"
+
+namespace kvs {
+namespace {
+
+// Marks in `forced` (n entries) the slots holding the `sinks` lowest and the `recent` highest of
+// the n distinct `positions`. O(n): two partial selections on a copy.
+void MarkProtected(const int32_t* positions, int32_t n, int32_t sinks, int32_t recent,
+                   std::vector<int32_t>& scratch, uint8_t* forced) {
+  if (int64_t{sinks} + recent >= n) {
+    std::fill(forced, forced + n, uint8_t{1});
+    return;
+  }
+  scratch.assign(positions, positions + n);
+  // Positions are distinct, so "at or below the sinks-th smallest" is exactly `sinks` slots.
+  int32_t sink_limit = -1;
+  if (sinks > 0) {
+    std::nth_element(scratch.begin(), scratch.begin() + (sinks - 1), scratch.end());
+    sink_limit = scratch[sinks - 1];
+  }
+  int32_t recent_limit = 0;
+  if (recent > 0) {
+    // After the first partition everything from index `sinks` on is above the sinks.
+    std::nth_element(scratch.begin() + sinks, scratch.begin() + (n - recent), scratch.end());
+    recent_limit = scratch[n - recent];
+  }
+  for (int32_t s = 0; s < n; ++s) {
+    const bool sink = sinks > 0 && positions[s] <= sink_limit;
+    const bool fresh = recent > 0 && positions[s] >= recent_limit;
+    forced[s] = (sink || fresh) ? 1 : 0;
+  }
+}
+
+absl::Status CheckSelection(const LayerSelection& layer) {
+  const int64_t heads = layer.keys.num_kv_heads;
+  const int64_t count = layer.keys.count;
+  if (heads < 1 || count < 0 || layer.keep < 0 || layer.keep > count ||
+      static_cast<int64_t>(layer.positions.size()) != heads * count ||
+      static_cast<int64_t>(layer.kept.size()) != heads * layer.keep) {
+    return absl::InternalError(absl::StrCat("malformed selection for layer ", layer.layer,
+                                            ": heads ", heads, ", count ", count, ", keep ",
+                                            layer.keep, ", positions ", layer.positions.size(),
+                                            ", kept ", layer.kept.size()));
+  }
+  return absl::OkStatus();
+}
+
+// Name -> maker; a null maker marks a contract policy a later build implements.
+using Maker = std::unique_ptr<Policy> (*)(const PolicyConfig&);
+struct Entry {
+  const char* name;
+  absl::Status (*resolve)(PolicyConfig&);  // validates and fills defaults; null = nothing to do
+  Maker make;
+};
+
+const Entry kRegistry[] = {
+    {kPolicyStreamingLlm, &ResolveStreamingLlmConfig, &MakeStreamingLlmPolicy},
+    {kPolicyKeyDiff, &ResolveKeyDiffConfig, &MakeKeyDiffPolicy},
+    {"h2o", nullptr, nullptr},
+    {"tova", nullptr, nullptr},
+    {"snapkv", nullptr, nullptr},
+    {"cake", nullptr, nullptr},
+    {"d2o", nullptr, nullptr},
+    {"caote", nullptr, nullptr},
+    {"omnikv", nullptr, nullptr},
+};
+
+absl::StatusOr<const Entry*> FindEntry(const std::string& name) {
+  for (const Entry& entry : kRegistry) {
+    if (name == entry.name) {
+      if (entry.make == nullptr) {
+        return absl::UnimplementedError(
+            absl::StrCat("policy.name \"", name, "\" is not implemented in this build"));
+      }
+      return &entry;
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("policy.name \"", name,
+                   "\" is unknown; known policies: ", absl::StrJoin(KnownPolicyNames(), ", ")));
+}
+
+}  // namespace
+
+void Policy::AllocateLayers(int32_t budget, absl::Span<const int32_t> counts,
+                            absl::Span<int32_t> keep) const {
+  for (size_t i = 0; i < counts.size() && i < keep.size(); ++i) {
+    keep[i] = std::min(budget, counts[i]);
+  }
+}
+
+absl::Status ScoredPolicy::Select(Backend& backend, absl::Span<const LayerSelection> layers) const {
+  std::vector<LayerSelection> active;
+  for (const LayerSelection& layer : layers) {
+    KVS_RETURN_IF_ERROR(CheckSelection(layer));
+    const int32_t count = layer.keys.count;
+    if (layer.keep == count) {  // nothing to choose: keep every slot
+      for (int32_t h = 0; h < layer.keys.num_kv_heads; ++h) {
+        std::iota(layer.kept.begin() + int64_t{h} * count,
+                  layer.kept.begin() + int64_t{h + 1} * count, 0);
+      }
+    } else if (layer.keep > 0) {
+      active.push_back(layer);
+    }
+  }
+  if (active.empty()) return absl::OkStatus();
+
+  // One zeroed buffer for every active layer's scores, another for the forced masks.
+  std::vector<size_t> offsets(active.size() + 1, 0);
+  for (size_t i = 0; i < active.size(); ++i) {
+    offsets[i + 1] = offsets[i] + active[i].positions.size();
+  }
+  std::vector<float> scores(offsets.back(), 0.0f);
+  std::vector<float*> score_ptrs(active.size());
+  for (size_t i = 0; i < active.size(); ++i) score_ptrs[i] = scores.data() + offsets[i];
+  KVS_RETURN_IF_ERROR(Score(backend, active, score_ptrs));
+
+  std::vector<uint8_t> forced;
+  std::vector<int32_t> scratch;
+  std::vector<TopKJob> jobs(active.size());
+  for (size_t i = 0; i < active.size(); ++i) {
+    const LayerSelection& layer = active[i];
+    const int32_t heads = layer.keys.num_kv_heads;
+    const int32_t count = layer.keys.count;
+    const Protection protection = Protect(layer.keep);
+    if (protection.sinks < 0 || protection.recent < 0 ||
+        int64_t{protection.sinks} + protection.recent > layer.keep) {
+      return absl::InternalError(absl::StrCat("policy ", config().name, " protects ",
+                                              protection.sinks, " + ", protection.recent,
+                                              " tokens of ", layer.keep));
+    }
+    TopKJob& job = jobs[i];
+    job.scores = score_ptrs[i];
+    job.positions = layer.positions.data();
+    job.rows = heads;
+    job.n = count;
+    job.k = layer.keep;
+    job.kept = layer.kept.data();
+    if (protection.sinks + protection.recent > 0) {
+      if (forced.empty()) forced.resize(offsets.back());
+      uint8_t* mask = forced.data() + offsets[i];
+      for (int32_t h = 0; h < heads; ++h) {
+        MarkProtected(layer.positions.data() + int64_t{h} * count, count, protection.sinks,
+                      protection.recent, scratch, mask + int64_t{h} * count);
+      }
+      job.forced = mask;
+    }
+  }
+  // `forced` may have been allocated after some jobs were filled: it is sized once, before the
+  // first mask is written, so the pointers taken above stay valid.
+  KVS_RETURN_IF_ERROR(backend.TopK(jobs, nullptr));
+  return backend.Synchronize(nullptr);
+}
+
+const std::vector<std::string>& KnownPolicyNames() {
+  static const auto* const names = [] {
+    auto* list = new std::vector<std::string>;
+    for (const Entry& entry : kRegistry) list->push_back(entry.name);
+    return list;
+  }();
+  return *names;
+}
+
+absl::StatusOr<PolicyConfig> ResolvePolicyConfig(const PolicyConfig& config) {
+  KVS_ASSIGN_OR_RETURN(const Entry* entry, FindEntry(config.name));
+  PolicyConfig resolved = config;
+  if (entry->resolve != nullptr) KVS_RETURN_IF_ERROR(entry->resolve(resolved));
+  return resolved;
+}
+
+absl::StatusOr<std::unique_ptr<Policy>> MakePolicy(const PolicyConfig& config) {
+  KVS_ASSIGN_OR_RETURN(const Entry* entry, FindEntry(config.name));
+  PolicyConfig resolved = config;
+  if (entry->resolve != nullptr) KVS_RETURN_IF_ERROR(entry->resolve(resolved));
+  return entry->make(resolved);
+}
+
+}  // namespace kvs

@@ -1,0 +1,34 @@
+#include "cache/policy/streaming_llm.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvs {
+
+ScoredPolicy::Protection StreamingLlmPolicy::Protect(int32_t keep) const {
+  // Everything kept is protected: the sinks, then the newest positions for the rest.
+  const int32_t sinks = std::min(config().streaming_llm.n_sink, keep);
+  return Protection{sinks, keep - sinks};
+}
+
+absl::Status StreamingLlmPolicy::Score(Backend&, absl::Span<const LayerSelection>,
+                                       absl::Span<float* const>) const {
+  return absl::OkStatus();  // position-only: the forced set is the whole choice
+}
+
+absl::Status ResolveStreamingLlmConfig(PolicyConfig& config) {
+  int32_t& n_sink = config.streaming_llm.n_sink;
+  if (n_sink < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.streaming_llm.n_sink must be >= 0, got ", n_sink));
+  }
+  if (n_sink == 0) n_sink = kDefaultStreamingLlmSinks;  // zero values mean the spec's default
+  return absl::OkStatus();
+}
+
+std::unique_ptr<Policy> MakeStreamingLlmPolicy(const PolicyConfig& config) {
+  return std::make_unique<StreamingLlmPolicy>(config);
+}
+
+}  // namespace kvs

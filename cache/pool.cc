@@ -1,0 +1,563 @@
+#include "cache/pool.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "cache/block_allocator.h"
+#include "cache/policy/policy.h"
+#include "cache/sequence.h"
+#include "gpu/base/checked_math.h"
+#include "gpu/base/status_macros.h"
+
+namespace kvs {
+namespace {
+// Debian's Abseil is built with its own string_view type, distinct from std::string_view.
+absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+}  // namespace
+
+// One attached worker: its arena cut into blocks, its sequences, its lease. Identity fields are
+// immutable; the lease lives in atomics so the reaper can read it without waiting for a session
+// that is busy compressing; everything else is guarded by `mu`.
+class Session {
+ public:
+  Session(std::string id, const AttachParams& params, std::unique_ptr<Arena> arena,
+          int32_t num_blocks, absl::Duration lease, absl::Time now)
+      : id(std::move(id)),
+        tenant(params.tenant),
+        worker_name(params.worker_name),
+        layout(params.layout),
+        arena(std::move(arena)),
+        num_blocks(num_blocks),
+        block_bytes(params.layout.block_bytes()),
+        lease(lease),
+        attached(now),
+        last_heartbeat_ns(absl::ToUnixNanos(now)),
+        lease_expires_ns(absl::ToUnixNanos(now + lease)),
+        allocator(num_blocks) {}
+
+  absl::Time last_heartbeat() const { return absl::FromUnixNanos(last_heartbeat_ns.load()); }
+  absl::Time lease_expires() const { return absl::FromUnixNanos(lease_expires_ns.load()); }
+  uint64_t arena_bytes() const { return arena->size_bytes(); }
+
+  SessionView View() const {
+    SessionView view;
+    view.session_id = id;
+    view.layout = layout;
+    view.arena = arena->handle();
+    view.num_blocks = num_blocks;
+    view.block_bytes = block_bytes;
+    view.lease = lease;
+    view.lease_expires = lease_expires();
+    return view;
+  }
+
+  const std::string id;
+  const std::string tenant;
+  const std::string worker_name;
+  const ModelLayout layout;
+  const std::unique_ptr<Arena> arena;
+  const int32_t num_blocks;
+  const uint64_t block_bytes;
+  const absl::Duration lease;
+  const absl::Time attached;
+  std::atomic<int64_t> last_heartbeat_ns;
+  std::atomic<int64_t> lease_expires_ns;
+
+  absl::Mutex mu;
+  BlockAllocator allocator ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences ABSL_GUARDED_BY(mu);
+  bool dead ABSL_GUARDED_BY(mu) = false;  // detached or reclaimed; holders of a stale pointer
+  uint64_t next_reservation_id ABSL_GUARDED_BY(mu) = 1;
+};
+
+namespace {
+
+constexpr size_t kMaxSequenceIdLength = 128;
+constexpr size_t kMaxTenantLength = 256;
+constexpr size_t kMaxWorkerNameLength = 256;
+
+std::string RandomHex(int chars) {
+  thread_local absl::BitGen gen;
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out(chars, '0');
+  for (char& c : out) c = kDigits[absl::Uniform<int>(gen, 0, 16)];
+  return out;
+}
+
+bool IsSequenceIdChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+         c == '_' || c == ':' || c == '-';
+}
+
+absl::Status ValidateSequenceId(std::string_view id) {
+  bool ok = !id.empty() && id.size() <= kMaxSequenceIdLength;
+  for (size_t i = 0; ok && i < id.size(); ++i) ok = IsSequenceIdChar(id[i]);
+  if (ok) return absl::OkStatus();
+  // Echo a bounded, printable prefix only.
+  std::string shown;
+  for (size_t i = 0; i < id.size() && i < 40; ++i) {
+    shown.push_back(IsSequenceIdChar(id[i]) ? id[i] : '?');
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("sequence_id must match [A-Za-z0-9._:-]{1,", kMaxSequenceIdLength, "}, got \"",
+                   shown, id.size() > 40 ? "..." : "", "\" (", id.size(), " bytes)"));
+}
+
+absl::Status SessionGone(std::string_view session_id) {
+  return absl::NotFoundError(absl::StrCat("session ", Sv(session_id), " not found"));
+}
+
+// Runs fn(sequence, env) under the session lock, or NOT_FOUND for a dead session or an unknown
+// sequence. `clock` stamps the sequence's last use.
+template <typename Fn>
+auto WithSequence(Session& session, std::string_view sequence_id, Backend& backend,
+                  const Clock& clock, const PoolOptions& options,
+                  std::atomic<int64_t>* tokens_appended, std::atomic<int64_t>* tokens_evicted,
+                  Fn&& fn)
+    -> decltype(fn(std::declval<Sequence&>(), std::declval<const SequenceEnv&>(), session)) {
+  absl::MutexLock lock(&session.mu);
+  if (session.dead) return SessionGone(session.id);
+  auto it = session.sequences.find(Sv(sequence_id));
+  if (it == session.sequences.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("sequence ", Sv(sequence_id), " not found in session ", session.id));
+  }
+  const SequenceEnv env{session.layout,  *session.arena, session.allocator,
+                        backend,         session.id,     options.max_tokens_per_call,
+                        tokens_appended, tokens_evicted};
+  it->second->Touch(clock.Now());
+  return fn(*it->second, env, session);
+}
+
+}  // namespace
+
+KvPool::KvPool(Backend* backend, const Clock* clock, PoolOptions options)
+    : backend_(backend), clock_(clock), options_(std::move(options)) {}
+
+KvPool::~KvPool() {
+  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions;
+  {
+    absl::MutexLock lock(&mu_);
+    sessions.swap(sessions_);
+    arena_bytes_reserved_ = 0;
+  }
+  for (auto& [id, session] : sessions) DestroySession(session);
+}
+
+absl::StatusOr<std::shared_ptr<Session>> KvPool::FindSession(std::string_view session_id) const {
+  std::shared_ptr<Session> session;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto it = sessions_.find(Sv(session_id));
+    if (it == sessions_.end()) return SessionGone(session_id);
+    session = it->second;
+  }
+  // A lapsed lease ends the session even before the reaper gets to it.
+  if (session->lease_expires() <= clock_->Now()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", Sv(session_id), " not found (lease expired)"));
+  }
+  return session;
+}
+
+ReleaseCounts KvPool::DestroySession(std::shared_ptr<Session> session) {
+  ReleaseCounts counts;
+  absl::MutexLock lock(&session->mu);
+  if (session->dead) return counts;
+  session->dead = true;
+  const SequenceEnv env{session->layout, *session->arena, session->allocator,
+                        *backend_,       session->id,     options_.max_tokens_per_call};
+  for (auto& [id, sequence] : session->sequences) {
+    counts.blocks += sequence->Release(env);
+    ++counts.sequences;
+  }
+  session->sequences.clear();
+  return counts;
+}
+
+absl::StatusOr<SessionView> KvPool::Attach(const AttachParams& params) {
+  AttachParams resolved = params;
+  if (resolved.layout.block_tokens == 0) resolved.layout.block_tokens = kDefaultBlockTokens;
+  KVS_RETURN_IF_ERROR(resolved.layout.Validate("layout."));
+  if (resolved.tenant.empty()) resolved.tenant = "default";
+  if (resolved.tenant.size() > kMaxTenantLength) {
+    return absl::InvalidArgumentError(absl::StrCat("tenant must be at most ", kMaxTenantLength,
+                                                   " bytes, got ", resolved.tenant.size()));
+  }
+  if (resolved.worker_name.size() > kMaxWorkerNameLength) {
+    return absl::InvalidArgumentError(absl::StrCat("worker_name must be at most ",
+                                                   kMaxWorkerNameLength, " bytes, got ",
+                                                   resolved.worker_name.size()));
+  }
+  const uint64_t block_bytes = resolved.layout.block_bytes();
+  int64_t num_blocks = resolved.num_blocks;
+  if (num_blocks < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_blocks must be >= 0, got ", resolved.num_blocks));
+  }
+  if (num_blocks == 0) {
+    num_blocks = static_cast<int64_t>(std::min<uint64_t>(
+        options_.default_session_bytes / block_bytes, std::numeric_limits<int32_t>::max()));
+    num_blocks = std::max<int64_t>(num_blocks, 1);
+  }
+  const std::optional<uint64_t> arena_bytes =
+      CheckedProduct({num_blocks, static_cast<int64_t>(block_bytes)});
+  if (!arena_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_blocks ", num_blocks, " * block_bytes ", block_bytes, " overflows"));
+  }
+  absl::Duration lease = resolved.lease;
+  if (lease == absl::ZeroDuration()) lease = options_.default_lease;
+  if (lease < options_.min_lease || lease > options_.max_lease) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lease_ms must be in [", absl::ToInt64Milliseconds(options_.min_lease), ", ",
+                     absl::ToInt64Milliseconds(options_.max_lease), "], got ",
+                     absl::ToInt64Milliseconds(resolved.lease)));
+  }
+
+  // Claim the capacity first, create the arena without the lock, give the claim back on failure.
+  {
+    absl::MutexLock lock(&mu_);
+    const uint64_t free_bytes = options_.arena_capacity_bytes -
+                                std::min(arena_bytes_reserved_, options_.arena_capacity_bytes);
+    if (*arena_bytes > free_bytes) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("pool has ", free_bytes, " of ", options_.arena_capacity_bytes,
+                       " arena bytes free, the session needs ", *arena_bytes, " (num_blocks ",
+                       num_blocks, " * block_bytes ", block_bytes, ")"));
+    }
+    arena_bytes_reserved_ += *arena_bytes;
+  }
+  absl::StatusOr<std::unique_ptr<Arena>> arena =
+      backend_->CreateArena(*arena_bytes, options_.arena_options);
+  if (!arena.ok()) {
+    absl::MutexLock lock(&mu_);
+    arena_bytes_reserved_ -= *arena_bytes;
+    return arena.status();
+  }
+  absl::MutexLock lock(&mu_);
+  std::string id;
+  do {
+    id = RandomHex(32);
+  } while (sessions_.contains(id));
+  auto session = std::make_shared<Session>(id, resolved, *std::move(arena),
+                                           static_cast<int32_t>(num_blocks), lease, clock_->Now());
+  sessions_.emplace(id, session);
+  return session->View();
+}
+
+absl::StatusOr<absl::Time> KvPool::Heartbeat(std::string_view session_id) {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  const absl::Time now = clock_->Now();
+  const absl::Time expires = now + session->lease;
+  session->last_heartbeat_ns = absl::ToUnixNanos(now);
+  session->lease_expires_ns = absl::ToUnixNanos(expires);
+  return expires;
+}
+
+absl::StatusOr<ReleaseCounts> KvPool::Detach(std::string_view session_id) {
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(Sv(session_id));
+    if (it == sessions_.end()) return SessionGone(session_id);
+    session = std::move(it->second);
+    sessions_.erase(it);
+    arena_bytes_reserved_ -= session->arena_bytes();
+  }
+  return DestroySession(std::move(session));
+}
+
+int KvPool::ReapExpired() {
+  std::vector<std::shared_ptr<Session>> expired;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = clock_->Now();
+    for (auto it = sessions_.begin(); it != sessions_.end();) {
+      if (it->second->lease_expires() <= now) {
+        arena_bytes_reserved_ -= it->second->arena_bytes();
+        expired.push_back(std::move(it->second));
+        sessions_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+    sessions_reclaimed_ += static_cast<int64_t>(expired.size());
+  }
+  for (std::shared_ptr<Session>& session : expired) DestroySession(std::move(session));
+  return static_cast<int>(expired.size());
+}
+
+absl::StatusOr<ReleaseCounts> KvPool::Reclaim(std::string_view session_id) {
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(Sv(session_id));
+    if (it == sessions_.end()) return SessionGone(session_id);
+    session = std::move(it->second);
+    sessions_.erase(it);
+    arena_bytes_reserved_ -= session->arena_bytes();
+    ++sessions_reclaimed_;
+  }
+  return DestroySession(std::move(session));
+}
+
+absl::StatusOr<SessionView> KvPool::GetSession(std::string_view session_id) const {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  return session->View();
+}
+
+absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_id,
+                                                       const SequenceParams& params) {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  if (params.retain_evicted) {
+    return absl::UnimplementedError(
+        "retain_evicted needs the host tier, which this build does not have");
+  }
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy,
+                       MakePolicy(params.policy.value_or(options_.default_policy)));
+
+  BudgetConfig budget = params.budget.value_or(options_.default_budget);
+  const int64_t per_layer_capacity =
+      int64_t{session->num_blocks / session->layout.num_layers} * session->layout.block_tokens;
+  if (budget.tokens_per_layer < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget.tokens_per_layer must be >= 1, got ", budget.tokens_per_layer));
+  }
+  if (budget.tokens_per_layer > per_layer_capacity) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "budget.tokens_per_layer must be <= ", per_layer_capacity,
+        " (the tokens per layer the session's arena holds), got ", budget.tokens_per_layer));
+  }
+  if (budget.prefill_block_tokens == 0)
+    budget.prefill_block_tokens = BudgetConfig{}.prefill_block_tokens;
+  if (budget.prefill_block_tokens < 1 ||
+      budget.prefill_block_tokens > options_.max_tokens_per_call) {
+    return absl::InvalidArgumentError(absl::StrCat("budget.prefill_block_tokens must be in [1, ",
+                                                   options_.max_tokens_per_call, "], got ",
+                                                   budget.prefill_block_tokens));
+  }
+  if (budget.strict) {
+    if (budget.tokens_per_layer == 0) {
+      return absl::InvalidArgumentError(
+          "budget.tokens_per_layer must be >= 1 for a strict budget, got 0");
+    }
+    if (int64_t{budget.tokens_per_layer} + budget.prefill_block_tokens > per_layer_capacity) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "budget.prefill_block_tokens ", budget.prefill_block_tokens,
+          " + budget.tokens_per_layer ", budget.tokens_per_layer,
+          " must be <= ", per_layer_capacity, " (the tokens per layer the session's arena holds)"));
+    }
+  }
+  if (!params.sequence_id.empty()) KVS_RETURN_IF_ERROR(ValidateSequenceId(params.sequence_id));
+
+  absl::MutexLock lock(&session->mu);
+  if (session->dead) return SessionGone(session_id);
+  if (!params.sequence_id.empty() && session->sequences.contains(params.sequence_id)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence_id ", params.sequence_id,
+                                                 " already exists in session ", Sv(session_id)));
+  }
+  if (session->sequences.size() >= static_cast<size_t>(options_.max_sequences_per_session)) {
+    return absl::ResourceExhaustedError(absl::StrCat("session ", Sv(session_id), " already holds ",
+                                                     session->sequences.size(),
+                                                     " sequences, the most it may"));
+  }
+  std::string id = params.sequence_id;
+  while (id.empty() || session->sequences.contains(id)) id = RandomHex(16);
+  SequenceCreated created;
+  created.sequence_id = id;
+  created.policy = policy->config();
+  created.budget = budget;
+  session->sequences.emplace(id, std::make_unique<Sequence>(id, session->layout, std::move(policy),
+                                                            budget, clock_->Now()));
+  return created;
+}
+
+absl::StatusOr<ReleaseCounts> KvPool::ReleaseSequence(std::string_view session_id,
+                                                      std::string_view sequence_id) {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  absl::MutexLock lock(&session->mu);
+  if (session->dead) return SessionGone(session_id);
+  auto it = session->sequences.find(Sv(sequence_id));
+  if (it == session->sequences.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("sequence ", Sv(sequence_id), " not found in session ", Sv(session_id)));
+  }
+  const SequenceEnv env{session->layout, *session->arena, session->allocator,
+                        *backend_,       session->id,     options_.max_tokens_per_call};
+  ReleaseCounts counts;
+  counts.sequences = 1;
+  counts.blocks = it->second->Release(env);
+  session->sequences.erase(it);
+  return counts;
+}
+
+absl::StatusOr<Reservation> KvPool::Reserve(std::string_view session_id,
+                                            std::string_view sequence_id, int32_t num_tokens,
+                                            absl::Span<const int32_t> positions,
+                                            absl::Span<const int32_t> layers) {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  return WithSequence(
+      *session, sequence_id, *backend_, *clock_, options_, &tokens_appended_, &tokens_evicted_,
+      [&](Sequence& sequence, const SequenceEnv& env, Session& s)
+          ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) -> absl::StatusOr<Reservation> {
+            absl::StatusOr<Reservation> reservation =
+                sequence.Reserve(env, s.next_reservation_id, num_tokens, positions, layers);
+            if (reservation.ok()) ++s.next_reservation_id;
+            return reservation;
+          });
+}
+
+absl::Status KvPool::CancelReservation(std::string_view session_id, std::string_view sequence_id,
+                                       uint64_t reservation_id) {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  return WithSequence(*session, sequence_id, *backend_, *clock_, options_, &tokens_appended_,
+                      &tokens_evicted_, [&](Sequence& sequence, const SequenceEnv& env, Session&) {
+                        return sequence.Cancel(env, reservation_id);
+                      });
+}
+
+absl::Status KvPool::WriteReserved(std::string_view session_id, std::string_view sequence_id,
+                                   uint64_t reservation_id, uint64_t payload_offset,
+                                   absl::Span<const uint8_t> bytes) {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  return WithSequence(*session, sequence_id, *backend_, *clock_, options_, &tokens_appended_,
+                      &tokens_evicted_, [&](Sequence& sequence, const SequenceEnv& env, Session&) {
+                        return sequence.WriteReserved(env, reservation_id, payload_offset, bytes);
+                      });
+}
+
+absl::StatusOr<CommitResult> KvPool::Commit(std::string_view session_id,
+                                            std::string_view sequence_id, uint64_t reservation_id,
+                                            bool compress_if_over_budget) {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  return WithSequence(*session, sequence_id, *backend_, *clock_, options_, &tokens_appended_,
+                      &tokens_evicted_, [&](Sequence& sequence, const SequenceEnv& env, Session&) {
+                        return sequence.Commit(env, reservation_id, compress_if_over_budget);
+                      });
+}
+
+absl::StatusOr<CompressResult> KvPool::Compress(std::string_view session_id,
+                                                std::string_view sequence_id,
+                                                const CompressParams& params) {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  return WithSequence(*session, sequence_id, *backend_, *clock_, options_, &tokens_appended_,
+                      &tokens_evicted_, [&](Sequence& sequence, const SequenceEnv& env, Session&) {
+                        return sequence.Compress(env, params);
+                      });
+}
+
+absl::StatusOr<SequenceLayout> KvPool::GetLayout(std::string_view session_id,
+                                                 std::string_view sequence_id,
+                                                 absl::Span<const int32_t> layers,
+                                                 bool with_positions) const {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  return WithSequence(*session, sequence_id, *backend_, *clock_, options_, nullptr, nullptr,
+                      [&](Sequence& sequence, const SequenceEnv& env, Session&) {
+                        return sequence.GetLayout(env, layers, with_positions);
+                      });
+}
+
+absl::Status KvPool::ReadExport(std::string_view session_id, std::string_view sequence_id,
+                                absl::Span<const int32_t> layers, uint64_t version,
+                                uint64_t payload_offset, absl::Span<uint8_t> out) const {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  return WithSequence(*session, sequence_id, *backend_, *clock_, options_, nullptr, nullptr,
+                      [&](Sequence& sequence, const SequenceEnv& env, Session&) {
+                        return sequence.ReadExport(env, layers, version, payload_offset, out);
+                      });
+}
+
+PoolStats KvPool::GetStats() const {
+  PoolStats stats;
+  std::vector<std::shared_ptr<Session>> sessions;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    stats.sessions = static_cast<int32_t>(sessions_.size());
+    stats.arena_bytes_capacity = options_.arena_capacity_bytes;
+    stats.arena_bytes_reserved = arena_bytes_reserved_;
+    stats.sessions_reclaimed = sessions_reclaimed_;
+    for (const auto& [id, session] : sessions_) sessions.push_back(session);
+  }
+  for (const std::shared_ptr<Session>& session : sessions) {
+    absl::MutexLock lock(&session->mu);
+    if (session->dead) continue;
+    stats.sequences += static_cast<int32_t>(session->sequences.size());
+    stats.arena_bytes_used +=
+        static_cast<uint64_t>(session->allocator.used_blocks()) * session->block_bytes;
+  }
+  stats.tokens_appended = tokens_appended_.load();
+  stats.tokens_evicted = tokens_evicted_.load();
+  return stats;
+}
+
+std::vector<SessionInfo> KvPool::ListSessions() const {
+  std::vector<std::shared_ptr<Session>> sessions;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (const auto& [id, session] : sessions_) sessions.push_back(session);
+  }
+  std::vector<SessionInfo> result;
+  result.reserve(sessions.size());
+  for (const std::shared_ptr<Session>& session : sessions) {
+    SessionInfo info;
+    info.session_id = session->id;
+    info.tenant = session->tenant;
+    info.worker_name = session->worker_name;
+    info.layout = session->layout;
+    info.num_blocks = session->num_blocks;
+    info.attached = session->attached;
+    info.last_heartbeat = session->last_heartbeat();
+    info.lease_expires = session->lease_expires();
+    {
+      absl::MutexLock lock(&session->mu);
+      if (session->dead) continue;
+      info.free_blocks = session->allocator.free_blocks();
+      info.sequences = static_cast<int32_t>(session->sequences.size());
+    }
+    result.push_back(std::move(info));
+  }
+  std::sort(result.begin(), result.end(), [](const SessionInfo& a, const SessionInfo& b) {
+    return a.attached != b.attached ? a.attached < b.attached : a.session_id < b.session_id;
+  });
+  return result;
+}
+
+std::vector<SequenceInfo> KvPool::ListSequences(std::string_view session_id) const {
+  std::vector<std::shared_ptr<Session>> sessions;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (session_id.empty()) {
+      for (const auto& [id, session] : sessions_) sessions.push_back(session);
+    } else if (auto it = sessions_.find(Sv(session_id)); it != sessions_.end()) {
+      sessions.push_back(it->second);
+    }
+  }
+  std::vector<SequenceInfo> result;
+  for (const std::shared_ptr<Session>& session : sessions) {
+    absl::MutexLock lock(&session->mu);
+    if (session->dead) continue;
+    for (const auto& [id, sequence] : session->sequences) {
+      SequenceInfo info;
+      info.session_id = session->id;
+      info.sequence_id = id;
+      info.tenant = session->tenant;
+      info.policy = sequence->policy_config();
+      info.budget = sequence->budget();
+      info.tokens_per_layer = sequence->counts();
+      info.arena_bytes = static_cast<uint64_t>(sequence->blocks_held()) * session->block_bytes;
+      info.created = sequence->created();
+      info.last_used = sequence->last_used();
+      result.push_back(std::move(info));
+    }
+  }
+  std::sort(result.begin(), result.end(), [](const SequenceInfo& a, const SequenceInfo& b) {
+    return std::tie(a.session_id, a.sequence_id) < std::tie(b.session_id, b.sequence_id);
+  });
+  return result;
+}
+
+}  // namespace kvs

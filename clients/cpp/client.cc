@@ -1,0 +1,785 @@
+#include "kvsidecar/client.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gpu/base/checked_math.h"
+#include "gpu/base/status_macros.h"
+
+namespace kvsidecar {
+namespace {
+
+// Caps the up-front reservation of an Export buffer so that a bogus header cannot make the client
+// allocate more than it will actually receive; the buffer still grows to the real size.
+constexpr uint64_t kMaxExportReserve = uint64_t{256} << 20;
+
+std::shared_ptr<grpc::Channel> OpenChannel(const std::string& target,
+                                           const ClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  args.SetMaxSendMessageSize(-1);
+  auto credentials = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
+  return grpc::CreateCustomChannel(target, credentials, args);
+}
+
+absl::Status WaitReady(const std::shared_ptr<grpc::Channel>& channel, const std::string& target,
+                       absl::Duration timeout) {
+  if (timeout <= absl::ZeroDuration()) return absl::OkStatus();
+  if (timeout == absl::InfiniteDuration()) timeout = absl::Hours(24 * 365);
+  if (channel->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(
+      absl::StrCat("could not connect to ", target, " within ", absl::FormatDuration(timeout)));
+}
+
+void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
+  if (timeout <= absl::ZeroDuration() || timeout == absl::InfiniteDuration()) return;
+  context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+// One unary call with the client's deadline, the gRPC status converted at this edge.
+template <typename StubT, typename Request, typename Response>
+absl::StatusOr<Response> Unary(StubT* stub,
+                               grpc::Status (StubT::*method)(grpc::ClientContext*, const Request&,
+                                                             Response*),
+                               const Request& request, absl::Duration timeout) {
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout);
+  Response response;
+  grpc::Status status = (stub->*method)(&context, request, &response);
+  if (!status.ok()) return ToStatus(status);
+  return response;
+}
+
+}  // namespace
+
+absl::Status ToStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+int DTypeBytes(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT16:
+    case v1::DTYPE_BFLOAT16:
+      return 2;
+    case v1::DTYPE_FLOAT32:
+      return 4;
+    default:
+      return 0;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ArenaGeometry, Reservation, ExportResult
+
+absl::StatusOr<uint8_t*> ArenaGeometry::Row(int64_t block, int kv, int head, int in_block) const {
+  if (base == nullptr) return absl::FailedPreconditionError("the arena is not mapped");
+  if (block < 0 || block >= num_blocks) {
+    return absl::OutOfRangeError(
+        absl::StrCat("block ", block, " is outside the arena of ", num_blocks, " blocks"));
+  }
+  if (kv != 0 && kv != 1) return absl::OutOfRangeError(absl::StrCat("kv must be 0 or 1, got ", kv));
+  if (head < 0 || head >= num_kv_heads) {
+    return absl::OutOfRangeError(
+        absl::StrCat("head must be in [0, ", num_kv_heads, "), got ", head));
+  }
+  if (in_block < 0 || in_block >= block_tokens) {
+    return absl::OutOfRangeError(
+        absl::StrCat("in-block slot must be in [0, ", block_tokens, "), got ", in_block));
+  }
+  const auto block_start = kvs::CheckedProduct({block, static_cast<int64_t>(block_bytes)});
+  const auto row_index =
+      kvs::CheckedProduct({(int64_t{kv} * num_kv_heads + head) * block_tokens + in_block,
+                           static_cast<int64_t>(row_bytes())});
+  if (!block_start || !row_index) return absl::OutOfRangeError("row offset overflows");
+  const auto offset = kvs::CheckedAdd(*block_start, *row_index);
+  const auto end = offset ? kvs::CheckedAdd(*offset, row_bytes()) : std::nullopt;
+  if (!end || *end > size_bytes) {
+    return absl::OutOfRangeError(absl::StrCat("row of block ", block, " lies outside the ",
+                                              size_bytes, "-byte arena mapping"));
+  }
+  return base + *offset;
+}
+
+Reservation::Reservation(std::string sequence_id, v1::ReserveResponse response,
+                         ArenaGeometry geometry)
+    : sequence_id_(std::move(sequence_id)), response_(std::move(response)), geometry_(geometry) {}
+
+const v1::LayerSlots* Reservation::FindLayer(int layer) const {
+  // The server lists layers in layer order, so the index usually matches.
+  if (layer >= 0 && layer < response_.layers_size() && response_.layers(layer).layer() == layer) {
+    return &response_.layers(layer);
+  }
+  for (const v1::LayerSlots& slots : response_.layers()) {
+    if (slots.layer() == layer) return &slots;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<uint8_t*> Reservation::RowPointer(int layer, int kv, int head, int token_i) const {
+  if (token_i < 0 || token_i >= num_tokens()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("token_i must be in [0, ", num_tokens(), "), got ", token_i));
+  }
+  const v1::LayerSlots* slots = FindLayer(layer);
+  if (slots == nullptr) {
+    return absl::OutOfRangeError(absl::StrCat("layer ", layer, " is not in the reservation"));
+  }
+  const int64_t bt = geometry_.block_tokens;
+  if (bt <= 0) return absl::FailedPreconditionError("the arena is not mapped");
+  const int64_t slot = int64_t{slots->first_slot()} + token_i;
+  const int64_t index = slot / bt - int64_t{slots->first_slot()} / bt;
+  if (slots->first_slot() < 0 || index < 0 || index >= slots->blocks_size()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("the reservation has no block for slot ", slot, " of layer ", layer));
+  }
+  return geometry_.Row(slots->blocks(static_cast<int>(index)), kv, head,
+                       static_cast<int>(slot % bt));
+}
+
+const v1::LayerLayout* ExportResult::FindLayer(int layer) const {
+  for (const v1::LayerLayout& entry : header.layers()) {
+    if (entry.layer() == layer) return &entry;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<absl::Span<const uint8_t>> ExportResult::Row(int layer_index, int kv, int head,
+                                                            int slot) const {
+  if (layer_index < 0 || layer_index >= header.layers_size()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("layer_index must be in [0, ", header.layers_size(), "), got ", layer_index));
+  }
+  const v1::ModelLayout& layout = header.layout();
+  const int64_t heads = layout.num_kv_heads();
+  const uint64_t row_bytes =
+      static_cast<uint64_t>(std::max(layout.head_dim(), 0)) * DTypeBytes(layout.dtype());
+  if (kv != 0 && kv != 1) return absl::OutOfRangeError(absl::StrCat("kv must be 0 or 1, got ", kv));
+  if (head < 0 || head >= heads) {
+    return absl::OutOfRangeError(absl::StrCat("head must be in [0, ", heads, "), got ", head));
+  }
+  const int64_t count = header.layers(layer_index).count();
+  if (slot < 0 || slot >= count) {
+    return absl::OutOfRangeError(absl::StrCat("slot must be in [0, ", count, "), got ", slot));
+  }
+  uint64_t offset = 0;
+  for (int i = 0; i < layer_index; ++i) {
+    const auto layer_bytes = kvs::CheckedProduct(
+        {2, heads, int64_t{header.layers(i).count()}, static_cast<int64_t>(row_bytes)});
+    const auto next = layer_bytes ? kvs::CheckedAdd(offset, *layer_bytes) : std::nullopt;
+    if (!next) return absl::OutOfRangeError("export payload offset overflows");
+    offset = *next;
+  }
+  const auto in_layer = kvs::CheckedProduct(
+      {(int64_t{kv} * heads + head) * count + slot, static_cast<int64_t>(row_bytes)});
+  const auto start = in_layer ? kvs::CheckedAdd(offset, *in_layer) : std::nullopt;
+  const auto end = start ? kvs::CheckedAdd(*start, row_bytes) : std::nullopt;
+  if (!end || *end > payload.size()) {
+    return absl::OutOfRangeError("row lies outside the export payload");
+  }
+  return absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()) + *start, row_bytes);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Session
+
+Session::Session(std::shared_ptr<grpc::Channel> channel, std::shared_ptr<v1::Sidecar::Stub> stub,
+                 ClientOptions options, v1::AttachResponse attach)
+    : channel_(std::move(channel)),
+      stub_(std::move(stub)),
+      options_(std::move(options)),
+      attach_(std::move(attach)) {}
+
+Session::~Session() {
+  if (!detached_.load()) (void)Detach();
+}
+
+void Session::PrepareContext(grpc::ClientContext* context) const {
+  SetDeadline(context, options_.rpc_timeout);
+}
+
+absl::Status Session::CheckAttached() const {
+  if (detached_.load()) {
+    return absl::FailedPreconditionError(absl::StrCat("session ", session_id(), " is detached"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::Start() {
+  const v1::ArenaHandle& handle = attach_.arena();
+  if (handle.kind() != v1::ArenaHandle::KIND_SHARED_MEMORY_FILE) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("arena.kind ", v1::ArenaHandle::Kind_Name(handle.kind()),
+                     " cannot be mapped by this client: it maps host shared-memory arenas only "
+                     "(KIND_SHARED_MEMORY_FILE)"));
+  }
+  const v1::ModelLayout& layout = attach_.layout();
+  const int dtype_bytes = DTypeBytes(layout.dtype());
+  if (layout.num_kv_heads() <= 0 || layout.block_tokens() <= 0 || layout.head_dim() <= 0 ||
+      dtype_bytes == 0) {
+    return absl::InternalError("the server resolved an invalid layout: " +
+                               layout.ShortDebugString());
+  }
+  const auto block_bytes = kvs::CheckedProduct(
+      {2, layout.num_kv_heads(), layout.block_tokens(), layout.head_dim(), dtype_bytes});
+  if (!block_bytes || *block_bytes != handle.block_bytes()) {
+    return absl::InternalError(
+        absl::StrCat("arena.block_bytes ", handle.block_bytes(), " does not match the layout"));
+  }
+  const auto blocks_bytes =
+      kvs::CheckedProduct({handle.num_blocks(), static_cast<int64_t>(handle.block_bytes())});
+  if (handle.num_blocks() < 0 || !blocks_bytes || *blocks_bytes > handle.size_bytes() ||
+      handle.size_bytes() == 0) {
+    return absl::InternalError(absl::StrCat("arena of ", handle.num_blocks(),
+                                            " blocks does not fit ", "arena.size_bytes ",
+                                            handle.size_bytes()));
+  }
+  if (handle.shm_path().empty()) return absl::InternalError("arena.shm_path is empty");
+
+  const int fd = open(handle.shm_path().c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot open arena ", handle.shm_path(), ": ", std::strerror(errno)));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < handle.size_bytes()) {
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "arena ", handle.shm_path(), " is smaller than arena.size_bytes ", handle.size_bytes()));
+  }
+  void* base = mmap(nullptr, handle.size_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int mmap_errno = errno;
+  close(fd);  // the mapping keeps the memory; the fd is not needed any more
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot map arena ", handle.shm_path(), ": ", std::strerror(mmap_errno)));
+  }
+  geometry_.base = static_cast<uint8_t*>(base);
+  geometry_.size_bytes = handle.size_bytes();
+  geometry_.block_bytes = handle.block_bytes();
+  geometry_.num_blocks = handle.num_blocks();
+  geometry_.num_kv_heads = layout.num_kv_heads();
+  geometry_.block_tokens = layout.block_tokens();
+  geometry_.head_dim = layout.head_dim();
+  geometry_.dtype_bytes = dtype_bytes;
+
+  // The Watch stream ties the session to this process: when it dies, the stream breaks and the
+  // server reclaims the session without waiting for the lease. Wait for the server to bind it so
+  // that a caller that dies right after Attach is still reclaimed promptly.
+  watch_context_ = std::make_unique<grpc::ClientContext>();
+  watch_thread_ = std::thread([this] { WatchLoop(); });
+  {
+    absl::MutexLock lock(&mu_);
+    absl::Duration wait = options_.connect_timeout > absl::ZeroDuration() ? options_.connect_timeout
+                                                                          : absl::Seconds(10);
+    if (wait == absl::InfiniteDuration()) wait = absl::Seconds(60);
+    mu_.AwaitWithTimeout(absl::Condition(&watch_started_), wait);
+  }
+  heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+  return absl::OkStatus();
+}
+
+void Session::WatchLoop() {
+  v1::WatchRequest request;
+  request.set_session_id(session_id());
+  std::unique_ptr<grpc::ClientReader<v1::SessionEvent>> reader =
+      stub_->Watch(watch_context_.get(), request);
+  v1::SessionEvent event;
+  while (reader->Read(&event)) {
+    absl::MutexLock lock(&mu_);
+    if (event.kind() == v1::SessionEvent::KIND_WATCHING) watching_ = true;
+    if (event.kind() == v1::SessionEvent::KIND_DRAINING) draining_.store(true);
+    watch_started_ = true;
+  }
+  const grpc::Status status = reader->Finish();
+  absl::MutexLock lock(&mu_);
+  watch_started_ = true;
+  watching_ = false;
+  // A server without Watch still keeps the session alive through heartbeats.
+  if (!stopping_ && status.error_code() != grpc::StatusCode::UNIMPLEMENTED) {
+    health_ = status.ok() ? absl::UnavailableError("the server ended the Watch stream")
+                          : ToStatus(status);
+  }
+}
+
+void Session::HeartbeatLoop() {
+  const int32_t lease_ms = attach_.lease_ms() > 0 ? attach_.lease_ms() : 10000;
+  const absl::Duration interval =
+      std::max(absl::Milliseconds(lease_ms) / 3, absl::Milliseconds(10));
+  absl::MutexLock lock(&mu_);
+  while (!mu_.AwaitWithTimeout(absl::Condition(&stopping_), interval)) {
+    mu_.Unlock();
+    // A heartbeat that arrives after the lease is useless, so its deadline is the lease.
+    v1::HeartbeatRequest request;
+    request.set_session_id(session_id());
+    auto response = Unary(stub_.get(), &v1::Sidecar::Stub::Heartbeat, request,
+                          std::min(options_.rpc_timeout, absl::Milliseconds(lease_ms)));
+    mu_.Lock();
+    if (!response.ok() && !stopping_) health_ = response.status();
+  }
+}
+
+void Session::StopBackground() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  if (watch_context_) watch_context_->TryCancel();
+  if (watch_thread_.joinable()) watch_thread_.join();
+}
+
+void Session::Unmap() {
+  if (geometry_.base != nullptr) {
+    munmap(geometry_.base, geometry_.size_bytes);
+    geometry_.base = nullptr;
+  }
+}
+
+bool Session::watching() const {
+  absl::MutexLock lock(&mu_);
+  return watching_;
+}
+
+absl::Status Session::health() const {
+  absl::MutexLock lock(&mu_);
+  return health_;
+}
+
+absl::StatusOr<v1::DetachResponse> Session::Detach() {
+  absl::MutexLock detach_lock(&detach_mu_);
+  if (detached_.load()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", session_id(), " is already detached"));
+  }
+  {
+    // Stop renewing first; the Watch stream stays open until the server has detached so that
+    // the server does not see a lost worker and reclaim the session under the Detach call.
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  v1::DetachRequest request;
+  request.set_session_id(session_id());
+  auto response = Unary(stub_.get(), &v1::Sidecar::Stub::Detach, request, options_.rpc_timeout);
+  StopBackground();
+  detached_.store(true);
+  Unmap();
+  return response;
+}
+
+absl::StatusOr<v1::HeartbeatResponse> Session::Heartbeat() {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  v1::HeartbeatRequest request;
+  request.set_session_id(session_id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Heartbeat, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::CreateSequenceResponse> Session::CreateSequence(
+    const v1::PolicySpec& policy, const std::optional<v1::Budget>& budget,
+    const std::string& sequence_id) {
+  v1::CreateSequenceRequest request;
+  *request.mutable_policy() = policy;
+  if (budget.has_value()) *request.mutable_budget() = *budget;
+  request.set_sequence_id(sequence_id);
+  return CreateSequence(std::move(request));
+}
+
+absl::StatusOr<v1::CreateSequenceResponse> Session::CreateSequence(
+    v1::CreateSequenceRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  request.set_session_id(session_id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::CreateSequence, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::ReleaseSequenceResponse> Session::ReleaseSequence(
+    const std::string& sequence_id) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  v1::ReleaseSequenceRequest request;
+  request.set_session_id(session_id());
+  request.set_sequence_id(sequence_id);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::ReleaseSequence, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<Reservation> Session::Reserve(const std::string& sequence_id, int32_t num_tokens,
+                                             absl::Span<const int32_t> positions) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  v1::ReserveRequest request;
+  request.set_session_id(session_id());
+  request.set_sequence_id(sequence_id);
+  request.set_num_tokens(num_tokens);
+  request.mutable_positions()->Add(positions.begin(), positions.end());
+  KVS_ASSIGN_OR_RETURN(v1::ReserveResponse response, Unary(stub_.get(), &v1::Sidecar::Stub::Reserve,
+                                                           request, options_.rpc_timeout));
+  return Reservation(sequence_id, std::move(response), geometry_);
+}
+
+absl::Status Session::WriteReserved(const Reservation& reservation, int layer, int kv, int head,
+                                    int token_i, absl::Span<const uint8_t> row) const {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  if (row.size() != geometry_.row_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("row has ", row.size(), " bytes, expected ",
+                                                   geometry_.row_bytes(),
+                                                   " (head_dim * dtype bytes)"));
+  }
+  KVS_ASSIGN_OR_RETURN(uint8_t * destination, reservation.RowPointer(layer, kv, head, token_i));
+  std::memcpy(destination, row.data(), row.size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::CommitResponse> Session::Commit(const Reservation& reservation,
+                                                   bool compress_if_over_budget) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  v1::CommitRequest request;
+  request.set_session_id(session_id());
+  request.set_sequence_id(reservation.sequence_id());
+  request.set_reservation_id(reservation.id());
+  request.set_compress_if_over_budget(compress_if_over_budget);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Commit, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<std::vector<Reservation>> Session::BatchReserve(
+    absl::Span<const ReserveItem> items) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  v1::BatchReserveRequest request;
+  for (const ReserveItem& item : items) {
+    v1::ReserveRequest* entry = request.add_requests();
+    entry->set_session_id(session_id());
+    entry->set_sequence_id(item.sequence_id);
+    entry->set_num_tokens(item.num_tokens);
+    entry->mutable_positions()->Add(item.positions.begin(), item.positions.end());
+  }
+  KVS_ASSIGN_OR_RETURN(
+      v1::BatchReserveResponse response,
+      Unary(stub_.get(), &v1::Sidecar::Stub::BatchReserve, request, options_.rpc_timeout));
+  if (response.responses_size() != static_cast<int>(items.size())) {
+    return absl::InternalError(absl::StrCat("BatchReserve answered ", response.responses_size(),
+                                            " reservations for ", items.size(), " requests"));
+  }
+  std::vector<Reservation> reservations;
+  reservations.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    reservations.emplace_back(items[i].sequence_id,
+                              std::move(*response.mutable_responses(static_cast<int>(i))),
+                              geometry_);
+  }
+  return reservations;
+}
+
+absl::StatusOr<v1::BatchCommitResponse> Session::BatchCommit(
+    absl::Span<const Reservation> reservations, bool compress_if_over_budget) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  v1::BatchCommitRequest request;
+  for (const Reservation& reservation : reservations) {
+    v1::CommitRequest* entry = request.add_requests();
+    entry->set_session_id(session_id());
+    entry->set_sequence_id(reservation.sequence_id());
+    entry->set_reservation_id(reservation.id());
+    entry->set_compress_if_over_budget(compress_if_over_budget);
+  }
+  return Unary(stub_.get(), &v1::Sidecar::Stub::BatchCommit, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::AppendResponse> Session::Append(const AppendSegment& segment,
+                                                   const AppendOptions& options) {
+  return BatchAppend(absl::MakeConstSpan(&segment, 1), options);
+}
+
+absl::StatusOr<v1::AppendResponse> Session::BatchAppend(absl::Span<const AppendSegment> segments,
+                                                        const AppendOptions& options) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  if (options.chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes must be > 0");
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::AppendResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::AppendChunk>> writer = stub_->Append(&context, &response);
+  bool open = true;
+  v1::AppendChunk chunk;
+  for (const AppendSegment& segment : segments) {
+    if (!open) break;
+    v1::AppendHeader* header = chunk.mutable_header();
+    header->set_session_id(session_id());
+    header->set_sequence_id(segment.sequence_id);
+    header->set_num_tokens(segment.num_tokens);
+    header->mutable_positions()->Add(segment.positions.begin(), segment.positions.end());
+    header->mutable_layers()->Add(segment.layers.begin(), segment.layers.end());
+    header->set_payload_bytes(segment.payload.size());
+    header->set_compress_if_over_budget(segment.compress_if_over_budget);
+    open = writer->Write(chunk);
+    // A write fails once the server has ended the stream (e.g. it refused the header): stop
+    // sending and let Finish() report why.
+    for (size_t offset = 0; open && offset < segment.payload.size();
+         offset += options.chunk_bytes) {
+      const size_t n = std::min(options.chunk_bytes, segment.payload.size() - offset);
+      chunk.mutable_data()->assign(reinterpret_cast<const char*>(segment.payload.data()) + offset,
+                                   n);
+      open = writer->Write(chunk);
+    }
+  }
+  if (open) writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  if (!status.ok()) return ToStatus(status);
+  return response;
+}
+
+absl::StatusOr<ExportResult> Session::Export(const std::string& sequence_id,
+                                             absl::Span<const int32_t> layers,
+                                             uint32_t chunk_bytes) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  v1::ExportRequest request;
+  request.set_session_id(session_id());
+  request.set_sequence_id(sequence_id);
+  request.mutable_layers()->Add(layers.begin(), layers.end());
+  request.set_chunk_bytes(chunk_bytes);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader = stub_->Export(&context, request);
+  ExportResult result;
+  bool have_header = false;
+  absl::Status local;  // a malformed stream: stop reading, cancel, report it
+  v1::ExportChunk chunk;
+  while (local.ok() && reader->Read(&chunk)) {
+    if (chunk.has_header()) {
+      if (have_header) {
+        local = absl::InternalError("Export stream sent a second header");
+        break;
+      }
+      have_header = true;
+      result.header = std::move(*chunk.mutable_header());
+      result.payload.reserve(std::min(result.header.payload_bytes(), kMaxExportReserve));
+    } else {
+      if (!have_header) {
+        local = absl::InternalError("Export stream sent data before its header");
+      } else if (result.payload.size() + chunk.data().size() > result.header.payload_bytes()) {
+        local = absl::InternalError(absl::StrCat("Export stream sent more than the ",
+                                                 result.header.payload_bytes(),
+                                                 " payload bytes its header announced"));
+      } else {
+        result.payload.append(chunk.data());
+      }
+    }
+  }
+  if (!local.ok()) {
+    context.TryCancel();
+    (void)reader->Finish();
+    return local;
+  }
+  const grpc::Status status = reader->Finish();
+  if (!status.ok()) return ToStatus(status);
+  if (!have_header) return absl::InternalError("Export stream ended without a header");
+  if (result.payload.size() != result.header.payload_bytes()) {
+    return absl::DataLossError(absl::StrCat("Export stream ended after ", result.payload.size(),
+                                            " of ", result.header.payload_bytes(),
+                                            " payload bytes"));
+  }
+  return result;
+}
+
+absl::StatusOr<v1::GetLayoutResponse> Session::GetLayout(const std::string& sequence_id,
+                                                         absl::Span<const int32_t> layers,
+                                                         bool omit_positions) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  v1::GetLayoutRequest request;
+  request.set_session_id(session_id());
+  request.set_sequence_id(sequence_id);
+  request.mutable_layers()->Add(layers.begin(), layers.end());
+  request.set_omit_positions(omit_positions);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::GetLayout, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::CompressResponse> Session::Compress(const std::string& sequence_id,
+                                                       const CompressOptions& options) {
+  v1::CompressRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_budget_tokens(options.budget_tokens);
+  if (options.policy.has_value()) *request.mutable_policy() = *options.policy;
+  request.set_return_positions(options.return_positions);
+  return Compress(std::move(request));
+}
+
+absl::StatusOr<v1::CompressResponse> Session::Compress(v1::CompressRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  request.set_session_id(session_id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Compress, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<absl::Span<const uint8_t>> Session::ReadRow(const v1::GetLayoutResponse& layout,
+                                                           int layer, int kv, int head,
+                                                           int slot) const {
+  for (const v1::LayerLayout& entry : layout.layers()) {
+    if (entry.layer() == layer) return ReadRow(entry, kv, head, slot);
+  }
+  return absl::OutOfRangeError(absl::StrCat("layer ", layer, " is not in the layout"));
+}
+
+absl::StatusOr<absl::Span<const uint8_t>> Session::ReadRow(const v1::LayerLayout& layer_layout,
+                                                           int kv, int head, int slot) const {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  if (slot < 0 || slot >= layer_layout.count()) {
+    return absl::OutOfRangeError(absl::StrCat("slot must be in [0, ", layer_layout.count(),
+                                              ") for layer ", layer_layout.layer(), ", got ",
+                                              slot));
+  }
+  const int index = slot / geometry_.block_tokens;
+  if (index >= layer_layout.block_table_size()) {
+    return absl::OutOfRangeError(absl::StrCat("the block table of layer ", layer_layout.layer(),
+                                              " has no block for slot ", slot));
+  }
+  KVS_ASSIGN_OR_RETURN(const uint8_t* row, geometry_.Row(layer_layout.block_table(index), kv, head,
+                                                         slot % geometry_.block_tokens));
+  return absl::MakeConstSpan(row, geometry_.row_bytes());
+}
+
+absl::StatusOr<v1::BatchCompressResponse> Session::BatchCompress(v1::BatchCompressRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  for (v1::CompressRequest& item : *request.mutable_requests()) {
+    if (item.session_id().empty()) item.set_session_id(session_id());
+  }
+  return Unary(stub_.get(), &v1::Sidecar::Stub::BatchCompress, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::DecodeStepResponse> Session::DecodeStep(v1::DecodeStepRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  for (v1::DecodeStepRequest::Item& item : *request.mutable_items()) {
+    if (item.session_id().empty()) item.set_session_id(session_id());
+  }
+  return Unary(stub_.get(), &v1::Sidecar::Stub::DecodeStep, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::ScoreResponse> Session::Score(v1::ScoreRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  request.set_session_id(session_id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Score, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::SelectResponse> Session::Select(v1::SelectRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  for (v1::SelectRequest::Item& item : *request.mutable_items()) {
+    if (item.session_id().empty()) item.set_session_id(session_id());
+  }
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Select, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::SpillResponse> Session::Spill(v1::SpillRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  request.set_session_id(session_id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Spill, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::RestoreResponse> Session::Restore(v1::RestoreRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  request.set_session_id(session_id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Restore, request, options_.rpc_timeout);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client
+
+Client::Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
+    : channel_(std::move(channel)),
+      stub_(std::shared_ptr<v1::Sidecar::Stub>(v1::Sidecar::NewStub(channel_))),
+      options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,
+                                                        const ClientOptions& options) {
+  std::shared_ptr<grpc::Channel> channel = OpenChannel(target, options);
+  KVS_RETURN_IF_ERROR(WaitReady(channel, target, options.connect_timeout));
+  return std::unique_ptr<Client>(new Client(std::move(channel), options));
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::ModelLayout& layout,
+                                                        const std::string& tenant,
+                                                        int32_t num_blocks, int32_t lease_ms) {
+  v1::AttachRequest request;
+  *request.mutable_layout() = layout;
+  request.set_tenant(tenant);
+  request.set_num_blocks(num_blocks);
+  request.set_lease_ms(lease_ms);
+  return Attach(std::move(request));
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::Attach(v1::AttachRequest request) {
+  if (request.worker_name().empty()) request.set_worker_name(options_.worker_name);
+  KVS_ASSIGN_OR_RETURN(v1::AttachResponse response, Unary(stub_.get(), &v1::Sidecar::Stub::Attach,
+                                                          request, options_.rpc_timeout));
+  std::unique_ptr<Session> session(new Session(channel_, stub_, options_, std::move(response)));
+  absl::Status started = session->Start();
+  if (!started.ok()) {
+    (void)session->Detach();  // do not leave an unusable session behind on the server
+    return started;
+  }
+  return session;
+}
+
+// ---------------------------------------------------------------------------------------------
+// AdminClient
+
+AdminClient::AdminClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
+    : channel_(std::move(channel)),
+      stub_(v1::Admin::NewStub(channel_)),
+      options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<AdminClient>> AdminClient::Connect(const std::string& target,
+                                                                  const ClientOptions& options) {
+  std::shared_ptr<grpc::Channel> channel = OpenChannel(target, options);
+  KVS_RETURN_IF_ERROR(WaitReady(channel, target, options.connect_timeout));
+  return std::unique_ptr<AdminClient>(new AdminClient(std::move(channel), options));
+}
+
+absl::StatusOr<v1::GetConfigResponse> AdminClient::GetConfig() {
+  return Unary(stub_.get(), &v1::Admin::Stub::GetConfig, v1::GetConfigRequest(),
+               options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::SetDefaultsResponse> AdminClient::SetDefaults(
+    const v1::SetDefaultsRequest& request) {
+  return Unary(stub_.get(), &v1::Admin::Stub::SetDefaults, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::SetQuotaResponse> AdminClient::SetQuota(const v1::SetQuotaRequest& request) {
+  return Unary(stub_.get(), &v1::Admin::Stub::SetQuota, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::ListSessionsResponse> AdminClient::ListSessions(const std::string& tenant) {
+  v1::ListSessionsRequest request;
+  request.set_tenant(tenant);
+  return Unary(stub_.get(), &v1::Admin::Stub::ListSessions, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::ListSequencesResponse> AdminClient::ListSequences(const std::string& session_id,
+                                                                     const std::string& tenant) {
+  v1::ListSequencesRequest request;
+  request.set_session_id(session_id);
+  request.set_tenant(tenant);
+  return Unary(stub_.get(), &v1::Admin::Stub::ListSequences, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::GetStatsResponse> AdminClient::GetStats() {
+  return Unary(stub_.get(), &v1::Admin::Stub::GetStats, v1::GetStatsRequest(),
+               options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::DrainResponse> AdminClient::Drain() {
+  return Unary(stub_.get(), &v1::Admin::Stub::Drain, v1::DrainRequest(), options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::ForceReleaseResponse> AdminClient::ForceRelease(const std::string& session_id,
+                                                                   const std::string& sequence_id) {
+  v1::ForceReleaseRequest request;
+  request.set_session_id(session_id);
+  request.set_sequence_id(sequence_id);
+  return Unary(stub_.get(), &v1::Admin::Stub::ForceRelease, request, options_.rpc_timeout);
+}
+
+}  // namespace kvsidecar

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh Debian machine: installs dependencies, builds, runs every test.
+#   deploy/test.sh                 # RelWithDebInfo build in ./build, all tests
+#   KVS_SANITIZE="address thread" deploy/test.sh   # additionally ASAN+UBSAN and TSAN builds
+# Exits non-zero if any build step or test fails.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+jobs=$(nproc)
+
+"$root/deploy/install_deps.sh"
+
+run_suite() {  # run_suite BUILD_DIR [cmake args...]
+  local dir=$1; shift
+  echo "== configure $dir"
+  cmake -S "$root" -B "$dir" -G Ninja "$@" >"$dir.configure.log" 2>&1 ||
+    { cat "$dir.configure.log"; return 1; }
+  echo "== build $dir"
+  cmake --build "$dir" -j "$jobs"
+  echo "== test $dir"
+  ctest --test-dir "$dir" --output-on-failure --timeout 300 -j "$jobs"
+}
+
+mkdir -p "$root/build"
+run_suite "$root/build" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+
+for sanitizer in ${KVS_SANITIZE:-}; do
+  mkdir -p "$root/build-$sanitizer"
+  run_suite "$root/build-$sanitizer" -DCMAKE_BUILD_TYPE=Debug -DKVS_SANITIZER="$sanitizer" \
+    -DKVS_BUILD_BENCH=OFF
+done

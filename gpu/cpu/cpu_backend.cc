@@ -1,0 +1,128 @@
+// CpuBackend: the reference Backend (gpu/backend.h). Every call runs to completion on the calling
+// thread plus a shared worker pool; streams are ignored.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gpu/backend.h"
+#include "gpu/cpu/keydiff_cpu.h"
+#include "gpu/cpu/shm_arena.h"
+#include "gpu/cpu/thread_pool.h"
+#include "gpu/cpu/topk_cpu.h"
+
+namespace kvs {
+namespace {
+
+// Below this many key bytes in a whole KeyDiffScores call the work runs on the calling thread.
+constexpr uint64_t kParallelKeyDiffMinBytes = 256 << 10;
+// Below this many candidate slots in a whole TopK call the pool hand-off costs more than it saves.
+constexpr int64_t kParallelTopKMinSlots = 1 << 15;
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int num_threads)
+      : pool_(num_threads), isa_(CpuSupportsAvx2() ? KeyDiffIsa::kAvx2 : KeyDiffIsa::kScalar) {}
+
+  std::string_view name() const override { return "cpu"; }
+  bool healthy() const override { return true; }
+
+  absl::StatusOr<std::unique_ptr<Arena>> CreateArena(uint64_t bytes,
+                                                     const ArenaOptions& options) override {
+    return CreateShmArena(bytes, options);
+  }
+
+  absl::Status KeyDiffScores(absl::Span<const KeyDiffScoreJob> jobs, Stream) override {
+    // Validate everything first so that a failed call writes no scores.
+    std::vector<int64_t> first_task(jobs.size() + 1, 0);
+    uint64_t key_bytes = 0;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      if (auto status = ValidateKeyDiffJob(jobs[i], i); !status.ok()) return status;
+      const PagedLayerView& keys = jobs[i].keys;
+      const int64_t heads = keys.count > 0 ? keys.num_kv_heads : 0;
+      first_task[i + 1] = first_task[i] + heads;
+      key_bytes +=
+          static_cast<uint64_t>(heads) * keys.count * keys.head_dim * DTypeBytes(keys.dtype);
+    }
+    // One task per (job, head): independent, similar in size, enough of them to balance. Small
+    // calls (decode steps of short sequences) run inline: waking a worker costs more than that.
+    pool_.ParallelFor(
+        first_task.back(),
+        [&](int64_t task) {
+          const size_t job =
+              std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+          KeyDiffScoreHead(jobs[job], static_cast<int>(task - first_task[job]), isa_);
+        },
+        key_bytes < kParallelKeyDiffMinBytes ? 1 : 0);
+    return absl::OkStatus();
+  }
+
+  absl::Status TopK(absl::Span<const TopKJob> jobs, Stream) override {
+    std::vector<int64_t> first_row(jobs.size() + 1, 0);
+    int64_t slots = 0;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      if (auto status = ValidateTopKJob(jobs[i], i); !status.ok()) return status;
+      first_row[i + 1] = first_row[i] + jobs[i].rows;
+      slots += static_cast<int64_t>(jobs[i].rows) * jobs[i].n;
+    }
+    const int64_t rows = first_row.back();
+    if (slots < kParallelTopKMinSlots) {
+      TopKScratch scratch;
+      for (const TopKJob& job : jobs) {
+        for (int32_t row = 0; row < job.rows; ++row) TopKRow(job, row, scratch);
+      }
+      return absl::OkStatus();
+    }
+    pool_.ParallelFor(rows, [&](int64_t task) {
+      thread_local TopKScratch scratch;
+      const size_t job =
+          std::upper_bound(first_row.begin(), first_row.end(), task) - first_row.begin() - 1;
+      TopKRow(jobs[job], static_cast<int32_t>(task - first_row[job]), scratch);
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyRows(absl::Span<const RowCopyJob> jobs, Stream) override {
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const RowCopyJob& job = jobs[i];
+      if (job.count < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("row copy job ", i, ": count must be >= 0, got ", job.count));
+      }
+      if (job.count > 0 && job.row_bytes > 0 &&
+          (job.arena == nullptr || job.src_offsets == nullptr || job.dst_offsets == nullptr)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("row copy job ", i, ": null arena or offsets"));
+      }
+    }
+    // In order within a job: the caller guarantees no row's destination is a later row's source,
+    // so sequential memmoves are exactly the planned moves.
+    for (const RowCopyJob& job : jobs) {
+      if (job.row_bytes == 0) continue;
+      for (int64_t r = 0; r < job.count; ++r) {
+        std::memmove(job.arena + job.dst_offsets[r], job.arena + job.src_offsets[r], job.row_bytes);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Synchronize(Stream) override { return absl::OkStatus(); }
+
+ private:
+  ThreadPool pool_;
+  const KeyDiffIsa isa_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> MakeCpuBackend(int num_threads) {
+  if (num_threads <= 0) {
+    num_threads = std::max(1u, std::thread::hardware_concurrency());
+  }
+  return std::make_unique<CpuBackend>(num_threads);
+}
+
+}  // namespace kvs

@@ -1,0 +1,441 @@
+#include "gpu/cpu/keydiff_cpu.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gpu/base/checked_math.h"
+#include "gpu/base/dtype.h"
+
+namespace kvs {
+namespace {
+
+// Floors from the spec (§3.1 step 4): PyTorch's F.normalize and F.cosine_similarity defaults.
+constexpr float kNormalizeEps = 1e-12f;
+constexpr float kCosineEps = 1e-8f;
+
+// The keys of one kv head of a paged layer: in each block of the table, rows_in_block(b)
+// consecutive rows of row_bytes() starting at block_rows(b).
+struct HeadView {
+  const PagedLayerView& view;
+  int head;
+  uint64_t row_bytes() const {
+    return static_cast<uint64_t>(view.head_dim) * DTypeBytes(view.dtype);
+  }
+  int64_t num_blocks() const {
+    return (static_cast<int64_t>(view.count) + view.block_tokens - 1) / view.block_tokens;
+  }
+  // First key row of this head in block `b` of the table; rows of one block are contiguous.
+  const uint8_t* block_rows(int64_t b) const {
+    return view.arena + static_cast<uint64_t>(view.block_table[b]) * view.block_bytes +
+           static_cast<uint64_t>(head) * view.block_tokens * row_bytes();
+  }
+  int64_t rows_in_block(int64_t b) const {
+    return std::min<int64_t>(view.block_tokens, view.count - b * view.block_tokens);
+  }
+  // Calls fn(slot, row pointer) for every slot in [0, count), in slot order.
+  template <typename Fn>
+  void ForEachRow(Fn&& fn) const {
+    const uint64_t stride = row_bytes();
+    for (int64_t b = 0; b < num_blocks(); ++b) {
+      const uint8_t* row = block_rows(b);
+      const int64_t rows = rows_in_block(b);
+      for (int64_t r = 0; r < rows; ++r, row += stride) fn(b * view.block_tokens + r, row);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Scalar reference.
+
+void LoadRow(const uint8_t* row, DType dtype, int dim, float* out) {
+  for (int d = 0; d < dim; ++d) out[d] = LoadAsFloat(row, dtype, d);
+}
+
+float Dot(const float* a, const float* b, int dim) {
+  float sum = 0.0f;
+  for (int d = 0; d < dim; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+float Norm(const float* a, int dim) { return std::sqrt(Dot(a, a, dim)); }
+
+// Orders NaN after every number so nth_element sees a strict weak ordering on any input.
+bool LessNanLast(float a, float b) { return !std::isnan(a) && (std::isnan(b) || a < b); }
+
+// Coordinate-wise median of the normalised keys. For an even count the median is the mean of the
+// two middle values (numpy's convention, which the spec's reference uses: TV3 gets (s, 0)).
+// Coordinates are processed in groups so scratch stays O(count * group), not O(count * dim).
+void MedianNormalizedAnchor(const HeadView& keys, float* anchor) {
+  const int dim = keys.view.head_dim;
+  const int64_t n = keys.view.count;
+  std::vector<float> row(dim);
+  std::vector<float> norm(n);
+  keys.ForEachRow([&](int64_t s, const uint8_t* p) {
+    LoadRow(p, keys.view.dtype, dim, row.data());
+    norm[s] = std::max(Norm(row.data(), dim), kNormalizeEps);
+  });
+  constexpr int kGroup = 16;
+  std::vector<float> values(static_cast<size_t>(n) * kGroup);
+  for (int d0 = 0; d0 < dim; d0 += kGroup) {
+    const int group = std::min(kGroup, dim - d0);
+    keys.ForEachRow([&](int64_t s, const uint8_t* p) {
+      for (int g = 0; g < group; ++g) {
+        values[g * n + s] = LoadAsFloat(p, keys.view.dtype, d0 + g) / norm[s];
+      }
+    });
+    for (int g = 0; g < group; ++g) {
+      float* first = values.data() + g * n;
+      float* middle = first + n / 2;
+      std::nth_element(first, middle, first + n, LessNanLast);
+      float median = *middle;
+      if (n % 2 == 0) {
+        const float lower = *std::max_element(first, middle, LessNanLast);
+        median = 0.5f * (lower + median);
+      }
+      anchor[d0 + g] = median;
+    }
+  }
+}
+
+// Mean of the keys, each first divided by max(|k|, eps) when `normalize_eps` > 0.
+void MeanAnchor(const HeadView& keys, float normalize_eps, float* anchor) {
+  const int dim = keys.view.head_dim;
+  std::vector<float> row(dim);
+  std::fill(anchor, anchor + dim, 0.0f);
+  keys.ForEachRow([&](int64_t, const uint8_t* p) {
+    LoadRow(p, keys.view.dtype, dim, row.data());
+    const float scale = normalize_eps > 0 ? std::max(Norm(row.data(), dim), normalize_eps) : 1.0f;
+    for (int d = 0; d < dim; ++d) anchor[d] += row[d] / scale;
+  });
+  const float n = static_cast<float>(keys.view.count);
+  for (int d = 0; d < dim; ++d) anchor[d] /= n;
+}
+
+void ScoreHeadScalar(const KeyDiffScoreJob& job, int head) {
+  const HeadView keys{job.keys, head};
+  const int dim = job.keys.head_dim;
+  float* out = job.scores + static_cast<int64_t>(head) * job.keys.count;
+  std::vector<float> anchor(dim);
+  std::vector<float> row(dim);
+  switch (job.metric) {
+    case KeyDiffMetric::kCosine: {
+      switch (job.anchor) {
+        case KeyDiffAnchor::kMeanNormalized:
+          MeanAnchor(keys, kNormalizeEps, anchor.data());
+          break;
+        case KeyDiffAnchor::kMeanRaw:
+          MeanAnchor(keys, 0.0f, anchor.data());
+          break;
+        case KeyDiffAnchor::kMedianNormalized:
+          MedianNormalizedAnchor(keys, anchor.data());
+          break;
+      }
+      const float anchor_norm = std::max(Norm(anchor.data(), dim), kCosineEps);
+      keys.ForEachRow([&](int64_t s, const uint8_t* p) {
+        LoadRow(p, job.keys.dtype, dim, row.data());
+        const float key_norm = std::max(Norm(row.data(), dim), kCosineEps);
+        // + 0.0f turns the -0 of a zero key or zero anchor into +0.
+        out[s] = -Dot(row.data(), anchor.data(), dim) / (key_norm * anchor_norm) + 0.0f;
+      });
+      return;
+    }
+    case KeyDiffMetric::kPairwise: {
+      // -sum_j cos(k_i, k_j) = -u_i . sum_j u_j with u = k / max(|k|, eps_c): O(n d) instead of
+      // O(n^2 d), identical up to rounding (the j = i term is included, as in Eq. 7).
+      MeanAnchor(keys, kCosineEps, anchor.data());
+      const float n = static_cast<float>(job.keys.count);
+      for (int d = 0; d < dim; ++d) anchor[d] *= n;
+      keys.ForEachRow([&](int64_t s, const uint8_t* p) {
+        LoadRow(p, job.keys.dtype, dim, row.data());
+        const float key_norm = std::max(Norm(row.data(), dim), kCosineEps);
+        out[s] = -Dot(row.data(), anchor.data(), dim) / key_norm + 0.0f;
+      });
+      return;
+    }
+    case KeyDiffMetric::kDot:
+    case KeyDiffMetric::kEuclidean: {
+      // Both ablations are defined against the raw mean (§10.8); `anchor` does not apply.
+      MeanAnchor(keys, 0.0f, anchor.data());
+      const bool dot = job.metric == KeyDiffMetric::kDot;
+      keys.ForEachRow([&](int64_t s, const uint8_t* p) {
+        LoadRow(p, job.keys.dtype, dim, row.data());
+        if (dot) {
+          out[s] = -Dot(row.data(), anchor.data(), dim) + 0.0f;
+        } else {
+          float sum = 0.0f;
+          for (int d = 0; d < dim; ++d) {
+            const float diff = row[d] - anchor[d];
+            sum += diff * diff;
+          }
+          out[s] = std::sqrt(sum);
+        }
+      });
+      return;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 + FMA + F16C: the default cosine metric with a mean anchor, two streaming passes over the
+// keys (anchor, then scores). Chosen at run time; the rest of the binary stays baseline x86-64.
+
+#define KVS_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+template <DType kType>
+KVS_AVX2 inline __m256 Load8(const uint8_t* p) {
+  if constexpr (kType == DType::kFloat16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else if constexpr (kType == DType::kBFloat16) {
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+
+KVS_AVX2 inline float HorizontalSum(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  return _mm_cvtss_f32(sum);
+}
+
+// Rows of a block are taken in groups small enough to stay in L1 between the two sweeps below.
+constexpr int kRowGroup = 16;
+
+// Converts one row to fp32 (into `converted`, unless the row already is fp32) and returns its
+// sum of squares; dim % 8 == 0. Four accumulators hide the FMA latency.
+template <DType kType>
+KVS_AVX2 inline float ConvertRowAvx2(const uint8_t* row, int dim, float* converted) {
+  constexpr int kBytes = DTypeBytes(kType);
+  __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                 _mm256_setzero_ps()};
+  int d = 0;
+  for (; d + 32 <= dim; d += 32) {
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      const __m256 x = Load8<kType>(row + (d + 8 * v) * kBytes);
+      if constexpr (kType != DType::kFloat32) _mm256_storeu_ps(converted + d + 8 * v, x);
+      a[v] = _mm256_fmadd_ps(x, x, a[v]);
+    }
+  }
+  for (; d < dim; d += 8) {
+    const __m256 x = Load8<kType>(row + d * kBytes);
+    if constexpr (kType != DType::kFloat32) _mm256_storeu_ps(converted + d, x);
+    a[0] = _mm256_fmadd_ps(x, x, a[0]);
+  }
+  return HorizontalSum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+}
+
+// anchor[d0, d0 + 8 * kVectors) += sum over `count` fp32 rows of scale[r] * row[r]. The partial
+// sums stay in registers for the whole group instead of going through memory once per row.
+// Multiply, then add (not FMA): k * (1/|k|) is rounded before it is summed, like the scalar
+// k / |k|, so exactly opposite keys cancel to an exactly zero anchor (spec §3.1 step 4) instead
+// of leaving an FMA residue that the 1e-8 floor would blow up into non-zero scores.
+template <int kVectors>
+KVS_AVX2 inline void AccumulateRowsAvx2(const float* rows, uint64_t stride, int count,
+                                        const float* scale, int d0, float* anchor) {
+  __m256 acc[kVectors];
+#pragma GCC unroll 8
+  for (int v = 0; v < kVectors; ++v) acc[v] = _mm256_loadu_ps(anchor + d0 + 8 * v);
+  const float* row = rows + d0;
+  for (int r = 0; r < count; ++r, row += stride) {
+    const __m256 factor = _mm256_set1_ps(scale[r]);
+#pragma GCC unroll 8
+    for (int v = 0; v < kVectors; ++v) {
+      acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(_mm256_loadu_ps(row + 8 * v), factor));
+    }
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(anchor + d0 + 8 * v, acc[v]);
+}
+
+// Blocks of a head are scattered through the arena, which defeats the hardware stream
+// prefetcher at every block boundary; while a block is processed, row r pulls in row r of the
+// next block.
+inline void PrefetchRow(const uint8_t* row, uint64_t bytes) {
+  for (uint64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset);
+}
+
+// Writes the anchor and, per slot, the key's squared norm (reused by the scoring pass).
+template <DType kType, bool kNormalize>
+KVS_AVX2 void MeanAnchorAvx2(const HeadView& keys, float* anchor, float* squared_norms) {
+  const int dim = keys.view.head_dim;
+  const uint64_t stride = keys.row_bytes();
+  const int64_t blocks = keys.num_blocks();
+  std::fill(anchor, anchor + dim, 0.0f);
+  float scale[kRowGroup];
+  std::fill(scale, scale + kRowGroup, 1.0f);
+  // fp16/bf16 rows are converted once into this buffer and summed from there; fp32 rows are
+  // summed in place.
+  std::vector<float> buffer(kType == DType::kFloat32 ? 0 : kRowGroup * dim);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* next = b + 1 < blocks ? keys.block_rows(b + 1) : nullptr;
+    const int64_t rows = keys.rows_in_block(b);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+      const uint8_t* group = keys.block_rows(b) + r0 * stride;
+      const int count = static_cast<int>(std::min<int64_t>(kRowGroup, rows - r0));
+      for (int r = 0; r < count; ++r) {
+        if (next != nullptr) PrefetchRow(next + (r0 + r) * stride, stride);
+        // The norms of a group are independent of each other, so their sqrt/div latencies
+        // overlap instead of stalling the accumulation row by row.
+        float* converted = kType == DType::kFloat32 ? nullptr : buffer.data() + r * dim;
+        const float squared = ConvertRowAvx2<kType>(group + r * stride, dim, converted);
+        squared_norms[b * keys.view.block_tokens + r0 + r] = squared;
+        if constexpr (kNormalize) {
+          scale[r] = 1.0f / std::max(std::sqrt(squared), kNormalizeEps);
+        }
+      }
+      const float* rows_f32 =
+          kType == DType::kFloat32 ? reinterpret_cast<const float*>(group) : buffer.data();
+      int d = 0;
+      for (; d + 64 <= dim; d += 64) {
+        AccumulateRowsAvx2<8>(rows_f32, dim, count, scale, d, anchor);
+      }
+      for (; d < dim; d += 8) AccumulateRowsAvx2<1>(rows_f32, dim, count, scale, d, anchor);
+    }
+  }
+  const float inv_n = 1.0f / static_cast<float>(keys.view.count);
+  for (int d = 0; d < dim; ++d) anchor[d] *= inv_n;
+}
+
+// `out` holds each slot's squared key norm on entry and its score on return.
+template <DType kType>
+KVS_AVX2 void CosineScoresAvx2(const HeadView& keys, const float* anchor, float* out) {
+  constexpr int kBytes = DTypeBytes(kType);
+  const int dim = keys.view.head_dim;
+  const uint64_t stride = keys.row_bytes();
+  float anchor_sq = 0.0f;
+  for (int d = 0; d < dim; ++d) anchor_sq += anchor[d] * anchor[d];
+  const float anchor_norm = std::max(std::sqrt(anchor_sq), kCosineEps);
+  for (int64_t b = 0; b < keys.num_blocks(); ++b) {
+    const uint8_t* row = keys.block_rows(b);
+    const uint8_t* next = b + 1 < keys.num_blocks() ? keys.block_rows(b + 1) : nullptr;
+    const int64_t rows = keys.rows_in_block(b);
+    float* block_out = out + b * keys.view.block_tokens;
+    for (int64_t r = 0; r < rows; ++r, row += stride) {
+      if (next != nullptr) PrefetchRow(next + r * stride, stride);
+      __m256 dot0 = _mm256_setzero_ps(), dot1 = _mm256_setzero_ps();
+      __m256 dot2 = _mm256_setzero_ps(), dot3 = _mm256_setzero_ps();
+      int d = 0;
+      for (; d + 32 <= dim; d += 32) {
+        const __m256 x0 = Load8<kType>(row + d * kBytes);
+        const __m256 x1 = Load8<kType>(row + (d + 8) * kBytes);
+        const __m256 x2 = Load8<kType>(row + (d + 16) * kBytes);
+        const __m256 x3 = Load8<kType>(row + (d + 24) * kBytes);
+        dot0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(anchor + d), dot0);
+        dot1 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(anchor + d + 8), dot1);
+        dot2 = _mm256_fmadd_ps(x2, _mm256_loadu_ps(anchor + d + 16), dot2);
+        dot3 = _mm256_fmadd_ps(x3, _mm256_loadu_ps(anchor + d + 24), dot3);
+      }
+      for (; d < dim; d += 8) {
+        const __m256 x = Load8<kType>(row + d * kBytes);
+        dot0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(anchor + d), dot0);
+      }
+      const float dot =
+          HorizontalSum(_mm256_add_ps(_mm256_add_ps(dot0, dot1), _mm256_add_ps(dot2, dot3)));
+      const float key_norm = std::max(std::sqrt(block_out[r]), kCosineEps);
+      block_out[r] = -dot / (key_norm * anchor_norm) + 0.0f;
+    }
+  }
+}
+
+template <DType kType>
+KVS_AVX2 void ScoreHeadAvx2(const KeyDiffScoreJob& job, int head) {
+  const HeadView keys{job.keys, head};
+  std::vector<float> anchor(job.keys.head_dim);
+  float* out = job.scores + static_cast<int64_t>(head) * job.keys.count;
+  if (job.anchor == KeyDiffAnchor::kMeanNormalized) {
+    MeanAnchorAvx2<kType, true>(keys, anchor.data(), out);
+  } else {
+    MeanAnchorAvx2<kType, false>(keys, anchor.data(), out);
+  }
+  CosineScoresAvx2<kType>(keys, anchor.data(), out);
+}
+
+bool Avx2Covers(const KeyDiffScoreJob& job) {
+  return job.metric == KeyDiffMetric::kCosine &&
+         (job.anchor == KeyDiffAnchor::kMeanNormalized || job.anchor == KeyDiffAnchor::kMeanRaw) &&
+         job.keys.head_dim % 8 == 0;
+}
+
+}  // namespace
+
+bool CpuSupportsAvx2() {
+  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                                __builtin_cpu_supports("f16c");
+  return supported;
+}
+
+absl::Status ValidateKeyDiffJob(const KeyDiffScoreJob& job, size_t index) {
+  const PagedLayerView& v = job.keys;
+  auto invalid = [index](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("keydiff job ", index, ": ", parts...));
+  };
+  if (v.count < 0) return invalid("count must be >= 0, got ", v.count);
+  if (v.num_kv_heads < 1) return invalid("num_kv_heads must be >= 1, got ", v.num_kv_heads);
+  if (v.head_dim < 1) return invalid("head_dim must be >= 1, got ", v.head_dim);
+  if (v.block_tokens < 1) return invalid("block_tokens must be >= 1, got ", v.block_tokens);
+  if (v.dtype != DType::kFloat16 && v.dtype != DType::kBFloat16 && v.dtype != DType::kFloat32) {
+    return invalid("unsupported dtype");
+  }
+  switch (job.anchor) {
+    case KeyDiffAnchor::kMeanNormalized:
+    case KeyDiffAnchor::kMeanRaw:
+    case KeyDiffAnchor::kMedianNormalized:
+      break;
+    default:
+      return invalid("unknown anchor");
+  }
+  switch (job.metric) {
+    case KeyDiffMetric::kCosine:
+    case KeyDiffMetric::kPairwise:
+    case KeyDiffMetric::kDot:
+    case KeyDiffMetric::kEuclidean:
+      break;
+    default:
+      return invalid("unknown metric");
+  }
+  // Keys occupy the first num_kv_heads * block_tokens rows of each block.
+  const auto key_bytes =
+      CheckedProduct({v.num_kv_heads, v.block_tokens, v.head_dim, DTypeBytes(v.dtype)});
+  if (!key_bytes || *key_bytes > v.block_bytes) {
+    return invalid("block_bytes ", v.block_bytes, " cannot hold the keys of ", v.num_kv_heads,
+                   " heads x ", v.block_tokens, " tokens x ", v.head_dim, " dims");
+  }
+  if (v.count == 0) return absl::OkStatus();
+  if (v.arena == nullptr || v.block_table == nullptr || job.scores == nullptr) {
+    return invalid("null arena, block_table or scores");
+  }
+  const int64_t blocks = (static_cast<int64_t>(v.count) + v.block_tokens - 1) / v.block_tokens;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int32_t block = v.block_table[b];
+    if (block < 0 || !CheckedProduct({block + int64_t{1}, static_cast<int64_t>(v.block_bytes)})) {
+      return invalid("block_table[", b, "] = ", block, " is not a valid block");
+    }
+  }
+  return absl::OkStatus();
+}
+
+void KeyDiffScoreHead(const KeyDiffScoreJob& job, int head, KeyDiffIsa isa) {
+  if (job.keys.count == 0) return;
+  if (isa == KeyDiffIsa::kAvx2 && CpuSupportsAvx2() && Avx2Covers(job)) {
+    switch (job.keys.dtype) {
+      case DType::kFloat16:
+        return ScoreHeadAvx2<DType::kFloat16>(job, head);
+      case DType::kBFloat16:
+        return ScoreHeadAvx2<DType::kBFloat16>(job, head);
+      case DType::kFloat32:
+        return ScoreHeadAvx2<DType::kFloat32>(job, head);
+    }
+  }
+  ScoreHeadScalar(job, head);
+}
+
+}  // namespace kvs

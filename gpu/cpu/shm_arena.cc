@@ -1,0 +1,167 @@
+#include "gpu/cpu/shm_arena.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "gpu/base/checked_math.h"
+
+namespace kvs {
+namespace {
+
+std::atomic<uint64_t> g_next_generation{1};
+
+uint32_t RandomSuffix() {
+  uint32_t value = 0;
+  if (getrandom(&value, sizeof(value), GRND_NONBLOCK) == static_cast<ssize_t>(sizeof(value))) {
+    return value;
+  }
+  // No entropy available yet (early boot): uniqueness, not secrecy, is what matters here, and
+  // O_EXCL catches collisions anyway.
+  static std::atomic<uint64_t> counter{0};
+  const uint64_t mix =
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+      (counter.fetch_add(1) * 0x9e3779b97f4a7c15ull);
+  return static_cast<uint32_t>(mix ^ (mix >> 32));
+}
+
+bool IsSpaceError(int error) { return error == ENOSPC || error == ENOMEM || error == EFBIG; }
+
+absl::Status SystemError(int error, const std::string& what, const std::string& directory) {
+  if (IsSpaceError(error)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, " in ", directory, ": ", std::strerror(error)));
+  }
+  return absl::InternalError(absl::StrCat(what, " in ", directory, ": ", std::strerror(error)));
+}
+
+class ShmArena final : public Arena {
+ public:
+  ShmArena(int fd, uint8_t* base, ArenaHandle handle)
+      : fd_(fd), base_(base), handle_(std::move(handle)) {}
+
+  ~ShmArena() override {
+    munmap(base_, handle_.size_bytes);
+    close(fd_);
+    unlink(handle_.shm_path.c_str());
+  }
+
+  ShmArena(const ShmArena&) = delete;
+  ShmArena& operator=(const ShmArena&) = delete;
+
+  uint8_t* data() override { return base_; }
+  const uint8_t* data() const override { return base_; }
+  uint64_t size_bytes() const override { return handle_.size_bytes; }
+  const ArenaHandle& handle() const override { return handle_; }
+
+  absl::Status Write(uint64_t offset, const void* source, uint64_t bytes) override {
+    if (auto status = CheckRange(offset, bytes, source, "Write"); !status.ok()) return status;
+    if (bytes > 0) std::memcpy(base_ + offset, source, bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status Read(uint64_t offset, void* destination, uint64_t bytes) const override {
+    if (auto status = CheckRange(offset, bytes, destination, "Read"); !status.ok()) return status;
+    if (bytes > 0) std::memcpy(destination, base_ + offset, bytes);
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status CheckRange(uint64_t offset, uint64_t bytes, const void* buffer,
+                          const char* op) const {
+    const auto end = CheckedAdd(offset, bytes);
+    if (!end || *end > handle_.size_bytes) {
+      return absl::OutOfRangeError(absl::StrCat("arena ", op, " of ", bytes, " bytes at offset ",
+                                                offset, " leaves the arena of ", handle_.size_bytes,
+                                                " bytes"));
+    }
+    if (bytes > 0 && buffer == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("arena ", op, ": null buffer"));
+    }
+    return absl::OkStatus();
+  }
+
+  const int fd_;
+  uint8_t* const base_;
+  const ArenaHandle handle_;
+};
+
+// Reserves the file's storage. fallocate(2) is one call on tmpfs/ext4/xfs; posix_fallocate falls
+// back to glibc's page-by-page emulation where the filesystem lacks it.
+int ReserveStorage(int fd, uint64_t bytes) {
+  if (bytes > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) return EFBIG;
+  const off_t length = static_cast<off_t>(bytes);
+  if (fallocate(fd, 0, 0, length) == 0) return 0;
+  if (errno != EOPNOTSUPP && errno != ENOSYS) return errno;
+  return posix_fallocate(fd, 0, length);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Arena>> CreateShmArena(uint64_t bytes, const ArenaOptions& options) {
+  if (bytes == 0) return absl::InvalidArgumentError("arena size must be > 0 bytes");
+  if (bytes > static_cast<uint64_t>(std::numeric_limits<off_t>::max()) ||
+      bytes > std::numeric_limits<size_t>::max()) {
+    return absl::ResourceExhaustedError(absl::StrCat("arena of ", bytes, " bytes is too large"));
+  }
+  if (options.name_prefix.find('/') != std::string::npos) {
+    return absl::InvalidArgumentError("arena name_prefix must not contain '/'");
+  }
+  const std::string& directory = options.shm_directory;
+  // The handle carries an absolute path: the worker resolves it from its own working directory.
+  char resolved[PATH_MAX];
+  if (realpath(directory.c_str(), resolved) == nullptr) {
+    return SystemError(errno, "cannot resolve the shared-memory directory", directory);
+  }
+
+  const uint64_t generation = g_next_generation.fetch_add(1, std::memory_order_relaxed);
+  std::string path;
+  int fd = -1;
+  // O_EXCL makes a name collision (a leftover file, a random clash) visible; retry a few names.
+  for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
+    path = absl::StrFormat("%s/%s-%d-%d-%08x", resolved, options.name_prefix,
+                           static_cast<int>(getpid()), generation, RandomSuffix());
+    fd = open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0 && errno != EEXIST) {
+      return SystemError(errno, absl::StrCat("cannot create arena file ", path), directory);
+    }
+  }
+  if (fd < 0) {
+    return absl::InternalError(absl::StrCat("cannot find a free arena file name in ", directory));
+  }
+  auto fail = [&](int error, const char* what) {
+    close(fd);
+    unlink(path.c_str());
+    return SystemError(error, absl::StrCat(what, " arena file ", path, " (", bytes, " bytes)"),
+                       directory);
+  };
+  // The process umask may have cleared bits but never adds any; fchmod pins exactly 0600.
+  if (fchmod(fd, 0600) != 0) return fail(errno, "cannot chmod");
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) return fail(errno, "cannot size");
+  if (int error = ReserveStorage(fd, bytes); error != 0) return fail(error, "cannot reserve");
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) return fail(errno, "cannot map");
+
+  ArenaHandle handle;
+  handle.kind = ArenaHandle::Kind::kSharedMemoryFile;
+  handle.shm_path = path;
+  handle.size_bytes = bytes;
+  handle.generation = generation;
+  return std::unique_ptr<Arena>(new ShmArena(fd, static_cast<uint8_t*>(base), std::move(handle)));
+}
+
+}  // namespace kvs

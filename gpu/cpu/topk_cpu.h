@@ -1,0 +1,37 @@
+// Per-row top-k selection on the host (Backend::TopK semantics, gpu/backend.h), exposed for
+// the CPU backend and its tests.
+//
+// Threading: pure functions of their arguments; distinct rows may be selected concurrently.
+#ifndef KVSIDECAR_GPU_CPU_TOPK_CPU_H_
+#define KVSIDECAR_GPU_CPU_TOPK_CPU_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gpu/backend.h"
+
+namespace kvs {
+
+// INVALID_ARGUMENT unless 0 <= k <= n, the buffers are present and no row forces more than k
+// slots. `index` names the job in the message. Reads every forced flag (O(rows * n)).
+absl::Status ValidateTopKJob(const TopKJob& job, size_t index);
+
+// A selection candidate: its rank key (higher ranks first) and slot.
+struct TopKCandidate {
+  uint64_t key;
+  int32_t slot;
+};
+
+// Per-thread buffers reused across rows to avoid allocations.
+struct TopKScratch {
+  std::vector<TopKCandidate> candidates;
+  std::vector<uint8_t> keep;
+};
+
+// Writes job.kept[row * k .. row * k + k) for one row of a validated job. Average O(n).
+void TopKRow(const TopKJob& job, int32_t row, TopKScratch& scratch);
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_GPU_CPU_TOPK_CPU_H_

@@ -1,0 +1,74 @@
+// AdminService: the operator API (kvsidecar.v1.Admin) on the gRPC callback API: effective
+// configuration, sessions, sequences, stats, drain and force-release. SetDefaults and SetQuota
+// answer UNIMPLEMENTED in this build (live re-configuration and quotas come with the operations
+// issue).
+//
+// Threading: handlers run concurrently on gRPC's callback threads; everything they touch (pool,
+// SidecarService hooks) is thread-safe, the rest is immutable after construction.
+#ifndef KVSIDECAR_SERVICE_ADMIN_SERVICE_H_
+#define KVSIDECAR_SERVICE_ADMIN_SERVICE_H_
+
+#include <functional>
+#include <mutex>
+#include <string>
+
+#include "cache/pool.h"
+#include "grpcpp/grpcpp.h"
+#include "kvsidecar/v1/admin.grpc.pb.h"
+#include "service/sidecar_service.h"
+
+namespace kvs {
+
+struct AdminInfo {
+  std::string effective_config_yaml;
+  std::string backend;         // "cpu"
+  std::string backend_reason;  // why that backend
+};
+
+class AdminService final : public ::kvsidecar::v1::Admin::CallbackService {
+ public:
+  // `pool` and `sidecar` must outlive the service. `on_drain` (may be empty) runs once, on the
+  // first Drain, after the data plane stopped accepting attaches (the server uses it to mark the
+  // Sidecar service NOT_SERVING in the health service).
+  AdminService(KvPool* pool, SidecarService* sidecar, AdminInfo info,
+               std::function<void()> on_drain = {});
+
+  grpc::ServerUnaryReactor* GetConfig(grpc::CallbackServerContext* context,
+                                      const ::kvsidecar::v1::GetConfigRequest* request,
+                                      ::kvsidecar::v1::GetConfigResponse* response) override;
+  grpc::ServerUnaryReactor* SetDefaults(grpc::CallbackServerContext* context,
+                                        const ::kvsidecar::v1::SetDefaultsRequest* request,
+                                        ::kvsidecar::v1::SetDefaultsResponse* response) override;
+  grpc::ServerUnaryReactor* SetQuota(grpc::CallbackServerContext* context,
+                                     const ::kvsidecar::v1::SetQuotaRequest* request,
+                                     ::kvsidecar::v1::SetQuotaResponse* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
+                                         const ::kvsidecar::v1::ListSessionsRequest* request,
+                                         ::kvsidecar::v1::ListSessionsResponse* response) override;
+  grpc::ServerUnaryReactor* ListSequences(
+      grpc::CallbackServerContext* context, const ::kvsidecar::v1::ListSequencesRequest* request,
+      ::kvsidecar::v1::ListSequencesResponse* response) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
+                                     const ::kvsidecar::v1::GetStatsRequest* request,
+                                     ::kvsidecar::v1::GetStatsResponse* response) override;
+  // Stops attaches (UNAVAILABLE from then on), sends KIND_DRAINING to every watcher, and reports
+  // the sessions still attached. Call it again to poll until `empty`.
+  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* context,
+                                  const ::kvsidecar::v1::DrainRequest* request,
+                                  ::kvsidecar::v1::DrainResponse* response) override;
+  // Releases a whole session (its watch stream ends with ABORTED) or one sequence.
+  grpc::ServerUnaryReactor* ForceRelease(grpc::CallbackServerContext* context,
+                                         const ::kvsidecar::v1::ForceReleaseRequest* request,
+                                         ::kvsidecar::v1::ForceReleaseResponse* response) override;
+
+ private:
+  KvPool* const pool_;
+  SidecarService* const sidecar_;
+  const AdminInfo info_;
+  const std::function<void()> on_drain_;
+  std::once_flag drain_once_;
+};
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_SERVICE_ADMIN_SERVICE_H_

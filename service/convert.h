@@ -1,0 +1,125 @@
+// Protobuf <-> cache-core conversions and request validation for the service edge.
+//
+// Every check that can be made without the pool lives here, as pure functions, so the handlers in
+// sidecar_service.cc only sequence pool calls. INVALID_ARGUMENT messages name the proto field by
+// its path in the request ("layout.head_dim", "requests[3].num_tokens", "positions[2]"); callers
+// of batch forms pass a `prefix` such as "requests[3]." that is put in front of every field name.
+// Parts of the contract this build does not serve yet (policies other than streaming_llm and
+// keydiff, attention inputs, per-layer budgets, retain_evicted, the query staging area) are
+// refused with UNIMPLEMENTED naming what is missing. Sizes are computed with overflow-checked
+// arithmetic before anything is allocated.
+//
+// Threading: pure functions, no state.
+#ifndef KVSIDECAR_SERVICE_CONVERT_H_
+#define KVSIDECAR_SERVICE_CONVERT_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "cache/policy/policy_config.h"
+#include "cache/pool.h"
+#include "gpu/base/layout.h"
+#include "kvsidecar/v1/admin.pb.h"
+#include "kvsidecar/v1/common.pb.h"
+#include "kvsidecar/v1/sidecar.pb.h"
+
+namespace kvs {
+
+namespace v1 = ::kvsidecar::v1;
+
+// Largest budget (tokens per layer) a request may ask for: far beyond any model's context, and
+// small enough that budget + prefill block can never overflow int32 slot arithmetic.
+inline constexpr int32_t kMaxBudgetTokens = 1 << 24;
+inline constexpr int32_t kDefaultPrefillBlockTokens = 128;
+// Longest session id, sequence id, tenant or worker name accepted.
+inline constexpr size_t kMaxNameBytes = 256;
+inline constexpr uint32_t kMinExportChunkBytes = 64u << 10;
+inline constexpr uint32_t kMaxExportChunkBytes = 4u << 20;
+inline constexpr uint32_t kDefaultExportChunkBytes = 1u << 20;
+
+// Every policy name of the contract, and the ones this build implements.
+inline constexpr absl::string_view kContractPolicyNames[] = {
+    "streaming_llm", "keydiff", "h2o", "tova", "snapkv", "cake", "d2o", "caote", "omnikv"};
+bool IsImplementedPolicy(absl::string_view name);
+
+// ---- Layout ----------------------------------------------------------------------------------
+// `field` is the full field path, e.g. "layout.dtype".
+absl::StatusOr<DType> DTypeFromProto(v1::DType dtype, absl::string_view field);
+v1::DType DTypeToProto(DType dtype);
+// block_tokens 0 becomes kDefaultBlockTokens; then ModelLayout::Validate with `prefix`.
+absl::StatusOr<ModelLayout> LayoutFromProto(const v1::ModelLayout& layout,
+                                            absl::string_view prefix = "layout.");
+void LayoutToProto(const ModelLayout& layout, v1::ModelLayout* out);
+
+// ---- Policies and budgets --------------------------------------------------------------------
+// An empty spec (no name, no params, no allocator) is nullopt: the server default applies.
+// Zero-valued parameters take the spec's defaults (filled in, so responses show them).
+absl::StatusOr<std::optional<PolicyConfig>> PolicyFromProto(const v1::PolicySpec& spec,
+                                                            absl::string_view prefix = "policy.");
+// A policy by name with every parameter at its default (for --default_policy). `field` names
+// the source in errors.
+absl::StatusOr<PolicyConfig> DefaultPolicyNamed(absl::string_view name, absl::string_view field);
+void PolicyToProto(const PolicyConfig& policy, v1::PolicySpec* out);
+
+// A present Budget message. prefill_block_tokens 0 becomes kDefaultPrefillBlockTokens.
+absl::StatusOr<BudgetConfig> BudgetFromProto(const v1::Budget& budget, int32_t max_tokens_per_call,
+                                             absl::string_view prefix = "budget.");
+void BudgetToProto(const BudgetConfig& budget, v1::Budget* out);
+
+// ---- Field checks ----------------------------------------------------------------------------
+// Non-empty (if `required`), at most kMaxNameBytes, no control characters.
+absl::Status ValidateName(absl::string_view value, absl::string_view field, bool required);
+// num_tokens in [1, max_tokens].
+absl::Status ValidateNumTokens(int32_t num_tokens, int32_t max_tokens, absl::string_view field);
+// Empty, or num_tokens entries, each >= 0, strictly increasing. `field` e.g. "positions".
+absl::Status ValidatePositions(absl::Span<const int32_t> positions, int32_t num_tokens,
+                               absl::string_view field);
+// Each in [0, num_layers), no repeats. `field` e.g. "layers".
+absl::Status ValidateLayers(absl::Span<const int32_t> layers, int32_t num_layers,
+                            absl::string_view field);
+// `layers`, or 0..num_layers-1 when empty.
+std::vector<int32_t> LayersOrAll(absl::Span<const int32_t> layers, int32_t num_layers);
+// Inline payload bytes [layers][2][H][tokens][D] * dtype_bytes; INVALID_ARGUMENT naming `field`
+// if it does not fit in 64 bits.
+absl::StatusOr<uint64_t> InlinePayloadBytes(const ModelLayout& layout, int64_t num_layers,
+                                            int64_t tokens, absl::string_view field);
+// 0 -> default; else clamped to [kMinExportChunkBytes, kMaxExportChunkBytes].
+uint32_t ClampExportChunkBytes(uint32_t requested);
+
+// ---- Requests --------------------------------------------------------------------------------
+absl::StatusOr<AttachParams> AttachFromProto(const v1::AttachRequest& request,
+                                             const PoolOptions& options);
+absl::StatusOr<SequenceParams> SequenceParamsFromProto(const v1::CreateSequenceRequest& request,
+                                                       int32_t max_tokens_per_call);
+// Ids, num_tokens, positions.
+absl::Status ValidateReserveRequest(const v1::ReserveRequest& request, int32_t max_tokens_per_call,
+                                    absl::string_view prefix = "");
+absl::Status ValidateCommitRequest(const v1::CommitRequest& request, absl::string_view prefix = "");
+// Everything about a header that the session layout decides, payload_bytes included.
+absl::Status ValidateAppendHeader(const v1::AppendHeader& header, const ModelLayout& layout,
+                                  int32_t max_tokens_per_call,
+                                  absl::string_view prefix = "header.");
+absl::StatusOr<CompressParams> CompressParamsFromProto(const v1::CompressRequest& request,
+                                                       absl::string_view prefix = "");
+
+// ---- Responses -------------------------------------------------------------------------------
+int64_t UnixMillisOf(absl::Time time);
+void ArenaHandleToProto(const SessionView& session, v1::ArenaHandle* out);
+void ReservationToProto(const Reservation& reservation, v1::ReserveResponse* out);
+void CommitResultToProto(const CommitResult& result, v1::CommitResponse* out);
+void CompressResultToProto(const CompressResult& result, v1::CompressResponse* out);
+void LayerLayoutToProto(const LayerLayoutView& layer, v1::LayerLayout* out);
+void SequenceLayoutToProto(const SequenceLayout& layout, v1::GetLayoutResponse* out);
+void SessionInfoToProto(const SessionInfo& info, v1::SessionInfo* out);
+void SequenceInfoToProto(const SequenceInfo& info, v1::SequenceInfo* out);
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_SERVICE_CONVERT_H_

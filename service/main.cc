@@ -1,0 +1,187 @@
+// kvsidecar: the sidecar binary. Parses and validates flags (a bad value: a message naming the
+// flag, exit 2), prepares the data directory, builds the backend, the pool and the servers,
+// prints one machine-readable line with the bound addresses, and serves until SIGINT/SIGTERM,
+// then shuts down gracefully and exits 0.
+#include <pthread.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
+#include "cache/clock.h"
+#include "cache/pool.h"
+#include "gpu/backend.h"
+#include "service/config.h"
+#include "service/log.h"
+#include "service/server.h"
+
+// Numbers are taken as text so that a malformed value gets our message and exit code 2.
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "Data-plane address host:port (port 0 = any).");
+ABSL_FLAG(std::string, admin_listen, "127.0.0.1:50052",
+          "Admin address host:port (port 0 = any; equal to --listen = one server for both).");
+ABSL_FLAG(std::string, data_dir, "./kvsidecar-data",
+          "Directory for the sidecar's files (created if missing).");
+ABSL_FLAG(std::string, shm_dir, "/dev/shm", "Directory of the shared-memory arena files.");
+ABSL_FLAG(std::string, arena_capacity_bytes, "1G",
+          "Total bytes of all session arenas (e.g. 1073741824, 1G, 512MiB).");
+ABSL_FLAG(std::string, default_session_bytes, "256M",
+          "Arena bytes of a session that asks for 0 blocks.");
+ABSL_FLAG(std::string, lease_ms, "10000", "Default session lease in milliseconds.");
+ABSL_FLAG(std::string, backend, "auto", "Compute backend: cpu, auto (cpu in this build) or cuda.");
+ABSL_FLAG(std::string, default_policy, "keydiff",
+          "Policy of sequences created without one: streaming_llm or keydiff.");
+ABSL_FLAG(std::string, default_budget_tokens, "0",
+          "Budget (tokens per layer) of sequences created without one; 0 = unbounded.");
+ABSL_FLAG(std::string, threads, "0", "Backend threads; 0 = hardware concurrency.");
+ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
+
+namespace {
+
+constexpr int kExitBadFlags = 2;
+
+int Fail(absl::string_view message, int code) {
+  std::fprintf(stderr, "kvsidecar: %.*s\n", static_cast<int>(message.size()), message.data());
+  return code;
+}
+
+// absl exits with status 1 on an unknown flag; look for one first so that every flag mistake
+// exits 2. Returns the first unknown flag name, or "".
+std::string FirstUnknownFlag(int argc, char** argv) {
+  static constexpr absl::string_view kBuiltins[] = {
+      "help",    "helpfull",        "helpshort", "helppackage", "helpon",     "helpmatch",
+      "version", "only_check_args", "flagfile",  "fromenv",     "tryfromenv", "undefok"};
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") break;
+    if (!absl::ConsumePrefix(&arg, "--") && !absl::ConsumePrefix(&arg, "-")) continue;
+    const absl::string_view name = arg.substr(0, arg.find('='));
+    bool builtin = false;
+    for (absl::string_view b : kBuiltins) builtin |= name == b;
+    if (builtin) continue;
+    if (absl::FindCommandLineFlag(name) != nullptr) {
+      // Every flag here is a string: "--threads -1" takes the next argument as its value.
+      if (arg.find('=') == absl::string_view::npos) ++i;
+      continue;
+    }
+    return std::string(name);
+  }
+  return "";
+}
+
+template <typename T>
+bool Assign(absl::StatusOr<T> parsed, T* out, std::string* error) {
+  if (!parsed.ok()) {
+    *error = std::string(parsed.status().message());
+    return false;
+  }
+  *out = *parsed;
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvsidecar: owns the KV-cache memory of model workers and keeps sequences inside their "
+      "budgets.\nUsage: kvsidecar [--listen=127.0.0.1:50051] [--admin_listen=127.0.0.1:50052] "
+      "[--backend=auto] ...");
+  if (std::string unknown = FirstUnknownFlag(argc, argv); !unknown.empty()) {
+    return Fail(absl::StrCat("unknown flag --", unknown, " (see --help)"), kExitBadFlags);
+  }
+  absl::ParseCommandLine(argc, argv);
+
+  kvs::SidecarConfig config;
+  config.listen = absl::GetFlag(FLAGS_listen);
+  config.admin_listen = absl::GetFlag(FLAGS_admin_listen);
+  config.data_dir = absl::GetFlag(FLAGS_data_dir);
+  config.shm_dir = absl::GetFlag(FLAGS_shm_dir);
+  config.backend = absl::GetFlag(FLAGS_backend);
+  config.default_policy = absl::GetFlag(FLAGS_default_policy);
+  config.log_level = absl::GetFlag(FLAGS_log_level);
+  std::string error;
+  int64_t lease_ms = 0, budget = 0, threads = 0;
+  if (!Assign(
+          kvs::ParseByteSize(absl::GetFlag(FLAGS_arena_capacity_bytes), "--arena_capacity_bytes"),
+          &config.arena_capacity_bytes, &error) ||
+      !Assign(
+          kvs::ParseByteSize(absl::GetFlag(FLAGS_default_session_bytes), "--default_session_bytes"),
+          &config.default_session_bytes, &error) ||
+      !Assign(kvs::ParseInteger(absl::GetFlag(FLAGS_lease_ms), "--lease_ms"), &lease_ms, &error) ||
+      !Assign(
+          kvs::ParseInteger(absl::GetFlag(FLAGS_default_budget_tokens), "--default_budget_tokens"),
+          &budget, &error) ||
+      !Assign(kvs::ParseInteger(absl::GetFlag(FLAGS_threads), "--threads"), &threads, &error)) {
+    return Fail(error, kExitBadFlags);
+  }
+  // Out-of-int32 values are clamped to a value ValidateConfig refuses, naming the flag.
+  config.lease_ms = lease_ms;
+  config.default_budget_tokens = static_cast<int32_t>(std::clamp<int64_t>(budget, -1, INT32_MAX));
+  config.threads = static_cast<int32_t>(std::clamp<int64_t>(threads, -1, INT32_MAX));
+  if (absl::Status status = kvs::ValidateConfig(config); !status.ok()) {
+    return Fail(status.message(), kExitBadFlags);
+  }
+  kvs::LogLevel level = kvs::LogLevel::kInfo;
+  kvs::ParseLogLevel(config.log_level, &level);
+  kvs::SetLogLevel(level);
+
+  auto backend_choice = kvs::ChooseBackend(config.backend);
+  if (!backend_choice.ok()) return Fail(backend_choice.status().message(), kExitBadFlags);
+  KVS_LOG(kInfo, "backend")("name", backend_choice->name)("reason", backend_choice->reason);
+  if (absl::Status status = kvs::PrepareDirectory(config.data_dir, "--data_dir", true);
+      !status.ok()) {
+    return Fail(status.message(), kExitBadFlags);
+  }
+  if (absl::Status status = kvs::PrepareDirectory(config.shm_dir, "--shm_dir", false);
+      !status.ok()) {
+    return Fail(status.message(), kExitBadFlags);
+  }
+  auto pool_options = kvs::ToPoolOptions(config);
+  if (!pool_options.ok()) return Fail(pool_options.status().message(), kExitBadFlags);
+
+  // Block the stop signals before any thread starts, so that every thread inherits the mask
+  // and only sigwait below sees them.
+  // A shell starts background jobs with SIGINT ignored, and an ignored signal is discarded
+  // rather than queued for sigwait: restore the default disposition first.
+  std::signal(SIGINT, SIG_DFL);
+  std::signal(SIGTERM, SIG_DFL);
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  std::unique_ptr<kvs::Backend> backend = kvs::MakeCpuBackend(config.threads);
+  kvs::RealClock clock;
+  kvs::KvPool pool(backend.get(), &clock, *pool_options);
+
+  kvs::ServerOptions server_options;
+  server_options.listen = config.listen;
+  server_options.admin_listen = config.admin_listen;
+  server_options.admin_info.effective_config_yaml = kvs::ConfigToYaml(config, *backend_choice);
+  server_options.admin_info.backend = std::string(backend->name());
+  server_options.admin_info.backend_reason = backend_choice->reason;
+  auto server = kvs::SidecarServer::Start(&pool, server_options);
+  if (!server.ok()) return Fail(server.status().message(), 1);
+
+  std::cout << (*server)->ListeningLine() << std::endl;  // endl flushes: tests wait for it
+
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  KVS_LOG(kInfo, "signal")("signal", signal_number == SIGINT ? "SIGINT" : "SIGTERM");
+  (*server)->Shutdown(absl::Seconds(2));
+  server->reset();
+  return 0;
+}

@@ -1,0 +1,81 @@
+// SidecarServer: builds and runs the gRPC servers around one KvPool: the data plane on
+// `listen`, Admin on `admin_listen` (one server for both when the addresses are equal and the port
+// is not 0), standard
+// health checking and server reflection on each, and a reaper thread that reclaims sessions
+// whose lease lapsed. Port 0 binds a free port; the ports actually bound are reported.
+//
+// Threading: Start/Shutdown from one controlling thread; the accessors are immutable after
+// Start. Lifetime: the pool must outlive the server; Shutdown (or the destructor) finishes watch
+// streams, stops the reaper, shuts the gRPC servers down with a deadline and waits for them.
+#ifndef KVSIDECAR_SERVICE_SERVER_H_
+#define KVSIDECAR_SERVICE_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "cache/pool.h"
+#include "grpcpp/grpcpp.h"
+#include "service/admin_service.h"
+#include "service/sidecar_service.h"
+
+namespace kvs {
+
+struct ServerOptions {
+  std::string listen = "127.0.0.1:50051";
+  std::string admin_listen = "127.0.0.1:50052";
+  absl::Duration reap_interval = absl::Milliseconds(200);
+  AdminInfo admin_info;  // what Admin.GetConfig reports; admin_info.backend also goes to Attach
+};
+
+class SidecarServer {
+ public:
+  // Binds, starts serving and starts the reaper. UNAVAILABLE if an address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<SidecarServer>> Start(KvPool* pool,
+                                                              const ServerOptions& options);
+  ~SidecarServer();
+  SidecarServer(const SidecarServer&) = delete;
+  SidecarServer& operator=(const SidecarServer&) = delete;
+
+  // host:port with the port actually bound.
+  const std::string& data_address() const { return data_address_; }
+  const std::string& admin_address() const { return admin_address_; }
+  int data_port() const { return data_port_; }
+  int admin_port() const { return admin_port_; }
+  // The single machine-readable start line:
+  //   kvsidecar listening data=127.0.0.1:PORT admin=127.0.0.1:PORT
+  std::string ListeningLine() const;
+
+  SidecarService* sidecar() { return sidecar_.get(); }
+
+  // Graceful stop: watch streams end with OK, in-flight calls get until `grace` to finish and
+  // are cancelled after. Idempotent.
+  void Shutdown(absl::Duration grace = absl::Seconds(2));
+
+ private:
+  explicit SidecarServer(KvPool* pool) : pool_(pool) {}
+  void ReaperLoop(absl::Duration interval);
+
+  KvPool* const pool_;
+  std::unique_ptr<SidecarService> sidecar_;
+  std::unique_ptr<AdminService> admin_;
+  std::unique_ptr<grpc::Server> data_server_;
+  std::unique_ptr<grpc::Server> admin_server_;  // null when Admin shares the data server
+  std::string data_address_;
+  std::string admin_address_;
+  int data_port_ = 0;
+  int admin_port_ = 0;
+  bool shut_down_ = false;
+
+  std::thread reaper_;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_SERVICE_SERVER_H_

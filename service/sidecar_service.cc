@@ -1,0 +1,838 @@
+#include "service/sidecar_service.h"
+
+#include <algorithm>
+#include <deque>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "gpu/base/checked_math.h"
+#include "gpu/base/status_macros.h"
+#include "service/convert.h"
+#include "service/log.h"
+#include "service/rpc_guard.h"
+#include "service/status_convert.h"
+
+namespace kvs {
+
+namespace v1 = ::kvsidecar::v1;
+
+namespace {
+
+// A write stream that fails before it starts.
+template <typename Response>
+class FailedWriteReactor final : public grpc::ServerWriteReactor<Response> {
+ public:
+  explicit FailedWriteReactor(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
+// A read stream that fails before it starts.
+template <typename Request>
+class FailedReadReactor final : public grpc::ServerReadReactor<Request> {
+ public:
+  explicit FailedReadReactor(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
+absl::Status Unimplemented(absl::string_view what) {
+  return absl::UnimplementedError(std::string(what));
+}
+
+}  // namespace
+
+// ---- Watch -------------------------------------------------------------------------------------
+
+// One open Watch stream. Kept alive by `self_` until gRPC calls OnDone (and by the service's map
+// while registered). Writes are queued: gRPC allows one outstanding write per stream.
+class WatchReactor final : public grpc::ServerWriteReactor<v1::SessionEvent> {
+ public:
+  WatchReactor(SidecarService* service, std::string session_id)
+      : service_(service), session_id_(std::move(session_id)) {}
+
+  const std::string& session_id() const { return session_id_; }
+
+  // Binds the reactor's lifetime to the RPC and sends KIND_WATCHING.
+  void Begin(std::shared_ptr<WatchReactor> self) {
+    self_ = std::move(self);
+    Send(v1::SessionEvent::KIND_WATCHING);
+  }
+
+  void Send(v1::SessionEvent::Kind kind) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (finish_requested_ || finished_) return;
+    v1::SessionEvent event;
+    event.set_kind(kind);
+    queue_.push_back(std::move(event));
+    if (!writing_) WriteNextLocked();
+  }
+
+  // Ends the stream from the server side once queued events are out. The session is not
+  // reclaimed for it.
+  void End(const grpc::Status& status) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (finish_requested_ || finished_) return;
+    finish_requested_ = true;
+    finish_status_ = status;
+    if (!writing_) WriteNextLocked();
+  }
+
+  void OnWriteDone(bool ok) override ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (!ok) {  // the stream is broken (cancelled, connection gone): nothing more can be sent
+      queue_.clear();
+      FinishLocked(finish_requested_ ? finish_status_ : grpc::Status::CANCELLED);
+      return;
+    }
+    WriteNextLocked();
+  }
+
+  void OnCancel() override ABSL_LOCKS_EXCLUDED(mu_) {
+    bool reclaim = false;
+    {
+      absl::MutexLock lock(&mu_);
+      // A stream the server ended itself (Detach, drain, shutdown) releases nothing more.
+      reclaim = !finish_requested_;
+      queue_.clear();
+      if (!writing_) FinishLocked(grpc::Status::CANCELLED);  // else OnWriteDone(false) does it
+    }
+    if (!reclaim) return;
+    // The worker is gone (or gave up the session): reclaim without waiting for the lease.
+    absl::Status status = Guarded("Watch", [&]() -> absl::Status {
+      auto released = service_->pool()->Reclaim(session_id_);
+      if (released.ok()) {
+        KVS_LOG(kInfo, "session_reclaimed")
+        ("session", session_id_)("reason", "watch_ended")("sequences", released->sequences)(
+            "blocks", released->blocks);
+      } else if (released.status().code() != absl::StatusCode::kNotFound) {
+        return released.status();
+      }
+      return absl::OkStatus();
+    });
+    (void)status;
+  }
+
+  void OnDone() override {
+    service_->Unregister(session_id_, this);
+    // Dropping the last reference destroys `this`: nothing may touch members after this line.
+    std::shared_ptr<WatchReactor> keep_alive_until_return = std::move(self_);
+  }
+
+ private:
+  void WriteNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    if (queue_.empty()) {
+      if (finish_requested_) FinishLocked(finish_status_);
+      return;
+    }
+    current_ = std::move(queue_.front());
+    queue_.pop_front();
+    writing_ = true;
+    StartWrite(&current_);
+  }
+
+  void FinishLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    finished_ = true;
+    Finish(status);  // OnDone is never run inline from Finish for these reactors
+  }
+
+  SidecarService* const service_;
+  const std::string session_id_;
+  std::shared_ptr<WatchReactor> self_;
+
+  absl::Mutex mu_;
+  std::deque<v1::SessionEvent> queue_ ABSL_GUARDED_BY(mu_);
+  v1::SessionEvent current_ ABSL_GUARDED_BY(mu_);  // the event being written
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_requested_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
+};
+
+// ---- Append ------------------------------------------------------------------------------------
+
+// A client stream of segments (header + exactly header.payload_bytes of data). Each segment is
+// reserved at its header, written chunk by chunk, and committed when its last byte arrives, so a
+// failure in segment k leaves segments < k committed (the error message says so). An open
+// segment whose stream fails or is cancelled has its reservation cancelled.
+class AppendReactor final : public grpc::ServerReadReactor<v1::AppendChunk> {
+ public:
+  AppendReactor(KvPool* pool, grpc::CallbackServerContext* context, v1::AppendResponse* response)
+      : pool_(pool), context_(context), response_(response) {
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    bool finished = false;
+    const absl::Status status = Guarded("Append", [&]() -> absl::Status {
+      absl::Status step = Step(ok, &finished);
+      if (step.ok() || committed_ == 0 || step.code() == absl::StatusCode::kCancelled) {
+        return step;
+      }
+      return absl::Status(
+          step.code(), absl::StrCat("segment ", committed_, ": ", step.message(), " (segments 0..",
+                                    committed_ - 1, " were committed)"));
+    });
+    if (!status.ok()) {
+      AbandonSegment();
+      Finish(ToGrpcStatus(status));
+    } else if (finished) {
+      Finish(grpc::Status::OK);
+    } else {
+      StartRead(&chunk_);
+    }
+  }
+
+  void OnDone() override {
+    AbandonSegment();
+    delete this;
+  }
+
+ private:
+  struct Segment {
+    std::string session_id;
+    std::string sequence_id;
+    uint64_t reservation_id = 0;
+    uint64_t payload_bytes = 0;
+    uint64_t received = 0;
+    bool compress_if_over_budget = false;
+  };
+
+  absl::Status Step(bool ok, bool* finished) {
+    if (!ok) {
+      if (context_->IsCancelled()) return absl::CancelledError("Append cancelled by the client");
+      if (segment_.has_value()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("data: the stream ended inside a segment after ", segment_->received,
+                         " of ", segment_->payload_bytes, " payload bytes (header.payload_bytes)"));
+      }
+      *finished = true;
+      return absl::OkStatus();
+    }
+    switch (chunk_.kind_case()) {
+      case v1::AppendChunk::kHeader:
+        return BeginSegment(chunk_.header());
+      case v1::AppendChunk::kData:
+        return AddData(chunk_.data());
+      default:
+        return absl::InvalidArgumentError("chunk has neither header nor data");
+    }
+  }
+
+  absl::Status BeginSegment(const v1::AppendHeader& header) {
+    if (segment_.has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header: a new header arrived inside a segment after ", segment_->received,
+                       " of ", segment_->payload_bytes, " payload bytes"));
+    }
+    KVS_RETURN_IF_ERROR(ValidateName(header.session_id(), "header.session_id", true));
+    KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(header.session_id()));
+    KVS_RETURN_IF_ERROR(ValidateAppendHeader(header, session.layout,
+                                             pool_->options().max_tokens_per_call, "header."));
+    KVS_ASSIGN_OR_RETURN(Reservation reservation,
+                         pool_->Reserve(header.session_id(), header.sequence_id(),
+                                        header.num_tokens(), header.positions(), header.layers()));
+    segment_ = Segment{header.session_id(),
+                       header.sequence_id(),
+                       reservation.reservation_id,
+                       reservation.payload_bytes,
+                       0,
+                       header.compress_if_over_budget()};
+    if (reservation.payload_bytes != header.payload_bytes()) {  // the pool disagrees: refuse
+      return absl::InvalidArgumentError(absl::StrCat("header.payload_bytes must be ",
+                                                     reservation.payload_bytes, ", got ",
+                                                     header.payload_bytes()));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status AddData(const std::string& data) {
+    if (!segment_.has_value()) {
+      return absl::InvalidArgumentError(
+          committed_ == 0 ? "data: a data chunk arrived before any header"
+                          : "data: a data chunk arrived after the segment was complete; start "
+                            "the next segment with a header");
+    }
+    Segment& segment = *segment_;
+    const uint64_t left = segment.payload_bytes - segment.received;
+    if (data.size() > left) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "data: a chunk of ", data.size(), " bytes exceeds the ", left,
+          " bytes left in the segment (header.payload_bytes = ", segment.payload_bytes, ")"));
+    }
+    if (!data.empty()) {
+      KVS_RETURN_IF_ERROR(pool_->WriteReserved(
+          segment.session_id, segment.sequence_id, segment.reservation_id, segment.received,
+          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(data.data()), data.size())));
+      segment.received += data.size();
+      response_->set_bytes_received(response_->bytes_received() + data.size());
+    }
+    if (segment.received < segment.payload_bytes) return absl::OkStatus();
+    KVS_ASSIGN_OR_RETURN(CommitResult result,
+                         pool_->Commit(segment.session_id, segment.sequence_id,
+                                       segment.reservation_id, segment.compress_if_over_budget));
+    v1::AppendResponse::Item* item = response_->add_items();
+    item->set_sequence_id(segment.sequence_id);
+    item->mutable_counts()->Add(result.counts.begin(), result.counts.end());
+    item->set_evicted(result.evicted);
+    segment_.reset();
+    ++committed_;
+    return absl::OkStatus();
+  }
+
+  // Cancels the open segment's reservation, if any. Never throws.
+  void AbandonSegment() noexcept {
+    if (!segment_.has_value()) return;
+    try {
+      absl::Status status = pool_->CancelReservation(segment_->session_id, segment_->sequence_id,
+                                                     segment_->reservation_id);
+      if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
+        LogRpcFailure("Append(cancel reservation)", status);
+      }
+    } catch (...) {
+    }
+    segment_.reset();
+  }
+
+  KvPool* const pool_;
+  grpc::CallbackServerContext* const context_;
+  v1::AppendResponse* const response_;
+  v1::AppendChunk chunk_;
+  std::optional<Segment> segment_;
+  int committed_ = 0;
+};
+
+// ---- Export ------------------------------------------------------------------------------------
+
+// Header (layout, per-layer counts and positions, payload size), then the payload in chunks, each
+// read at the layout's version so that a sequence changed mid-stream ends it with ABORTED.
+class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
+ public:
+  ExportReactor(KvPool* pool, const v1::ExportRequest& request) : pool_(pool), request_(request) {}
+
+  void Start() {
+    const absl::Status status = Guarded("Export", [&] { return Prepare(); });
+    if (!status.ok()) {
+      Finish(ToGrpcStatus(status));
+      return;
+    }
+    StartWrite(&message_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "Export stream broken"));
+      return;
+    }
+    if (offset_ == total_) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    const absl::Status status = Guarded("Export", [&] { return NextChunk(); });
+    if (!status.ok()) {
+      Finish(ToGrpcStatus(status));
+      return;
+    }
+    StartWrite(&message_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Prepare() {
+    KVS_RETURN_IF_ERROR(ValidateName(request_.session_id(), "session_id", true));
+    KVS_RETURN_IF_ERROR(ValidateName(request_.sequence_id(), "sequence_id", true));
+    chunk_bytes_ = ClampExportChunkBytes(request_.chunk_bytes());
+    KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request_.session_id()));
+    KVS_RETURN_IF_ERROR(ValidateLayers(request_.layers(), session.layout.num_layers, "layers"));
+    layers_ = LayersOrAll(request_.layers(), session.layout.num_layers);
+    KVS_ASSIGN_OR_RETURN(SequenceLayout layout,
+                         pool_->GetLayout(request_.session_id(), request_.sequence_id(), layers_,
+                                          /*with_positions=*/true));
+    version_ = layout.version;
+    v1::ExportHeader* header = message_.mutable_header();
+    LayoutToProto(session.layout, header->mutable_layout());
+    uint64_t total = 0;
+    for (const LayerLayoutView& layer : layout.layers) {
+      LayerLayoutToProto(layer, header->add_layers());
+      KVS_ASSIGN_OR_RETURN(uint64_t bytes,
+                           InlinePayloadBytes(session.layout, 1, layer.count, "payload_bytes"));
+      auto sum = CheckedAdd(total, bytes);
+      if (!sum) return absl::InternalError("export payload size overflows");
+      total = *sum;
+    }
+    header->set_payload_bytes(total);
+    total_ = total;
+    const size_t header_bytes = message_.ByteSizeLong();
+    if (header_bytes > static_cast<size_t>(kMaxMessageBytes) - 4096) {
+      return absl::ResourceExhaustedError(absl::StrCat("the export header (", header_bytes,
+                                                       " bytes of layout and positions) ",
+                                                       "exceeds the ", kMaxMessageBytes,
+                                                       "-byte message limit; export fewer "
+                                                       "layers per call (layers)"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status NextChunk() {
+    const uint64_t n = std::min<uint64_t>(chunk_bytes_, total_ - offset_);
+    std::string* data = message_.mutable_data();
+    data->resize(n);
+    KVS_RETURN_IF_ERROR(
+        pool_->ReadExport(request_.session_id(), request_.sequence_id(), layers_, version_, offset_,
+                          absl::MakeSpan(reinterpret_cast<uint8_t*>(data->data()), data->size())));
+    offset_ += n;
+    return absl::OkStatus();
+  }
+
+  KvPool* const pool_;
+  const v1::ExportRequest request_;
+  std::vector<int32_t> layers_;
+  uint32_t chunk_bytes_ = kDefaultExportChunkBytes;
+  uint64_t version_ = 0;
+  uint64_t total_ = 0;
+  uint64_t offset_ = 0;
+  v1::ExportChunk message_;
+};
+
+// ---- SidecarService ----------------------------------------------------------------------------
+
+SidecarService::SidecarService(KvPool* pool, std::string backend_name)
+    : pool_(pool), backend_name_(std::move(backend_name)) {}
+
+SidecarService::~SidecarService() = default;
+
+void SidecarService::StartDraining() {
+  if (draining_.exchange(true)) return;
+  KVS_LOG(kInfo, "draining")("watchers", active_watches());
+  std::vector<std::shared_ptr<WatchReactor>> watchers;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, reactor] : watchers_) watchers.push_back(reactor);
+  }
+  for (auto& reactor : watchers) reactor->Send(v1::SessionEvent::KIND_DRAINING);
+}
+
+void SidecarService::EndWatch(absl::string_view session_id, const grpc::Status& status) {
+  std::shared_ptr<WatchReactor> reactor;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = watchers_.find(session_id);
+    if (it == watchers_.end()) return;
+    reactor = it->second;
+  }
+  reactor->End(status);
+}
+
+void SidecarService::EndOrphanWatches() {
+  std::vector<std::shared_ptr<WatchReactor>> watchers;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, reactor] : watchers_) watchers.push_back(reactor);
+  }
+  for (auto& reactor : watchers) {
+    if (pool_->GetSession(reactor->session_id()).status().code() == absl::StatusCode::kNotFound) {
+      reactor->End(grpc::Status(grpc::StatusCode::NOT_FOUND,
+                                absl::StrCat("session '", reactor->session_id(),
+                                             "' ended: its lease expired or it was released")));
+    }
+  }
+}
+
+void SidecarService::Shutdown() {
+  std::vector<std::shared_ptr<WatchReactor>> watchers;
+  {
+    absl::MutexLock lock(&mu_);
+    shutting_down_ = true;
+    for (auto& [id, reactor] : watchers_) watchers.push_back(reactor);
+  }
+  for (auto& reactor : watchers) reactor->End(grpc::Status::OK);
+}
+
+int SidecarService::active_watches() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(watchers_.size());
+}
+
+void SidecarService::Unregister(const std::string& session_id, const WatchReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  auto it = watchers_.find(session_id);
+  if (it != watchers_.end() && it->second.get() == reactor) watchers_.erase(it);
+}
+
+absl::Status SidecarService::CheckSequenceExists(const std::string& session_id,
+                                                 const std::string& sequence_id) const {
+  const int32_t first_layer[] = {0};
+  return pool_->GetLayout(session_id, sequence_id, first_layer, /*with_positions=*/false).status();
+}
+
+grpc::ServerUnaryReactor* SidecarService::Attach(grpc::CallbackServerContext* context,
+                                                 const v1::AttachRequest* request,
+                                                 v1::AttachResponse* response) {
+  return RunUnary(context, "Attach", [&]() -> absl::Status {
+    if (draining()) {
+      return absl::UnavailableError(
+          "the sidecar is draining and accepts no new sessions; attach to another instance");
+    }
+    KVS_ASSIGN_OR_RETURN(AttachParams params, AttachFromProto(*request, pool_->options()));
+    KVS_ASSIGN_OR_RETURN(SessionView session, pool_->Attach(params));
+    response->set_session_id(session.session_id);
+    ArenaHandleToProto(session, response->mutable_arena());
+    LayoutToProto(session.layout, response->mutable_layout());
+    response->set_lease_ms(static_cast<int32_t>(
+        std::min<int64_t>(absl::ToInt64Milliseconds(session.lease), INT32_MAX)));
+    response->set_backend(backend_name_);
+    KVS_LOG(kInfo, "attach")
+    ("session", session.session_id)("tenant", params.tenant)("worker", params.worker_name)(
+        "blocks", session.num_blocks)("block_bytes", session.block_bytes)("peer", context->peer());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::Heartbeat(grpc::CallbackServerContext* context,
+                                                    const v1::HeartbeatRequest* request,
+                                                    v1::HeartbeatResponse* response) {
+  return RunUnary(context, "Heartbeat", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
+    KVS_ASSIGN_OR_RETURN(absl::Time expires, pool_->Heartbeat(request->session_id()));
+    response->set_lease_expires_unix_ms(UnixMillisOf(expires));
+    for (const SessionInfo& info : pool_->ListSessions()) {
+      if (info.session_id == request->session_id()) {
+        response->set_free_blocks(info.free_blocks);
+        break;
+      }
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerWriteReactor<v1::SessionEvent>* SidecarService::Watch(
+    grpc::CallbackServerContext* context, const v1::WatchRequest* request) {
+  std::shared_ptr<WatchReactor> reactor;
+  const absl::Status status = Guarded("Watch", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
+    KVS_RETURN_IF_ERROR(pool_->GetSession(request->session_id()).status());
+    absl::MutexLock lock(&mu_);
+    if (shutting_down_) return absl::UnavailableError("the sidecar is shutting down");
+    if (watchers_.contains(request->session_id())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session '", request->session_id(),
+                       "' already has a Watch stream; a session has at most one"));
+    }
+    reactor = std::make_shared<WatchReactor>(this, request->session_id());
+    watchers_[request->session_id()] = reactor;
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return new FailedWriteReactor<v1::SessionEvent>(status);
+  reactor->Begin(reactor);
+  KVS_LOG(kDebug, "watch_started")("session", request->session_id())("peer", context->peer());
+  // The session may have been reclaimed between the check and the registration.
+  if (!pool_->GetSession(request->session_id()).ok()) {
+    reactor->End(grpc::Status(grpc::StatusCode::NOT_FOUND,
+                              absl::StrCat("session '", request->session_id(), "' ended")));
+  }
+  return reactor.get();
+}
+
+grpc::ServerUnaryReactor* SidecarService::Detach(grpc::CallbackServerContext* context,
+                                                 const v1::DetachRequest* request,
+                                                 v1::DetachResponse* response) {
+  return RunUnary(context, "Detach", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
+    KVS_ASSIGN_OR_RETURN(ReleaseCounts released, pool_->Detach(request->session_id()));
+    response->set_sequences_released(released.sequences);
+    response->set_blocks_released(released.blocks);
+    EndWatch(request->session_id(), grpc::Status::OK);
+    KVS_LOG(kInfo, "detach")
+    ("session", request->session_id())("sequences", released.sequences)("blocks", released.blocks);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::CreateSequence(grpc::CallbackServerContext* context,
+                                                         const v1::CreateSequenceRequest* request,
+                                                         v1::CreateSequenceResponse* response) {
+  return RunUnary(context, "CreateSequence", [&]() -> absl::Status {
+    KVS_ASSIGN_OR_RETURN(SequenceParams params,
+                         SequenceParamsFromProto(*request, pool_->options().max_tokens_per_call));
+    KVS_ASSIGN_OR_RETURN(SequenceCreated created,
+                         pool_->CreateSequence(request->session_id(), params));
+    response->set_sequence_id(created.sequence_id);
+    PolicyToProto(created.policy, response->mutable_policy());
+    BudgetToProto(created.budget, response->mutable_budget());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::ReleaseSequence(grpc::CallbackServerContext* context,
+                                                          const v1::ReleaseSequenceRequest* request,
+                                                          v1::ReleaseSequenceResponse* response) {
+  return RunUnary(context, "ReleaseSequence", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
+    KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", true));
+    KVS_ASSIGN_OR_RETURN(ReleaseCounts released,
+                         pool_->ReleaseSequence(request->session_id(), request->sequence_id()));
+    response->set_blocks_released(released.blocks);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::Reserve(grpc::CallbackServerContext* context,
+                                                  const v1::ReserveRequest* request,
+                                                  v1::ReserveResponse* response) {
+  return RunUnary(context, "Reserve", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(ValidateReserveRequest(*request, pool_->options().max_tokens_per_call));
+    KVS_ASSIGN_OR_RETURN(Reservation reservation,
+                         pool_->Reserve(request->session_id(), request->sequence_id(),
+                                        request->num_tokens(), request->positions(), {}));
+    ReservationToProto(reservation, response);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::Commit(grpc::CallbackServerContext* context,
+                                                 const v1::CommitRequest* request,
+                                                 v1::CommitResponse* response) {
+  return RunUnary(context, "Commit", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(ValidateCommitRequest(*request));
+    KVS_ASSIGN_OR_RETURN(
+        CommitResult result,
+        pool_->Commit(request->session_id(), request->sequence_id(), request->reservation_id(),
+                      request->compress_if_over_budget()));
+    CommitResultToProto(result, response);
+    return absl::OkStatus();
+  });
+}
+
+namespace {
+
+absl::Status CheckBatchSize(int size) {
+  if (size > kMaxBatchItems) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("requests has ", size, " items; at most ", kMaxBatchItems, " per call"));
+  }
+  return absl::OkStatus();
+}
+
+// INVALID_ARGUMENT if (session, sequence) of item `index` already appeared in the batch.
+absl::Status CheckNoRepeat(absl::flat_hash_map<std::pair<std::string, std::string>, int>* seen,
+                           const std::string& session_id, const std::string& sequence_id,
+                           int index) {
+  auto [it, inserted] = seen->try_emplace(std::make_pair(session_id, sequence_id), index);
+  if (!inserted) {
+    return absl::InvalidArgumentError(absl::StrCat("requests[", index, "].sequence_id '",
+                                                   sequence_id, "' repeats requests[", it->second,
+                                                   "] (one item per sequence per batch)"));
+  }
+  return absl::OkStatus();
+}
+
+std::string Item(int index) { return absl::StrCat("requests[", index, "]"); }
+
+}  // namespace
+
+grpc::ServerUnaryReactor* SidecarService::BatchReserve(grpc::CallbackServerContext* context,
+                                                       const v1::BatchReserveRequest* request,
+                                                       v1::BatchReserveResponse* response) {
+  return RunUnary(context, "BatchReserve", [&]() -> absl::Status {
+    const int n = request->requests_size();
+    KVS_RETURN_IF_ERROR(CheckBatchSize(n));
+    absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
+    for (int i = 0; i < n; ++i) {
+      const v1::ReserveRequest& item = request->requests(i);
+      KVS_RETURN_IF_ERROR(ValidateReserveRequest(item, pool_->options().max_tokens_per_call,
+                                                 absl::StrCat(Item(i), ".")));
+      KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
+      KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "),
+                                     CheckSequenceExists(item.session_id(), item.sequence_id())));
+    }
+    std::vector<Reservation> made;
+    made.reserve(n);
+    for (int i = 0; i < n; ++i) {
+      const v1::ReserveRequest& item = request->requests(i);
+      auto reservation = pool_->Reserve(item.session_id(), item.sequence_id(), item.num_tokens(),
+                                        item.positions(), {});
+      if (!reservation.ok()) {
+        for (int j = 0; j < i; ++j) {
+          const v1::ReserveRequest& done = request->requests(j);
+          absl::Status undo = pool_->CancelReservation(done.session_id(), done.sequence_id(),
+                                                       made[j].reservation_id);
+          if (!undo.ok()) LogRpcFailure("BatchReserve(rollback)", undo);
+        }
+        return WithPrefix(absl::StrCat(Item(i), ": "), reservation.status());
+      }
+      made.push_back(*std::move(reservation));
+    }
+    for (const Reservation& reservation : made) {
+      ReservationToProto(reservation, response->add_responses());
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContext* context,
+                                                      const v1::BatchCommitRequest* request,
+                                                      v1::BatchCommitResponse* response) {
+  return RunUnary(context, "BatchCommit", [&]() -> absl::Status {
+    const int n = request->requests_size();
+    KVS_RETURN_IF_ERROR(CheckBatchSize(n));
+    absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
+    for (int i = 0; i < n; ++i) {
+      const v1::CommitRequest& item = request->requests(i);
+      KVS_RETURN_IF_ERROR(ValidateCommitRequest(item, absl::StrCat(Item(i), ".")));
+      KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
+      KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "),
+                                     CheckSequenceExists(item.session_id(), item.sequence_id())));
+    }
+    for (int i = 0; i < n; ++i) {
+      const v1::CommitRequest& item = request->requests(i);
+      auto result = pool_->Commit(item.session_id(), item.sequence_id(), item.reservation_id(),
+                                  item.compress_if_over_budget());
+      if (!result.ok()) {
+        std::string note =
+            i == 0 ? absl::StrCat(" (nothing was committed)")
+                   : absl::StrCat(" (requests[0..", i - 1, "] were committed; requests[", i, "..",
+                                  n - 1, "] were not)");
+        return absl::Status(result.status().code(),
+                            absl::StrCat(Item(i), ": ", result.status().message(), note));
+      }
+      CommitResultToProto(*result, response->add_responses());
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerReadReactor<v1::AppendChunk>* SidecarService::Append(
+    grpc::CallbackServerContext* context, v1::AppendResponse* response) {
+  try {
+    return new AppendReactor(pool_, context, response);
+  } catch (...) {  // allocation failure: refuse the call rather than let it escape
+    return new FailedReadReactor<v1::AppendChunk>(absl::InternalError("Append: out of memory"));
+  }
+}
+
+grpc::ServerWriteReactor<v1::ExportChunk>* SidecarService::Export(
+    grpc::CallbackServerContext* context, const v1::ExportRequest* request) {
+  ExportReactor* reactor = nullptr;
+  try {
+    reactor = new ExportReactor(pool_, *request);
+  } catch (...) {  // allocation failure: refuse the call rather than let it escape
+    return new FailedWriteReactor<v1::ExportChunk>(absl::InternalError("Export: out of memory"));
+  }
+  reactor->Start();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SidecarService::GetLayout(grpc::CallbackServerContext* context,
+                                                    const v1::GetLayoutRequest* request,
+                                                    v1::GetLayoutResponse* response) {
+  return RunUnary(context, "GetLayout", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
+    KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", true));
+    KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
+    KVS_RETURN_IF_ERROR(ValidateLayers(request->layers(), session.layout.num_layers, "layers"));
+    KVS_ASSIGN_OR_RETURN(SequenceLayout layout,
+                         pool_->GetLayout(request->session_id(), request->sequence_id(),
+                                          request->layers(), !request->omit_positions()));
+    SequenceLayoutToProto(layout, response);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::Compress(grpc::CallbackServerContext* context,
+                                                   const v1::CompressRequest* request,
+                                                   v1::CompressResponse* response) {
+  return RunUnary(context, "Compress", [&]() -> absl::Status {
+    KVS_ASSIGN_OR_RETURN(CompressParams params, CompressParamsFromProto(*request));
+    KVS_ASSIGN_OR_RETURN(CompressResult result,
+                         pool_->Compress(request->session_id(), request->sequence_id(), params));
+    CompressResultToProto(result, response);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerContext* context,
+                                                        const v1::BatchCompressRequest* request,
+                                                        v1::BatchCompressResponse* response) {
+  return RunUnary(context, "BatchCompress", [&]() -> absl::Status {
+    const int n = request->requests_size();
+    KVS_RETURN_IF_ERROR(CheckBatchSize(n));
+    std::vector<CompressParams> params;
+    params.reserve(n);
+    absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
+    for (int i = 0; i < n; ++i) {
+      const v1::CompressRequest& item = request->requests(i);
+      KVS_ASSIGN_OR_RETURN(CompressParams p,
+                           CompressParamsFromProto(item, absl::StrCat(Item(i), ".")));
+      KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
+      KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "),
+                                     CheckSequenceExists(item.session_id(), item.sequence_id())));
+      params.push_back(std::move(p));
+    }
+    for (int i = 0; i < n; ++i) {
+      const v1::CompressRequest& item = request->requests(i);
+      auto result = pool_->Compress(item.session_id(), item.sequence_id(), params[i]);
+      if (!result.ok()) {
+        std::string note = i == 0 ? std::string(" (nothing was compressed)")
+                                  : absl::StrCat(" (requests[0..", i - 1, "] were compressed)");
+        return absl::Status(result.status().code(),
+                            absl::StrCat(Item(i), ": ", result.status().message(), note));
+      }
+      CompressResultToProto(*result, response->add_responses());
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::DecodeStep(grpc::CallbackServerContext* context,
+                                                     const v1::DecodeStepRequest* request,
+                                                     v1::DecodeStepResponse* response) {
+  return RunUnary(context, "DecodeStep", [] {
+    return Unimplemented(
+        "DecodeStep is not implemented in this build: it needs the attention-based policies "
+        "(per-step query scoring); use Commit with compress_if_over_budget, or Compress");
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::Score(grpc::CallbackServerContext* context,
+                                                const v1::ScoreRequest* request,
+                                                v1::ScoreResponse* response) {
+  return RunUnary(context, "Score", [] {
+    return Unimplemented(
+        "Score (dry-run scoring) is not implemented in this build: it needs the policy scoring "
+        "read-out, which comes with the attention-based policies");
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::Select(grpc::CallbackServerContext* context,
+                                                 const v1::SelectRequest* request,
+                                                 v1::SelectResponse* response) {
+  return RunUnary(context, "Select", [] {
+    return Unimplemented(
+        "Select is not implemented in this build: it needs the OmniKV policy and the host tier");
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::Spill(grpc::CallbackServerContext* context,
+                                                const v1::SpillRequest* request,
+                                                v1::SpillResponse* response) {
+  return RunUnary(context, "Spill", [] {
+    return Unimplemented(
+        "Spill is not implemented in this build: it needs the host and disk storage tiers");
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::Restore(grpc::CallbackServerContext* context,
+                                                  const v1::RestoreRequest* request,
+                                                  v1::RestoreResponse* response) {
+  return RunUnary(context, "Restore", [] {
+    return Unimplemented(
+        "Restore is not implemented in this build: it needs the host and disk storage tiers");
+  });
+}
+
+}  // namespace kvs

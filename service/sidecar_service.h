@@ -1,0 +1,152 @@
+// SidecarService: the data plane (kvsidecar.v1.Sidecar) on the gRPC callback API. Validates each
+// request (service/convert.h), calls the pool, converts the result. Owns the Watch streams: one
+// per session at most; when a watch stream is cancelled or its connection drops, the session is
+// reclaimed at once.
+//
+// Streams: Append is a ServerReadReactor (segments = header + data chunks, each segment reserved,
+// written and committed in turn), Export a ServerWriteReactor (header, then payload chunks read
+// at the layout version, so a concurrent change ends the stream with ABORTED).
+//
+// Threading: handlers run on gRPC's callback threads, concurrently; the pool is thread-safe and
+// the watcher map has its own lock. Exceptions never leave a handler (service/rpc_guard.h).
+// Lifetime: the service must outlive the grpc::Server it is registered with (Shutdown() it, then
+// shut the server down and wait, then destroy it).
+#ifndef KVSIDECAR_SERVICE_SIDECAR_SERVICE_H_
+#define KVSIDECAR_SERVICE_SIDECAR_SERVICE_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "cache/pool.h"
+#include "grpcpp/grpcpp.h"
+#include "kvsidecar/v1/sidecar.grpc.pb.h"
+
+namespace kvs {
+
+class WatchReactor;  // service/sidecar_service.cc
+
+// Largest number of items one batch call (BatchReserve, BatchCommit, BatchCompress) may carry.
+inline constexpr int kMaxBatchItems = 1 << 16;
+// Largest gRPC message either way; a 4 MiB chunk plus its framing fits with room to spare.
+inline constexpr int kMaxMessageBytes = 64 << 20;
+
+class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
+ public:
+  // `pool` must outlive the service. `backend_name` is what Attach reports ("cpu").
+  SidecarService(KvPool* pool, std::string backend_name);
+  ~SidecarService() override;
+  SidecarService(const SidecarService&) = delete;
+  SidecarService& operator=(const SidecarService&) = delete;
+
+  // ---- Hooks for the Admin service and the server ----
+  bool draining() const { return draining_.load(); }
+  // Refuses further attaches and tells every watcher KIND_DRAINING. Idempotent.
+  void StartDraining();
+  // Ends the watch stream of `session_id`, if one is open, with `status`; the session is not
+  // reclaimed by this (the caller already released it).
+  void EndWatch(absl::string_view session_id, const grpc::Status& status);
+  // Ends the watch streams whose session no longer exists (after the reaper ran).
+  void EndOrphanWatches();
+  // Server shutdown: refuses new watches and finishes every open one with OK.
+  void Shutdown();
+  int active_watches() const;
+  KvPool* pool() const { return pool_; }
+
+  // ---- kvsidecar.v1.Sidecar ----
+  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* context,
+                                   const ::kvsidecar::v1::AttachRequest* request,
+                                   ::kvsidecar::v1::AttachResponse* response) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context,
+                                      const ::kvsidecar::v1::HeartbeatRequest* request,
+                                      ::kvsidecar::v1::HeartbeatResponse* response) override;
+  // First event KIND_WATCHING; KIND_DRAINING on drain. When the client cancels, its connection
+  // drops or its deadline passes, the session is reclaimed at once (so watch without a
+  // deadline). Ends with OK on Detach or server shutdown, NOT_FOUND when the lease lapsed,
+  // ABORTED on Admin.ForceRelease; a second watcher of a session gets FAILED_PRECONDITION.
+  grpc::ServerWriteReactor<::kvsidecar::v1::SessionEvent>* Watch(
+      grpc::CallbackServerContext* context, const ::kvsidecar::v1::WatchRequest* request) override;
+  grpc::ServerUnaryReactor* Detach(grpc::CallbackServerContext* context,
+                                   const ::kvsidecar::v1::DetachRequest* request,
+                                   ::kvsidecar::v1::DetachResponse* response) override;
+  grpc::ServerUnaryReactor* CreateSequence(
+      grpc::CallbackServerContext* context, const ::kvsidecar::v1::CreateSequenceRequest* request,
+      ::kvsidecar::v1::CreateSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* ReleaseSequence(
+      grpc::CallbackServerContext* context, const ::kvsidecar::v1::ReleaseSequenceRequest* request,
+      ::kvsidecar::v1::ReleaseSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* context,
+                                    const ::kvsidecar::v1::ReserveRequest* request,
+                                    ::kvsidecar::v1::ReserveResponse* response) override;
+  grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* context,
+                                   const ::kvsidecar::v1::CommitRequest* request,
+                                   ::kvsidecar::v1::CommitResponse* response) override;
+  // All or nothing: every item is validated (ids, sizes, repeats, existence) before the first
+  // reservation; if reserving item i still fails, the reservations of items < i are cancelled
+  // and the call fails with "requests[i]: ...". Caveat: a strict-budget item evicts before it
+  // reserves, and that eviction is not undone by the rollback.
+  grpc::ServerUnaryReactor* BatchReserve(grpc::CallbackServerContext* context,
+                                         const ::kvsidecar::v1::BatchReserveRequest* request,
+                                         ::kvsidecar::v1::BatchReserveResponse* response) override;
+  // Every item is validated first (ids, repeats, session and sequence exist). Commits then run in
+  // order; a commit cannot be undone, so if item i fails, items < i stay committed, item i and
+  // later stay reserved (the client may retry them), and the message says so.
+  grpc::ServerUnaryReactor* BatchCommit(grpc::CallbackServerContext* context,
+                                        const ::kvsidecar::v1::BatchCommitRequest* request,
+                                        ::kvsidecar::v1::BatchCommitResponse* response) override;
+  grpc::ServerReadReactor<::kvsidecar::v1::AppendChunk>* Append(
+      grpc::CallbackServerContext* context, ::kvsidecar::v1::AppendResponse* response) override;
+  grpc::ServerWriteReactor<::kvsidecar::v1::ExportChunk>* Export(
+      grpc::CallbackServerContext* context, const ::kvsidecar::v1::ExportRequest* request) override;
+  grpc::ServerUnaryReactor* GetLayout(grpc::CallbackServerContext* context,
+                                      const ::kvsidecar::v1::GetLayoutRequest* request,
+                                      ::kvsidecar::v1::GetLayoutResponse* response) override;
+  grpc::ServerUnaryReactor* Compress(grpc::CallbackServerContext* context,
+                                     const ::kvsidecar::v1::CompressRequest* request,
+                                     ::kvsidecar::v1::CompressResponse* response) override;
+  // Validated as a whole first; then compressed in order. If item i fails, items < i stay
+  // compressed (eviction cannot be undone) and the message says so.
+  grpc::ServerUnaryReactor* BatchCompress(
+      grpc::CallbackServerContext* context, const ::kvsidecar::v1::BatchCompressRequest* request,
+      ::kvsidecar::v1::BatchCompressResponse* response) override;
+  grpc::ServerUnaryReactor* DecodeStep(grpc::CallbackServerContext* context,
+                                       const ::kvsidecar::v1::DecodeStepRequest* request,
+                                       ::kvsidecar::v1::DecodeStepResponse* response) override;
+  grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* context,
+                                  const ::kvsidecar::v1::ScoreRequest* request,
+                                  ::kvsidecar::v1::ScoreResponse* response) override;
+  grpc::ServerUnaryReactor* Select(grpc::CallbackServerContext* context,
+                                   const ::kvsidecar::v1::SelectRequest* request,
+                                   ::kvsidecar::v1::SelectResponse* response) override;
+  grpc::ServerUnaryReactor* Spill(grpc::CallbackServerContext* context,
+                                  const ::kvsidecar::v1::SpillRequest* request,
+                                  ::kvsidecar::v1::SpillResponse* response) override;
+  grpc::ServerUnaryReactor* Restore(grpc::CallbackServerContext* context,
+                                    const ::kvsidecar::v1::RestoreRequest* request,
+                                    ::kvsidecar::v1::RestoreResponse* response) override;
+
+ private:
+  friend class WatchReactor;
+
+  // Called by a WatchReactor from OnDone: forget it if it is still the session's watcher.
+  void Unregister(const std::string& session_id, const WatchReactor* reactor);
+  // NOT_FOUND unless both exist; cheap (one layer, no positions).
+  absl::Status CheckSequenceExists(const std::string& session_id,
+                                   const std::string& sequence_id) const;
+
+  KvPool* const pool_;
+  const std::string backend_name_;
+  std::atomic<bool> draining_{false};
+
+  mutable absl::Mutex mu_;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_map<std::string, std::shared_ptr<WatchReactor>> watchers_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_SERVICE_SIDECAR_SERVICE_H_

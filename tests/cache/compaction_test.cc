@@ -1,0 +1,167 @@
+#include "cache/compaction.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gpu/backend.h"
+#include "gtest/gtest.h"
+#include "tests/cache/cache_test_util.h"
+
+namespace kvs {
+namespace {
+
+using ::testing::ElementsAre;
+using testing_util::MakeLayout;
+
+uint64_t RowOffset(const ModelLayout& layout, const std::vector<int32_t>& table, int kv, int head,
+                   int32_t slot) {
+  return static_cast<uint64_t>(table[slot / layout.block_tokens]) * layout.block_bytes() +
+         layout.RowOffsetInBlock(kv, head, slot % layout.block_tokens);
+}
+
+std::vector<std::vector<int32_t>> Positions(int heads, int32_t count, int32_t base) {
+  std::vector<std::vector<int32_t>> positions(heads);
+  for (int h = 0; h < heads; ++h) {
+    for (int32_t s = 0; s < count; ++s) positions[h].push_back(base + 10 * h + 100 * s);
+  }
+  return positions;
+}
+
+TEST(CompactionTest, MoversFillHolesInOrder) {
+  const ModelLayout layout = MakeLayout(1, 2, 3, DType::kFloat32, 4);
+  const std::vector<int32_t> table = {5, 2, 7};  // 10 tokens
+  const auto positions = Positions(2, 10, 1);
+  // Head 0 keeps slots 1, 3, 6, 9: holes 0 and 2 receive 6 and 9.
+  // Head 1 keeps slots 0..3: nothing moves.
+  const std::vector<int32_t> kept = {1, 3, 6, 9, 0, 1, 2, 3};
+  auto plan = PlanCompaction(layout, table, 10, 4, kept, positions);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->moved_tokens, 2);
+  EXPECT_EQ(plan->keep_blocks, 1);
+  EXPECT_THAT(plan->positions[0],
+              ElementsAre(positions[0][6], positions[0][1], positions[0][9], positions[0][3]));
+  EXPECT_THAT(plan->positions[1],
+              ElementsAre(positions[1][0], positions[1][1], positions[1][2], positions[1][3]));
+  ASSERT_EQ(plan->src_offsets.size(), 4u);  // 2 tokens x (K, V)
+  EXPECT_EQ(plan->src_offsets[0], RowOffset(layout, table, 0, 0, 6));
+  EXPECT_EQ(plan->dst_offsets[0], RowOffset(layout, table, 0, 0, 0));
+  EXPECT_EQ(plan->src_offsets[1], RowOffset(layout, table, 1, 0, 6));
+  EXPECT_EQ(plan->dst_offsets[1], RowOffset(layout, table, 1, 0, 0));
+  EXPECT_EQ(plan->src_offsets[2], RowOffset(layout, table, 0, 0, 9));
+  EXPECT_EQ(plan->dst_offsets[2], RowOffset(layout, table, 0, 0, 2));
+  EXPECT_EQ(plan->src_offsets[3], RowOffset(layout, table, 1, 0, 9));
+  EXPECT_EQ(plan->dst_offsets[3], RowOffset(layout, table, 1, 0, 2));
+}
+
+TEST(CompactionTest, NothingMovesWhenKeptSlotsArePrefix) {
+  const ModelLayout layout = MakeLayout(1, 1, 2, DType::kFloat16, 2);
+  const std::vector<int32_t> table = {0, 1, 2};
+  const auto positions = Positions(1, 5, 0);
+  auto plan = PlanCompaction(layout, table, 5, 3, {0, 1, 2}, positions);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->moved_tokens, 0);
+  EXPECT_TRUE(plan->src_offsets.empty());
+  EXPECT_EQ(plan->keep_blocks, 2);
+}
+
+TEST(CompactionTest, KeepZeroAndKeepAll) {
+  const ModelLayout layout = MakeLayout(1, 1, 2, DType::kFloat16, 2);
+  const std::vector<int32_t> table = {3, 4};
+  const auto positions = Positions(1, 4, 0);
+  auto none = PlanCompaction(layout, table, 4, 0, {}, positions);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->keep_blocks, 0);
+  EXPECT_TRUE(none->positions[0].empty());
+  auto all = PlanCompaction(layout, table, 4, 4, {0, 1, 2, 3}, positions);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->moved_tokens, 0);
+  EXPECT_EQ(all->positions[0], positions[0]);
+}
+
+TEST(CompactionTest, MalformedInputsAreInternal) {
+  const ModelLayout layout = MakeLayout(1, 1, 2, DType::kFloat16, 2);
+  const std::vector<int32_t> table = {0, 1};
+  const auto positions = Positions(1, 4, 0);
+  // Not ascending, duplicate, out of range, wrong size, keep > count, short table.
+  EXPECT_EQ(PlanCompaction(layout, table, 4, 2, {3, 1}, positions).status().code(),
+            absl::StatusCode::kInternal);
+  EXPECT_EQ(PlanCompaction(layout, table, 4, 2, {1, 1}, positions).status().code(),
+            absl::StatusCode::kInternal);
+  EXPECT_EQ(PlanCompaction(layout, table, 4, 2, {1, 4}, positions).status().code(),
+            absl::StatusCode::kInternal);
+  EXPECT_EQ(PlanCompaction(layout, table, 4, 2, {1}, positions).status().code(),
+            absl::StatusCode::kInternal);
+  EXPECT_EQ(PlanCompaction(layout, table, 4, 5, {0, 1, 2, 3, 4}, positions).status().code(),
+            absl::StatusCode::kInternal);
+  EXPECT_EQ(PlanCompaction(layout, {0}, 4, 2, {0, 1}, positions).status().code(),
+            absl::StatusCode::kInternal);
+  EXPECT_EQ(PlanCompaction(layout, table, 3, 2, {0, 1}, positions).status().code(),
+            absl::StatusCode::kInternal);  // positions do not match count
+}
+
+// Random kept sets, executed with Backend::CopyRows on a host arena: every kept token's K and V
+// rows end up bit-identical in the slot the new position table names, rows that stayed are
+// untouched, and the number of moves is the minimum (kept tokens at slots >= keep).
+TEST(CompactionTest, ExecutedPlanPreservesEveryKeptRow) {
+  std::mt19937 rng(1234);
+  auto backend = MakeCpuBackend(2);
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+    const ModelLayout layout = MakeLayout(1, 3, 5, dtype, 4);
+    for (int trial = 0; trial < 40; ++trial) {
+      const int32_t count = 1 + static_cast<int32_t>(rng() % 37);
+      const int32_t keep = static_cast<int32_t>(rng() % (count + 1));
+      const int32_t blocks = (count + 3) / 4;
+      std::vector<int32_t> table(blocks + 2);
+      std::iota(table.begin(), table.end(), 0);
+      std::shuffle(table.begin(), table.end(), rng);
+      table.resize(blocks);
+      std::vector<uint8_t> arena((blocks + 2) * layout.block_bytes());
+      for (size_t i = 0; i < arena.size(); ++i) arena[i] = static_cast<uint8_t>(rng());
+      const std::vector<uint8_t> before = arena;
+      const auto positions = Positions(layout.num_kv_heads, count, trial);
+      std::vector<int32_t> kept;
+      int64_t expected_moves = 0;
+      for (int h = 0; h < layout.num_kv_heads; ++h) {
+        std::vector<int32_t> slots(count);
+        std::iota(slots.begin(), slots.end(), 0);
+        std::shuffle(slots.begin(), slots.end(), rng);
+        slots.resize(keep);
+        std::sort(slots.begin(), slots.end());
+        for (int32_t s : slots) expected_moves += s >= keep ? 1 : 0;
+        kept.insert(kept.end(), slots.begin(), slots.end());
+      }
+      auto plan = PlanCompaction(layout, table, count, keep, kept, positions);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      EXPECT_EQ(plan->moved_tokens, expected_moves);
+      const RowCopyJob job = plan->Job(arena.data(), layout.row_bytes());
+      ASSERT_TRUE(backend->CopyRows({&job, 1}, nullptr).ok());
+      for (int h = 0; h < layout.num_kv_heads; ++h) {
+        std::vector<int32_t> want(kept.begin() + h * keep, kept.begin() + (h + 1) * keep);
+        std::vector<int32_t> got;
+        for (int32_t s = 0; s < keep; ++s) {
+          const int32_t position = plan->positions[h][s];
+          const auto it = std::find(positions[h].begin(), positions[h].end(), position);
+          ASSERT_NE(it, positions[h].end());
+          const int32_t original = static_cast<int32_t>(it - positions[h].begin());
+          got.push_back(original);
+          for (int kv = 0; kv < 2; ++kv) {
+            ASSERT_EQ(std::memcmp(arena.data() + RowOffset(layout, table, kv, h, s),
+                                  before.data() + RowOffset(layout, table, kv, h, original),
+                                  layout.row_bytes()),
+                      0)
+                << "trial " << trial << " head " << h << " slot " << s;
+          }
+        }
+        std::sort(got.begin(), got.end());
+        EXPECT_EQ(got, want);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvs

@@ -1,0 +1,105 @@
+// The policy factory and the shared selector (scores + protected positions -> Backend::TopK).
+#include "cache/policy/policy.h"
+
+#include <vector>
+
+#include "cache/policy/streaming_llm.h"
+#include "gmock/gmock.h"
+#include "gpu/backend.h"
+#include "gtest/gtest.h"
+#include "tests/cache/cache_test_util.h"
+
+namespace kvs {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+TEST(PolicyFactoryTest, UnknownNameListsKnownOnes) {
+  PolicyConfig config;
+  config.name = "lru";
+  auto policy = MakePolicy(config);
+  EXPECT_EQ(policy.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(policy.status().message(), HasSubstr("policy.name \"lru\""));
+  EXPECT_THAT(policy.status().message(),
+              HasSubstr("streaming_llm, keydiff, h2o, tova, snapkv, cake, d2o, caote, omnikv"));
+  config.name = "";
+  EXPECT_EQ(MakePolicy(config).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(PolicyFactoryTest, LaterPoliciesAreUnimplemented) {
+  for (const char* name : {"h2o", "tova", "snapkv", "cake", "d2o", "caote", "omnikv"}) {
+    PolicyConfig config;
+    config.name = name;
+    auto policy = MakePolicy(config);
+    EXPECT_EQ(policy.status().code(), absl::StatusCode::kUnimplemented) << name;
+    EXPECT_THAT(policy.status().message(), HasSubstr(name));
+    EXPECT_EQ(ResolvePolicyConfig(config).status().code(), absl::StatusCode::kUnimplemented);
+  }
+}
+
+TEST(PolicyFactoryTest, MakesBothPoliciesWithResolvedConfigs) {
+  auto keydiff = MakePolicy(testing_util::KeyDiff(KeyDiffAnchor::kMeanRaw));
+  ASSERT_TRUE(keydiff.ok());
+  EXPECT_EQ((*keydiff)->config().name, kPolicyKeyDiff);
+  EXPECT_EQ((*keydiff)->config().keydiff.anchor, KeyDiffAnchor::kMeanRaw);
+  auto sink = MakePolicy(testing_util::StreamingLlm(0));
+  ASSERT_TRUE(sink.ok());
+  EXPECT_EQ((*sink)->config().streaming_llm.n_sink, 4);
+  EXPECT_EQ(KnownPolicyNames().size(), 9u);
+}
+
+TEST(PolicyTest, UniformLayerAllocationNeverExceedsCounts) {
+  auto policy = MakePolicy(testing_util::KeyDiff());
+  ASSERT_TRUE(policy.ok());
+  std::vector<int32_t> keep(3);
+  (*policy)->AllocateLayers(5, {10, 3, 5}, absl::MakeSpan(keep));
+  EXPECT_THAT(keep, ElementsAre(5, 3, 5));
+}
+
+// The selector on a position table alone (StreamingLLM needs no keys): scrambled positions, two
+// heads, a keep of all and a keep of none in the same batch.
+TEST(ScoredPolicyTest, SelectsByPositionPerHead) {
+  auto policy = MakePolicy(testing_util::StreamingLlm(2));
+  ASSERT_TRUE(policy.ok());
+  auto backend = MakeCpuBackend(1);
+  const std::vector<int32_t> positions = {9, 3, 50, 7,  1,  20,   // head 0
+                                          4, 8, 15, 16, 23, 42};  // head 1
+  std::vector<int32_t> kept(2 * 4), all(2 * 6), none;
+  std::vector<LayerSelection> layers(3);
+  for (LayerSelection& layer : layers) {
+    layer.keys.count = 6;
+    layer.keys.num_kv_heads = 2;
+    layer.positions = positions;
+  }
+  layers[0].keep = 4;
+  layers[0].kept = absl::MakeSpan(kept);
+  layers[1].keep = 6;
+  layers[1].kept = absl::MakeSpan(all);
+  layers[2].keep = 0;
+  layers[2].kept = absl::MakeSpan(none);
+  ASSERT_TRUE((*policy)->Select(*backend, layers).ok());
+  // Head 0: sinks 1 (slot 4), 3 (slot 1); newest 50 (slot 2), 20 (slot 5).
+  // Head 1: sinks 4, 8 (slots 0, 1); newest 42, 23 (slots 5, 4).
+  EXPECT_THAT(kept, ElementsAre(1, 2, 4, 5, 0, 1, 4, 5));
+  EXPECT_THAT(all, ElementsAre(0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5));
+}
+
+TEST(ScoredPolicyTest, MalformedSelectionIsInternal) {
+  auto policy = MakePolicy(testing_util::StreamingLlm(2));
+  auto backend = MakeCpuBackend(1);
+  const std::vector<int32_t> positions = {0, 1, 2};
+  std::vector<int32_t> kept(2);
+  LayerSelection layer;
+  layer.keys.count = 3;
+  layer.keys.num_kv_heads = 1;
+  layer.positions = positions;
+  layer.keep = 4;  // more than count
+  layer.kept = absl::MakeSpan(kept);
+  EXPECT_EQ((*policy)->Select(*backend, {&layer, 1}).code(), absl::StatusCode::kInternal);
+  layer.keep = 1;  // kept has room for 2
+  EXPECT_EQ((*policy)->Select(*backend, {&layer, 1}).code(), absl::StatusCode::kInternal);
+}
+
+}  // namespace
+}  // namespace kvs

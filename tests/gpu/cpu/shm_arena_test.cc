@@ -1,0 +1,174 @@
+#include "gpu/cpu/shm_arena.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gpu/backend.h"
+#include "gtest/gtest.h"
+
+namespace kvs {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+bool FileExists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
+// A scratch directory so the tests neither depend on nor litter /dev/shm.
+class ShmArenaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp != nullptr ? tmp : "/tmp") + "/kvs_arena_test_XXXXXX";
+    ASSERT_NE(mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+    options_.shm_directory = dir_;
+    options_.name_prefix = "unit";
+  }
+  void TearDown() override { rmdir(dir_.c_str()); }
+
+  std::string dir_;
+  ArenaOptions options_;
+};
+
+TEST_F(ShmArenaTest, CreatesPrivateFileNamedByPrefixPidAndGeneration) {
+  const mode_t old_umask = umask(0);  // a permissive umask must not widen the mode
+  auto arena = CreateShmArena(4096, options_);
+  umask(old_umask);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  const ArenaHandle& handle = (*arena)->handle();
+  EXPECT_EQ(handle.kind, ArenaHandle::Kind::kSharedMemoryFile);
+  EXPECT_EQ(handle.size_bytes, 4096u);
+  EXPECT_EQ((*arena)->size_bytes(), 4096u);
+  EXPECT_THAT(handle.shm_path, StartsWith(dir_ + "/unit-" + std::to_string(getpid()) + "-" +
+                                          std::to_string(handle.generation) + "-"));
+  EXPECT_EQ(handle.shm_path.size(), (dir_ + "/unit-" + std::to_string(getpid()) + "-" +
+                                     std::to_string(handle.generation) + "-")
+                                            .size() +
+                                        8);
+  struct stat st;
+  ASSERT_EQ(stat(handle.shm_path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), 4096u);
+}
+
+TEST_F(ShmArenaTest, GenerationsAndPathsAreUnique) {
+  std::set<uint64_t> generations;
+  std::set<std::string> paths;
+  std::vector<std::unique_ptr<Arena>> arenas;
+  for (int i = 0; i < 5; ++i) {
+    auto arena = CreateShmArena(100, options_);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    generations.insert((*arena)->handle().generation);
+    paths.insert((*arena)->handle().shm_path);
+    arenas.push_back(*std::move(arena));
+  }
+  EXPECT_EQ(generations.size(), 5u);
+  EXPECT_EQ(paths.size(), 5u);
+}
+
+TEST_F(ShmArenaTest, SecondMappingSharesBytesBothWays) {
+  auto arena = CreateShmArena(8192, options_);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  const int fd = open((*arena)->handle().shm_path.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  void* mapped = mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  ASSERT_NE(mapped, MAP_FAILED);
+  auto* other = static_cast<uint8_t*>(mapped);
+
+  const char hello[] = "written by the sidecar";
+  ASSERT_TRUE((*arena)->Write(5000, hello, sizeof(hello)).ok());
+  EXPECT_EQ(std::memcmp(other + 5000, hello, sizeof(hello)), 0);
+  EXPECT_EQ(std::memcmp((*arena)->data() + 5000, hello, sizeof(hello)), 0);
+
+  const char reply[] = "written by the worker";
+  std::memcpy(other + 8192 - sizeof(reply), reply, sizeof(reply));
+  char read_back[sizeof(reply)] = {};
+  ASSERT_TRUE((*arena)->Read(8192 - sizeof(reply), read_back, sizeof(reply)).ok());
+  EXPECT_STREQ(read_back, reply);
+  munmap(mapped, 8192);
+}
+
+TEST_F(ShmArenaTest, FileIsUnlinkedOnDestruction) {
+  auto arena = CreateShmArena(4096, options_);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  const std::string path = (*arena)->handle().shm_path;
+  EXPECT_TRUE(FileExists(path));
+  arena->reset();
+  EXPECT_FALSE(FileExists(path));
+}
+
+TEST_F(ShmArenaTest, OutOfRangeAccessIsRefusedAndCopiesNothing) {
+  auto arena = CreateShmArena(1024, options_);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  std::vector<uint8_t> buffer(2048, 0xab);
+  EXPECT_EQ((*arena)->Write(1000, buffer.data(), 25).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ((*arena)->data()[1000], 0) << "a refused write must copy nothing";
+  EXPECT_EQ((*arena)->Write(0, buffer.data(), 1025).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ((*arena)->Write(1025, buffer.data(), 0).code(), absl::StatusCode::kOutOfRange);
+  // offset + bytes wraps around 2^64: must be caught, not treated as a small range.
+  EXPECT_EQ((*arena)->Write(std::numeric_limits<uint64_t>::max() - 10, buffer.data(), 20).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ((*arena)->Read(8, buffer.data(), std::numeric_limits<uint64_t>::max()).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(buffer[0], 0xab);
+  EXPECT_EQ((*arena)->Read(1024, buffer.data(), 1).code(), absl::StatusCode::kOutOfRange);
+
+  EXPECT_TRUE((*arena)->Write(1000, buffer.data(), 24).ok());
+  EXPECT_TRUE((*arena)->Read(1024, buffer.data(), 0).ok());
+  EXPECT_TRUE((*arena)->Read(0, buffer.data(), 1024).ok());
+}
+
+TEST_F(ShmArenaTest, ZeroBytesIsInvalid) {
+  auto arena = CreateShmArena(0, options_);
+  EXPECT_EQ(arena.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ShmArenaTest, PrefixWithASlashIsInvalid) {
+  options_.name_prefix = "../escape";
+  EXPECT_EQ(CreateShmArena(4096, options_).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ShmArenaTest, MissingDirectoryIsAnInternalErrorNamingIt) {
+  options_.shm_directory = dir_ + "/does-not-exist";
+  auto arena = CreateShmArena(4096, options_);
+  EXPECT_EQ(arena.status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(arena.status().message(), HasSubstr("does-not-exist"));
+}
+
+TEST_F(ShmArenaTest, ImpossibleSizeIsResourceExhaustedAndLeavesNoFile) {
+  // Far beyond any tmpfs or disk: the reservation fails up front instead of a later SIGBUS.
+  auto arena = CreateShmArena(uint64_t{1} << 60, options_);
+  EXPECT_EQ(arena.status().code(), absl::StatusCode::kResourceExhausted) << arena.status();
+  EXPECT_THAT(arena.status().message(), HasSubstr(dir_));
+  EXPECT_EQ(rmdir(dir_.c_str()), 0) << "the failed arena left a file behind";
+  ASSERT_EQ(mkdir(dir_.c_str(), 0700), 0);
+}
+
+TEST_F(ShmArenaTest, BackendCreatesArenasThroughTheSameCode) {
+  auto backend = MakeCpuBackend(1);
+  EXPECT_EQ(backend->name(), "cpu");
+  EXPECT_TRUE(backend->healthy());
+  auto arena = backend->CreateArena(4096, options_);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  EXPECT_THAT((*arena)->handle().shm_path, StartsWith(dir_ + "/unit-"));
+}
+
+}  // namespace
+}  // namespace kvs
