@@ -9,6 +9,7 @@
 #ifndef KVSIDECAR_CACHE_COMPACTION_H_
 #define KVSIDECAR_CACHE_COMPACTION_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -34,6 +35,17 @@ struct CompactionPlan {
   RowCopyJob Job(uint8_t* arena, uint64_t row_bytes) const {
     return RowCopyJob{arena, src_offsets.data(), dst_offsets.data(),
                       static_cast<int64_t>(src_offsets.size()), row_bytes};
+  }
+  // The same rows as Job(), appended to `jobs` in pieces of at most `max_rows` (>= 1) rows. No
+  // row reads what another writes, so the pieces are independent and a backend may run them in
+  // parallel; valid while the plan lives.
+  void AppendJobs(uint8_t* arena, uint64_t row_bytes, int64_t max_rows,
+                  std::vector<RowCopyJob>& jobs) const {
+    const int64_t rows = static_cast<int64_t>(src_offsets.size());
+    for (int64_t first = 0; first < rows; first += max_rows) {
+      jobs.push_back(RowCopyJob{arena, src_offsets.data() + first, dst_offsets.data() + first,
+                                std::min(max_rows, rows - first), row_bytes});
+    }
   }
 };
 

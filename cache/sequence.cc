@@ -13,6 +13,8 @@ namespace kvs {
 namespace {
 
 constexpr int64_t kMaxPosition = std::numeric_limits<int32_t>::max();
+// Rows per Backend::CopyRows job of a compaction (see Evict).
+constexpr int64_t kCopyJobRows = 4096;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -447,9 +449,9 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
     const LayerState& state = layers_[victims[i]];
     KVS_ASSIGN_OR_RETURN(plans[i], PlanCompaction(layout_, state.blocks, state.count,
                                                   keep[victims[i]], kept[i], state.positions));
-    if (!plans[i].src_offsets.empty()) {
-      jobs.push_back(plans[i].Job(env.arena.data(), layout_.row_bytes()));
-    }
+    // Pieces of a few MiB: enough of them for the backend to spread a single layer's
+    // compaction over its threads, each still long enough to stream.
+    plans[i].AppendJobs(env.arena.data(), layout_.row_bytes(), kCopyJobRows, jobs);
   }
 
   // 3. Move rows, then publish the new tables and give the tail blocks back.

@@ -21,6 +21,8 @@
 #include "kvsidecar/client.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "kvsidecar data-plane address");
+ABSL_FLAG(std::string, admin_target, "",
+          "kvsidecar Admin address; when set, the demo shows the server's stats after detaching");
 ABSL_FLAG(std::string, tenant, "demo", "tenant to attach as");
 ABSL_FLAG(int, tokens, 256, "tokens written per sequence (in two Reserve/Commit rounds)");
 ABSL_FLAG(int, budget, 64, "tokens per layer kept by compression");
@@ -237,6 +239,20 @@ int main(int argc, char** argv) {
   if (!detached.ok()) {
     absl::FPrintF(stderr, "kvs_demo: detach: %s\n", detached.status().ToString());
     ++failures;
+  }
+  if (const std::string admin_target = absl::GetFlag(FLAGS_admin_target); !admin_target.empty()) {
+    auto admin = kvsidecar::AdminClient::Connect(admin_target, options);
+    auto stats = admin.ok() ? (*admin)->GetStats() : admin.status();
+    if (!stats.ok()) {
+      absl::FPrintF(stderr, "kvs_demo: admin stats: %s\n", stats.status().ToString());
+      ++failures;
+    } else {
+      absl::PrintF(
+          "kvs_demo: after detach the sidecar reports %d sessions, %d sequences, %d arena bytes in "
+          "use; %d token-layers appended, %d evicted\n",
+          stats->sessions(), stats->sequences(), stats->arena_bytes_used(),
+          stats->tokens_appended(), stats->tokens_evicted());
+    }
   }
   absl::PrintF("kvs_demo: %s\n", failures == 0 ? "OK" : "FAILED");
   return failures == 0 ? 0 : 1;

@@ -23,6 +23,22 @@
 namespace kvs {
 namespace {
 
+// glibc's memcpy of >= 4 KiB takes a slow path on some x86 parts (measured ~2.4 GB/s instead of
+// 5-6 on this machine's AMD EPYC) when destination - source is 1..31 mod 64, which is the usual
+// case between protobuf/malloc buffers and arena rows. Pieces of 2 KiB stay on the fast path
+// whatever the alignment, at no cost when it is aligned.
+void CopyInPieces(uint8_t* destination, const uint8_t* source, uint64_t bytes) {
+  constexpr uint64_t kPiece = 2048;
+  while (bytes > kPiece) {
+    std::memcpy(destination, source, kPiece);
+    destination += kPiece;
+    source += kPiece;
+    bytes -= kPiece;
+  }
+  if (bytes > 0) std::memcpy(destination, source, bytes);
+}
+
+
 std::atomic<uint64_t> g_next_generation{1};
 
 uint32_t RandomSuffix() {
@@ -70,13 +86,13 @@ class ShmArena final : public Arena {
 
   absl::Status Write(uint64_t offset, const void* source, uint64_t bytes) override {
     if (auto status = CheckRange(offset, bytes, source, "Write"); !status.ok()) return status;
-    if (bytes > 0) std::memcpy(base_ + offset, source, bytes);
+    CopyInPieces(base_ + offset, static_cast<const uint8_t*>(source), bytes);
     return absl::OkStatus();
   }
 
   absl::Status Read(uint64_t offset, void* destination, uint64_t bytes) const override {
     if (auto status = CheckRange(offset, bytes, destination, "Read"); !status.ok()) return status;
-    if (bytes > 0) std::memcpy(destination, base_ + offset, bytes);
+    CopyInPieces(static_cast<uint8_t*>(destination), base_ + offset, bytes);
     return absl::OkStatus();
   }
 
