@@ -36,15 +36,23 @@ absl::StatusOr<CompactionPlan> PlanCompaction(const ModelLayout& layout,
   plan.keep_blocks = static_cast<int32_t>(CeilDiv(keep, b));
   plan.positions.resize(heads);
   const uint64_t block_bytes = layout.block_bytes();
-  auto row_offset = [&](int kv, int head, int32_t slot) {
-    return static_cast<uint64_t>(block_table[slot / b]) * block_bytes +
-           layout.RowOffsetInBlock(kv, head, slot % b);
+  const uint64_t row_bytes = layout.row_bytes();
+  // V rows sit a fixed distance after the K row of the same head and slot.
+  const uint64_t value_delta = layout.RowOffsetInBlock(1, 0, 0);
+  // Offset of the K row of (head, slot): head_base is RowOffsetInBlock(0, head, 0).
+  auto key_offset = [&](uint64_t head_base, int32_t slot) {
+    return static_cast<uint64_t>(block_table[slot / b]) * block_bytes + head_base +
+           static_cast<uint64_t>(slot % b) * row_bytes;
   };
 
-  // At most min(keep, count - keep) tokens per head move, each with a K and a V row.
+  // At most min(keep, count - keep) tokens per head move, each with a K and a V row. The
+  // offsets are written by index into vectors sized for the worst case, then trimmed.
   const size_t max_rows = 2ull * heads * std::min(keep, count - keep);
-  plan.src_offsets.reserve(max_rows);
-  plan.dst_offsets.reserve(max_rows);
+  plan.src_offsets.resize(max_rows);
+  plan.dst_offsets.resize(max_rows);
+  uint64_t* src = plan.src_offsets.data();
+  uint64_t* dst = plan.dst_offsets.data();
+  size_t rows = 0;
   std::vector<int32_t> holes;
   for (int32_t h = 0; h < heads; ++h) {
     const absl::Span<const int32_t> head_kept = kept.subspan(int64_t{h} * keep, keep);
@@ -53,6 +61,7 @@ absl::StatusOr<CompactionPlan> PlanCompaction(const ModelLayout& layout,
       return absl::InternalError(absl::StrCat("head ", h, " has ", head_positions.size(),
                                               " positions for ", count, " tokens"));
     }
+    const uint64_t head_base = layout.RowOffsetInBlock(0, h, 0);
     // Walk the kept slots once: the ones below `keep` leave holes between them; the ones at or
     // above `keep` are the movers, paired in order with the holes.
     holes.clear();
@@ -80,14 +89,19 @@ absl::StatusOr<CompactionPlan> PlanCompaction(const ModelLayout& layout,
       }
       const int32_t destination = holes[hole_index++];
       new_positions[destination] = head_positions[slot];
-      for (int kv = 0; kv < 2; ++kv) {
-        plan.src_offsets.push_back(row_offset(kv, h, slot));
-        plan.dst_offsets.push_back(row_offset(kv, h, destination));
-      }
+      const uint64_t from = key_offset(head_base, slot);
+      const uint64_t to = key_offset(head_base, destination);
+      src[rows] = from;
+      dst[rows] = to;
+      src[rows + 1] = from + value_delta;
+      dst[rows + 1] = to + value_delta;
+      rows += 2;
       ++plan.moved_tokens;
     }
     // keep kept slots, so after the walk every hole below keep received exactly one mover.
   }
+  plan.src_offsets.resize(rows);
+  plan.dst_offsets.resize(rows);
   return plan;
 }
 

@@ -4,6 +4,8 @@
 #include <limits>
 #include <utility>
 
+#include <sys/random.h>
+
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "cache/block_allocator.h"
@@ -24,7 +26,7 @@ absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.
 class Session {
  public:
   Session(std::string id, const AttachParams& params, std::unique_ptr<Arena> arena,
-          int32_t num_blocks, absl::Duration lease, absl::Time now)
+          int32_t num_blocks, uint64_t charge, absl::Duration lease, absl::Time now)
       : id(std::move(id)),
         tenant(params.tenant),
         worker_name(params.worker_name),
@@ -32,15 +34,18 @@ class Session {
         arena(std::move(arena)),
         num_blocks(num_blocks),
         block_bytes(params.layout.block_bytes()),
+        charge(charge),
         lease(lease),
         attached(now),
         last_heartbeat_ns(absl::ToUnixNanos(now)),
         lease_expires_ns(absl::ToUnixNanos(now + lease)),
+        free_blocks_hint(num_blocks),
         allocator(num_blocks) {}
 
   absl::Time last_heartbeat() const { return absl::FromUnixNanos(last_heartbeat_ns.load()); }
   absl::Time lease_expires() const { return absl::FromUnixNanos(lease_expires_ns.load()); }
-  uint64_t arena_bytes() const { return arena->size_bytes(); }
+  // What the session counts against the pool's capacity (whole pages).
+  uint64_t charged_bytes() const { return charge; }
 
   SessionView View() const {
     SessionView view;
@@ -61,10 +66,14 @@ class Session {
   const std::unique_ptr<Arena> arena;
   const int32_t num_blocks;
   const uint64_t block_bytes;
+  const uint64_t charge;
   const absl::Duration lease;
   const absl::Time attached;
   std::atomic<int64_t> last_heartbeat_ns;
   std::atomic<int64_t> lease_expires_ns;
+  // Mirror of allocator.free_blocks(), refreshed at the end of every call under `mu`, so that
+  // heartbeats can report it without waiting for a call in progress.
+  std::atomic<int32_t> free_blocks_hint;
 
   absl::Mutex mu;
   BlockAllocator allocator ABSL_GUARDED_BY(mu);
@@ -79,11 +88,32 @@ constexpr size_t kMaxSequenceIdLength = 128;
 constexpr size_t kMaxTenantLength = 256;
 constexpr size_t kMaxWorkerNameLength = 256;
 
+constexpr int32_t kMinSequencesPerSession = 16;
+
 std::string RandomHex(int chars) {
   thread_local absl::BitGen gen;
   static constexpr char kDigits[] = "0123456789abcdef";
   std::string out(chars, '0');
   for (char& c : out) c = kDigits[absl::Uniform<int>(gen, 0, 16)];
+  return out;
+}
+
+// A session id is the only handle on a session (whoever holds it can use or end the session), so
+// it comes from the kernel's CSPRNG rather than a statistical generator.
+std::string SecureRandomHex(int bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string raw(bytes, '\0');
+  ssize_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = getrandom(raw.data() + got, bytes - got, 0);
+    if (n > 0) got += n;
+  }
+  std::string out;
+  out.reserve(2 * bytes);
+  for (unsigned char c : raw) {
+    out.push_back(kDigits[c >> 4]);
+    out.push_back(kDigits[c & 15]);
+  }
   return out;
 }
 
@@ -129,7 +159,9 @@ auto WithSequence(Session& session, std::string_view sequence_id, Backend& backe
                         backend,         session.id,     options.max_tokens_per_call,
                         tokens_appended, tokens_evicted};
   it->second->Touch(clock.Now());
-  return fn(*it->second, env, session);
+  auto result = fn(*it->second, env, session);
+  session.free_blocks_hint = session.allocator.free_blocks();
+  return result;
 }
 
 }  // namespace
@@ -218,44 +250,69 @@ absl::StatusOr<SessionView> KvPool::Attach(const AttachParams& params) {
                      absl::ToInt64Milliseconds(resolved.lease)));
   }
 
-  // Claim the capacity first, create the arena without the lock, give the claim back on failure.
+  // Charged at page granularity: each arena is its own mapping, however few bytes it asks for.
+  constexpr uint64_t kPageBytes = 4096;
+  const std::optional<uint64_t> charged_bytes = CheckedAdd(*arena_bytes, kPageBytes - 1);
+  if (!charged_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("num_blocks ", num_blocks, " is too large"));
+  }
+  const uint64_t charge = *charged_bytes / kPageBytes * kPageBytes;
+
+  // Claim the capacity first, create the arena and the session without the lock (both cost time
+  // proportional to their size), give the claim back on failure.
   {
     absl::MutexLock lock(&mu_);
+    if (sessions_.size() + sessions_pending_ >= static_cast<size_t>(options_.max_sessions)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the sidecar already serves ", sessions_.size(), " sessions, the most it may"));
+    }
     const uint64_t free_bytes = options_.arena_capacity_bytes -
                                 std::min(arena_bytes_reserved_, options_.arena_capacity_bytes);
-    if (*arena_bytes > free_bytes) {
+    if (charge > free_bytes) {
       return absl::ResourceExhaustedError(
           absl::StrCat("pool has ", free_bytes, " of ", options_.arena_capacity_bytes,
-                       " arena bytes free, the session needs ", *arena_bytes, " (num_blocks ",
-                       num_blocks, " * block_bytes ", block_bytes, ")"));
+                       " arena bytes free, the session needs ", charge, " (num_blocks ",
+                       num_blocks, " * block_bytes ", block_bytes, ", in whole pages)"));
     }
-    arena_bytes_reserved_ += *arena_bytes;
+    arena_bytes_reserved_ += charge;
+    ++sessions_pending_;
   }
+  auto give_back = [&] {
+    absl::MutexLock lock(&mu_);
+    arena_bytes_reserved_ -= charge;
+    --sessions_pending_;
+  };
   absl::StatusOr<std::unique_ptr<Arena>> arena =
       backend_->CreateArena(*arena_bytes, options_.arena_options);
   if (!arena.ok()) {
-    absl::MutexLock lock(&mu_);
-    arena_bytes_reserved_ -= *arena_bytes;
+    give_back();
     return arena.status();
   }
+  auto session = std::make_shared<Session>(SecureRandomHex(16), resolved, *std::move(arena),
+                                           static_cast<int32_t>(num_blocks), charge, lease,
+                                           clock_->Now());
   absl::MutexLock lock(&mu_);
-  std::string id;
-  do {
-    id = RandomHex(32);
-  } while (sessions_.contains(id));
-  auto session = std::make_shared<Session>(id, resolved, *std::move(arena),
-                                           static_cast<int32_t>(num_blocks), lease, clock_->Now());
-  sessions_.emplace(id, session);
+  --sessions_pending_;
+  if (!sessions_.emplace(session->id, session).second) {  // 2^-128; refuse rather than alias
+    arena_bytes_reserved_ -= charge;
+    return absl::InternalError("session id collision; retry");
+  }
   return session->View();
 }
 
-absl::StatusOr<absl::Time> KvPool::Heartbeat(std::string_view session_id) {
+absl::StatusOr<HeartbeatResult> KvPool::Heartbeat(std::string_view session_id) {
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
   const absl::Time now = clock_->Now();
   const absl::Time expires = now + session->lease;
   session->last_heartbeat_ns = absl::ToUnixNanos(now);
   session->lease_expires_ns = absl::ToUnixNanos(expires);
-  return expires;
+  {
+    // The reaper may have removed the session between the lookup and the renewal.
+    absl::ReaderMutexLock lock(&mu_);
+    auto it = sessions_.find(Sv(session_id));
+    if (it == sessions_.end() || it->second != session) return SessionGone(session_id);
+  }
+  return HeartbeatResult{expires, session->free_blocks_hint.load()};
 }
 
 absl::StatusOr<ReleaseCounts> KvPool::Detach(std::string_view session_id) {
@@ -266,7 +323,7 @@ absl::StatusOr<ReleaseCounts> KvPool::Detach(std::string_view session_id) {
     if (it == sessions_.end()) return SessionGone(session_id);
     session = std::move(it->second);
     sessions_.erase(it);
-    arena_bytes_reserved_ -= session->arena_bytes();
+    arena_bytes_reserved_ -= session->charged_bytes();
   }
   return DestroySession(std::move(session));
 }
@@ -278,7 +335,7 @@ int KvPool::ReapExpired() {
     const absl::Time now = clock_->Now();
     for (auto it = sessions_.begin(); it != sessions_.end();) {
       if (it->second->lease_expires() <= now) {
-        arena_bytes_reserved_ -= it->second->arena_bytes();
+        arena_bytes_reserved_ -= it->second->charged_bytes();
         expired.push_back(std::move(it->second));
         sessions_.erase(it++);
       } else {
@@ -299,7 +356,7 @@ absl::StatusOr<ReleaseCounts> KvPool::Reclaim(std::string_view session_id) {
     if (it == sessions_.end()) return SessionGone(session_id);
     session = std::move(it->second);
     sessions_.erase(it);
-    arena_bytes_reserved_ -= session->arena_bytes();
+    arena_bytes_reserved_ -= session->charged_bytes();
     ++sessions_reclaimed_;
   }
   return DestroySession(std::move(session));
@@ -360,7 +417,9 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
     return absl::AlreadyExistsError(absl::StrCat("sequence_id ", params.sequence_id,
                                                  " already exists in session ", Sv(session_id)));
   }
-  if (session->sequences.size() >= static_cast<size_t>(options_.max_sequences_per_session)) {
+  const int32_t max_sequences = std::min(options_.max_sequences_per_session,
+                                         std::max(kMinSequencesPerSession, session->num_blocks));
+  if (session->sequences.size() >= static_cast<size_t>(max_sequences)) {
     return absl::ResourceExhaustedError(absl::StrCat("session ", Sv(session_id), " already holds ",
                                                      session->sequences.size(),
                                                      " sequences, the most it may"));

@@ -44,7 +44,11 @@ struct PoolOptions {
   absl::Duration default_lease = absl::Seconds(10);
   absl::Duration min_lease = absl::Milliseconds(100);
   absl::Duration max_lease = absl::Minutes(10);
-  int32_t max_sequences_per_session = 1 << 16;
+  // At most this many sessions, and per session at most
+  // min(max_sequences_per_session, max(16, num_blocks)) sequences: each costs host memory for its
+  // tables whether or not it holds tokens, so a tiny arena cannot pin unbounded metadata.
+  int32_t max_sessions = 256;
+  int32_t max_sequences_per_session = 4096;
   int32_t max_tokens_per_call = 1 << 20;  // num_tokens of one Reserve/Append
   ArenaOptions arena_options;
   PolicyConfig default_policy;            // for sequences created without a policy
@@ -67,6 +71,11 @@ struct SessionView {
   uint64_t block_bytes = 0;
   absl::Duration lease;
   absl::Time lease_expires;
+};
+
+struct HeartbeatResult {
+  absl::Time lease_expires;
+  int32_t free_blocks = 0;    // free blocks of the session's arena after its last completed call
 };
 
 struct ReleaseCounts {
@@ -192,7 +201,8 @@ class KvPool {
 
   // Sessions.
   absl::StatusOr<SessionView> Attach(const AttachParams& params);
-  absl::StatusOr<absl::Time> Heartbeat(std::string_view session_id);  // new expiry
+  // Extends the lease. Never waits for a call in progress on the session.
+  absl::StatusOr<HeartbeatResult> Heartbeat(std::string_view session_id);
   absl::StatusOr<ReleaseCounts> Detach(std::string_view session_id);
   // Reclaims every session whose lease lapsed at clock->Now(); returns how many.
   int ReapExpired();
@@ -261,7 +271,7 @@ class KvPool {
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t arena_bytes_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t sessions_reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
+  int32_t sessions_pending_ ABSL_GUARDED_BY(mu_) = 0;  // admitted, arena being created
   // Lifetime totals for PoolStats (layer-tokens), bumped by sessions without taking mu_.
   std::atomic<int64_t> tokens_appended_{0};
   std::atomic<int64_t> tokens_evicted_{0};

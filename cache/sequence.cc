@@ -449,8 +449,8 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
     const LayerState& state = layers_[victims[i]];
     KVS_ASSIGN_OR_RETURN(plans[i], PlanCompaction(layout_, state.blocks, state.count,
                                                   keep[victims[i]], kept[i], state.positions));
-    // Pieces of a few MiB: enough of them for the backend to spread a single layer's
-    // compaction over its threads, each still long enough to stream.
+    // Pieces of kCopyJobRows rows (1 MiB of 256-byte rows): enough of them for the backend to
+    // spread even a single layer's compaction over its threads.
     plans[i].AppendJobs(env.arena.data(), layout_.row_bytes(), kCopyJobRows, jobs);
   }
 

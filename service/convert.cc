@@ -108,6 +108,20 @@ absl::Status ValidateAllocator(const v1::LayerAllocator& allocator, absl::string
     return Invalid(prefix, "allocator.min_layer_tokens",
                    absl::StrCat("must be >= 0, got ", allocator.min_layer_tokens()));
   }
+  // The uniform allocator gives every layer the same budget: a floor or a slope would be
+  // silently ignored, so they are refused like the allocators that use them.
+  if (allocator.min_layer_tokens() != 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        prefix, "allocator.min_layer_tokens ", allocator.min_layer_tokens(),
+        ": per-layer floors are not implemented in this build (only the uniform allocator is); "
+        "pass 0"));
+  }
+  if (allocator.pyramid_beta() != 0.0f) {  // NaN too
+    return absl::UnimplementedError(absl::StrCat(
+        prefix, "allocator.pyramid_beta ", allocator.pyramid_beta(),
+        ": the PyramidKV allocator is not implemented in this build (only the uniform allocator "
+        "is); pass 0"));
+  }
   return absl::OkStatus();
 }
 
@@ -450,16 +464,31 @@ absl::Status ValidateReserveRequest(const v1::ReserveRequest& request, int32_t m
                            absl::StrCat(prefix, "positions"));
 }
 
-absl::Status ValidateCommitRequest(const v1::CommitRequest& request, absl::string_view prefix) {
+namespace {
+
+absl::Status ValidateReservationRef(absl::string_view session_id, absl::string_view sequence_id,
+                                    uint64_t reservation_id, absl::string_view prefix) {
   KVS_RETURN_IF_ERROR(
-      ValidateName(request.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
+      ValidateName(session_id, absl::StrCat(prefix, "session_id"), /*required=*/true));
   KVS_RETURN_IF_ERROR(
-      ValidateName(request.sequence_id(), absl::StrCat(prefix, "sequence_id"), /*required=*/true));
-  if (request.reservation_id() == 0) {
+      ValidateName(sequence_id, absl::StrCat(prefix, "sequence_id"), /*required=*/true));
+  if (reservation_id == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(prefix, "reservation_id must be set (the id Reserve returned)"));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateCommitRequest(const v1::CommitRequest& request, absl::string_view prefix) {
+  return ValidateReservationRef(request.session_id(), request.sequence_id(),
+                                request.reservation_id(), prefix);
+}
+
+absl::Status ValidateCancelReservationRequest(const v1::CancelReservationRequest& request) {
+  return ValidateReservationRef(request.session_id(), request.sequence_id(),
+                                request.reservation_id(), "");
 }
 
 absl::Status ValidateAppendHeader(const v1::AppendHeader& header, const ModelLayout& layout,

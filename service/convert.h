@@ -5,7 +5,8 @@
 // its path in the request ("layout.head_dim", "requests[3].num_tokens", "positions[2]"); callers
 // of batch forms pass a `prefix` such as "requests[3]." that is put in front of every field name.
 // Parts of the contract this build does not serve yet (policies other than streaming_llm and
-// keydiff, attention inputs, per-layer budgets, retain_evicted, the query staging area) are
+// keydiff, non-uniform layer allocators and their parameters, attention inputs, per-layer
+// budgets, retain_evicted, the query staging area) are
 // refused with UNIMPLEMENTED naming what is missing. Sizes are computed with overflow-checked
 // arithmetic before anything is allocated.
 //
@@ -98,10 +99,12 @@ absl::StatusOr<AttachParams> AttachFromProto(const v1::AttachRequest& request,
                                              const PoolOptions& options);
 absl::StatusOr<SequenceParams> SequenceParamsFromProto(const v1::CreateSequenceRequest& request,
                                                        int32_t max_tokens_per_call);
-// Ids, num_tokens, positions.
+// Ids, num_tokens, positions. `layers` needs the session layout: ValidateLayers.
 absl::Status ValidateReserveRequest(const v1::ReserveRequest& request, int32_t max_tokens_per_call,
                                     absl::string_view prefix = "");
 absl::Status ValidateCommitRequest(const v1::CommitRequest& request, absl::string_view prefix = "");
+// Ids and reservation_id (non-zero).
+absl::Status ValidateCancelReservationRequest(const v1::CancelReservationRequest& request);
 // Everything about a header that the session layout decides, payload_bytes included.
 absl::Status ValidateAppendHeader(const v1::AppendHeader& header, const ModelLayout& layout,
                                   int32_t max_tokens_per_call,

@@ -41,6 +41,82 @@ absl::Status Unimplemented(absl::string_view what) {
   return absl::UnimplementedError(std::string(what));
 }
 
+// ---- Response size estimates --------------------------------------------------------------------
+// Responses whose bulk is positions ([H][count] per layer) can exceed the message limit for long
+// sequences. They are sized from the counts alone (a pool GetLayout without positions) so that
+// an oversized request is refused before anything is built, copied or evicted. Every figure is an
+// upper bound: each value is counted at the varint size of the largest value it can hold.
+
+// Bytes of the varint encoding of `value`.
+uint64_t VarintBytes(uint64_t value) {
+  uint64_t n = 1;
+  while (value >= 0x80) {
+    value >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+// A packed repeated int32 field of `n` values, each at most `value_bytes` long: tag, length,
+// payload.
+uint64_t PackedBytes(uint64_t n, uint64_t value_bytes) {
+  if (n == 0) return 0;
+  const uint64_t payload = n * value_bytes;
+  return 1 + VarintBytes(payload) + payload;
+}
+
+// A length-delimited sub-message (tag, length, body).
+uint64_t EmbeddedBytes(uint64_t body) { return 1 + VarintBytes(body) + body; }
+
+// `fields` int32 scalar fields (tag + varint), none above `max_value`.
+uint64_t ScalarBytes(int fields, int64_t max_value) {
+  return static_cast<uint64_t>(fields) *
+         (1 + VarintBytes(static_cast<uint64_t>(std::max<int64_t>(max_value, 0))));
+}
+
+// Everything outside the per-layer entries of a GetLayoutResponse or an ExportHeader (next
+// position, counts, tier, policy, budget, layout): far below this.
+constexpr uint64_t kResponseFixedBytes = 4096;
+
+// Bytes one position costs at most: positions are below the sequence's next position.
+uint64_t PositionBytes(const SequenceLayout& layout) {
+  return VarintBytes(static_cast<uint64_t>(std::max<int64_t>(layout.next_position, 0)));
+}
+
+// The repeated LayerLayout entries of a GetLayoutResponse or an ExportHeader built from
+// `layout` (counts and block tables as loaded without positions), with positions if asked.
+uint64_t LayerLayoutsBytes(const SequenceLayout& layout, const SessionView& session,
+                           bool with_positions) {
+  const uint64_t block_bytes =
+      VarintBytes(static_cast<uint64_t>(std::max<int64_t>(session.num_blocks, 0)));
+  const uint64_t position_bytes = PositionBytes(layout);
+  uint64_t total = 0;
+  for (const LayerLayoutView& layer : layout.layers) {
+    // layer, count, budget
+    uint64_t body = ScalarBytes(3, std::max({layer.layer, layer.count, layer.budget})) +
+                    PackedBytes(layer.block_table.size(), block_bytes);
+    if (with_positions) {
+      body += PackedBytes(static_cast<uint64_t>(session.layout.num_kv_heads) *
+                              static_cast<uint64_t>(std::max(layer.count, 0)),
+                          position_bytes);
+    }
+    total += EmbeddedBytes(body);
+  }
+  return total;
+}
+
+// RESOURCE_EXHAUSTED "<what> would be about N bytes, above the 64 MiB message limit; <advice>".
+absl::Status TooLarge(absl::string_view what, uint64_t bytes, uint64_t limit,
+                      absl::string_view advice) {
+  return absl::ResourceExhaustedError(absl::StrCat(what, " would be about ", bytes,
+                                                   " bytes, above the ", limit >> 20,
+                                                   " MiB message limit; ", advice));
+}
+
+constexpr absl::string_view kGetLayoutAdvice = "ask for fewer layers or set omit_positions";
+constexpr absl::string_view kCompressAdvice =
+    "set return_positions=false (and read positions with GetLayout, a few layers at a time)";
+
 }  // namespace
 
 // ---- Watch -------------------------------------------------------------------------------------
@@ -229,6 +305,11 @@ class AppendReactor final : public grpc::ServerReadReactor<v1::AppendChunk> {
           absl::StrCat("header: a new header arrived inside a segment after ", segment_->received,
                        " of ", segment_->payload_bytes, " payload bytes"));
     }
+    if (committed_ >= kMaxAppendSegments) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header: at most ", kMaxAppendSegments,
+                       " segments per Append stream; send the rest on a new stream"));
+    }
     KVS_RETURN_IF_ERROR(ValidateName(header.session_id(), "header.session_id", true));
     KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(header.session_id()));
     KVS_RETURN_IF_ERROR(ValidateAppendHeader(header, session.layout,
@@ -350,6 +431,19 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
     KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request_.session_id()));
     KVS_RETURN_IF_ERROR(ValidateLayers(request_.layers(), session.layout.num_layers, "layers"));
     layers_ = LayersOrAll(request_.layers(), session.layout.num_layers);
+    // Size the header from the counts before loading (and copying) every position.
+    constexpr uint64_t kHeaderLimit = static_cast<uint64_t>(kMaxMessageBytes) - 4096;
+    {
+      KVS_ASSIGN_OR_RETURN(SequenceLayout counts,
+                           pool_->GetLayout(request_.session_id(), request_.sequence_id(), layers_,
+                                            /*with_positions=*/false));
+      const uint64_t estimate =
+          kResponseFixedBytes + LayerLayoutsBytes(counts, session, /*with_positions=*/true);
+      if (estimate > kHeaderLimit) {
+        return TooLarge("the export header (layout and positions)", estimate, kMaxMessageBytes,
+                        "export fewer layers per call (layers)");
+      }
+    }
     KVS_ASSIGN_OR_RETURN(SequenceLayout layout,
                          pool_->GetLayout(request_.session_id(), request_.sequence_id(), layers_,
                                           /*with_positions=*/true));
@@ -368,7 +462,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
     header->set_payload_bytes(total);
     total_ = total;
     const size_t header_bytes = message_.ByteSizeLong();
-    if (header_bytes > static_cast<size_t>(kMaxMessageBytes) - 4096) {
+    if (header_bytes > kHeaderLimit) {  // the sequence grew between the estimate and the read
       return absl::ResourceExhaustedError(absl::StrCat("the export header (", header_bytes,
                                                        " bytes of layout and positions) ",
                                                        "exceeds the ", kMaxMessageBytes,
@@ -470,6 +564,38 @@ absl::Status SidecarService::CheckSequenceExists(const std::string& session_id,
   return pool_->GetLayout(session_id, sequence_id, first_layer, /*with_positions=*/false).status();
 }
 
+absl::Status SidecarService::CheckPendingReservation(const std::string& session_id,
+                                                     const std::string& sequence_id,
+                                                     uint64_t reservation_id) const {
+  // The pool has no query for "is this the pending reservation"; a zero-byte write at offset 0
+  // runs exactly Commit's check of the id (same codes and messages) and writes nothing.
+  return pool_->WriteReserved(session_id, sequence_id, reservation_id, /*payload_offset=*/0, {});
+}
+
+absl::StatusOr<uint64_t> SidecarService::EstimateCompressResponseBytes(
+    const v1::CompressRequest& request) const {
+  KVS_ASSIGN_OR_RETURN(SequenceLayout counts,
+                       pool_->GetLayout(request.session_id(), request.sequence_id(), {},
+                                        /*with_positions=*/false));
+  KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request.session_id()));
+  const uint64_t position_bytes = PositionBytes(counts);
+  uint64_t total = 2 * 11;  // blocks_freed, floor_applied_layers
+  for (const LayerLayoutView& layer : counts.layers) {
+    // layer, kept, evicted, merged: none above the count (or the layer index)
+    uint64_t body = ScalarBytes(4, std::max(layer.layer, layer.count));
+    if (request.return_positions()) {
+      // Compression keeps min(count, budget) tokens per head; an unbounded budget keeps all.
+      const int32_t budget = request.budget_tokens() > 0 ? request.budget_tokens() : layer.budget;
+      const int32_t kept = budget > 0 ? std::min(layer.count, budget) : layer.count;
+      body += PackedBytes(static_cast<uint64_t>(session.layout.num_kv_heads) *
+                              static_cast<uint64_t>(std::max(kept, 0)),
+                          position_bytes);
+    }
+    total += EmbeddedBytes(body);
+  }
+  return total;
+}
+
 grpc::ServerUnaryReactor* SidecarService::Attach(grpc::CallbackServerContext* context,
                                                  const v1::AttachRequest* request,
                                                  v1::AttachResponse* response) {
@@ -498,14 +624,9 @@ grpc::ServerUnaryReactor* SidecarService::Heartbeat(grpc::CallbackServerContext*
                                                     v1::HeartbeatResponse* response) {
   return RunUnary(context, "Heartbeat", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
-    KVS_ASSIGN_OR_RETURN(absl::Time expires, pool_->Heartbeat(request->session_id()));
-    response->set_lease_expires_unix_ms(UnixMillisOf(expires));
-    for (const SessionInfo& info : pool_->ListSessions()) {
-      if (info.session_id == request->session_id()) {
-        response->set_free_blocks(info.free_blocks);
-        break;
-      }
-    }
+    KVS_ASSIGN_OR_RETURN(HeartbeatResult beat, pool_->Heartbeat(request->session_id()));
+    response->set_lease_expires_unix_ms(UnixMillisOf(beat.lease_expires));
+    response->set_free_blocks(beat.free_blocks);
     return absl::OkStatus();
   });
 }
@@ -586,9 +707,14 @@ grpc::ServerUnaryReactor* SidecarService::Reserve(grpc::CallbackServerContext* c
                                                   v1::ReserveResponse* response) {
   return RunUnary(context, "Reserve", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(ValidateReserveRequest(*request, pool_->options().max_tokens_per_call));
-    KVS_ASSIGN_OR_RETURN(Reservation reservation,
-                         pool_->Reserve(request->session_id(), request->sequence_id(),
-                                        request->num_tokens(), request->positions(), {}));
+    if (!request->layers().empty()) {
+      KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
+      KVS_RETURN_IF_ERROR(ValidateLayers(request->layers(), session.layout.num_layers, "layers"));
+    }
+    KVS_ASSIGN_OR_RETURN(
+        Reservation reservation,
+        pool_->Reserve(request->session_id(), request->sequence_id(), request->num_tokens(),
+                       request->positions(), request->layers()));
     ReservationToProto(reservation, response);
     return absl::OkStatus();
   });
@@ -605,6 +731,16 @@ grpc::ServerUnaryReactor* SidecarService::Commit(grpc::CallbackServerContext* co
                       request->compress_if_over_budget()));
     CommitResultToProto(result, response);
     return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::CancelReservation(
+    grpc::CallbackServerContext* context, const v1::CancelReservationRequest* request,
+    v1::CancelReservationResponse* response) {
+  return RunUnary(context, "CancelReservation", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(ValidateCancelReservationRequest(*request));
+    return pool_->CancelReservation(request->session_id(), request->sequence_id(),
+                                    request->reservation_id());
   });
 }
 
@@ -649,13 +785,18 @@ grpc::ServerUnaryReactor* SidecarService::BatchReserve(grpc::CallbackServerConte
       KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
       KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "),
                                      CheckSequenceExists(item.session_id(), item.sequence_id())));
+      if (!item.layers().empty()) {
+        KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(item.session_id()));
+        KVS_RETURN_IF_ERROR(ValidateLayers(item.layers(), session.layout.num_layers,
+                                           absl::StrCat(Item(i), ".layers")));
+      }
     }
     std::vector<Reservation> made;
     made.reserve(n);
     for (int i = 0; i < n; ++i) {
       const v1::ReserveRequest& item = request->requests(i);
       auto reservation = pool_->Reserve(item.session_id(), item.sequence_id(), item.num_tokens(),
-                                        item.positions(), {});
+                                        item.positions(), item.layers());
       if (!reservation.ok()) {
         for (int j = 0; j < i; ++j) {
           const v1::ReserveRequest& done = request->requests(j);
@@ -685,8 +826,12 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
       const v1::CommitRequest& item = request->requests(i);
       KVS_RETURN_IF_ERROR(ValidateCommitRequest(item, absl::StrCat(Item(i), ".")));
       KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
-      KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "),
-                                     CheckSequenceExists(item.session_id(), item.sequence_id())));
+      const absl::Status pending =
+          CheckPendingReservation(item.session_id(), item.sequence_id(), item.reservation_id());
+      if (!pending.ok()) {
+        return absl::Status(pending.code(), absl::StrCat(Item(i), ": ", pending.message(),
+                                                         " (nothing was committed)"));
+      }
     }
     for (int i = 0; i < n; ++i) {
       const v1::CommitRequest& item = request->requests(i);
@@ -735,10 +880,26 @@ grpc::ServerUnaryReactor* SidecarService::GetLayout(grpc::CallbackServerContext*
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", true));
     KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
     KVS_RETURN_IF_ERROR(ValidateLayers(request->layers(), session.layout.num_layers, "layers"));
+    // Counts and block tables first (cheap); positions only once they are known to fit.
     KVS_ASSIGN_OR_RETURN(SequenceLayout layout,
                          pool_->GetLayout(request->session_id(), request->sequence_id(),
-                                          request->layers(), !request->omit_positions()));
+                                          request->layers(), /*with_positions=*/false));
+    const bool with_positions = !request->omit_positions();
+    const uint64_t estimate =
+        kResponseFixedBytes + LayerLayoutsBytes(layout, session, with_positions);
+    if (estimate > static_cast<uint64_t>(kMaxMessageBytes)) {
+      return TooLarge("the response", estimate, kMaxMessageBytes, kGetLayoutAdvice);
+    }
+    if (with_positions) {
+      KVS_ASSIGN_OR_RETURN(layout, pool_->GetLayout(request->session_id(), request->sequence_id(),
+                                                    request->layers(), /*with_positions=*/true));
+    }
     SequenceLayoutToProto(layout, response);
+    const size_t bytes = response->ByteSizeLong();
+    if (bytes > static_cast<size_t>(kMaxMessageBytes)) {  // grew since the estimate
+      response->Clear();
+      return TooLarge("the response", bytes, kMaxMessageBytes, kGetLayoutAdvice);
+    }
     return absl::OkStatus();
   });
 }
@@ -748,9 +909,23 @@ grpc::ServerUnaryReactor* SidecarService::Compress(grpc::CallbackServerContext* 
                                                    v1::CompressResponse* response) {
   return RunUnary(context, "Compress", [&]() -> absl::Status {
     KVS_ASSIGN_OR_RETURN(CompressParams params, CompressParamsFromProto(*request));
+    if (request->return_positions()) {  // refuse before evicting anything
+      KVS_ASSIGN_OR_RETURN(uint64_t estimate, EstimateCompressResponseBytes(*request));
+      if (estimate > static_cast<uint64_t>(kMaxMessageBytes)) {
+        return TooLarge("the response", estimate, kMaxMessageBytes, kCompressAdvice);
+      }
+    }
     KVS_ASSIGN_OR_RETURN(CompressResult result,
                          pool_->Compress(request->session_id(), request->sequence_id(), params));
     CompressResultToProto(result, response);
+    const size_t bytes = response->ByteSizeLong();
+    if (bytes > static_cast<size_t>(kMaxMessageBytes)) {  // only if the estimate was wrong
+      response->Clear();
+      const absl::Status too_large =
+          TooLarge("the response", bytes, kMaxMessageBytes, kCompressAdvice);
+      return absl::Status(too_large.code(),
+                          absl::StrCat(too_large.message(), " (the compression was applied)"));
+    }
     return absl::OkStatus();
   });
 }
@@ -764,13 +939,22 @@ grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerCont
     std::vector<CompressParams> params;
     params.reserve(n);
     absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
+    uint64_t estimate = 0;  // of the whole response: one message carries every item
     for (int i = 0; i < n; ++i) {
       const v1::CompressRequest& item = request->requests(i);
       KVS_ASSIGN_OR_RETURN(CompressParams p,
                            CompressParamsFromProto(item, absl::StrCat(Item(i), ".")));
       KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
-      KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "),
-                                     CheckSequenceExists(item.session_id(), item.sequence_id())));
+      // Also answers NOT_FOUND for a missing session or sequence.
+      absl::StatusOr<uint64_t> item_bytes = EstimateCompressResponseBytes(item);
+      KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), item_bytes.status()));
+      estimate += EmbeddedBytes(*item_bytes);
+      if (estimate > static_cast<uint64_t>(kMaxMessageBytes)) {
+        return TooLarge(absl::StrCat("the response (through ", Item(i), ")"), estimate,
+                        kMaxMessageBytes,
+                        "split the batch, or set return_positions=false in its items (nothing "
+                        "was compressed)");
+      }
       params.push_back(std::move(p));
     }
     for (int i = 0; i < n; ++i) {
@@ -783,6 +967,15 @@ grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerCont
                             absl::StrCat(Item(i), ": ", result.status().message(), note));
       }
       CompressResultToProto(*result, response->add_responses());
+    }
+    const size_t bytes = response->ByteSizeLong();
+    if (bytes > static_cast<size_t>(kMaxMessageBytes)) {  // only if the estimate was wrong
+      response->Clear();
+      const absl::Status too_large =
+          TooLarge("the response", bytes, kMaxMessageBytes,
+                   "split the batch, or set return_positions=false in its items");
+      return absl::Status(too_large.code(),
+                          absl::StrCat(too_large.message(), " (every item was compressed)"));
     }
     return absl::OkStatus();
   });

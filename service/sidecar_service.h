@@ -15,11 +15,14 @@
 #define KVSIDECAR_SERVICE_SIDECAR_SERVICE_H_
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "cache/pool.h"
@@ -32,6 +35,9 @@ class WatchReactor;  // service/sidecar_service.cc
 
 // Largest number of items one batch call (BatchReserve, BatchCommit, BatchCompress) may carry.
 inline constexpr int kMaxBatchItems = 1 << 16;
+// Largest number of segments one Append stream may carry; the response holds one item per
+// segment, so an unbounded stream would grow it without limit.
+inline constexpr int kMaxAppendSegments = 4096;
 // Largest gRPC message either way; a 4 MiB chunk plus its framing fits with room to spare.
 inline constexpr int kMaxMessageBytes = 64 << 20;
 
@@ -85,6 +91,10 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* context,
                                    const ::kvsidecar::v1::CommitRequest* request,
                                    ::kvsidecar::v1::CommitResponse* response) override;
+  grpc::ServerUnaryReactor* CancelReservation(
+      grpc::CallbackServerContext* context,
+      const ::kvsidecar::v1::CancelReservationRequest* request,
+      ::kvsidecar::v1::CancelReservationResponse* response) override;
   // All or nothing: every item is validated (ids, sizes, repeats, existence) before the first
   // reservation; if reserving item i still fails, the reservations of items < i are cancelled
   // and the call fails with "requests[i]: ...". Caveat: a strict-budget item evicts before it
@@ -92,16 +102,23 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   grpc::ServerUnaryReactor* BatchReserve(grpc::CallbackServerContext* context,
                                          const ::kvsidecar::v1::BatchReserveRequest* request,
                                          ::kvsidecar::v1::BatchReserveResponse* response) override;
-  // Every item is validated first (ids, repeats, session and sequence exist). Commits then run in
-  // order; a commit cannot be undone, so if item i fails, items < i stay committed, item i and
-  // later stay reserved (the client may retry them), and the message says so.
+  // Every item is validated first (ids, repeats, session and sequence exist, reservation_id is
+  // the sequence's pending reservation): a stale id fails the batch before anything commits.
+  // Commits then run in order; a commit cannot be undone, so if item i still fails (a concurrent
+  // call committed or cancelled its reservation after the check), items < i stay committed, item
+  // i and later stay reserved (the client may retry them), and the message says so.
   grpc::ServerUnaryReactor* BatchCommit(grpc::CallbackServerContext* context,
                                         const ::kvsidecar::v1::BatchCommitRequest* request,
                                         ::kvsidecar::v1::BatchCommitResponse* response) override;
+  // At most kMaxAppendSegments segments per stream; segment kMaxAppendSegments fails the stream
+  // with INVALID_ARGUMENT and the earlier segments stay committed.
   grpc::ServerReadReactor<::kvsidecar::v1::AppendChunk>* Append(
       grpc::CallbackServerContext* context, ::kvsidecar::v1::AppendResponse* response) override;
   grpc::ServerWriteReactor<::kvsidecar::v1::ExportChunk>* Export(
       grpc::CallbackServerContext* context, const ::kvsidecar::v1::ExportRequest* request) override;
+  // GetLayout, Compress (return_positions), BatchCompress and the Export header estimate their
+  // response size from the counts (no positions loaded) and refuse with RESOURCE_EXHAUSTED,
+  // before building anything or evicting anything, when it would exceed kMaxMessageBytes.
   grpc::ServerUnaryReactor* GetLayout(grpc::CallbackServerContext* context,
                                       const ::kvsidecar::v1::GetLayoutRequest* request,
                                       ::kvsidecar::v1::GetLayoutResponse* response) override;
@@ -137,6 +154,15 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   // NOT_FOUND unless both exist; cheap (one layer, no positions).
   absl::Status CheckSequenceExists(const std::string& session_id,
                                    const std::string& sequence_id) const;
+  // NOT_FOUND / FAILED_PRECONDITION (as Commit would answer) unless `reservation_id` is the
+  // sequence's pending reservation. Changes nothing.
+  absl::Status CheckPendingReservation(const std::string& session_id,
+                                       const std::string& sequence_id,
+                                       uint64_t reservation_id) const;
+  // Upper bound of the CompressResponse bytes of `request` (positions if it asks for them), from
+  // the counts and budgets only.
+  absl::StatusOr<uint64_t> EstimateCompressResponseBytes(
+      const ::kvsidecar::v1::CompressRequest& request) const;
 
   KvPool* const pool_;
   const std::string backend_name_;

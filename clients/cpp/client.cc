@@ -413,13 +413,15 @@ absl::StatusOr<v1::ReleaseSequenceResponse> Session::ReleaseSequence(
 }
 
 absl::StatusOr<Reservation> Session::Reserve(const std::string& sequence_id, int32_t num_tokens,
-                                             absl::Span<const int32_t> positions) {
+                                             absl::Span<const int32_t> positions,
+                                             absl::Span<const int32_t> layers) {
   KVS_RETURN_IF_ERROR(CheckAttached());
   v1::ReserveRequest request;
   request.set_session_id(session_id());
   request.set_sequence_id(sequence_id);
   request.set_num_tokens(num_tokens);
   request.mutable_positions()->Add(positions.begin(), positions.end());
+  request.mutable_layers()->Add(layers.begin(), layers.end());
   KVS_ASSIGN_OR_RETURN(v1::ReserveResponse response, Unary(stub_.get(), &v1::Sidecar::Stub::Reserve,
                                                            request, options_.rpc_timeout));
   return Reservation(sequence_id, std::move(response), geometry_);
@@ -447,6 +449,16 @@ absl::StatusOr<v1::CommitResponse> Session::Commit(const Reservation& reservatio
   request.set_reservation_id(reservation.id());
   request.set_compress_if_over_budget(compress_if_over_budget);
   return Unary(stub_.get(), &v1::Sidecar::Stub::Commit, request, options_.rpc_timeout);
+}
+
+absl::Status Session::CancelReservation(const Reservation& reservation) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  v1::CancelReservationRequest request;
+  request.set_session_id(session_id());
+  request.set_sequence_id(reservation.sequence_id());
+  request.set_reservation_id(reservation.id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::CancelReservation, request, options_.rpc_timeout)
+      .status();
 }
 
 absl::StatusOr<std::vector<Reservation>> Session::BatchReserve(
@@ -508,6 +520,9 @@ absl::StatusOr<v1::AppendResponse> Session::BatchAppend(absl::Span<const AppendS
   v1::AppendChunk chunk;
   for (const AppendSegment& segment : segments) {
     if (!open) break;
+    // `chunk` still holds the previous message: after an empty-payload segment that is its header,
+    // whose repeated fields would otherwise accumulate into this one.
+    chunk.Clear();
     v1::AppendHeader* header = chunk.mutable_header();
     header->set_session_id(session_id());
     header->set_sequence_id(segment.sequence_id);

@@ -55,7 +55,10 @@ uint32_t RandomSuffix() {
   return static_cast<uint32_t>(mix ^ (mix >> 32));
 }
 
-bool IsSpaceError(int error) { return error == ENOSPC || error == ENOMEM || error == EFBIG; }
+// Out of memory, disk, file size or file descriptors: the caller may retry later, nothing is broken.
+bool IsSpaceError(int error) {
+  return error == ENOSPC || error == ENOMEM || error == EFBIG || error == EMFILE || error == ENFILE;
+}
 
 absl::Status SystemError(int error, const std::string& what, const std::string& directory) {
   if (IsSpaceError(error)) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 
@@ -36,22 +37,20 @@ absl::Status ValidateTopKJob(const TopKJob& job, size_t index) {
 
 namespace {
 
-// One 64-bit key per candidate whose unsigned order is the rank order: the score (mapped to an
-// order-preserving integer, NaN below -inf, -0 equal to +0) above the inverted position (equal
-// scores: lower position ranks higher). Selection then compares plain integers instead of
-// chasing two arrays through a comparator with NaN cases.
-uint64_t RankKey(float score, int32_t position) {
-  uint32_t ordered = 0;  // NaN: below every number
-  if (!std::isnan(score)) {
-    score += 0.0f;  // -0 -> +0
-    uint32_t bits;
-    std::memcpy(&bits, &score, sizeof(bits));
-    ordered = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
-    // Every number maps above 0: the smallest, -inf (0xff800000), maps to 0x007fffff.
-  }
-  const uint32_t position_order = static_cast<uint32_t>(position) ^ 0x80000000u;
-  return (static_cast<uint64_t>(ordered) << 32) | (0xffffffffu - position_order);
+// An unsigned key whose order is the score order: NaN below every number (0), -0 equal to +0.
+// Equal scores are then ordered by position separately (lower position ranks higher).
+inline uint32_t ScoreKey(float score) {
+  if (std::isnan(score)) return 0;
+  score += 0.0f;  // -0 -> +0
+  uint32_t bits;
+  std::memcpy(&bits, &score, sizeof(bits));
+  // Every number maps above 0: the smallest, -inf (0xff800000), maps to 0x007fffff.
+  return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
 }
+
+// Digits of the radix select, most significant first: 11 + 11 + 10 bits.
+constexpr int kDigitShift[3] = {21, 10, 0};
+constexpr uint32_t kDigitMask[3] = {0x7ff, 0x7ff, 0x3ff};
 
 }  // namespace
 
@@ -59,36 +58,93 @@ void TopKRow(const TopKJob& job, int32_t row, TopKScratch& scratch) {
   const int64_t base = static_cast<int64_t>(row) * job.n;
   const float* scores = job.scores + base;
   const int32_t* positions = job.positions + base;
+  const uint8_t* forced = job.forced != nullptr ? job.forced + base : nullptr;
   int32_t* kept = job.kept + static_cast<int64_t>(row) * job.k;
+  const int32_t n = job.n;
   if (job.k == 0) return;
 
   // Forced slots are kept outright; the others compete for the remaining places.
-  std::vector<uint8_t>& keep = scratch.keep;
-  std::vector<TopKCandidate>& candidates = scratch.candidates;
-  keep.assign(job.n, 0);
-  candidates.clear();
-  int64_t num_forced = 0;
-  for (int32_t s = 0; s < job.n; ++s) {
-    if (job.forced != nullptr && job.forced[base + s] != 0) {
-      keep[s] = 1;
-      ++num_forced;
-    } else {
-      candidates.push_back({RankKey(scores[s], positions[s]), s});
-    }
+  std::vector<uint32_t>& keys = scratch.keys;
+  std::vector<int32_t>& candidates = scratch.candidates;
+  std::vector<int32_t>& spare = scratch.spare;
+  keys.resize(n);
+  int32_t num_forced = 0;
+  for (int32_t s = 0; s < n; ++s) keys[s] = ScoreKey(scores[s]);
+  if (forced != nullptr) {
+    for (int32_t s = 0; s < n; ++s) num_forced += forced[s] != 0 ? 1 : 0;
   }
-  const int64_t wanted = job.k - num_forced;
-  if (wanted > 0) {
-    if (wanted < static_cast<int64_t>(candidates.size())) {
-      std::nth_element(
-          candidates.begin(), candidates.begin() + (wanted - 1), candidates.end(),
-          [](const TopKCandidate& a, const TopKCandidate& b) { return a.key > b.key; });
+  const int32_t wanted = job.k - num_forced;
+  const int32_t num_candidates = n - num_forced;
+
+  // Keep every candidate whose key is above `threshold`, plus those whose key equals it and
+  // whose position is at most `tie_position_limit`.
+  const bool keep_all = wanted >= num_candidates;
+  uint32_t threshold = 0;
+  int32_t tie_position_limit = std::numeric_limits<int32_t>::max();
+  if (!keep_all && wanted > 0) {
+    // Radix select of the wanted-th largest key: per digit, count the candidates per digit
+    // value, find the value holding the wanted-th largest and keep only those candidates for
+    // the next digit. The first digit reads the keys directly, the later ones the few slots left.
+    int32_t remaining = wanted;  // how many of the current candidates are still to be taken
+    uint32_t prefix = 0;
+    for (int digit = 0; digit < 3; ++digit) {
+      const int shift = kDigitShift[digit];
+      const uint32_t mask = kDigitMask[digit];
+      uint32_t histogram[2048] = {};
+      if (digit == 0) {
+        for (int32_t s = 0; s < n; ++s) {
+          if (forced == nullptr || forced[s] == 0) ++histogram[keys[s] >> shift];
+        }
+      } else {
+        for (int32_t s : candidates) ++histogram[(keys[s] >> shift) & mask];
+      }
+      uint32_t value = mask;
+      int32_t above = 0;
+      while (above + static_cast<int32_t>(histogram[value]) < remaining) {
+        above += static_cast<int32_t>(histogram[value]);
+        --value;
+      }
+      remaining -= above;
+      prefix |= value << shift;
+      spare.clear();
+      if (digit == 0) {
+        for (int32_t s = 0; s < n; ++s) {
+          if ((keys[s] >> shift) == value && (forced == nullptr || forced[s] == 0)) {
+            spare.push_back(s);
+          }
+        }
+      } else {
+        for (int32_t s : candidates) {
+          if (((keys[s] >> shift) & mask) == value) spare.push_back(s);
+        }
+      }
+      candidates.swap(spare);
     }
-    for (int64_t i = 0; i < wanted; ++i) keep[candidates[i].slot] = 1;
+    threshold = prefix;
+    // Every candidate left has key == threshold; 1 <= `ties` <= their count are kept.
+    const int32_t ties = remaining;
+    if (ties < static_cast<int32_t>(candidates.size())) {
+      // Positions are distinct within a row: the ties-th smallest is the cut.
+      spare.clear();
+      for (int32_t s : candidates) spare.push_back(positions[s]);
+      std::nth_element(spare.begin(), spare.begin() + (ties - 1), spare.end());
+      tie_position_limit = spare[ties - 1];
+    }
   }
   // Emitting in slot order gives the ascending output without sorting the kept set.
   int32_t written = 0;
-  for (int32_t s = 0; s < job.n && written < job.k; ++s) {
-    if (keep[s]) kept[written++] = s;
+  for (int32_t s = 0; s < n && written < job.k; ++s) {
+    bool keep;
+    if (forced != nullptr && forced[s] != 0) {
+      keep = true;
+    } else if (keep_all) {
+      keep = true;
+    } else if (wanted <= 0) {
+      keep = false;
+    } else {
+      keep = keys[s] > threshold || (keys[s] == threshold && positions[s] <= tie_position_limit);
+    }
+    if (keep) kept[written++] = s;
   }
 }
 

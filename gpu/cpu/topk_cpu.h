@@ -17,19 +17,15 @@ namespace kvs {
 // slots. `index` names the job in the message. Reads every forced flag (O(rows * n)).
 absl::Status ValidateTopKJob(const TopKJob& job, size_t index);
 
-// A selection candidate: its rank key (higher ranks first) and slot.
-struct TopKCandidate {
-  uint64_t key;
-  int32_t slot;
-};
-
 // Per-thread buffers reused across rows to avoid allocations.
 struct TopKScratch {
-  std::vector<TopKCandidate> candidates;
-  std::vector<uint8_t> keep;
+  std::vector<uint32_t> keys;       // per slot: the order-preserving score key
+  std::vector<int32_t> candidates;  // slots still in the running during the radix select
+  std::vector<int32_t> spare;       // the next round's candidates
 };
 
-// Writes job.kept[row * k .. row * k + k) for one row of a validated job. Average O(n).
+// Writes job.kept[row * k .. row * k + k) for one row of a validated job. O(n): a radix select
+// on the score keys, ties at the threshold broken by position.
 void TopKRow(const TopKJob& job, int32_t row, TopKScratch& scratch);
 
 }  // namespace kvs

@@ -137,8 +137,14 @@ TEST(CompactionTest, ExecutedPlanPreservesEveryKeptRow) {
       auto plan = PlanCompaction(layout, table, count, keep, kept, positions);
       ASSERT_TRUE(plan.ok()) << plan.status();
       EXPECT_EQ(plan->moved_tokens, expected_moves);
-      const RowCopyJob job = plan->Job(arena.data(), layout.row_bytes());
-      ASSERT_TRUE(backend->CopyRows({&job, 1}, nullptr).ok());
+      // Odd trials run the plan as one job, even ones in small independent pieces.
+      std::vector<RowCopyJob> jobs;
+      if (trial % 2 == 1) {
+        jobs.push_back(plan->Job(arena.data(), layout.row_bytes()));
+      } else {
+        plan->AppendJobs(arena.data(), layout.row_bytes(), 1 + trial % 5, jobs);
+      }
+      ASSERT_TRUE(backend->CopyRows(jobs, nullptr).ok());
       for (int h = 0; h < layout.num_kv_heads; ++h) {
         std::vector<int32_t> want(kept.begin() + h * keep, kept.begin() + (h + 1) * keep);
         std::vector<int32_t> got;
@@ -161,6 +167,29 @@ TEST(CompactionTest, ExecutedPlanPreservesEveryKeptRow) {
       }
     }
   }
+}
+
+TEST(CompactionTest, AppendJobsSplitsThePlanInOrder) {
+  CompactionPlan plan;
+  for (uint64_t i = 0; i < 10; ++i) {
+    plan.src_offsets.push_back(1000 + i);
+    plan.dst_offsets.push_back(i);
+  }
+  uint8_t arena[1];
+  std::vector<RowCopyJob> jobs;
+  plan.AppendJobs(arena, 8, 4, jobs);
+  ASSERT_EQ(jobs.size(), 3u);
+  const int64_t counts[] = {4, 4, 2};
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    EXPECT_EQ(jobs[j].arena, arena);
+    EXPECT_EQ(jobs[j].row_bytes, 8u);
+    EXPECT_EQ(jobs[j].count, counts[j]);
+    EXPECT_EQ(jobs[j].src_offsets, plan.src_offsets.data() + 4 * j);
+    EXPECT_EQ(jobs[j].dst_offsets, plan.dst_offsets.data() + 4 * j);
+  }
+  CompactionPlan empty;
+  empty.AppendJobs(arena, 8, 4, jobs);
+  EXPECT_EQ(jobs.size(), 3u);  // nothing to move: no job
 }
 
 }  // namespace

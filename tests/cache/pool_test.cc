@@ -128,26 +128,60 @@ TEST(PoolAttachTest, Validation) {
   EXPECT_EQ(pool.pool.GetStats().arena_bytes_reserved, 0u);
 }
 
-TEST(PoolAttachTest, CapacityIsEnforcedAndReturned) {
+TEST(PoolAttachTest, CapacityIsEnforcedInWholePagesAndReturned) {
   PoolOptions options = TestPool::DefaultOptions();
   const ModelLayout layout = MakeLayout(1, 1, 8, DType::kFloat32, 4);  // 256-byte blocks
-  options.arena_capacity_bytes = 256 * 100;
+  options.arena_capacity_bytes = 4096 * 7;
   TestPool pool(options);
   AttachParams params;
   params.layout = layout;
-  params.num_blocks = 60;
+  params.num_blocks = 64;  // 4 pages
   auto first = pool.pool.Attach(params);
   ASSERT_TRUE(first.ok());
   auto second = pool.pool.Attach(params);
   EXPECT_THAT(second.status(), StatusIs(absl::StatusCode::kResourceExhausted, "arena bytes"));
-  EXPECT_EQ(pool.pool.GetStats().arena_bytes_reserved, 256u * 60);
-  params.num_blocks = 40;
+  EXPECT_EQ(pool.pool.GetStats().arena_bytes_reserved, 4096u * 4);
+  params.num_blocks = 33;  // 8448 bytes, charged as 3 pages
   auto third = pool.pool.Attach(params);
   ASSERT_TRUE(third.ok());
-  EXPECT_EQ(pool.pool.GetStats().arena_bytes_reserved, 256u * 100);
+  EXPECT_EQ(pool.pool.GetStats().arena_bytes_reserved, 4096u * 7);
+  params.num_blocks = 1;  // 256 bytes still cost a page: nothing is left
+  EXPECT_THAT(pool.pool.Attach(params).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, "in whole pages"));
   ASSERT_TRUE(pool.pool.Detach(first->session_id).ok());
-  params.num_blocks = 60;
+  params.num_blocks = 64;
   EXPECT_TRUE(pool.pool.Attach(params).ok());
+}
+
+TEST(PoolAttachTest, SessionCountIsBounded) {
+  PoolOptions options = TestPool::DefaultOptions();
+  options.max_sessions = 3;
+  TestPool pool(options);
+  AttachParams params;
+  params.layout = MakeLayout(1, 1, 4, DType::kFloat16, 4);
+  params.num_blocks = 1;
+  std::vector<std::string> ids;
+  for (int i = 0; i < 3; ++i) {
+    auto session = pool.pool.Attach(params);
+    ASSERT_TRUE(session.ok()) << session.status();
+    EXPECT_EQ(session->session_id.size(), 32u);
+    ids.push_back(session->session_id);
+  }
+  EXPECT_THAT(pool.pool.Attach(params).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, "3 sessions"));
+  ASSERT_TRUE(pool.pool.Detach(ids[1]).ok());
+  EXPECT_TRUE(pool.pool.Attach(params).ok());
+}
+
+TEST(PoolLeaseTest, HeartbeatReportsFreeBlocks) {
+  TestPool pool;
+  const ModelLayout layout = MakeLayout(2, 1, 4, DType::kFloat16, 4);
+  const std::string session = pool.Attach(layout, 16);
+  const std::string seq = pool.Create(session, KeyDiff(), Budget(0));
+  ASSERT_TRUE(Append(pool.pool, session, seq, 5, layout, HashValue).ok());  // 2 blocks x 2 layers
+  auto beat = pool.pool.Heartbeat(session);
+  ASSERT_TRUE(beat.ok());
+  EXPECT_EQ(beat->free_blocks, 12);
 }
 
 TEST(PoolLeaseTest, HeartbeatExpiryAndReap) {
@@ -165,7 +199,8 @@ TEST(PoolLeaseTest, HeartbeatExpiryAndReap) {
   pool.clock.Advance(absl::Milliseconds(1500));
   auto expiry = pool.pool.Heartbeat(b->session_id);
   ASSERT_TRUE(expiry.ok());
-  EXPECT_EQ(*expiry, pool.clock.Now() + absl::Seconds(2));
+  EXPECT_EQ(expiry->lease_expires, pool.clock.Now() + absl::Seconds(2));
+  EXPECT_EQ(expiry->free_blocks, params.num_blocks);
   EXPECT_EQ(pool.pool.ReapExpired(), 0);
 
   pool.clock.Advance(absl::Milliseconds(500));  // a's lease ends exactly now
@@ -176,7 +211,7 @@ TEST(PoolLeaseTest, HeartbeatExpiryAndReap) {
   EXPECT_EQ(pool.pool.GetStats().sessions, 1);
   EXPECT_EQ(pool.pool.GetStats().sessions_reclaimed, 1);
   EXPECT_EQ(pool.pool.GetStats().sequences, 0);
-  EXPECT_EQ(pool.pool.GetStats().arena_bytes_reserved, 8u * params.layout.block_bytes());
+  EXPECT_EQ(pool.pool.GetStats().arena_bytes_reserved, 4096u);  // 8 blocks of 64 B: one page
   EXPECT_EQ(pool.pool.Detach(a->session_id).status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(pool.pool.GetSession(b->session_id).ok());
 
@@ -292,6 +327,14 @@ TEST_F(PoolTest, CreateSequencePolicyAndBudgetValidation) {
   auto view = pool_.pool.GetLayout(session_, created->sequence_id, {}, false);
   EXPECT_EQ(view->policy.streaming_llm.n_sink, 4);
   EXPECT_EQ(view->layers[0].budget, 80);
+}
+
+TEST(PoolSequenceLimitTest, SmallArenasHoldFewSequences) {
+  TestPool pool;  // max_sequences_per_session is large; a 1-block arena still gets only 16
+  const std::string session = pool.Attach(MakeLayout(1, 1, 4, DType::kFloat16, 4), 1);
+  for (int i = 0; i < 16; ++i) pool.Create(session, KeyDiff(), Budget(0));
+  EXPECT_THAT(pool.pool.CreateSequence(session, SequenceParams{}).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, "16 sequences"));
 }
 
 TEST(PoolSequenceLimitTest, MaxSequencesPerSession) {
@@ -484,7 +527,7 @@ TEST_F(PoolTest, StatsAndListings) {
   EXPECT_EQ(stats.tokens_appended, 20);  // 10 tokens x 2 layers
   EXPECT_EQ(stats.tokens_evicted, 12);   // 6 x 2 layers
   EXPECT_EQ(stats.arena_bytes_used, 2u * layout_.block_bytes());
-  EXPECT_EQ(stats.arena_bytes_reserved, 40u * layout_.block_bytes());
+  EXPECT_EQ(stats.arena_bytes_reserved, 8192u);  // 40 blocks of 128 B, in whole pages
   auto sequences = pool_.pool.ListSequences(session_);
   ASSERT_EQ(sequences.size(), 1u);
   EXPECT_EQ(sequences[0].sequence_id, "seq-1");

@@ -1,6 +1,7 @@
 // End to end against the real server binary over loopback: zero-copy writes through the mapped
 // arena, compression with KeyDiff and StreamingLLM, read back in place and through Export bit for
-// bit; inline Append with 1 and 4 MiB chunks, batch Append, BatchReserve/BatchCommit, every dtype.
+// bit; inline Append with 1 and 4 MiB chunks, batch Append, BatchReserve/BatchCommit, per-layer
+// reservations and CancelReservation, every dtype.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -376,6 +377,41 @@ TEST_F(RoundTripTest, BatchReserveAndBatchCommit) {
     ASSERT_TRUE(verified.ok()) << verified.status();
     EXPECT_THAT(verified->counts, Each(4 * (3 + i)));
   }
+}
+
+TEST_F(RoundTripTest, ReserveInALayerSubsetAndCancelReservation) {
+  const v1::ModelLayout layout = MakeLayout(3, 2, 4, 64, v1::DTYPE_FLOAT16);
+  auto session = Attach(layout, 64);
+  ASSERT_NE(session, nullptr);
+  ASSERT_TRUE(session->CreateSequence(KeyDiffPolicy(), std::nullopt, "sub").ok());
+  // A cancelled reservation gives its slots back; nothing of it is ever visible.
+  auto cancelled = session->Reserve("sub", 20);
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  ASSERT_TRUE(WritePattern(*session, *cancelled, 7).ok());
+  ASSERT_TRUE(session->CancelReservation(*cancelled).ok());
+  EXPECT_EQ(session->Commit(*cancelled).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(session->CancelReservation(*cancelled).code(), absl::StatusCode::kFailedPrecondition);
+
+  // Layers 2 and 0 only, in that order: layer 1 gets no tokens.
+  const std::vector<int32_t> layers = {2, 0};
+  auto reservation = session->Reserve("sub", 5, {}, layers);
+  ASSERT_TRUE(reservation.ok()) << reservation.status();
+  ASSERT_EQ(reservation->response().layers_size(), 2);
+  EXPECT_EQ(reservation->response().layers(0).layer(), 2);
+  EXPECT_EQ(reservation->response().layers(0).first_slot(), 0);
+  EXPECT_EQ(reservation->response().layers(1).layer(), 0);
+  ASSERT_TRUE(WritePattern(*session, *reservation, 8).ok());
+  auto committed = session->Commit(*reservation);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_THAT(committed->counts(), ElementsAre(5, 0, 5));
+  auto verified = VerifySequence(*session, "sub", 8);
+  ASSERT_TRUE(verified.ok()) << verified.status();
+  EXPECT_THAT(verified->counts, ElementsAre(5, 0, 5));
+
+  const std::vector<int32_t> out_of_range = {3};
+  auto refused = session->Reserve("sub", 1, {}, out_of_range);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(MessageOf(refused.status()), ::testing::HasSubstr("layers[0] = 3 is out of range"));
 }
 
 TEST_F(RoundTripTest, EveryDtypeRoundTripsInPlaceAndInline) {

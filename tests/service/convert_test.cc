@@ -245,6 +245,27 @@ TEST(ConvertPolicyTest, AllocatorKinds) {
                 "policy.allocator.min_layer_tokens");
 }
 
+// The uniform allocator has no floor and no slope: setting either must not be silently ignored.
+TEST(ConvertPolicyTest, AllocatorParametersAreUnimplemented) {
+  v1::PolicySpec spec;
+  spec.set_name("keydiff");
+  spec.mutable_allocator()->set_kind(v1::LAYER_ALLOCATOR_UNIFORM);
+  spec.mutable_allocator()->set_min_layer_tokens(16);
+  EXPECT_STATUS(PolicyFromProto(spec, "requests[1].policy.").status(), kUnimplemented,
+                "requests[1].policy.allocator.min_layer_tokens 16");
+  spec.mutable_allocator()->set_min_layer_tokens(0);
+  spec.mutable_allocator()->set_pyramid_beta(20.0f);
+  EXPECT_STATUS(PolicyFromProto(spec).status(), kUnimplemented, "policy.allocator.pyramid_beta");
+  spec.mutable_allocator()->set_pyramid_beta(std::nanf(""));
+  EXPECT_STATUS(PolicyFromProto(spec).status(), kUnimplemented, "policy.allocator.pyramid_beta");
+  spec.mutable_allocator()->set_pyramid_beta(0.0f);
+  EXPECT_TRUE(PolicyFromProto(spec).ok());
+  // What the server reports back (PolicyToProto) is accepted again as a request.
+  v1::PolicySpec echoed;
+  PolicyToProto(**PolicyFromProto(spec), &echoed);
+  EXPECT_TRUE(PolicyFromProto(echoed).ok());
+}
+
 TEST(ConvertPolicyTest, DefaultPolicyNamed) {
   auto policy = DefaultPolicyNamed("streaming_llm", "--default_policy");
   ASSERT_TRUE(policy.ok());
@@ -486,6 +507,19 @@ TEST(ConvertRequestTest, ReserveAndCommit) {
   EXPECT_TRUE(ValidateCommitRequest(commit).ok());
   commit.clear_session_id();
   EXPECT_STATUS(ValidateCommitRequest(commit), kInvalidArgument, "session_id must not be empty");
+}
+
+TEST(ConvertRequestTest, CancelReservation) {
+  v1::CancelReservationRequest cancel;
+  cancel.set_session_id("s");
+  cancel.set_sequence_id("q");
+  EXPECT_STATUS(ValidateCancelReservationRequest(cancel), kInvalidArgument,
+                "reservation_id must be set");
+  cancel.set_reservation_id(3);
+  EXPECT_TRUE(ValidateCancelReservationRequest(cancel).ok());
+  cancel.set_sequence_id("bad\n");
+  EXPECT_STATUS(ValidateCancelReservationRequest(cancel), kInvalidArgument,
+                "sequence_id contains a control character");
 }
 
 TEST(ConvertRequestTest, AppendHeader) {

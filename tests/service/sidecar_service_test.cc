@@ -862,10 +862,175 @@ TEST_F(SidecarServiceTest, BatchCommitReportsAMidBatchFailure) {
   EXPECT_GRPC_ERROR(stub_->BatchCommit(Context().get(), commits, &committed), INVALID_ARGUMENT,
                     "requests[1].reservation_id must be set");
   EXPECT_EQ(LayoutOf(session, a).layers(0).count(), 0);  // validation failed: nothing committed
+  // A stale reservation id in item 1 is caught before item 0 commits.
   second->set_reservation_id(12345);
-  EXPECT_GRPC_ERROR(stub_->BatchCommit(Context().get(), commits, &committed), NOT_FOUND,
-                    "requests[1]: ");
-  EXPECT_EQ(LayoutOf(session, a).layers(0).count(), 1);  // item 0 stays committed
+  EXPECT_GRPC_ERROR(
+      stub_->BatchCommit(Context().get(), commits, &committed), NOT_FOUND,
+      "requests[1]: reservation 12345 not found in sequence b (nothing was committed)");
+  EXPECT_EQ(LayoutOf(session, a).layers(0).count(), 0);
+  v1::ReserveResponse rb;
+  ASSERT_GRPC_OK(Reserve(session, b, 2, &rb));
+  second->set_reservation_id(rb.reservation_id());
+  ASSERT_GRPC_OK(stub_->BatchCommit(Context().get(), commits, &committed));
+  ASSERT_EQ(committed.responses_size(), 2);
+  EXPECT_THAT(committed.responses(1).counts(), ElementsAre(2, 2));
+  // An id that was already committed is FAILED_PRECONDITION, again before anything commits.
+  v1::ReserveResponse ra2;
+  ASSERT_GRPC_OK(Reserve(session, a, 1, &ra2));
+  first->set_reservation_id(ra2.reservation_id());
+  EXPECT_GRPC_ERROR(stub_->BatchCommit(Context().get(), commits, &committed), FAILED_PRECONDITION,
+                    "requests[1]: reservation");
+  EXPECT_EQ(LayoutOf(session, a).layers(0).count(), 1);
+}
+
+// ---- CancelReservation and per-layer reservations -----------------------------------------------
+
+TEST_F(SidecarServiceTest, CancelReservationReturnsTheSlots) {
+  const v1::AttachResponse attached = AttachOk();
+  const std::string session = attached.session_id();
+  const std::string sequence = CreateOk(session, "s");
+  ASSERT_GRPC_OK(AppendOk(session, sequence, Pattern(3 * kLayers * kTokenBytes, 20), 3));
+  const uint64_t used = pool_->GetStats().arena_bytes_used;
+  v1::ReserveResponse reserved;
+  ASSERT_GRPC_OK(Reserve(session, sequence, 6, &reserved));
+  EXPECT_GT(pool_->GetStats().arena_bytes_used, used);
+
+  v1::CancelReservationRequest cancel;
+  cancel.set_session_id(session);
+  cancel.set_sequence_id(sequence);
+  cancel.set_reservation_id(reserved.reservation_id());
+  v1::CancelReservationResponse cancelled;
+  ASSERT_GRPC_OK(stub_->CancelReservation(Context().get(), cancel, &cancelled));
+  EXPECT_EQ(pool_->GetStats().arena_bytes_used, used);
+  EXPECT_EQ(LayoutOf(session, sequence).layers(0).count(), 3);
+  EXPECT_GRPC_ERROR(stub_->CancelReservation(Context().get(), cancel, &cancelled),
+                    FAILED_PRECONDITION, "was cancelled");
+  v1::CommitRequest commit;
+  commit.set_session_id(session);
+  commit.set_sequence_id(sequence);
+  commit.set_reservation_id(reserved.reservation_id());
+  v1::CommitResponse committed;
+  EXPECT_GRPC_ERROR(stub_->Commit(Context().get(), commit, &committed), FAILED_PRECONDITION,
+                    "was cancelled");
+  // The sequence takes a new reservation at the same slots.
+  v1::ReserveResponse again;
+  ASSERT_GRPC_OK(Reserve(session, sequence, 1, &again));
+  EXPECT_EQ(again.layers(0).first_slot(), 3);
+
+  cancel.set_reservation_id(987654);
+  EXPECT_GRPC_ERROR(stub_->CancelReservation(Context().get(), cancel, &cancelled), NOT_FOUND,
+                    "reservation 987654");
+  cancel.set_reservation_id(0);
+  EXPECT_GRPC_ERROR(stub_->CancelReservation(Context().get(), cancel, &cancelled), INVALID_ARGUMENT,
+                    "reservation_id must be set");
+  cancel.set_reservation_id(again.reservation_id());
+  cancel.set_sequence_id("ghost");
+  EXPECT_GRPC_ERROR(stub_->CancelReservation(Context().get(), cancel, &cancelled), NOT_FOUND,
+                    "ghost");
+  cancel.set_sequence_id(sequence);
+  cancel.set_session_id("");
+  EXPECT_GRPC_ERROR(stub_->CancelReservation(Context().get(), cancel, &cancelled), INVALID_ARGUMENT,
+                    "session_id must not be empty");
+  // None of the refused calls touched the pending reservation.
+  commit.set_reservation_id(again.reservation_id());
+  ASSERT_GRPC_OK(stub_->Commit(Context().get(), commit, &committed));
+  EXPECT_THAT(committed.counts(), ElementsAre(4, 4));
+}
+
+TEST_F(SidecarServiceTest, StrictBudgetEvictionStaysWhenTheReservationIsCancelled) {
+  const v1::AttachResponse attached = AttachOk();
+  const std::string session = attached.session_id();
+  v1::PolicySpec policy;
+  policy.set_name("streaming_llm");
+  v1::Budget budget;
+  budget.set_tokens_per_layer(4);
+  budget.set_strict(true);
+  budget.set_prefill_block_tokens(4);
+  v1::CreateSequenceResponse created;
+  ASSERT_GRPC_OK(Create(session, &created, "s", &policy, &budget));
+  ASSERT_GRPC_OK(AppendOk(session, "s", Pattern(4 * kLayers * kTokenBytes, 21), 4));
+  ASSERT_GRPC_OK(AppendOk(session, "s", Pattern(4 * kLayers * kTokenBytes, 22), 4));
+  EXPECT_EQ(LayoutOf(session, "s").layers(0).count(), 8);
+  v1::ReserveResponse reserved;
+  ASSERT_GRPC_OK(Reserve(session, "s", 4, &reserved));
+  EXPECT_EQ(reserved.evicted_before(), 4);
+  v1::CancelReservationRequest cancel;
+  cancel.set_session_id(session);
+  cancel.set_sequence_id("s");
+  cancel.set_reservation_id(reserved.reservation_id());
+  v1::CancelReservationResponse cancelled;
+  ASSERT_GRPC_OK(stub_->CancelReservation(Context().get(), cancel, &cancelled));
+  // As documented in the proto: the tokens evicted to respect the budget stay evicted.
+  const v1::GetLayoutResponse layout = LayoutOf(session, "s");
+  EXPECT_EQ(layout.layers(0).count(), 4);
+  EXPECT_EQ(layout.layers(1).count(), 4);
+}
+
+TEST_F(SidecarServiceTest, ReserveInALayerSubset) {
+  const v1::AttachResponse attached = AttachOk();
+  const std::string session = attached.session_id();
+  const std::string sequence = CreateOk(session, "s");
+  v1::ReserveRequest request;
+  request.set_session_id(session);
+  request.set_sequence_id(sequence);
+  request.set_num_tokens(5);
+  request.add_layers(1);
+  v1::ReserveResponse reserved;
+  ASSERT_GRPC_OK(stub_->Reserve(Context().get(), request, &reserved));
+  ASSERT_EQ(reserved.layers_size(), 1);
+  EXPECT_EQ(reserved.layers(0).layer(), 1);
+  EXPECT_EQ(reserved.layers(0).blocks_size(), 2);
+  v1::CommitRequest commit;
+  commit.set_session_id(session);
+  commit.set_sequence_id(sequence);
+  commit.set_reservation_id(reserved.reservation_id());
+  v1::CommitResponse committed;
+  ASSERT_GRPC_OK(stub_->Commit(Context().get(), commit, &committed));
+  EXPECT_THAT(committed.counts(), ElementsAre(0, 5));
+
+  // Both layers, listed in reverse: the response follows the order asked.
+  request.clear_layers();
+  request.add_layers(1);
+  request.add_layers(0);
+  request.set_num_tokens(1);
+  ASSERT_GRPC_OK(stub_->Reserve(Context().get(), request, &reserved));
+  ASSERT_EQ(reserved.layers_size(), 2);
+  EXPECT_EQ(reserved.layers(0).layer(), 1);
+  EXPECT_EQ(reserved.layers(0).first_slot(), 5);
+  EXPECT_EQ(reserved.layers(1).layer(), 0);
+  EXPECT_EQ(reserved.layers(1).first_slot(), 0);
+  commit.set_reservation_id(reserved.reservation_id());
+  ASSERT_GRPC_OK(stub_->Commit(Context().get(), commit, &committed));
+  EXPECT_THAT(committed.counts(), ElementsAre(1, 6));
+
+  request.clear_layers();
+  request.add_layers(2);
+  EXPECT_GRPC_ERROR(stub_->Reserve(Context().get(), request, &reserved), INVALID_ARGUMENT,
+                    "layers[0] = 2 is out of range [0, 2)");
+  request.clear_layers();
+  request.add_layers(0);
+  request.add_layers(0);
+  EXPECT_GRPC_ERROR(stub_->Reserve(Context().get(), request, &reserved), INVALID_ARGUMENT,
+                    "layers[1] repeats layer 0");
+  v1::BatchReserveRequest batch;
+  v1::ReserveRequest* good = batch.add_requests();
+  *good = request;
+  good->clear_layers();
+  v1::ReserveRequest* bad = batch.add_requests();
+  *bad = request;
+  bad->set_sequence_id(CreateOk(session, "t"));
+  bad->clear_layers();
+  bad->add_layers(-1);
+  v1::BatchReserveResponse batch_reserved;
+  EXPECT_GRPC_ERROR(stub_->BatchReserve(Context().get(), batch, &batch_reserved), INVALID_ARGUMENT,
+                    "requests[1].layers[0] = -1 is out of range");
+  // The refused calls left nothing pending (else this batch would be FAILED_PRECONDITION).
+  bad->set_layers(0, 1);
+  ASSERT_GRPC_OK(stub_->BatchReserve(Context().get(), batch, &batch_reserved));
+  ASSERT_EQ(batch_reserved.responses_size(), 2);
+  EXPECT_EQ(batch_reserved.responses(0).layers_size(), kLayers);
+  ASSERT_EQ(batch_reserved.responses(1).layers_size(), 1);
+  EXPECT_EQ(batch_reserved.responses(1).layers(0).layer(), 1);
 }
 
 // ---- Append -------------------------------------------------------------------------------------
@@ -1020,6 +1185,33 @@ TEST_F(SidecarServiceTest, AppendFailureInALaterSegmentKeepsEarlierOnes) {
                     "segment 1: header.num_tokens must be in [1, 1048576], got 0 (segments 0..0 "
                     "were committed)");
   EXPECT_EQ(LayoutOf(session, a).layers(0).count(), 2);
+}
+
+TEST_F(SidecarServiceTest, AppendStreamCarriesAtMost4096Segments) {
+  ASSERT_EQ(kMaxAppendSegments, 4096);
+  const int blocks_per_layer = 2 * kMaxAppendSegments / kBlockTokens + 1;  // two streams
+  const v1::AttachResponse attached = AttachOk(SmallLayout(), kLayers * blocks_per_layer + 8);
+  const std::string session = attached.session_id();
+  const std::string sequence = CreateOk(session, "s");
+  const std::string payload = Pattern(kLayers * kTokenBytes, 13);  // one token per segment
+  std::vector<v1::AppendChunk> messages;
+  for (int i = 0; i <= kMaxAppendSegments; ++i) {
+    AddSegment(&messages, Header(session, sequence, 1), payload, {payload.size()});
+  }
+  v1::AppendResponse response;
+  EXPECT_GRPC_ERROR(Append(messages, &response), INVALID_ARGUMENT,
+                    "segment 4096: header: at most 4096 segments per Append stream");
+  EXPECT_GRPC_ERROR(Append(messages, &response), INVALID_ARGUMENT,
+                    "(segments 0..4095 were committed)");
+  // Both streams committed their first 4096 segments, and nothing of the refused one is pending.
+  v1::GetLayoutRequest request;
+  request.set_session_id(session);
+  request.set_sequence_id(sequence);
+  request.set_omit_positions(true);
+  v1::GetLayoutResponse layout;
+  ASSERT_GRPC_OK(stub_->GetLayout(Context().get(), request, &layout));
+  EXPECT_EQ(layout.layers(0).count(), 2 * kMaxAppendSegments);
+  EXPECT_EQ(layout.layers(1).count(), 2 * kMaxAppendSegments);
 }
 
 TEST_F(SidecarServiceTest, AppendCancelledMidSegmentCancelsTheReservation) {
@@ -1214,6 +1406,118 @@ TEST_F(SidecarServiceTest, BatchCompress) {
   batch.mutable_requests(1)->set_sequence_id("x");
   EXPECT_GRPC_ERROR(stub_->BatchCompress(Context().get(), batch, &response), INVALID_ARGUMENT,
                     "requests[1].sequence_id 'x' repeats requests[0]");
+}
+
+// ---- Response size limits ----------------------------------------------------------------------
+
+// The number N in "... would be about N bytes ...", or -1.
+int64_t AboutBytes(const std::string& message) {
+  const size_t at = message.find("would be about ");
+  if (at == std::string::npos) return -1;
+  return std::stoll(message.substr(at + 15));
+}
+
+// A sequence whose positions alone exceed the 64 MiB message limit: 16 kv heads of head_dim 1
+// (64 bytes of K/V per token and layer) and positions from 2^28 (5-byte varints), so 430000 tokens
+// carry 2 layers * 16 heads * 430000 * 5 = 68.8 MB of positions in 55 MB of arena. Filled through
+// the pool directly: the K/V bytes do not matter here.
+TEST_F(SidecarServiceTest, OversizedResponsesAreRefusedBeforeTheyAreBuilt) {
+  v1::ModelLayout layout = SmallLayout();
+  layout.set_num_kv_heads(16);
+  layout.set_num_q_heads(16);
+  layout.set_head_dim(1);
+  layout.set_dtype(v1::DTYPE_FLOAT16);
+  layout.set_block_tokens(16);
+  constexpr int kHeads16 = 16;
+  constexpr int kTokens = 430000;
+  constexpr int64_t kPositionBytes = int64_t{kLayers} * kHeads16 * kTokens * 5;
+  const v1::AttachResponse attached = AttachOk(layout, kLayers * (kTokens / 16 + 1) + 16);
+  const std::string session = attached.session_id();
+  v1::PolicySpec policy;
+  policy.set_name("streaming_llm");
+  v1::CreateSequenceResponse created;
+  ASSERT_GRPC_OK(Create(session, &created, "big", &policy));
+  std::vector<int32_t> positions(kTokens);
+  for (int i = 0; i < kTokens; ++i) positions[i] = (1 << 28) + i;
+  auto reservation = pool_->Reserve(session, "big", kTokens, positions, {});
+  ASSERT_TRUE(reservation.ok()) << reservation.status();
+  ASSERT_TRUE(pool_->Commit(session, "big", reservation->reservation_id, false).ok());
+  positions = {};
+  auto count_of_layer0 = [&]() -> int {
+    v1::GetLayoutRequest request;
+    request.set_session_id(session);
+    request.set_sequence_id("big");
+    request.set_omit_positions(true);
+    v1::GetLayoutResponse response;
+    const grpc::Status status = stub_->GetLayout(Context().get(), request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return status.ok() ? response.layers(0).count() : -1;
+  };
+
+  // GetLayout of every layer with positions: refused, with the estimate and what to do.
+  v1::GetLayoutRequest get;
+  get.set_session_id(session);
+  get.set_sequence_id("big");
+  v1::GetLayoutResponse got;
+  grpc::Status status = stub_->GetLayout(Context().get(), get, &got);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("bytes, above the 64 MiB message limit; ask for fewer layers or set "
+                        "omit_positions"));
+  EXPECT_GE(AboutBytes(status.error_message()), kPositionBytes);
+  EXPECT_LE(AboutBytes(status.error_message()), kPositionBytes + 300000);
+  // One layer (34 MB) is served: the estimate is not so loose that it refuses what fits.
+  get.add_layers(1);
+  ASSERT_GRPC_OK(stub_->GetLayout(Context().get(), get, &got));
+  ASSERT_EQ(got.layers_size(), 1);
+  EXPECT_EQ(got.layers(0).count(), kTokens);
+  ASSERT_EQ(got.layers(0).positions_size(), kHeads16 * kTokens);
+  EXPECT_EQ(got.layers(0).positions(kHeads16 * kTokens - 1), (1 << 28) + kTokens - 1);
+  got.Clear();
+  // Every layer without positions is served too.
+  EXPECT_EQ(count_of_layer0(), kTokens);
+
+  // The export header carries every position: refused up front, naming what to do.
+  v1::ExportRequest export_request;
+  export_request.set_session_id(session);
+  export_request.set_sequence_id("big");
+  v1::ExportHeader header;
+  std::string payload;
+  status = Export(export_request, &header, &payload);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("the export header (layout and positions) would be "
+                                                "about "));
+  EXPECT_THAT(status.error_message(), HasSubstr("export fewer layers per call (layers)"));
+  EXPECT_TRUE(payload.empty());
+
+  // Compress asking for every kept position: refused before anything is evicted.
+  v1::CompressRequest compress;
+  compress.set_session_id(session);
+  compress.set_sequence_id("big");
+  compress.set_budget_tokens(kTokens - 100);
+  compress.set_return_positions(true);
+  v1::CompressResponse compressed;
+  status = stub_->Compress(Context().get(), compress, &compressed);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("above the 64 MiB message limit; set return_positions=false"));
+  EXPECT_EQ(count_of_layer0(), kTokens);
+  // The same item in a batch: refused, naming it, nothing compressed.
+  v1::BatchCompressRequest batch;
+  *batch.add_requests() = compress;
+  v1::BatchCompressResponse batch_compressed;
+  status = stub_->BatchCompress(Context().get(), batch, &batch_compressed);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("the response (through requests[0]) would be"));
+  EXPECT_THAT(status.error_message(), HasSubstr("return_positions=false"));
+  EXPECT_EQ(count_of_layer0(), kTokens);
+  // A budget whose kept positions fit is served, positions included.
+  compress.set_budget_tokens(1000);
+  ASSERT_GRPC_OK(stub_->Compress(Context().get(), compress, &compressed));
+  ASSERT_EQ(compressed.layers_size(), kLayers);
+  EXPECT_EQ(compressed.layers(0).kept(), 1000);
+  EXPECT_EQ(compressed.layers(0).positions_size(), kHeads16 * 1000);
+  EXPECT_EQ(count_of_layer0(), 1000);
 }
 
 // ---- Not in this build --------------------------------------------------------------------------

@@ -234,6 +234,25 @@ class FakeSidecar final : public v1::Sidecar::Service {
     response->set_bytes_received(12345);
     return append_status;
   }
+  grpc::Status Reserve(grpc::ServerContext*, const v1::ReserveRequest* request,
+                       v1::ReserveResponse* response) override {
+    absl::MutexLock lock(&mu);
+    last_reserve = *request;
+    response->set_reservation_id(31);
+    for (int32_t layer : request->layers()) {
+      v1::LayerSlots* slots = response->add_layers();
+      slots->set_layer(layer);
+      slots->add_blocks(layer);
+    }
+    for (int i = 0; i < request->num_tokens(); ++i) response->add_positions(i);
+    return grpc::Status::OK;
+  }
+  grpc::Status CancelReservation(grpc::ServerContext*, const v1::CancelReservationRequest* request,
+                                 v1::CancelReservationResponse*) override {
+    absl::MutexLock lock(&mu);
+    cancelled.push_back(*request);
+    return cancel_status;
+  }
   grpc::Status Export(grpc::ServerContext*, const v1::ExportRequest* request,
                       grpc::ServerWriter<v1::ExportChunk>* writer) override {
     std::vector<v1::ExportChunk> to_send;
@@ -257,6 +276,9 @@ class FakeSidecar final : public v1::Sidecar::Service {
   grpc::Status append_status;
   std::vector<v1::ExportChunk> export_chunks;
   v1::ExportRequest last_export;
+  v1::ReserveRequest last_reserve;
+  std::vector<v1::CancelReservationRequest> cancelled;
+  grpc::Status cancel_status;
 };
 
 class ClientFakeServerTest : public ::testing::Test {
@@ -492,6 +514,90 @@ TEST_F(ClientFakeServerTest, AppendSplitsEachSegmentIntoChunks) {
   EXPECT_EQ(refused.status().message(), "header.payload_bytes must be 5, got 4");
 }
 
+// BatchAppend reuses one message for every chunk: a segment with no payload leaves its header in
+// it, and the next segment's header must not inherit its positions, layers or flags.
+TEST_F(ClientFakeServerTest, AppendHeadersDoNotLeakAcrossSegments) {
+  auto session = client_->Attach(Layout());
+  ASSERT_TRUE(session.ok()) << session.status();
+  AppendSegment empty;
+  empty.sequence_id = "a";
+  empty.num_tokens = 2;
+  empty.positions = {7, 8};
+  empty.layers = {1};
+  empty.compress_if_over_budget = true;
+  const std::string bytes = "xyz";
+  AppendSegment next;
+  next.sequence_id = "b";
+  next.num_tokens = 1;
+  next.positions = {3};
+  next.payload = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  ASSERT_TRUE((*session)->BatchAppend({empty, next, empty}).ok());
+  std::vector<v1::AppendChunk> chunks;
+  {
+    absl::MutexLock lock(&fake_.mu);
+    chunks = fake_.chunks;
+  }
+  ASSERT_EQ(chunks.size(), 4u);  // header, header, data, header
+  ASSERT_TRUE(chunks[0].has_header());
+  EXPECT_THAT(chunks[0].header().positions(), ElementsAre(7, 8));
+  EXPECT_THAT(chunks[0].header().layers(), ElementsAre(1));
+  EXPECT_EQ(chunks[0].header().payload_bytes(), 0u);
+  ASSERT_TRUE(chunks[1].has_header());
+  EXPECT_EQ(chunks[1].header().sequence_id(), "b");
+  EXPECT_EQ(chunks[1].header().num_tokens(), 1);
+  EXPECT_THAT(chunks[1].header().positions(), ElementsAre(3));
+  EXPECT_TRUE(chunks[1].header().layers().empty());
+  EXPECT_FALSE(chunks[1].header().compress_if_over_budget());
+  EXPECT_EQ(chunks[1].header().payload_bytes(), 3u);
+  EXPECT_EQ(chunks[2].data(), "xyz");
+  ASSERT_TRUE(chunks[3].has_header());
+  EXPECT_THAT(chunks[3].header().positions(), ElementsAre(7, 8));
+  EXPECT_THAT(chunks[3].header().layers(), ElementsAre(1));
+  EXPECT_TRUE(chunks[3].header().compress_if_over_budget());
+}
+
+TEST_F(ClientFakeServerTest, ReserveInLayersAndCancelReservation) {
+  auto session = client_->Attach(Layout());
+  ASSERT_TRUE(session.ok()) << session.status();
+  const std::vector<int32_t> positions = {10, 11};
+  const std::vector<int32_t> layers = {1};
+  auto reservation = (*session)->Reserve("q", 2, positions, layers);
+  ASSERT_TRUE(reservation.ok()) << reservation.status();
+  {
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_EQ(fake_.last_reserve.session_id(), "s-1");
+    EXPECT_EQ(fake_.last_reserve.sequence_id(), "q");
+    EXPECT_EQ(fake_.last_reserve.num_tokens(), 2);
+    EXPECT_THAT(fake_.last_reserve.positions(), ElementsAre(10, 11));
+    EXPECT_THAT(fake_.last_reserve.layers(), ElementsAre(1));
+  }
+  EXPECT_EQ(reservation->id(), 31u);
+  EXPECT_TRUE(reservation->KeyRow(1, 0, 0).ok());
+  EXPECT_EQ(reservation->KeyRow(0, 0, 0).status().code(), absl::StatusCode::kOutOfRange);
+  // The default is every layer: no layers on the wire.
+  ASSERT_TRUE((*session)->Reserve("q", 1).ok());
+  {
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_TRUE(fake_.last_reserve.layers().empty());
+  }
+  ASSERT_TRUE((*session)->CancelReservation(*reservation).ok());
+  {
+    absl::MutexLock lock(&fake_.mu);
+    ASSERT_EQ(fake_.cancelled.size(), 1u);
+    EXPECT_EQ(fake_.cancelled[0].session_id(), "s-1");
+    EXPECT_EQ(fake_.cancelled[0].sequence_id(), "q");
+    EXPECT_EQ(fake_.cancelled[0].reservation_id(), 31u);
+  }
+  fake_.cancel_status = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                     "reservation 31 of sequence q was cancelled");
+  const absl::Status refused = (*session)->CancelReservation(*reservation);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(refused.message(), "reservation 31 of sequence q was cancelled");
+  ASSERT_TRUE((*session)->Detach().ok());
+  EXPECT_EQ((*session)->CancelReservation(*reservation).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(ClientFakeServerTest, ExportCollectsTheStreamAndChecksIt) {
   auto session = client_->Attach(Layout());
   ASSERT_TRUE(session.ok()) << session.status();
@@ -525,7 +631,7 @@ TEST_F(ClientFakeServerTest, ExportCollectsTheStreamAndChecksIt) {
   fake_.export_chunks = {};
   EXPECT_EQ((*session)->Export("seq").status().code(), absl::StatusCode::kInternal);
   // The fake leaves every other call unimplemented: the code comes through unchanged.
-  EXPECT_EQ((*session)->Reserve("seq", 1).status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ((*session)->Commit(Reservation()).status().code(), absl::StatusCode::kUnimplemented);
 }
 
 TEST(ClientConnectTest, UnavailableWhenNothingListens) {

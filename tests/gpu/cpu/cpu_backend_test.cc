@@ -567,6 +567,80 @@ TEST(TopKTest, MatchesAFullSortOnRandomInputs) {
   }
 }
 
+// The radix select must agree with a full sort on inputs that stress every digit: scores a few
+// ulps apart (equal high bits, differences only in the last digit), both zeros, infinities and
+// NaN, with and without forced slots, for k from 1 to n.
+TEST(TopKTest, RadixSelectMatchesAFullSortOnCloseScores) {
+  auto backend = MakeCpuBackend(2);
+  std::mt19937 rng(11);
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(),
+                            1.0f,
+                            -1.0f};
+  for (const int n : {1, 7, 300, 4099}) {
+    for (const bool with_forced : {false, true}) {
+      const int rows = 3;
+      const int k_values[] = {1, std::max(1, n / 3), std::max(1, n - 1), n};
+      for (const int k : k_values) {
+        TopKCase c;
+        c.scores.resize(rows * n);
+        c.positions.resize(rows * n);
+        if (with_forced) c.forced.assign(rows * n, 0);
+        for (int r = 0; r < rows; ++r) {
+          std::vector<int32_t> perm(n);
+          std::iota(perm.begin(), perm.end(), -n / 2);  // negative positions too
+          std::shuffle(perm.begin(), perm.end(), rng);
+          int forced_left = k / 4;
+          for (int s = 0; s < n; ++s) {
+            const uint32_t pick = rng() % 16;
+            float score;
+            if (pick < 3) {
+              score = specials[rng() % 7];
+            } else {
+              // 1.5 + a few ulps: shares the top two digits with its neighbours.
+              score = 1.5f;
+              for (uint32_t steps = rng() % 40; steps > 0; --steps) {
+                score = std::nextafter(score, 2.0f);
+              }
+              if (pick == 3) score = -score;
+            }
+            c.scores[r * n + s] = score;
+            c.positions[r * n + s] = perm[s];
+            if (with_forced && forced_left > 0 && rng() % 5 == 0) {
+              c.forced[r * n + s] = 1;
+              --forced_left;
+            }
+          }
+        }
+        std::vector<int32_t> kept(rows * k, -1);
+        ASSERT_TRUE(RunTopK(*backend, c, rows, k, kept).ok());
+        for (int r = 0; r < rows; ++r) {
+          std::vector<int32_t> order(n);
+          std::iota(order.begin(), order.end(), 0);
+          auto key = [&](int32_t s) {
+            const float score = c.scores[r * n + s];
+            const bool is_forced = with_forced && c.forced[r * n + s] != 0;
+            // forced first, then score (NaN last, -0 == +0), then position
+            return std::make_tuple(!is_forced, std::isnan(score),
+                                   std::isnan(score) ? 0.0f : -(score + 0.0f),
+                                   c.positions[r * n + s]);
+          };
+          std::sort(order.begin(), order.end(),
+                    [&](int32_t a, int32_t b) { return key(a) < key(b); });
+          std::vector<int32_t> expected(order.begin(), order.begin() + k);
+          std::sort(expected.begin(), expected.end());
+          EXPECT_THAT(std::vector<int32_t>(kept.begin() + r * k, kept.begin() + (r + 1) * k),
+                      ElementsAreArray(expected))
+              << "n " << n << " k " << k << " forced " << with_forced << " row " << r;
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // CopyRows, Synchronize, identity.
 
@@ -611,6 +685,64 @@ TEST(CopyRowsTest, EmptyAndInvalidJobs) {
   null_offsets.count = 1;
   null_offsets.row_bytes = 4;
   EXPECT_EQ(backend->CopyRows({null_offsets}, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Enough jobs and rows for the parallel path: every job's rows land as the same rows copied one
+// by one in order would put them, including a job whose destinations are its own earlier
+// sources (a chain, which must run in order within the job), and jobs of row sizes without a
+// special case.
+TEST(CopyRowsTest, ManyJobsInParallelMatchInOrderCopies) {
+  auto backend = MakeCpuBackend(2);
+  std::mt19937 rng(5);
+  constexpr uint64_t kRegion = 1 << 20;  // each job owns one region of the arena
+  constexpr int kJobs = 24;
+  std::vector<uint8_t> arena(kRegion * kJobs);
+  for (auto& byte : arena) byte = static_cast<uint8_t>(rng());
+  std::vector<uint8_t> expected = arena;
+  std::vector<std::vector<uint64_t>> src(kJobs), dst(kJobs);
+  std::vector<RowCopyJob> jobs(kJobs);
+  for (int j = 0; j < kJobs; ++j) {
+    const uint64_t row_bytes = j % 3 == 0 ? 256 : (j % 3 == 1 ? 48 : 512);
+    const uint64_t base = j * kRegion;
+    const int64_t slots = static_cast<int64_t>(kRegion / row_bytes);
+    if (j == 5) {
+      // Chain: row i moves to slot i - 1, each destination an earlier row's source.
+      for (int64_t i = 1; i < slots; ++i) {
+        src[j].push_back(base + i * row_bytes);
+        dst[j].push_back(base + (i - 1) * row_bytes);
+      }
+    } else {
+      // Hole filling: the upper half's rows, in a random order, into random lower-half slots.
+      std::vector<int64_t> lower(slots / 2), upper(slots - slots / 2);
+      std::iota(lower.begin(), lower.end(), 0);
+      std::iota(upper.begin(), upper.end(), slots / 2);
+      std::shuffle(lower.begin(), lower.end(), rng);
+      std::shuffle(upper.begin(), upper.end(), rng);
+      for (size_t i = 0; i < lower.size(); ++i) {
+        src[j].push_back(base + upper[i] * row_bytes);
+        dst[j].push_back(base + lower[i] * row_bytes);
+      }
+    }
+    for (size_t i = 0; i < src[j].size(); ++i) {
+      std::memmove(expected.data() + dst[j][i], expected.data() + src[j][i], row_bytes);
+    }
+    jobs[j] = RowCopyJob{arena.data(), src[j].data(), dst[j].data(),
+                         static_cast<int64_t>(src[j].size()), row_bytes};
+  }
+  ASSERT_TRUE(backend->CopyRows(jobs, nullptr).ok());
+  for (int j = 0; j < kJobs; ++j) {
+    EXPECT_EQ(std::memcmp(arena.data() + j * kRegion, expected.data() + j * kRegion, kRegion), 0)
+        << "job " << j;
+  }
+}
+
+TEST(CopyRowsTest, ZeroRowBytesOrCountIgnoresNullOffsets) {
+  auto backend = MakeCpuBackend(2);
+  RowCopyJob no_bytes;
+  no_bytes.count = 1000000;  // nothing to copy: the offsets are never read
+  RowCopyJob no_rows;
+  no_rows.row_bytes = 256;
+  EXPECT_TRUE(backend->CopyRows({no_bytes, no_rows}, nullptr).ok());
 }
 
 TEST(CpuBackendTest, Identity) {

@@ -198,13 +198,19 @@ class Session {
   absl::StatusOr<v1::ReleaseSequenceResponse> ReleaseSequence(const std::string& sequence_id);
 
   // --- Zero-copy writes --------------------------------------------------------------------------
+  // `layers`: the layers to reserve in (distinct, each in [0, L)); empty = all. Layers not listed
+  // get no new tokens. A strict budget evicts before reserving, and that eviction stays even if
+  // the reservation is cancelled.
   absl::StatusOr<Reservation> Reserve(const std::string& sequence_id, int32_t num_tokens,
-                                      absl::Span<const int32_t> positions = {});
+                                      absl::Span<const int32_t> positions = {},
+                                      absl::Span<const int32_t> layers = {});
   // Copies one row (exactly head_dim * dtype_bytes bytes) into the reserved slot.
   absl::Status WriteReserved(const Reservation& reservation, int layer, int kv, int head,
                              int token_i, absl::Span<const uint8_t> row) const;
   absl::StatusOr<v1::CommitResponse> Commit(const Reservation& reservation,
                                             bool compress_if_over_budget = false);
+  // Drops a pending reservation without committing it; its row pointers must not be used after.
+  absl::Status CancelReservation(const Reservation& reservation);
   // All or nothing on the server: if an item is bad nothing is reserved.
   absl::StatusOr<std::vector<Reservation>> BatchReserve(absl::Span<const ReserveItem> items);
   absl::StatusOr<v1::BatchCommitResponse> BatchCommit(absl::Span<const Reservation> reservations,
