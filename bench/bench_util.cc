@@ -24,8 +24,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double BestCopySeconds(uint8_t* dst, const uint8_t* src, uint64_t bytes, int threads,
-                       int repeats) {
+double BestCopySeconds(uint8_t* dst, const uint8_t* src, uint64_t bytes, int threads, int repeats) {
   double best = 1e30;
   for (int r = 0; r < repeats; ++r) {
     const auto start = Clock::now();
@@ -51,7 +50,8 @@ double CopyBandwidth(uint64_t bytes, int threads, int repeats) {
   std::unique_ptr<uint8_t[]> dst(new uint8_t[bytes]);
   std::memset(src.get(), 1, bytes);
   std::memset(dst.get(), 2, bytes);
-  return static_cast<double>(bytes) / BestCopySeconds(dst.get(), src.get(), bytes, threads, repeats);
+  return static_cast<double>(bytes) /
+         BestCopySeconds(dst.get(), src.get(), bytes, threads, repeats);
 }
 
 std::string ServerBinary() {
@@ -61,7 +61,9 @@ std::string ServerBinary() {
 
 }  // namespace
 
-double MemcpyBytesPerSecond(uint64_t bytes, int repeats) { return CopyBandwidth(bytes, 1, repeats); }
+double MemcpyBytesPerSecond(uint64_t bytes, int repeats) {
+  return CopyBandwidth(bytes, 1, repeats);
+}
 
 double ParallelMemcpyBytesPerSecond(uint64_t bytes, int threads, int repeats) {
   return CopyBandwidth(bytes, threads, repeats);
@@ -70,7 +72,8 @@ double ParallelMemcpyBytesPerSecond(uint64_t bytes, int threads, int repeats) {
 double Percentile(std::vector<double>& samples, double q) {
   if (samples.empty()) return 0;
   std::sort(samples.begin(), samples.end());
-  const size_t index = std::min(samples.size() - 1, static_cast<size_t>(q * (samples.size() - 1) + 0.5));
+  const size_t index =
+      std::min(samples.size() - 1, static_cast<size_t>(q * (samples.size() - 1) + 0.5));
   return samples[index];
 }
 
@@ -81,7 +84,8 @@ ServerProcess::ServerProcess(const std::vector<std::string>& extra_args) {
   const std::string log_path = data_dir_ + "/server.log";
 
   std::vector<std::string> args = {ServerBinary(), "--listen=127.0.0.1:0",
-                                   "--admin_listen=127.0.0.1:0", "--data_dir=" + data_dir_ + "/data"};
+                                   "--admin_listen=127.0.0.1:0",
+                                   "--data_dir=" + data_dir_ + "/data"};
   args.insert(args.end(), extra_args.begin(), extra_args.end());
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
@@ -89,7 +93,8 @@ ServerProcess::ServerProcess(const std::vector<std::string>& extra_args) {
 
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  posix_spawn_file_actions_addopen(&actions, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0600);
   posix_spawn_file_actions_adddup2(&actions, 1, 2);
   const int rc = posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&actions);

@@ -41,8 +41,8 @@ std::vector<uint8_t> RandomPayload(uint64_t bytes) {
     state ^= state << 13;
     state ^= state >> 7;
     state ^= state << 17;
-    const float u = ((state & 0xffff) + ((state >> 16) & 0xffff) + ((state >> 32) & 0xffff)) /
-                        65536.0f - 1.5f;
+    const float u =
+        ((state & 0xffff) + ((state >> 16) & 0xffff) + ((state >> 32) & 0xffff)) / 65536.0f - 1.5f;
     halves[i] = FloatToFloat16(u + ((i / kHeadDim) % 7 == 0 ? 0.8f : 0.0f));
   }
   return payload;
@@ -88,8 +88,8 @@ void BM_KeyDiffCompress8192To2048(benchmark::State& state) {
     Check(pool.CreateSequence(session->session_id, params).status());
     auto reservation = pool.Reserve(session->session_id, "bench", kTokens, {}, {});
     Check(reservation.status());
-    Check(pool.WriteReserved(session->session_id, "bench", reservation->reservation_id, 0,
-                             payload));
+    Check(
+        pool.WriteReserved(session->session_id, "bench", reservation->reservation_id, 0, payload));
     Check(pool.Commit(session->session_id, "bench", reservation->reservation_id, false).status());
     CompressParams compress;
     compress.budget_tokens = kBudget;

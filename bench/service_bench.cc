@@ -53,14 +53,15 @@ struct Connection {
   uint8_t* arena = nullptr;
 
   explicit Connection(int num_blocks) {
-    const uint64_t arena_bytes = static_cast<uint64_t>(num_blocks) * 2 * kKvHeads * kBlockTokens * kHeadDim * 2;
+    const uint64_t arena_bytes =
+        static_cast<uint64_t>(num_blocks) * 2 * kKvHeads * kBlockTokens * kHeadDim * 2;
     server = std::make_unique<ServerProcess>(std::vector<std::string>{
         "--arena_capacity_bytes=" + std::to_string(arena_bytes + (64 << 20))});
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);
     args.SetMaxSendMessageSize(64 << 20);
-    stub = pb::Sidecar::NewStub(grpc::CreateCustomChannel(
-        server->data_target(), grpc::InsecureChannelCredentials(), args));
+    stub = pb::Sidecar::NewStub(
+        grpc::CreateCustomChannel(server->data_target(), grpc::InsecureChannelCredentials(), args));
     grpc::ClientContext context;
     pb::AttachRequest request;
     *request.mutable_layout() = BenchLayout();
@@ -69,7 +70,8 @@ struct Connection {
     Check(stub->Attach(&context, request, &attach), "Attach");
     const int fd = open(attach.arena().shm_path().c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) std::abort();
-    void* base = mmap(nullptr, attach.arena().size_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void* base =
+        mmap(nullptr, attach.arena().size_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (base == MAP_FAILED) std::abort();
     arena = static_cast<uint8_t*>(base);
@@ -139,8 +141,10 @@ void BM_DecodeCommit(benchmark::State& state) {
         const uint64_t block = layer.blocks(0);
         for (int kv = 0; kv < 2; ++kv) {
           for (int h = 0; h < kKvHeads; ++h) {
-            const uint64_t offset = block * block_bytes +
-                ((static_cast<uint64_t>(kv) * kKvHeads + h) * kBlockTokens + slot % kBlockTokens) * row_bytes;
+            const uint64_t offset =
+                block * block_bytes +
+                ((static_cast<uint64_t>(kv) * kKvHeads + h) * kBlockTokens + slot % kBlockTokens) *
+                    row_bytes;
             std::memcpy(connection.arena + offset, row.data(), row_bytes);
           }
         }
@@ -171,7 +175,11 @@ void BM_DecodeCommit(benchmark::State& state) {
   state.counters["step_p50_us"] = Percentile(step_us, 0.50);
   state.counters["step_p99_us"] = Percentile(step_us, 0.99);
 }
-BENCHMARK(BM_DecodeCommit)->ArgName("sequences")->Arg(64)->Iterations(512)->UseRealTime()
+BENCHMARK(BM_DecodeCommit)
+    ->ArgName("sequences")
+    ->Arg(64)
+    ->Iterations(512)
+    ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
 constexpr int kStreamTokens = 2048;  // x 32 layers x 4 KiB per token-layer = 256 MiB payload
@@ -181,8 +189,8 @@ uint64_t StreamPayloadBytes() {
 
 int StreamBlocks() { return kLayers * (kStreamTokens / kBlockTokens) + kLayers; }
 
-void AppendSequence(Connection& connection, const std::string& id, const std::vector<uint8_t>& payload,
-                    uint64_t chunk_bytes) {
+void AppendSequence(Connection& connection, const std::string& id,
+                    const std::vector<uint8_t>& payload, uint64_t chunk_bytes) {
   grpc::ClientContext context;
   pb::AppendResponse response;
   auto writer = connection.stub->Append(&context, &response);
@@ -218,7 +226,13 @@ void BM_Append(benchmark::State& state) {
   state.counters["GBps"] = rate / 1e9;
   state.counters["memcpy_GBps"] = MemcpyBytesPerSecond(256ull << 20) / 1e9;
 }
-BENCHMARK(BM_Append)->ArgName("chunk_MiB")->Arg(1)->Arg(2)->Arg(4)->Iterations(4)->UseRealTime()
+BENCHMARK(BM_Append)
+    ->ArgName("chunk_MiB")
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(4)
+    ->Iterations(4)
+    ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
 void BM_Export(benchmark::State& state) {
@@ -254,7 +268,13 @@ void BM_Export(benchmark::State& state) {
   state.counters["GBps"] = received / seconds / 1e9;
   state.counters["memcpy_GBps"] = MemcpyBytesPerSecond(256ull << 20) / 1e9;
 }
-BENCHMARK(BM_Export)->ArgName("chunk_MiB")->Arg(1)->Arg(2)->Arg(4)->Iterations(4)->UseRealTime()
+BENCHMARK(BM_Export)
+    ->ArgName("chunk_MiB")
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(4)
+    ->Iterations(4)
+    ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

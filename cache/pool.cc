@@ -1,10 +1,10 @@
 #include "cache/pool.h"
 
+#include <sys/random.h>
+
 #include <algorithm>
 #include <limits>
 #include <utility>
-
-#include <sys/random.h>
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
@@ -271,8 +271,8 @@ absl::StatusOr<SessionView> KvPool::Attach(const AttachParams& params) {
     if (charge > free_bytes) {
       return absl::ResourceExhaustedError(
           absl::StrCat("pool has ", free_bytes, " of ", options_.arena_capacity_bytes,
-                       " arena bytes free, the session needs ", charge, " (num_blocks ",
-                       num_blocks, " * block_bytes ", block_bytes, ", in whole pages)"));
+                       " arena bytes free, the session needs ", charge, " (num_blocks ", num_blocks,
+                       " * block_bytes ", block_bytes, ", in whole pages)"));
     }
     arena_bytes_reserved_ += charge;
     ++sessions_pending_;
@@ -288,9 +288,9 @@ absl::StatusOr<SessionView> KvPool::Attach(const AttachParams& params) {
     give_back();
     return arena.status();
   }
-  auto session = std::make_shared<Session>(SecureRandomHex(16), resolved, *std::move(arena),
-                                           static_cast<int32_t>(num_blocks), charge, lease,
-                                           clock_->Now());
+  auto session =
+      std::make_shared<Session>(SecureRandomHex(16), resolved, *std::move(arena),
+                                static_cast<int32_t>(num_blocks), charge, lease, clock_->Now());
   absl::MutexLock lock(&mu_);
   --sessions_pending_;
   if (!sessions_.emplace(session->id, session).second) {  // 2^-128; refuse rather than alias
@@ -316,6 +316,10 @@ absl::StatusOr<HeartbeatResult> KvPool::Heartbeat(std::string_view session_id) {
 }
 
 absl::StatusOr<ReleaseCounts> KvPool::Detach(std::string_view session_id) {
+  return RemoveSession(session_id, /*reclaimed=*/false);
+}
+
+absl::StatusOr<ReleaseCounts> KvPool::RemoveSession(std::string_view session_id, bool reclaimed) {
   std::shared_ptr<Session> session;
   {
     absl::MutexLock lock(&mu_);
@@ -324,6 +328,7 @@ absl::StatusOr<ReleaseCounts> KvPool::Detach(std::string_view session_id) {
     session = std::move(it->second);
     sessions_.erase(it);
     arena_bytes_reserved_ -= session->charged_bytes();
+    if (reclaimed) ++sessions_reclaimed_;
   }
   return DestroySession(std::move(session));
 }
@@ -349,17 +354,7 @@ int KvPool::ReapExpired() {
 }
 
 absl::StatusOr<ReleaseCounts> KvPool::Reclaim(std::string_view session_id) {
-  std::shared_ptr<Session> session;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = sessions_.find(Sv(session_id));
-    if (it == sessions_.end()) return SessionGone(session_id);
-    session = std::move(it->second);
-    sessions_.erase(it);
-    arena_bytes_reserved_ -= session->charged_bytes();
-    ++sessions_reclaimed_;
-  }
-  return DestroySession(std::move(session));
+  return RemoveSession(session_id, /*reclaimed=*/true);
 }
 
 absl::StatusOr<SessionView> KvPool::GetSession(std::string_view session_id) const {

@@ -51,15 +51,15 @@ struct PoolOptions {
   int32_t max_sequences_per_session = 4096;
   int32_t max_tokens_per_call = 1 << 20;  // num_tokens of one Reserve/Append
   ArenaOptions arena_options;
-  PolicyConfig default_policy;            // for sequences created without a policy
-  BudgetConfig default_budget;            // tokens_per_layer 0 = unbounded
+  PolicyConfig default_policy;  // for sequences created without a policy
+  BudgetConfig default_budget;  // tokens_per_layer 0 = unbounded
 };
 
 struct AttachParams {
-  ModelLayout layout;                     // block_tokens 0 is resolved to the default
+  ModelLayout layout;  // block_tokens 0 is resolved to the default
   std::string tenant = "default";
   std::string worker_name;
-  int32_t num_blocks = 0;                 // 0 = PoolOptions::default_session_bytes worth
+  int32_t num_blocks = 0;                       // 0 = PoolOptions::default_session_bytes worth
   absl::Duration lease = absl::ZeroDuration();  // 0 = default
 };
 
@@ -75,7 +75,7 @@ struct SessionView {
 
 struct HeartbeatResult {
   absl::Time lease_expires;
-  int32_t free_blocks = 0;    // free blocks of the session's arena after its last completed call
+  int32_t free_blocks = 0;  // free blocks of the session's arena after its last completed call
 };
 
 struct ReleaseCounts {
@@ -84,10 +84,10 @@ struct ReleaseCounts {
 };
 
 struct SequenceParams {
-  std::optional<PolicyConfig> policy;     // nullopt = pool default
-  std::optional<BudgetConfig> budget;     // nullopt = pool default
-  std::string sequence_id;                // empty = generated
-  bool retain_evicted = false;            // needs the host tier (not in this build): UNIMPLEMENTED
+  std::optional<PolicyConfig> policy;  // nullopt = pool default
+  std::optional<BudgetConfig> budget;  // nullopt = pool default
+  std::string sequence_id;             // empty = generated
+  bool retain_evicted = false;         // needs the host tier (not in this build): UNIMPLEMENTED
 };
 
 struct SequenceCreated {
@@ -106,20 +106,20 @@ struct LayerSlots {
 
 struct Reservation {
   uint64_t reservation_id = 0;
-  std::vector<LayerSlots> layers;         // the reserved layers, in the order asked
-  std::vector<int32_t> positions;         // positions of the new tokens
-  int32_t evicted_before = 0;             // strict budget: tokens evicted per layer (max) first
-  uint64_t payload_bytes = 0;             // inline payload size [layers][2][H][T][D]
+  std::vector<LayerSlots> layers;  // the reserved layers, in the order asked
+  std::vector<int32_t> positions;  // positions of the new tokens
+  int32_t evicted_before = 0;      // strict budget: tokens evicted per layer (max) first
+  uint64_t payload_bytes = 0;      // inline payload size [layers][2][H][T][D]
 };
 
 struct CommitResult {
-  std::vector<int32_t> counts;            // tokens per layer after commit (and compression)
-  int32_t evicted = 0;                    // evicted per layer by compression (max over layers)
+  std::vector<int32_t> counts;  // tokens per layer after commit (and compression)
+  int32_t evicted = 0;          // evicted per layer by compression (max over layers)
 };
 
 struct CompressParams {
-  int32_t budget_tokens = 0;              // 0 = the sequence's budget
-  std::optional<PolicyConfig> policy;     // nullopt = the sequence's policy
+  int32_t budget_tokens = 0;           // 0 = the sequence's budget
+  std::optional<PolicyConfig> policy;  // nullopt = the sequence's policy
   bool return_positions = false;
 };
 
@@ -128,7 +128,7 @@ struct LayerCompressResult {
   int32_t kept = 0;
   int32_t evicted = 0;
   int32_t merged = 0;
-  std::vector<int32_t> positions;         // [H][kept] in slot order, if asked
+  std::vector<int32_t> positions;  // [H][kept] in slot order, if asked
 };
 
 struct CompressResult {
@@ -139,9 +139,9 @@ struct CompressResult {
 struct LayerLayoutView {
   int32_t layer = 0;
   int32_t count = 0;
-  std::vector<int32_t> block_table;       // ceil(count / B) blocks
-  std::vector<int32_t> positions;         // [H][count], slot order (empty if not asked)
-  int32_t budget = 0;                     // 0 = unbounded
+  std::vector<int32_t> block_table;  // ceil(count / B) blocks
+  std::vector<int32_t> positions;    // [H][count], slot order (empty if not asked)
+  int32_t budget = 0;                // 0 = unbounded
 };
 
 struct SequenceLayout {
@@ -150,7 +150,7 @@ struct SequenceLayout {
   int64_t tokens_appended = 0;
   PolicyConfig policy;
   BudgetConfig budget;
-  uint64_t version = 0;                   // changes on every mutation of the sequence
+  uint64_t version = 0;  // changes on every mutation of the sequence
 };
 
 struct SessionInfo {
@@ -182,11 +182,11 @@ struct PoolStats {
   int32_t sessions = 0;
   int32_t sequences = 0;
   uint64_t arena_bytes_capacity = 0;
-  uint64_t arena_bytes_reserved = 0;      // sum of session arenas
-  uint64_t arena_bytes_used = 0;          // blocks in use * block bytes
+  uint64_t arena_bytes_reserved = 0;  // sum of session arenas
+  uint64_t arena_bytes_used = 0;      // blocks in use * block bytes
   int64_t tokens_appended = 0;
   int64_t tokens_evicted = 0;
-  int64_t sessions_reclaimed = 0;         // by lease expiry or Reclaim()
+  int64_t sessions_reclaimed = 0;  // by lease expiry or Reclaim()
 };
 
 class Session;  // defined in cache/pool.cc
@@ -236,8 +236,7 @@ class KvPool {
   absl::StatusOr<CommitResult> Commit(std::string_view session_id, std::string_view sequence_id,
                                       uint64_t reservation_id, bool compress_if_over_budget);
 
-  absl::StatusOr<CompressResult> Compress(std::string_view session_id,
-                                          std::string_view sequence_id,
+  absl::StatusOr<CompressResult> Compress(std::string_view session_id, std::string_view sequence_id,
                                           const CompressParams& params);
 
   // `layers` empty = all. Positions only if `with_positions`.
@@ -261,6 +260,8 @@ class KvPool {
 
  private:
   absl::StatusOr<std::shared_ptr<Session>> FindSession(std::string_view session_id) const;
+  // Takes the session out of the map and releases everything it holds.
+  absl::StatusOr<ReleaseCounts> RemoveSession(std::string_view session_id, bool reclaimed);
   ReleaseCounts DestroySession(std::shared_ptr<Session> session);
 
   Backend* const backend_;

@@ -38,7 +38,6 @@ void CopyInPieces(uint8_t* destination, const uint8_t* source, uint64_t bytes) {
   if (bytes > 0) std::memcpy(destination, source, bytes);
 }
 
-
 std::atomic<uint64_t> g_next_generation{1};
 
 uint32_t RandomSuffix() {
@@ -55,7 +54,8 @@ uint32_t RandomSuffix() {
   return static_cast<uint32_t>(mix ^ (mix >> 32));
 }
 
-// Out of memory, disk, file size or file descriptors: the caller may retry later, nothing is broken.
+// Out of memory, disk, file size or file descriptors: the caller may retry later, nothing is
+// broken.
 bool IsSpaceError(int error) {
   return error == ENOSPC || error == ENOMEM || error == EFBIG || error == EMFILE || error == ENFILE;
 }

@@ -27,18 +27,8 @@ constexpr uint64_t kOtherSeed = 2;
     EXPECT_THAT(MessageOf(kvs_status_), HasSubstr(substring)) << kvs_status_;      \
   } while (0)
 
-class BadInputTest : public ::testing::Test {
+class BadInputTest : public SharedServerTest<BadInputTest> {
  protected:
-  static void SetUpTestSuite() {
-    auto server = ServerProcess::Start();
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server).release();
-  }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-
   void SetUp() override {
     ASSERT_NE(server_, nullptr);
     auto client = server_->Connect();
@@ -109,14 +99,11 @@ class BadInputTest : public ::testing::Test {
     return kvsidecar::ToStatus(writer->Finish());
   }
 
-  static ServerProcess* server_;
   std::unique_ptr<kvsidecar::Client> client_;
   v1::ModelLayout layout_;
   std::unique_ptr<kvsidecar::Session> session_;
   std::unique_ptr<kvsidecar::Session> other_;
 };
-
-ServerProcess* BadInputTest::server_ = nullptr;
 
 TEST_F(BadInputTest, AttachRejectsBadLayoutsAndSizes) {
   v1::ModelLayout layout = layout_;

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "gtest/gtest.h"
 #include "kvsidecar/client.h"
 
 namespace kvs_e2e {
@@ -90,6 +91,23 @@ class ServerProcess {
 };
 
 kvsidecar::ClientOptions TestClientOptions();
+
+// A suite whose tests share one real server process, started before the suite's first test and
+// stopped after its last. `Derived` gives every suite its own server.
+template <typename Derived>
+class SharedServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto server = ServerProcess::Start();
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server).release();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  static inline ServerProcess* server_ = nullptr;
+};
 
 // Polls `condition` every `interval` until it holds (true) or `timeout` passes (false).
 bool PollUntil(const std::function<bool()>& condition, absl::Duration timeout,

@@ -150,21 +150,7 @@ absl::StatusOr<std::set<std::string>> ListServicesAnyVersion(const std::string& 
 
 constexpr int kServing = 1;
 
-class HealthReflectionTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    auto server = ServerProcess::Start();
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server).release();
-  }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  static ServerProcess* server_;
-};
-
-ServerProcess* HealthReflectionTest::server_ = nullptr;
+class HealthReflectionTest : public SharedServerTest<HealthReflectionTest> {};
 
 TEST_F(HealthReflectionTest, HealthCheckIsServingOnBothPorts) {
   ASSERT_NE(server_, nullptr);

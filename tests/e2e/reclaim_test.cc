@@ -36,17 +36,8 @@ std::string FieldOf(const std::string& text, const std::string& key) {
   return text.substr(start, text.find_first_of(" \n", start) - start);
 }
 
-class ReclaimTest : public ::testing::Test {
+class ReclaimTest : public SharedServerTest<ReclaimTest> {
  protected:
-  static void SetUpTestSuite() {
-    auto server = ServerProcess::Start();
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server).release();
-  }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
   void SetUp() override {
     ASSERT_NE(server_, nullptr);
     auto admin = server_->ConnectAdmin();
@@ -54,11 +45,8 @@ class ReclaimTest : public ::testing::Test {
     admin_ = std::move(*admin);
   }
 
-  static ServerProcess* server_;
   std::unique_ptr<kvsidecar::AdminClient> admin_;
 };
-
-ServerProcess* ReclaimTest::server_ = nullptr;
 
 TEST_F(ReclaimTest, KilledWorkerProcessIsReclaimedWithinSeconds) {
   auto before = admin_->GetStats();

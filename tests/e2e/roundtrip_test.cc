@@ -23,18 +23,8 @@ using ::testing::Each;
 using ::testing::ElementsAre;
 using ::testing::SizeIs;
 
-class RoundTripTest : public ::testing::Test {
+class RoundTripTest : public SharedServerTest<RoundTripTest> {
  protected:
-  static void SetUpTestSuite() {
-    auto server = ServerProcess::Start();
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server).release();
-  }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-
   void SetUp() override {
     ASSERT_NE(server_, nullptr);
     auto client = server_->Connect();
@@ -48,11 +38,8 @@ class RoundTripTest : public ::testing::Test {
     return session.ok() ? std::move(*session) : nullptr;
   }
 
-  static ServerProcess* server_;
   std::unique_ptr<kvsidecar::Client> client_;
 };
-
-ServerProcess* RoundTripTest::server_ = nullptr;
 
 // The KeyDiff score (keydiff.md §3.1, default anchor) of every position of one (layer, head),
 // computed in double from the keys the test wrote.
