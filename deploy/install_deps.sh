@@ -7,7 +7,6 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev librocksdb-dev libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-venv
 )
 
 missing=()
