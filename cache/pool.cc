@@ -474,6 +474,15 @@ absl::Status KvPool::CancelReservation(std::string_view session_id, std::string_
                       });
 }
 
+absl::Status KvPool::CheckReservation(std::string_view session_id, std::string_view sequence_id,
+                                      uint64_t reservation_id) const {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  return WithSequence(*session, sequence_id, *backend_, *clock_, options_, nullptr, nullptr,
+                      [&](Sequence& sequence, const SequenceEnv&, Session&) {
+                        return sequence.CheckPending(reservation_id);
+                      });
+}
+
 absl::Status KvPool::WriteReserved(std::string_view session_id, std::string_view sequence_id,
                                    uint64_t reservation_id, uint64_t payload_offset,
                                    absl::Span<const uint8_t> bytes) {

@@ -227,6 +227,10 @@ class KvPool {
   // Drops a pending reservation, returning its blocks.
   absl::Status CancelReservation(std::string_view session_id, std::string_view sequence_id,
                                  uint64_t reservation_id);
+  // OK if `reservation_id` is the sequence's pending reservation (the check Commit makes, with the
+  // same codes and messages); changes nothing.
+  absl::Status CheckReservation(std::string_view session_id, std::string_view sequence_id,
+                                uint64_t reservation_id) const;
   // Copies inline payload bytes (layout [layers][2][H][T][D] of the reservation) starting at
   // `payload_offset` into the reserved slots. OUT_OF_RANGE past payload_bytes.
   absl::Status WriteReserved(std::string_view session_id, std::string_view sequence_id,

@@ -91,6 +91,10 @@ class Sequence {
   // Returns how many blocks were freed.
   int32_t Release(const SequenceEnv& env);
 
+  // OK if `reservation_id` is the pending reservation; NOT_FOUND or FAILED_PRECONDITION (already
+  // committed or cancelled) otherwise.
+  absl::Status CheckPending(uint64_t reservation_id) const;
+
  private:
   struct LayerState {
     std::vector<int32_t> blocks;  // ceil(count / B) + the pending reservation's
@@ -111,8 +115,6 @@ class Sequence {
     int32_t blocks_freed = 0;
   };
 
-  // Looks up the pending reservation for a call on `reservation_id`.
-  absl::Status CheckPending(uint64_t reservation_id) const;
   // Evicts every layer l with keep[l] < count down to keep[l] with `policy`, then compacts and
   // frees the blocks past the new ends. `keep` has one entry per layer.
   absl::StatusOr<Eviction> Evict(const SequenceEnv& env, const Policy& policy,

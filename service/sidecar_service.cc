@@ -567,9 +567,7 @@ absl::Status SidecarService::CheckSequenceExists(const std::string& session_id,
 absl::Status SidecarService::CheckPendingReservation(const std::string& session_id,
                                                      const std::string& sequence_id,
                                                      uint64_t reservation_id) const {
-  // The pool has no query for "is this the pending reservation"; a zero-byte write at offset 0
-  // runs exactly Commit's check of the id (same codes and messages) and writes nothing.
-  return pool_->WriteReserved(session_id, sequence_id, reservation_id, /*payload_offset=*/0, {});
+  return pool_->CheckReservation(session_id, sequence_id, reservation_id);
 }
 
 absl::StatusOr<uint64_t> SidecarService::EstimateCompressResponseBytes(

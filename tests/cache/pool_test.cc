@@ -395,9 +395,14 @@ TEST_F(PoolTest, ReservationStateErrorsChangeNothing) {
       absl::StatusCode::kOutOfRange);
   EXPECT_EQ(pool_.pool.CancelReservation(session_, seq_, r->reservation_id + 1).code(),
             absl::StatusCode::kNotFound);
+  EXPECT_TRUE(pool_.pool.CheckReservation(session_, seq_, r->reservation_id).ok());
+  EXPECT_EQ(pool_.pool.CheckReservation(session_, seq_, r->reservation_id + 1).code(),
+            absl::StatusCode::kNotFound);
   EXPECT_TRUE(Snap(pool_, session_, seq_) == pending);
   ASSERT_TRUE(pool_.pool.Commit(session_, seq_, r->reservation_id, false).ok());
   const Snapshot committed = Snap(pool_, session_, seq_);
+  EXPECT_EQ(pool_.pool.CheckReservation(session_, seq_, r->reservation_id).code(),
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(pool_.pool.Commit(session_, seq_, r->reservation_id, false).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(Snap(pool_, session_, seq_) == committed);

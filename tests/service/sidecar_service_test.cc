@@ -134,6 +134,23 @@ class SidecarServiceTest : public ::testing::Test {
   }
 
   // ---- helpers ----
+  // A Watch stream on `session_id` that has already received its first event (KIND_WATCHING).
+  struct WatchStream {
+    std::unique_ptr<grpc::ClientContext> context;
+    std::unique_ptr<grpc::ClientReader<v1::SessionEvent>> reader;
+  };
+  WatchStream WatchOk(const std::string& session_id) {
+    v1::WatchRequest request;
+    request.set_session_id(session_id);
+    WatchStream stream;
+    stream.context = Context();
+    stream.reader = stub_->Watch(stream.context.get(), request);
+    v1::SessionEvent first;
+    EXPECT_TRUE(stream.reader->Read(&first));
+    EXPECT_EQ(first.kind(), v1::SessionEvent::KIND_WATCHING);
+    return stream;
+  }
+
   v1::AttachResponse AttachOk(v1::ModelLayout layout = SmallLayout(), int num_blocks = 0,
                               const std::string& tenant = "") {
     v1::AttachRequest request;
@@ -479,16 +496,13 @@ TEST_F(SidecarServiceTest, WatchCancelReclaimsTheSession) {
   const std::string sequence = CreateOk(attached.session_id());
   ASSERT_GRPC_OK(
       AppendOk(attached.session_id(), sequence, Pattern(3 * kLayers * kTokenBytes, 2), 3));
-  v1::WatchRequest request;
-  request.set_session_id(attached.session_id());
-  auto context = Context();
-  auto reader = stub_->Watch(context.get(), request);
+  auto [context, reader] = WatchOk(attached.session_id());
   v1::SessionEvent event;
-  ASSERT_TRUE(reader->Read(&event));
-  EXPECT_EQ(event.kind(), v1::SessionEvent::KIND_WATCHING);
 
   // At most one watcher per session.
   {
+    v1::WatchRequest request;
+    request.set_session_id(attached.session_id());
     auto second_context = Context();
     auto second = stub_->Watch(second_context.get(), request);
     EXPECT_FALSE(second->Read(&event));
@@ -543,12 +557,8 @@ TEST_F(SidecarServiceTest, WatchRefusesUnknownOrEmptySessions) {
 
 TEST_F(SidecarServiceTest, DetachEndsTheWatchStreamCleanly) {
   const v1::AttachResponse attached = AttachOk();
-  v1::WatchRequest request;
-  request.set_session_id(attached.session_id());
-  auto context = Context();
-  auto reader = stub_->Watch(context.get(), request);
+  auto [context, reader] = WatchOk(attached.session_id());
   v1::SessionEvent event;
-  ASSERT_TRUE(reader->Read(&event));
   v1::DetachRequest detach;
   detach.set_session_id(attached.session_id());
   v1::DetachResponse detached;
@@ -560,12 +570,8 @@ TEST_F(SidecarServiceTest, DetachEndsTheWatchStreamCleanly) {
 
 TEST_F(SidecarServiceTest, LeaseExpiryEndsTheWatchStream) {
   const v1::AttachResponse attached = AttachOk();
-  v1::WatchRequest request;
-  request.set_session_id(attached.session_id());
-  auto context = Context();
-  auto reader = stub_->Watch(context.get(), request);
+  auto [context, reader] = WatchOk(attached.session_id());
   v1::SessionEvent event;
-  ASSERT_TRUE(reader->Read(&event));
   clock_.Advance(absl::Seconds(11));  // past the 10 s lease: the reaper reclaims it
   EXPECT_FALSE(reader->Read(&event));
   EXPECT_GRPC_ERROR(reader->Finish(), NOT_FOUND, "lease expired");
@@ -575,12 +581,8 @@ TEST_F(SidecarServiceTest, LeaseExpiryEndsTheWatchStream) {
 
 TEST_F(SidecarServiceTest, ShutdownFinishesWatchStreamsWithoutReclaiming) {
   const v1::AttachResponse attached = AttachOk();
-  v1::WatchRequest request;
-  request.set_session_id(attached.session_id());
-  auto context = Context();
-  auto reader = stub_->Watch(context.get(), request);
+  auto [context, reader] = WatchOk(attached.session_id());
   v1::SessionEvent event;
-  ASSERT_TRUE(reader->Read(&event));
   server_->Shutdown(absl::Seconds(5));
   EXPECT_FALSE(reader->Read(&event));
   ASSERT_GRPC_OK(reader->Finish());
@@ -1610,12 +1612,8 @@ TEST_F(SidecarServiceTest, AdminForceRelease) {
   EXPECT_EQ(response.blocks_released(), 2 * kLayers);
   EXPECT_GRPC_ERROR(admin_->ForceRelease(Context().get(), request, &response), NOT_FOUND, "s1");
 
-  v1::WatchRequest watch;
-  watch.set_session_id(session);
-  auto context = Context();
-  auto reader = stub_->Watch(context.get(), watch);
+  auto [context, reader] = WatchOk(session);
   v1::SessionEvent event;
-  ASSERT_TRUE(reader->Read(&event));
   request.clear_sequence_id();
   ASSERT_GRPC_OK(admin_->ForceRelease(Context().get(), request, &response));
   EXPECT_EQ(response.sequences_released(), 1);
@@ -1629,12 +1627,8 @@ TEST_F(SidecarServiceTest, AdminForceRelease) {
 
 TEST_F(SidecarServiceTest, DrainStopsAttachesAndTellsWatchers) {
   const v1::AttachResponse attached = AttachOk();
-  v1::WatchRequest watch;
-  watch.set_session_id(attached.session_id());
-  auto context = Context();
-  auto reader = stub_->Watch(context.get(), watch);
+  auto [context, reader] = WatchOk(attached.session_id());
   v1::SessionEvent event;
-  ASSERT_TRUE(reader->Read(&event));
 
   v1::DrainResponse drained;
   ASSERT_GRPC_OK(admin_->Drain(Context().get(), {}, &drained));
