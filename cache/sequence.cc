@@ -135,10 +135,18 @@ int32_t Sequence::blocks_held() const {
   return static_cast<int32_t>(blocks);
 }
 
-std::vector<int32_t> Sequence::KeepUnder(const Policy& policy, int32_t budget) const {
+std::vector<int32_t> Sequence::KeepUnder(const Policy& policy, int32_t budget) {
   const std::vector<int32_t> current = counts();
-  std::vector<int32_t> keep(current.size());
-  policy.AllocateLayers(budget, current, absl::MakeSpan(keep));
+  std::vector<LayerPolicyState> states(current.size());
+  AllocationRequest request;
+  request.budget = budget;
+  request.counts = current;
+  request.states = absl::MakeSpan(states);
+  request.block_tokens = layout_.block_tokens;
+  std::vector<int32_t> keep = current;
+  if (absl::StatusOr<Allocation> allocation = policy.AllocateLayers(request); allocation.ok()) {
+    keep = std::move(allocation->keep);
+  }
   for (size_t l = 0; l < keep.size(); ++l) keep[l] = std::clamp(keep[l], 0, current[l]);
   return keep;
 }
@@ -439,8 +447,11 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
     selection.positions = flat_positions[i];
     selection.keep = keep[victims[i]];
     selection.kept = absl::MakeSpan(kept[i]);
+    selection.num_q_heads = layout_.num_q_heads;
+    selection.state = &layers_[victims[i]].policy_state;
+    selection.writable_arena = env.arena.data();
   }
-  KVS_RETURN_IF_ERROR(policy.Select(env.backend, selections));
+  KVS_RETURN_IF_ERROR(policy.Select(env.backend, Phase::kPrefill, selections));
 
   // 2. Plan the hole-filling moves (no mutation).
   std::vector<CompactionPlan> plans(victims.size());

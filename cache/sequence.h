@@ -101,6 +101,7 @@ class Sequence {
     int32_t count = 0;
     std::vector<std::vector<int32_t>> positions;  // [H][count], slot order; empty until used
     int64_t appended = 0;                         // tokens ever committed to this layer
+    LayerPolicyState policy_state;
   };
   struct Pending {
     uint64_t id = 0;
@@ -120,7 +121,7 @@ class Sequence {
   absl::StatusOr<Eviction> Evict(const SequenceEnv& env, const Policy& policy,
                                  absl::Span<const int32_t> keep);
   // Per-layer token counts each layer keeps under `budget` (> 0) with `policy`.
-  std::vector<int32_t> KeepUnder(const Policy& policy, int32_t budget) const;
+  std::vector<int32_t> KeepUnder(const Policy& policy, int32_t budget);
 
   const std::string id_;
   const ModelLayout layout_;

@@ -30,9 +30,10 @@ using Stream = void*;
 // The keys of one (sequence, layer) in paged form: slot s of kv head h is the row
 //   arena + block_table[s / block_tokens] * block_bytes
 //         + ((0 * num_kv_heads + h) * block_tokens + s % block_tokens) * head_dim * dtype_bytes.
-// Values are the same with kv index 1.
+// Values are the same with kv index 1: kv_index selects which of the two a view reads.
 struct PagedLayerView {
   const uint8_t* arena = nullptr;
+  int32_t kv_index = 0;                  // 0 = the keys of the layer, 1 = its values
   const int32_t* block_table = nullptr;  // at least ceil(count / block_tokens) entries
   int32_t count = 0;                     // slots [0, count) hold tokens, for every kv head
   int32_t num_kv_heads = 0;
@@ -77,6 +78,67 @@ struct RowCopyJob {
   uint64_t row_bytes = 0;
 };
 
+// Attention probabilities of a window of queries against one layer's cached keys, in fp32
+// (policies/caote.md §2, cake.md step 1, d2o.md §4.1):
+//   probs[q][i][s] = exp(l[q][i][s] - max_s' l) / sum_s' exp(...) over the unmasked slots s' of
+//   kv head g = q / (num_q_heads / num_kv_heads), with l = scale * <queries[q][i], key(g, s)>,
+//   and slot s masked (probability exactly 0) when key_positions[g][s] > query_positions[i]
+//   (causal). A row with every slot masked is all zeros. Logits and sums accumulate in fp32.
+struct AttentionJob {
+  PagedLayerView keys;                       // kv_index 0
+  const int32_t* key_positions = nullptr;    // [num_kv_heads][keys.count]
+  const float* queries = nullptr;            // [num_q_heads][num_queries][head_dim], fp32
+  const int32_t* query_positions = nullptr;  // [num_queries]
+  int32_t num_q_heads = 0;                   // a positive multiple of keys.num_kv_heads
+  int32_t num_queries = 0;                   // >= 1
+  float scale = 0.0f;                        // softmax scale, finite and > 0
+  float* probs = nullptr;                    // out: [num_q_heads][num_queries][keys.count]
+};
+
+// CAOTE output-error scores (policies/caote.md §3): for every row r, reading the values of kv
+// head r / (rows / num_kv_heads), with alpha[r][:] >= 0 summing to 1 (the caller normalises):
+//   X_r = sum_s alpha[r][s] * v_s (exact) or the plain mean of the row's values (fast),
+//   scores[r][s] = alpha[r][s] / (1 - alpha[r][s]) * ||X_r - v_s||_2,
+// with +inf where 1 - alpha <= eps and exactly 0 where alpha == 0. fp32 accumulation.
+struct CaoteJob {
+  PagedLayerView values;         // kv_index 1
+  const float* alpha = nullptr;  // [rows][values.count]
+  int32_t rows = 0;              // a positive multiple of values.num_kv_heads
+  bool fast = false;
+  float eps = 1e-6f;
+  float* scores = nullptr;       // out: [rows][values.count]
+};
+
+// D2O nearest kept key (policies/d2o.md §4.1 step 6): for every query slot e of kv head `head`,
+// similarity[e] = max over candidates c of cos(k_e, k_c) with both norms floored at 1e-6, and
+// target[e] = the index (into candidate_slots) of the argmax; equal similarities pick the
+// candidate with the lowest position. fp32 accumulation.
+struct NearestKeyJob {
+  PagedLayerView keys;                           // kv_index 0
+  int32_t head = 0;
+  const int32_t* query_slots = nullptr;          // [num_queries]
+  int32_t num_queries = 0;
+  const int32_t* candidate_slots = nullptr;      // [num_candidates]
+  const int32_t* candidate_positions = nullptr;  // [num_candidates], distinct
+  int32_t num_candidates = 0;                    // >= 1 when num_queries > 0
+  float* similarity = nullptr;                   // out: [num_queries]
+  int32_t* target = nullptr;                     // out: [num_queries]
+};
+
+// Weighted merge of rows inside one arena: row(dst) = sum_k weights[k] * row(src_offsets[k]),
+// accumulated in fp32 and rounded once into `dtype`. dst may be among the sources (every source
+// is read before dst is written). Jobs of one call write distinct rows and read no row another
+// job writes.
+struct RowMergeJob {
+  uint8_t* arena = nullptr;
+  DType dtype = DType::kFloat16;
+  int32_t row_elements = 0;               // head_dim
+  uint64_t dst_offset = 0;                // byte offsets into the arena
+  const uint64_t* src_offsets = nullptr;  // [num_sources]
+  const float* weights = nullptr;         // [num_sources]
+  int32_t num_sources = 0;
+};
+
 struct ArenaOptions {
   std::string shm_directory = "/dev/shm";  // CPU backend: where the shm file is created
   std::string name_prefix = "kvsidecar";   // file name prefix (pid and generation are appended)
@@ -97,6 +159,11 @@ class Backend {
   virtual absl::Status KeyDiffScores(absl::Span<const KeyDiffScoreJob> jobs, Stream stream) = 0;
   virtual absl::Status TopK(absl::Span<const TopKJob> jobs, Stream stream) = 0;
   virtual absl::Status CopyRows(absl::Span<const RowCopyJob> jobs, Stream stream) = 0;
+  // INVALID_ARGUMENT naming the job index and field for malformed jobs; nothing is written then.
+  virtual absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream stream) = 0;
+  virtual absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream stream) = 0;
+  virtual absl::Status NearestKeys(absl::Span<const NearestKeyJob> jobs, Stream stream) = 0;
+  virtual absl::Status MergeRows(absl::Span<const RowMergeJob> jobs, Stream stream) = 0;
   virtual absl::Status Synchronize(Stream stream) = 0;
 };
 

@@ -16,11 +16,11 @@ int32_t KeyDiffPolicy::RecentTokens(int32_t keep) const {
   return static_cast<int32_t>(std::clamp(recent, 0.0, static_cast<double>(keep)));
 }
 
-ScoredPolicy::Protection KeyDiffPolicy::Protect(int32_t keep) const {
-  return Protection{0, RecentTokens(keep)};
+ScoredPolicy::Protection KeyDiffPolicy::Protect(Phase, const LayerSelection& layer) const {
+  return Protection{0, RecentTokens(layer.keep)};
 }
 
-absl::Status KeyDiffPolicy::Score(Backend& backend, absl::Span<const LayerSelection> layers,
+absl::Status KeyDiffPolicy::Score(Backend& backend, Phase, absl::Span<const LayerSelection> layers,
                                   absl::Span<float* const> scores) const {
   // The anchor runs over all candidates, recent ones included (keydiff.md §10.7).
   std::vector<KeyDiffScoreJob> jobs(layers.size());

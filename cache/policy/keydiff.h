@@ -11,20 +11,22 @@
 #include <memory>
 
 #include "absl/status/status.h"
+#include "cache/policy/allocator.h"
 #include "cache/policy/policy.h"
 
 namespace kvs {
 
 class KeyDiffPolicy final : public ScoredPolicy {
  public:
-  explicit KeyDiffPolicy(PolicyConfig config) : ScoredPolicy(std::move(config)) {}
+  explicit KeyDiffPolicy(const PolicyConfig& config)
+      : ScoredPolicy(config, MakeLayerAllocator(config)) {}
 
   // r for a layer keeping `keep` tokens.
   int32_t RecentTokens(int32_t keep) const;
 
  protected:
-  Protection Protect(int32_t keep) const override;
-  absl::Status Score(Backend& backend, absl::Span<const LayerSelection> layers,
+  Protection Protect(Phase phase, const LayerSelection& layer) const override;
+  absl::Status Score(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
                      absl::Span<float* const> scores) const override;
 };
 

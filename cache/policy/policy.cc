@@ -1,6 +1,7 @@
 #include "cache/policy/policy.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -91,19 +92,86 @@ absl::StatusOr<const Entry*> FindEntry(const std::string& name) {
 
 }  // namespace
 
-void Policy::AllocateLayers(int32_t budget, absl::Span<const int32_t> counts,
-                            absl::Span<int32_t> keep) const {
-  for (size_t i = 0; i < counts.size() && i < keep.size(); ++i) {
-    keep[i] = std::min(budget, counts[i]);
+void LayerPolicyState::Compact(int32_t num_kv_heads, int32_t old_count,
+                               absl::Span<const std::vector<int32_t>> sources) {
+  const int32_t keep = sources.empty() ? 0 : static_cast<int32_t>(sources[0].size());
+  for (std::vector<float>* array : {&accumulated, &indicator, &step_scores}) {
+    if (array->empty()) continue;
+    if (old_count == 0) continue;
+    const int64_t rows = static_cast<int64_t>(array->size()) / old_count;
+    const int64_t rows_per_head = std::max<int64_t>(1, rows / std::max(1, num_kv_heads));
+    std::vector<float> packed(static_cast<size_t>(rows * keep));
+    for (int64_t r = 0; r < rows; ++r) {
+      const std::vector<int32_t>& source = sources[r / rows_per_head];
+      const float* from = array->data() + r * old_count;
+      float* to = packed.data() + r * keep;
+      for (int32_t t = 0; t < keep; ++t) to[t] = from[source[t]];
+    }
+    *array = std::move(packed);
   }
 }
 
-absl::Status ScoredPolicy::Select(Backend& backend, absl::Span<const LayerSelection> layers) const {
+void LayerPolicyState::Extend(int32_t num_kv_heads, int32_t old_count, int32_t added) {
+  (void)num_kv_heads;
+  for (std::vector<float>* array : {&accumulated, &indicator, &step_scores}) {
+    if (array->empty() || old_count == 0 || added <= 0) continue;
+    const int64_t rows = static_cast<int64_t>(array->size()) / old_count;
+    const int64_t new_count = int64_t{old_count} + added;
+    std::vector<float> grown(static_cast<size_t>(rows * new_count), 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy(array->begin() + r * old_count, array->begin() + (r + 1) * old_count,
+                grown.begin() + r * new_count);
+    }
+    *array = std::move(grown);
+  }
+}
+
+absl::Status LayerAllocator::Observe(Phase, const LayerStep&) const { return absl::OkStatus(); }
+
+AttentionRequirement Policy::attention(Phase phase) const {
+  const AttentionRequirement scorer = ScorerAttention(phase);
+  const AttentionRequirement allocator = allocator_->attention(phase);
+  AttentionRequirement combined;
+  combined.needed = scorer.needed || allocator.needed;
+  // 0 means "every query": it wins over any trailing count.
+  if ((scorer.needed && scorer.trailing_queries == 0) ||
+      (allocator.needed && allocator.trailing_queries == 0)) {
+    combined.trailing_queries = 0;
+  } else {
+    combined.trailing_queries = std::max(scorer.needed ? scorer.trailing_queries : 0,
+                                         allocator.needed ? allocator.trailing_queries : 0);
+  }
+  return combined;
+}
+
+absl::Status Policy::Observe(Backend& backend, Phase phase,
+                             absl::Span<const LayerStep> layers) const {
+  KVS_RETURN_IF_ERROR(ObserveLayers(backend, phase, layers));
+  for (const LayerStep& layer : layers) {
+    KVS_RETURN_IF_ERROR(allocator_->Observe(phase, layer));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Policy::ObserveLayers(Backend&, Phase, absl::Span<const LayerStep>) const {
+  return absl::OkStatus();
+}
+
+absl::Status Policy::Merge(Backend&, Phase, absl::Span<const LayerSelection>,
+                           absl::Span<int32_t> merged) const {
+  std::fill(merged.begin(), merged.end(), 0);
+  return absl::OkStatus();
+}
+
+absl::Status ScoredPolicy::Select(Backend& backend, Phase phase,
+                                  absl::Span<const LayerSelection> layers) const {
   std::vector<LayerSelection> active;
   for (const LayerSelection& layer : layers) {
     KVS_RETURN_IF_ERROR(CheckSelection(layer));
     const int32_t count = layer.keys.count;
-    if (layer.keep == count) {  // nothing to choose: keep every slot
+    if (layer.scores_out != nullptr && count > 0) {
+      active.push_back(layer);  // a dry run wants the scores even when nothing is evicted
+    } else if (layer.keep == count) {  // nothing to choose: keep every slot
       for (int32_t h = 0; h < layer.keys.num_kv_heads; ++h) {
         std::iota(layer.kept.begin() + int64_t{h} * count,
                   layer.kept.begin() + int64_t{h + 1} * count, 0);
@@ -122,7 +190,7 @@ absl::Status ScoredPolicy::Select(Backend& backend, absl::Span<const LayerSelect
   std::vector<float> scores(offsets.back(), 0.0f);
   std::vector<float*> score_ptrs(active.size());
   for (size_t i = 0; i < active.size(); ++i) score_ptrs[i] = scores.data() + offsets[i];
-  KVS_RETURN_IF_ERROR(Score(backend, active, score_ptrs));
+  KVS_RETURN_IF_ERROR(Score(backend, phase, active, score_ptrs));
 
   std::vector<uint8_t> forced;
   std::vector<int32_t> scratch;
@@ -131,7 +199,7 @@ absl::Status ScoredPolicy::Select(Backend& backend, absl::Span<const LayerSelect
     const LayerSelection& layer = active[i];
     const int32_t heads = layer.keys.num_kv_heads;
     const int32_t count = layer.keys.count;
-    const Protection protection = Protect(layer.keep);
+    const Protection protection = Protect(phase, layer);
     if (protection.sinks < 0 || protection.recent < 0 ||
         int64_t{protection.sinks} + protection.recent > layer.keep) {
       return absl::InternalError(absl::StrCat("policy ", config().name, " protects ",
@@ -158,7 +226,18 @@ absl::Status ScoredPolicy::Select(Backend& backend, absl::Span<const LayerSelect
   // `forced` may have been allocated after some jobs were filled: it is sized once, before the
   // first mask is written, so the pointers taken above stay valid.
   KVS_RETURN_IF_ERROR(backend.TopK(jobs, nullptr));
-  return backend.Synchronize(nullptr);
+  KVS_RETURN_IF_ERROR(backend.Synchronize(nullptr));
+  // Dry runs: the scores as the selector saw them, protected slots as +inf.
+  for (size_t i = 0; i < active.size(); ++i) {
+    if (active[i].scores_out == nullptr) continue;
+    const size_t n = active[i].positions.size();
+    for (size_t j = 0; j < n; ++j) {
+      const bool is_forced = jobs[i].forced != nullptr && jobs[i].forced[j] != 0;
+      active[i].scores_out[j] =
+          is_forced ? std::numeric_limits<float>::infinity() : score_ptrs[i][j];
+    }
+  }
+  return absl::OkStatus();
 }
 
 const std::vector<std::string>& KnownPolicyNames() {

@@ -1,13 +1,21 @@
 // Policy: decides, for each kv head of a layer, which `keep` of the layer's `count` tokens stay.
 // A policy is a composition (ARCHITECTURE.md §4): a layer allocator (how many tokens each layer
-// keeps), a scorer (a float per slot), and the shared selector (protected positions + per-head
-// top-k through Backend::TopK, ties to the lower position). Merging evicted tokens into kept ones
-// is a later step of the same pipeline. New policies derive from ScoredPolicy and supply only
-// what differs: their scores and the positions they always keep.
+// keeps), a scorer (a float per slot), the shared selector (protected positions + per-head top-k
+// through Backend::TopK, ties to the lower position) and, for D2O, a merge of evicted tokens into
+// kept ones. New policies derive from ScoredPolicy (or AttentionScoredPolicy) and supply only
+// what differs.
 //
-// Policies are immutable after construction and hold no per-sequence state (state that later
-// policies need lives with the sequence), so one instance may serve many calls concurrently.
-// Every kernel runs through the Backend, so the CUDA backend slots in unchanged.
+// One step of the pipeline, as the sequence drives it for Commit, Compress, DecodeStep and Score:
+//   1. Observe(phase, layers with this step's attention probabilities): fold the attention into
+//      the per-layer state (accumulated column sums, step scores, allocator preferences).
+//   2. AllocateLayers(request): tokens each layer keeps (may freeze per-layer budgets).
+//   3. Select(phase, layers): the kept slots of every head of every layer that must shrink.
+//   4. Merge(phase, layers): fold evicted tokens into kept ones in the arena (D2O only).
+//   5. The sequence compacts the arena rows and every slot-aligned state array together.
+//
+// State: policies are immutable after construction and may serve many calls concurrently; all
+// per-sequence state lives in LayerPolicyState, owned by the sequence and passed in (the
+// sequence's lock serialises calls on one sequence). Every kernel runs through the Backend.
 #ifndef KVSIDECAR_CACHE_POLICY_POLICY_H_
 #define KVSIDECAR_CACHE_POLICY_POLICY_H_
 
@@ -25,13 +33,110 @@
 
 namespace kvs {
 
-// One layer of one sequence as a policy reads it, and where its choice goes.
+// Prefill: Commit, Compress and Score calls. Decode: DecodeStep (one new token per layer).
+enum class Phase { kPrefill, kDecode };
+
+// What a policy reads of a step's attention.
+struct AttentionRequirement {
+  // The policy needs this step's attention to evict: a call that must evict without it is
+  // INVALID_ARGUMENT naming the policy and the field `attention`.
+  bool needed = false;
+  // Only the last n queries of the step matter (0 = every query); the sequence may then compute
+  // probabilities for those rows only.
+  int32_t trailing_queries = 0;
+};
+
+// Per-layer policy state of one sequence. Slot-aligned arrays are [rows][count] in slot order
+// (rows = size / count; row r belongs to kv head r / (rows / num_kv_heads), so a [Hq][count]
+// array follows the GQA grouping) and the sequence keeps them aligned: it zero-extends them when
+// tokens are appended and permutes them with the arena rows when it compacts. Empty = unused.
+struct LayerPolicyState {
+  // H2O / D2O (and the D2O allocator): attention accumulated over every query observed so far,
+  // [Hq][count]; a new token starts at 0 (caote.md §4, d2o.md §4).
+  std::vector<float> accumulated;
+  // CAKE: the eviction indicator measured at prefill, [H][count] (+inf on window tokens); the
+  // cascade re-selects from it as later layers arrive.
+  std::vector<float> indicator;
+  // Transient: scores this step's attention gave ([Hq][count] or [H][count], as the policy chose),
+  // written by Observe and read by Select/Merge of the same call; the sequence clears it at the
+  // end of every call.
+  std::vector<float> step_scores;
+  // Transient, with step_scores: newest positions this step protects (SnapKV's window w').
+  int32_t step_protected_recent = 0;
+  // D2O: EMA merge thresholds tau, one per kv head (or one per layer for threshold_scope=layer);
+  // empty until the first merge set tau_0.
+  std::vector<float> threshold;
+  // Allocator input measured from attention: CAKE's preference P_l, D2O's density F_l.
+  double preference = 0.0;
+  bool measured = false;
+  // Tokens this layer keeps once an allocator froze it (D2O after prefill, CAKE after its last
+  // cascade stage); 0 = not frozen. `frozen_for` is the sequence budget it was computed for.
+  int32_t frozen_budget = 0;
+  int32_t frozen_for = 0;
+
+  // After compaction, new slot t of head h holds what old slot sources[h][t] held.
+  void Compact(int32_t num_kv_heads, int32_t old_count,
+               absl::Span<const std::vector<int32_t>> sources);
+  // `added` new slots at the end of every head, zero in every slot-aligned array.
+  void Extend(int32_t num_kv_heads, int32_t old_count, int32_t added);
+};
+
+// One layer of one sequence as Observe sees it.
+struct LayerStep {
+  int32_t layer = 0;
+  PagedLayerView keys;                  // kv_index 0; ValuesOf(keys) reads the values
+  absl::Span<const int32_t> positions;  // [H][count] original positions, slot order
+  int32_t num_q_heads = 0;
+  // This step's attention probabilities [Hq][num_queries][count] (Backend::AttentionProbs
+  // semantics, or the worker's own scores), for the trailing `num_queries` queries of the step.
+  absl::Span<const float> probs;
+  int32_t num_queries = 0;
+  absl::Span<const int32_t> query_positions;  // [num_queries]
+  // Queries the step had in all (>= num_queries): SnapKV's w' = min(window, step_queries).
+  int32_t step_queries = 0;
+  LayerPolicyState* state = nullptr;
+};
+
+// One layer of one sequence as Select and Merge see it, and where the choice goes.
 struct LayerSelection {
   int32_t layer = 0;
   PagedLayerView keys;                  // keys.count tokens in every kv head
   absl::Span<const int32_t> positions;  // [H][count] original positions, slot order
+  int32_t num_q_heads = 0;
   int32_t keep = 0;                     // tokens each head keeps, 0 <= keep <= count
   absl::Span<int32_t> kept;             // out: [H][keep] kept slots, ascending per head
+  LayerPolicyState* state = nullptr;    // never null
+  uint8_t* writable_arena = nullptr;    // the same arena as keys.arena, for Merge
+  // Optional out: [H][count] the selection scores (Score dry run); written even when keep ==
+  // count. +inf marks protected slots.
+  float* scores_out = nullptr;
+};
+
+// What an allocator decides from.
+struct AllocationRequest {
+  Phase phase = Phase::kPrefill;
+  int32_t budget = 0;                   // the sequence's tokens per layer, > 0
+  absl::Span<const int32_t> counts;     // tokens each layer holds now
+  absl::Span<LayerPolicyState> states;  // per layer; an allocator may freeze budgets in them
+  int32_t block_tokens = 16;            // for the default floor
+};
+
+struct Allocation {
+  std::vector<int32_t> keep;         // per layer, 0 <= keep[l] <= counts[l]
+  int32_t floor_applied_layers = 0;  // layers raised to the floor
+};
+
+// Splits a sequence budget across layers (uniform, PyramidKV, D2O, CAKE): a real seam, chosen
+// per sequence independently of the scorer (cake.md §7, d2o.md §7). Immutable, thread-safe.
+class LayerAllocator {
+ public:
+  virtual ~LayerAllocator() = default;
+  virtual AttentionRequirement attention(Phase phase) const = 0;
+  // Whether LayerPolicyState::accumulated must be maintained (D2O's density).
+  virtual bool needs_accumulated() const { return false; }
+  // Measures a layer's preference from this step's attention (CAKE). Default: nothing.
+  virtual absl::Status Observe(Phase phase, const LayerStep& layer) const;
+  virtual absl::StatusOr<Allocation> Allocate(const AllocationRequest& request) const = 0;
 };
 
 class Policy {
@@ -42,28 +147,52 @@ class Policy {
 
   // The resolved configuration (defaults filled in).
   const PolicyConfig& config() const { return config_; }
+  const LayerAllocator& allocator() const { return *allocator_; }
 
-  // Layer allocator: tokens each layer keeps, given the sequence budget per layer (> 0) and the
-  // current counts. Never more than a layer holds. The default gives every layer `budget`.
-  virtual void AllocateLayers(int32_t budget, absl::Span<const int32_t> counts,
-                              absl::Span<int32_t> keep) const;
+  // What the scorer and the allocator together read of a step's attention.
+  AttentionRequirement attention(Phase phase) const;
+  // Whether LayerPolicyState::accumulated is maintained for this policy.
+  bool needs_accumulated() const { return ScorerNeedsAccumulated() || allocator_->needs_accumulated(); }
+  // Tokens every layer keeps outside the allocated share (CAKE's window W; 0 for the others).
+  virtual int32_t window_tokens() const { return 0; }
 
-  // Fills layers[i].kept for every layer, one batch of backend calls for all of them. INTERNAL
-  // when a selection is malformed, or the backend's error.
-  virtual absl::Status Select(Backend& backend, absl::Span<const LayerSelection> layers) const = 0;
+  // Step 1: the scorer's Observe, then the allocator's, for each layer that has attention.
+  absl::Status Observe(Backend& backend, Phase phase, absl::Span<const LayerStep> layers) const;
+  // Step 2: the allocator's split (per-layer explicit budgets are the sequence's business).
+  absl::StatusOr<Allocation> AllocateLayers(const AllocationRequest& request) const {
+    return allocator_->Allocate(request);
+  }
+  // Step 3: fills layers[i].kept for every layer, one batch of backend calls for all of them.
+  // INTERNAL when a selection is malformed, or the backend's error.
+  virtual absl::Status Select(Backend& backend, Phase phase,
+                              absl::Span<const LayerSelection> layers) const = 0;
+  // Step 4: after Select, before compaction; merged[i] = evicted rows folded into kept ones in
+  // layers[i], summed over heads. Default: nothing merged.
+  virtual absl::Status Merge(Backend& backend, Phase phase,
+                             absl::Span<const LayerSelection> layers,
+                             absl::Span<int32_t> merged) const;
 
  protected:
-  explicit Policy(PolicyConfig config) : config_(std::move(config)) {}
+  Policy(PolicyConfig config, std::unique_ptr<LayerAllocator> allocator)
+      : config_(std::move(config)), allocator_(std::move(allocator)) {}
+
+  virtual AttentionRequirement ScorerAttention(Phase) const { return {}; }
+  virtual bool ScorerNeedsAccumulated() const { return false; }
+  // The scorer's part of Observe; called only for layers with attention. Default: nothing.
+  virtual absl::Status ObserveLayers(Backend& backend, Phase phase,
+                                     absl::Span<const LayerStep> layers) const;
 
  private:
   const PolicyConfig config_;
+  const std::unique_ptr<LayerAllocator> allocator_;
 };
 
 // The shared selector: scores [H][count] per layer, protected positions marked as forced, then
 // Backend::TopK. Subclasses provide Score and Protect.
 class ScoredPolicy : public Policy {
  public:
-  absl::Status Select(Backend& backend, absl::Span<const LayerSelection> layers) const final;
+  absl::Status Select(Backend& backend, Phase phase,
+                      absl::Span<const LayerSelection> layers) const final;
 
  protected:
   using Policy::Policy;
@@ -73,15 +202,21 @@ class ScoredPolicy : public Policy {
     int32_t sinks = 0;
     int32_t recent = 0;
   };
-  // For a layer keeping `keep` tokens; sinks + recent must not exceed keep.
-  virtual Protection Protect(int32_t keep) const = 0;
+  // For `layer` keeping layer.keep tokens; sinks + recent must not exceed keep.
+  virtual Protection Protect(Phase phase, const LayerSelection& layer) const = 0;
 
-  // Writes scores[i][h * count + s] for every layer i that needs a choice (0 < keep < count);
-  // higher is kept first. The buffers are zeroed on entry, so a position-only policy may leave
-  // them alone.
-  virtual absl::Status Score(Backend& backend, absl::Span<const LayerSelection> layers,
+  // Writes scores[i][h * count + s] for every layer i; higher is kept first. The buffers are
+  // zeroed on entry, so a position-only policy may leave them alone.
+  virtual absl::Status Score(Backend& backend, Phase phase,
+                             absl::Span<const LayerSelection> layers,
                              absl::Span<float* const> scores) const = 0;
 };
+
+// A view of the values of the layer `keys` views.
+inline PagedLayerView ValuesOf(PagedLayerView keys) {
+  keys.kv_index = 1;
+  return keys;
+}
 
 // Validates `config` and fills in defaults (zero values mean the spec's default).
 // INVALID_ARGUMENT naming the field ("policy.keydiff.recent_fraction ...", "policy.name ..."

@@ -6,13 +6,13 @@
 
 namespace kvs {
 
-ScoredPolicy::Protection StreamingLlmPolicy::Protect(int32_t keep) const {
+ScoredPolicy::Protection StreamingLlmPolicy::Protect(Phase, const LayerSelection& layer) const {
   // Everything kept is protected: the sinks, then the newest positions for the rest.
-  const int32_t sinks = std::min(config().streaming_llm.n_sink, keep);
-  return Protection{sinks, keep - sinks};
+  const int32_t sinks = std::min(config().streaming_llm.n_sink, layer.keep);
+  return Protection{sinks, layer.keep - sinks};
 }
 
-absl::Status StreamingLlmPolicy::Score(Backend&, absl::Span<const LayerSelection>,
+absl::Status StreamingLlmPolicy::Score(Backend&, Phase, absl::Span<const LayerSelection>,
                                        absl::Span<float* const>) const {
   return absl::OkStatus();  // position-only: the forced set is the whole choice
 }

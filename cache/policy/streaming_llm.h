@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "absl/status/status.h"
+#include "cache/policy/allocator.h"
 #include "cache/policy/policy.h"
 
 namespace kvs {
@@ -18,11 +19,12 @@ inline constexpr int32_t kDefaultStreamingLlmSinks = 4;
 
 class StreamingLlmPolicy final : public ScoredPolicy {
  public:
-  explicit StreamingLlmPolicy(PolicyConfig config) : ScoredPolicy(std::move(config)) {}
+  explicit StreamingLlmPolicy(const PolicyConfig& config)
+      : ScoredPolicy(config, MakeLayerAllocator(config)) {}
 
  protected:
-  Protection Protect(int32_t keep) const override;
-  absl::Status Score(Backend& backend, absl::Span<const LayerSelection> layers,
+  Protection Protect(Phase phase, const LayerSelection& layer) const override;
+  absl::Status Score(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
                      absl::Span<float* const> scores) const override;
 };
 

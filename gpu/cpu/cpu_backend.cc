@@ -9,7 +9,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu/backend.h"
+#include "gpu/cpu/attention_cpu.h"
+#include "gpu/cpu/caote_cpu.h"
 #include "gpu/cpu/keydiff_cpu.h"
+#include "gpu/cpu/merge_cpu.h"
 #include "gpu/cpu/shm_arena.h"
 #include "gpu/cpu/thread_pool.h"
 #include "gpu/cpu/topk_cpu.h"
@@ -120,6 +123,19 @@ class CpuBackend final : public Backend {
         static_cast<int64_t>(jobs.size()), [&](int64_t i) { CopyJobRows(jobs[i]); },
         bytes < kParallelCopyMinBytes ? 1 : 0);
     return absl::OkStatus();
+  }
+
+  absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream) override {
+    return RunAttentionProbs(jobs, pool_);
+  }
+  absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream) override {
+    return RunCaoteScores(jobs, pool_);
+  }
+  absl::Status NearestKeys(absl::Span<const NearestKeyJob> jobs, Stream) override {
+    return RunNearestKeys(jobs, pool_);
+  }
+  absl::Status MergeRows(absl::Span<const RowMergeJob> jobs, Stream) override {
+    return RunMergeRows(jobs, pool_);
   }
 
   absl::Status Synchronize(Stream) override { return absl::OkStatus(); }

@@ -52,9 +52,15 @@ TEST(PolicyFactoryTest, MakesBothPoliciesWithResolvedConfigs) {
 TEST(PolicyTest, UniformLayerAllocationNeverExceedsCounts) {
   auto policy = MakePolicy(testing_util::KeyDiff());
   ASSERT_TRUE(policy.ok());
-  std::vector<int32_t> keep(3);
-  (*policy)->AllocateLayers(5, {10, 3, 5}, absl::MakeSpan(keep));
-  EXPECT_THAT(keep, ElementsAre(5, 3, 5));
+  const std::vector<int32_t> counts = {10, 3, 5};
+  std::vector<LayerPolicyState> states(3);
+  AllocationRequest request;
+  request.budget = 5;
+  request.counts = counts;
+  request.states = absl::MakeSpan(states);
+  auto allocation = (*policy)->AllocateLayers(request);
+  ASSERT_TRUE(allocation.ok());
+  EXPECT_THAT(allocation->keep, ElementsAre(5, 3, 5));
 }
 
 // The selector on a position table alone (StreamingLLM needs no keys): scrambled positions, two
@@ -78,7 +84,7 @@ TEST(ScoredPolicyTest, SelectsByPositionPerHead) {
   layers[1].kept = absl::MakeSpan(all);
   layers[2].keep = 0;
   layers[2].kept = absl::MakeSpan(none);
-  ASSERT_TRUE((*policy)->Select(*backend, layers).ok());
+  ASSERT_TRUE((*policy)->Select(*backend, Phase::kPrefill, layers).ok());
   // Head 0: sinks 1 (slot 4), 3 (slot 1); newest 50 (slot 2), 20 (slot 5).
   // Head 1: sinks 4, 8 (slots 0, 1); newest 42, 23 (slots 5, 4).
   EXPECT_THAT(kept, ElementsAre(1, 2, 4, 5, 0, 1, 4, 5));
@@ -96,9 +102,9 @@ TEST(ScoredPolicyTest, MalformedSelectionIsInternal) {
   layer.positions = positions;
   layer.keep = 4;  // more than count
   layer.kept = absl::MakeSpan(kept);
-  EXPECT_EQ((*policy)->Select(*backend, {&layer, 1}).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ((*policy)->Select(*backend, Phase::kPrefill, {&layer, 1}).code(), absl::StatusCode::kInternal);
   layer.keep = 1;  // kept has room for 2
-  EXPECT_EQ((*policy)->Select(*backend, {&layer, 1}).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ((*policy)->Select(*backend, Phase::kPrefill, {&layer, 1}).code(), absl::StatusCode::kInternal);
 }
 
 }  // namespace

@@ -1,0 +1,1 @@
+#include "cache/policy/attention_stats.h"

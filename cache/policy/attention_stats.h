@@ -1,0 +1,41 @@
+// Reductions of a step's attention probabilities that the attention-based scorers share (H2O,
+// TOVA, SnapKV, CAKE, D2O, CAOTE): column sums over query rows, GQA means, and 1-D pooling along
+// each head's POSITION order (slots are hole-filled, so slot order is not position order).
+//
+// Layouts: probs [Hq][num_queries][count]; per-head arrays [rows][count] in slot order; positions
+// [H][count]. Query head q belongs to kv head q / (Hq / H).
+//
+// Threading: pure functions of their arguments.
+#ifndef KVSIDECAR_CACHE_POLICY_ATTENTION_STATS_H_
+#define KVSIDECAR_CACHE_POLICY_ATTENTION_STATS_H_
+
+#include <cstdint>
+
+#include "absl/types/span.h"
+#include "cache/policy/policy_config.h"
+
+namespace kvs {
+
+// out[q][s] (+)= sum over the last `rows` query rows of probs[q][i][s] (all rows when rows <= 0
+// or rows > num_queries). `accumulate` adds to out instead of overwriting it.
+void SumQueryRows(absl::Span<const float> probs, int32_t num_q_heads, int32_t num_queries,
+                  int32_t count, int32_t rows, bool accumulate, absl::Span<float> out);
+
+// out[g][s] = mean over the query heads q of group g of in[q][s].
+void GqaMean(absl::Span<const float> in, int32_t num_q_heads, int32_t num_kv_heads, int32_t count,
+             absl::Span<float> out);
+
+// Pools each row of `in` ([rows][count]; row r belongs to kv head r / (rows / num_kv_heads))
+// along the position order of its head's slots, restricted to the slots with eligible[h][s] != 0
+// (all slots when `eligible` is empty): out at the j-th eligible slot by position =
+//   kAvg: (1/k) * sum_{t=-k/2}^{k/2} in at the (j+t)-th eligible slot, 0 outside (zero padding
+//         counted in the divisor, as torch avg_pool1d with count_include_pad);
+//   kMax: the max over the same neighbours that exist.
+// Slots that are not eligible are copied through unchanged. kernel_size is odd and >= 1.
+void PoolByPosition(absl::Span<const float> in, int32_t rows, int32_t num_kv_heads, int32_t count,
+                    absl::Span<const int32_t> positions, absl::Span<const uint8_t> eligible,
+                    int32_t kernel_size, Pooling pooling, absl::Span<float> out);
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_CACHE_POLICY_ATTENTION_STATS_H_
