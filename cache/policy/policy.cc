@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cache/policy/attention_stats.h"
 #include "cache/policy/keydiff.h"
 #include "cache/policy/streaming_llm.h"
 #include "gpu/base/status_macros.h"
@@ -236,6 +237,27 @@ absl::Status ScoredPolicy::Select(Backend& backend, Phase phase,
       active[i].scores_out[j] =
           is_forced ? std::numeric_limits<float>::infinity() : score_ptrs[i][j];
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionScoredPolicy::Score(Backend& backend, Phase phase,
+                                          absl::Span<const LayerSelection> layers,
+                                          absl::Span<float* const> scores) const {
+  std::vector<float> raw;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const LayerSelection& layer = layers[i];
+    const int32_t heads = layer.keys.num_kv_heads;
+    const int32_t count = layer.keys.count;
+    KVS_ASSIGN_OR_RETURN(const int32_t rows, RawScores(backend, phase, layer, raw));
+    if (rows < heads || rows % heads != 0 ||
+        raw.size() != static_cast<size_t>(rows) * static_cast<size_t>(count)) {
+      return absl::InternalError(absl::StrCat("policy ", config().name, " gave ", raw.size(),
+                                              " raw scores in ", rows, " rows for layer ",
+                                              layer.layer, " of ", heads, " x ", count));
+    }
+    GqaMean(raw, rows, heads, count,
+            absl::MakeSpan(scores[i], static_cast<size_t>(heads) * count));
   }
   return absl::OkStatus();
 }

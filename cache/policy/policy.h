@@ -194,14 +194,15 @@ class ScoredPolicy : public Policy {
   absl::Status Select(Backend& backend, Phase phase,
                       absl::Span<const LayerSelection> layers) const final;
 
- protected:
-  using Policy::Policy;
-
   // Positions every head keeps whatever the scores: its `sinks` lowest and `recent` highest.
   struct Protection {
     int32_t sinks = 0;
     int32_t recent = 0;
   };
+
+ protected:
+  using Policy::Policy;
+
   // For `layer` keeping layer.keep tokens; sinks + recent must not exceed keep.
   virtual Protection Protect(Phase phase, const LayerSelection& layer) const = 0;
 
@@ -210,6 +211,34 @@ class ScoredPolicy : public Policy {
   virtual absl::Status Score(Backend& backend, Phase phase,
                              absl::Span<const LayerSelection> layers,
                              absl::Span<float* const> scores) const = 0;
+};
+
+// An attention-based scorer (H2O, TOVA, SnapKV, CAKE): its raw scores are non-negative, per query
+// head (or already per kv head), read from the layer's state; the selection score of a kv head is
+// the mean of its group's raw scores. CAOTE (caote.md) owns one of these as its base and drives
+// it through the public Base* surface.
+class AttentionScoredPolicy : public ScoredPolicy {
+ public:
+  AttentionRequirement BaseAttention(Phase phase) const { return ScorerAttention(phase); }
+  bool BaseNeedsAccumulated() const { return ScorerNeedsAccumulated(); }
+  absl::Status BaseObserve(Backend& backend, Phase phase,
+                           absl::Span<const LayerStep> layers) const {
+    return ObserveLayers(backend, phase, layers);
+  }
+  Protection BaseProtect(Phase phase, const LayerSelection& layer) const {
+    return Protect(phase, layer);
+  }
+  // Fills `raw` with [rows][count] non-negative scores of `layer` and returns rows: num_q_heads
+  // (per query head) or num_kv_heads (already reduced per kv head).
+  virtual absl::StatusOr<int32_t> RawScores(Backend& backend, Phase phase,
+                                            const LayerSelection& layer,
+                                            std::vector<float>& raw) const = 0;
+
+ protected:
+  using ScoredPolicy::ScoredPolicy;
+  // The GQA mean of RawScores per kv head.
+  absl::Status Score(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
+                     absl::Span<float* const> scores) const override;
 };
 
 // A view of the values of the layer `keys` views.
