@@ -495,7 +495,11 @@ absl::Status KvPool::WriteReserved(std::string_view session_id, std::string_view
 
 absl::StatusOr<CommitResult> KvPool::Commit(std::string_view session_id,
                                             std::string_view sequence_id, uint64_t reservation_id,
-                                            bool compress_if_over_budget) {
+                                            bool compress_if_over_budget,
+                                            const AttentionInput* attention) {
+  if (attention != nullptr) {
+    return absl::UnimplementedError("Commit with attention is not implemented yet");
+  }
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
   return WithSequence(*session, sequence_id, *backend_, *clock_, options_, &tokens_appended_,
                       &tokens_evicted_, [&](Sequence& sequence, const SequenceEnv& env, Session&) {
@@ -621,6 +625,19 @@ std::vector<SequenceInfo> KvPool::ListSequences(std::string_view session_id) con
     return std::tie(a.session_id, a.sequence_id) < std::tie(b.session_id, b.sequence_id);
   });
   return result;
+}
+
+}  // namespace kvs
+
+namespace kvs {
+
+absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const DecodeItem>) {
+  return absl::UnimplementedError("DecodeStep is not implemented yet");
+}
+
+absl::StatusOr<std::vector<LayerScores>> KvPool::Score(std::string_view, std::string_view,
+                                                       const ScoreParams&) {
+  return absl::UnimplementedError("Score is not implemented yet");
 }
 
 }  // namespace kvs

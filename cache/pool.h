@@ -112,6 +112,21 @@ struct Reservation {
   uint64_t payload_bytes = 0;      // inline payload size [layers][2][H][T][D]
 };
 
+// This step's attention, as the worker sent it (kvsidecar.v1.AttentionInputs, converted): the
+// queries of the step per listed layer, or the worker's own probabilities. Which policy needs
+// what is documented in the proto; the sequence computes the probabilities itself from the keys
+// it holds (Backend::AttentionProbs).
+struct AttentionInput {
+  std::vector<int32_t> layers;           // empty = every layer, in order; else distinct
+  int32_t num_queries = 0;               // w >= 1
+  // Absolute positions of the queries (size w, increasing). Empty = the newest w positions of
+  // the sequence (after this call's commit): the usual case, the step's own tokens.
+  std::vector<int32_t> query_positions;
+  float softmax_scale = 0.0f;            // > 0, finite
+  std::vector<float> queries;            // [layers][Hq][w][D] fp32, or empty
+  std::vector<float> scores;             // [layers][Hq][w][count of the layer] fp32, or empty
+};
+
 struct CommitResult {
   std::vector<int32_t> counts;  // tokens per layer after commit (and compression)
   int32_t evicted = 0;          // evicted per layer by compression (max over layers)
@@ -121,6 +136,7 @@ struct CompressParams {
   int32_t budget_tokens = 0;           // 0 = the sequence's budget
   std::optional<PolicyConfig> policy;  // nullopt = the sequence's policy
   bool return_positions = false;
+  std::optional<AttentionInput> attention;
 };
 
 struct LayerCompressResult {
@@ -134,6 +150,40 @@ struct LayerCompressResult {
 struct CompressResult {
   std::vector<LayerCompressResult> layers;
   int32_t blocks_freed = 0;
+  int32_t floor_applied_layers = 0;  // layers the allocator raised to its floor
+};
+
+// One sequence's decode step (DecodeStep): its new token (a pending one-token reservation in
+// every layer to commit, inline K/V [L][2][H][1][D] to append, or neither) and its query.
+struct DecodeItem {
+  std::string session_id;
+  std::string sequence_id;
+  AttentionInput attention;
+  uint64_t reservation_id = 0;    // 0 = none
+  std::vector<uint8_t> inline_kv;  // empty = none
+};
+
+struct DecodeResult {
+  std::vector<int32_t> counts;             // per layer after the step
+  std::vector<int32_t> evicted_positions;  // [L][H], -1 = none (lowest if several)
+  int32_t merged = 0;
+  int32_t position = -1;                   // the inline token's position
+};
+
+// Score (dry run): what Compress would keep, changing nothing.
+struct ScoreParams {
+  int32_t budget_tokens = 0;           // 0 = the sequence's budget (one of them must be > 0)
+  std::optional<PolicyConfig> policy;  // nullopt = the sequence's policy
+  std::optional<AttentionInput> attention;
+  std::vector<int32_t> layers;         // empty = all
+};
+
+struct LayerScores {
+  int32_t layer = 0;
+  int32_t kept = 0;                 // tokens per head that would stay
+  std::vector<float> scores;        // [H][count] slot order, +inf = protected
+  std::vector<int32_t> kept_slots;  // [H][kept] ascending
+  std::vector<int32_t> positions;   // [H][count] slot order
 };
 
 struct LayerLayoutView {
@@ -237,11 +287,23 @@ class KvPool {
                              uint64_t reservation_id, uint64_t payload_offset,
                              absl::Span<const uint8_t> bytes);
   // Publishes a reservation: the tokens become part of the sequence.
+  // `attention` (may be null) is observed after the commit and used by the compression.
   absl::StatusOr<CommitResult> Commit(std::string_view session_id, std::string_view sequence_id,
-                                      uint64_t reservation_id, bool compress_if_over_budget);
+                                      uint64_t reservation_id, bool compress_if_over_budget,
+                                      const AttentionInput* attention = nullptr);
 
   absl::StatusOr<CompressResult> Compress(std::string_view session_id, std::string_view sequence_id,
                                           const CompressParams& params);
+
+  // One decode step for many sequences (Phase::kDecode). Every item is validated before any is
+  // executed (a bad item: its error, prefixed "items[i]: ", and nothing changed); then items run
+  // grouped by session, each session under its lock. Results in item order.
+  absl::StatusOr<std::vector<DecodeResult>> DecodeStep(absl::Span<const DecodeItem> items);
+
+  // Dry run of Compress: scores and kept sets per layer; the sequence is unchanged.
+  absl::StatusOr<std::vector<LayerScores>> Score(std::string_view session_id,
+                                                 std::string_view sequence_id,
+                                                 const ScoreParams& params);
 
   // `layers` empty = all. Positions only if `with_positions`.
   absl::StatusOr<SequenceLayout> GetLayout(std::string_view session_id,
