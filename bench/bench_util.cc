@@ -1,10 +1,12 @@
 #include "bench/bench_util.h"
 
 #include <fcntl.h>
+#include <immintrin.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdlib.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -54,6 +56,51 @@ double CopyBandwidth(uint64_t bytes, int threads, int repeats) {
          BestCopySeconds(dst.get(), src.get(), bytes, threads, repeats);
 }
 
+constexpr int kDotDim = 256;
+constexpr int kDotRows = 4, kDotCols = 3;
+constexpr int64_t kDotPasses = 200000;  // per thread: 200000 x 4 x 3 x 256 x 2 = 1.2 GFLOP
+
+// Returns a value derived from the accumulators so the loop cannot be optimised away.
+__attribute__((target("avx2,fma"))) float DotLoopAvx2(const float* a, const float* b,
+                                                      int64_t passes) {
+  __m256 acc[kDotRows][kDotCols];
+  for (auto& row : acc) {
+    for (auto& x : row) x = _mm256_setzero_ps();
+  }
+  for (int64_t p = 0; p < passes; ++p) {
+    for (int d = 0; d < kDotDim; d += 8) {
+      __m256 col[kDotCols];
+#pragma GCC unroll 4
+      for (int c = 0; c < kDotCols; ++c) col[c] = _mm256_loadu_ps(b + c * kDotDim + d);
+#pragma GCC unroll 4
+      for (int r = 0; r < kDotRows; ++r) {
+        const __m256 x = _mm256_loadu_ps(a + r * kDotDim + d);
+#pragma GCC unroll 4
+        for (int c = 0; c < kDotCols; ++c) acc[r][c] = _mm256_fmadd_ps(x, col[c], acc[r][c]);
+      }
+    }
+  }
+  __m256 sum = _mm256_setzero_ps();
+  for (auto& row : acc) {
+    for (auto& x : row) sum = _mm256_add_ps(sum, x);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  return lanes[0] + lanes[7];
+}
+
+float DotLoopScalar(const float* a, const float* b, int64_t passes) {
+  float acc[kDotRows][kDotCols] = {};
+  for (int64_t p = 0; p < passes; ++p) {
+    for (int d = 0; d < kDotDim; ++d) {
+      for (int r = 0; r < kDotRows; ++r) {
+        for (int c = 0; c < kDotCols; ++c) acc[r][c] += a[r * kDotDim + d] * b[c * kDotDim + d];
+      }
+    }
+  }
+  return acc[0][0] + acc[kDotRows - 1][kDotCols - 1];
+}
+
 std::string ServerBinary() {
   if (const char* path = std::getenv("KVS_SERVER_BINARY")) return path;
   return std::string(KVS_BUILD_DIR) + "/service/kvsidecar";
@@ -67,6 +114,56 @@ double MemcpyBytesPerSecond(uint64_t bytes, int repeats) {
 
 double ParallelMemcpyBytesPerSecond(uint64_t bytes, int threads, int repeats) {
   return CopyBandwidth(bytes, threads, repeats);
+}
+
+double DotPeakFlopsPerSecond(int threads, int repeats) {
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const int64_t passes = avx2 ? kDotPasses : kDotPasses / 20;
+  threads = std::max(1, threads);
+  std::vector<float> sink(threads);
+  double best = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = Clock::now();
+    std::vector<std::thread> workers;
+    for (int t = 0; t < threads; ++t) {
+      workers.emplace_back([&, t] {
+        // Small values so the sums stay finite; per-thread data in its own L1.
+        std::vector<float> a(kDotRows * kDotDim, 1e-3f), b(kDotCols * kDotDim, 1e-3f);
+        sink[t] = avx2 ? DotLoopAvx2(a.data(), b.data(), passes)
+                       : DotLoopScalar(a.data(), b.data(), passes);
+      });
+    }
+    for (auto& w : workers) w.join();
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  volatile float keep = sink[0];
+  (void)keep;
+  return 2.0 * kDotRows * kDotCols * kDotDim * static_cast<double>(passes) * threads / best;
+}
+
+double DotPeakFlopsPerCpuSecond(int repeats) {
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const int64_t passes = avx2 ? kDotPasses : kDotPasses / 20;
+  std::vector<float> a(kDotRows * kDotDim, 1e-3f), b(kDotCols * kDotDim, 1e-3f);
+  double best = 1e30;
+  float sink = 0;
+  for (int r = 0; r < repeats; ++r) {
+    timespec start, end;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
+    sink +=
+        avx2 ? DotLoopAvx2(a.data(), b.data(), passes) : DotLoopScalar(a.data(), b.data(), passes);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &end);
+    best = std::min(best, (end.tv_sec - start.tv_sec) + 1e-9 * (end.tv_nsec - start.tv_nsec));
+  }
+  volatile float keep = sink;
+  (void)keep;
+  return 2.0 * kDotRows * kDotCols * kDotDim * static_cast<double>(passes) / best;
+}
+
+double ProcessCpuSeconds() {
+  timespec now;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &now);
+  return now.tv_sec + 1e-9 * now.tv_nsec;
 }
 
 double Percentile(std::vector<double>& samples, double q) {

@@ -19,6 +19,21 @@ double MemcpyBytesPerSecond(uint64_t bytes, int repeats = 5);
 // Same with `threads` threads each copying bytes / threads (the machine's copy limit).
 double ParallelMemcpyBytesPerSecond(uint64_t bytes, int threads, int repeats = 5);
 
+// FLOP/s of a dense fp32 dot-product loop with `threads` threads (best of `repeats`): each thread
+// computes the 4 x 3 dot products of 4 and 3 rows of 256 floats (L1-resident) with one AVX2 FMA
+// accumulator per pair, over and over. The compute ceiling that kernels built from register-
+// blocked dot products (attention logits) can approach; each multiply-add counts as 2 FLOP. Falls
+// back to scalar code (and a correspondingly low figure) on CPUs without AVX2/FMA.
+double DotPeakFlopsPerSecond(int threads, int repeats = 3);
+
+// The same loop on one thread, per second of that thread's CPU time: the per-core ceiling,
+// insensitive to other processes taking turns on a shared machine (compare with work per
+// process CPU second, ProcessCpuSeconds).
+double DotPeakFlopsPerCpuSecond(int repeats = 3);
+
+// CPU seconds used by this process so far, all threads together.
+double ProcessCpuSeconds();
+
 // Value at quantile q in [0, 1] of `samples` (sorted in place).
 double Percentile(std::vector<double>& samples, double q);
 

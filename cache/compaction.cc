@@ -35,6 +35,7 @@ absl::StatusOr<CompactionPlan> PlanCompaction(const ModelLayout& layout,
   CompactionPlan plan;
   plan.keep_blocks = static_cast<int32_t>(CeilDiv(keep, b));
   plan.positions.resize(heads);
+  plan.sources.resize(heads);
   const uint64_t block_bytes = layout.block_bytes();
   const uint64_t row_bytes = layout.row_bytes();
   // V rows sit a fixed distance after the K row of the same head and slot.
@@ -69,6 +70,9 @@ absl::StatusOr<CompactionPlan> PlanCompaction(const ModelLayout& layout,
     size_t hole_index = 0;
     std::vector<int32_t>& new_positions = plan.positions[h];
     new_positions.assign(head_positions.begin(), head_positions.begin() + keep);
+    std::vector<int32_t>& sources = plan.sources[h];
+    sources.resize(keep);
+    for (int32_t t = 0; t < keep; ++t) sources[t] = t;
     for (int32_t i = 0; i < keep; ++i) {
       const int32_t slot = head_kept[i];
       if (slot < 0 || slot >= count || (i > 0 && slot <= head_kept[i - 1])) {
@@ -89,6 +93,7 @@ absl::StatusOr<CompactionPlan> PlanCompaction(const ModelLayout& layout,
       }
       const int32_t destination = holes[hole_index++];
       new_positions[destination] = head_positions[slot];
+      sources[destination] = slot;
       const uint64_t from = key_offset(head_base, slot);
       const uint64_t to = key_offset(head_base, destination);
       src[rows] = from;

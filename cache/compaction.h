@@ -28,6 +28,9 @@ struct CompactionPlan {
   std::vector<uint64_t> dst_offsets;
   // New position table, per head `keep` entries in slot order.
   std::vector<std::vector<int32_t>> positions;
+  // [H][keep]: the old slot of every new slot (sources[h][t] == t for a token that stayed), for
+  // LayerPolicyState::Compact to permute the slot-aligned policy state like the rows.
+  std::vector<std::vector<int32_t>> sources;
   int64_t moved_tokens = 0;  // tokens that changed slot, summed over heads
   int32_t keep_blocks = 0;   // ceil(keep / B): block-table entries still needed
 

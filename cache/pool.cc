@@ -404,6 +404,21 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
           " must be <= ", per_layer_capacity, " (the tokens per layer the session's arena holds)"));
     }
   }
+  if (!budget.per_layer_tokens.empty()) {
+    if (budget.per_layer_tokens.size() != static_cast<size_t>(session->layout.num_layers)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("budget.per_layer_tokens has ", budget.per_layer_tokens.size(),
+                       " entries, the model has ", session->layout.num_layers, " layers"));
+    }
+    for (size_t l = 0; l < budget.per_layer_tokens.size(); ++l) {
+      const int32_t tokens = budget.per_layer_tokens[l];
+      if (tokens < 1 || tokens > per_layer_capacity) {
+        return absl::InvalidArgumentError(absl::StrCat("budget.per_layer_tokens[", l,
+                                                       "] must be in [1, ", per_layer_capacity,
+                                                       "], got ", tokens));
+      }
+    }
+  }
   if (!params.sequence_id.empty()) KVS_RETURN_IF_ERROR(ValidateSequenceId(params.sequence_id));
 
   absl::MutexLock lock(&session->mu);
@@ -497,13 +512,11 @@ absl::StatusOr<CommitResult> KvPool::Commit(std::string_view session_id,
                                             std::string_view sequence_id, uint64_t reservation_id,
                                             bool compress_if_over_budget,
                                             const AttentionInput* attention) {
-  if (attention != nullptr) {
-    return absl::UnimplementedError("Commit with attention is not implemented yet");
-  }
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
   return WithSequence(*session, sequence_id, *backend_, *clock_, options_, &tokens_appended_,
                       &tokens_evicted_, [&](Sequence& sequence, const SequenceEnv& env, Session&) {
-                        return sequence.Commit(env, reservation_id, compress_if_over_budget);
+                        return sequence.Commit(env, reservation_id, compress_if_over_budget,
+                                               attention);
                       });
 }
 
@@ -631,13 +644,102 @@ std::vector<SequenceInfo> KvPool::ListSequences(std::string_view session_id) con
 
 namespace kvs {
 
-absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const DecodeItem>) {
-  return absl::UnimplementedError("DecodeStep is not implemented yet");
+absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const DecodeItem> items) {
+  // Sessions of the batch, each once; locked together (in id order, so two batches never wait
+  // on each other) so that every item is validated against exactly the state it then runs on.
+  std::vector<std::shared_ptr<Session>> sessions;
+  std::vector<size_t> session_of(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    absl::StatusOr<std::shared_ptr<Session>> session = FindSession(items[i].session_id);
+    if (!session.ok()) {
+      return absl::Status(session.status().code(),
+                          absl::StrCat("items[", i, "]: ", session.status().message()));
+    }
+    auto it = std::find(sessions.begin(), sessions.end(), *session);
+    session_of[i] = static_cast<size_t>(it - sessions.begin());
+    if (it == sessions.end()) sessions.push_back(*std::move(session));
+  }
+  std::vector<size_t> lock_order(sessions.size());
+  for (size_t k = 0; k < lock_order.size(); ++k) lock_order[k] = k;
+  std::sort(lock_order.begin(), lock_order.end(),
+            [&](size_t a, size_t b) { return sessions[a]->id < sessions[b]->id; });
+  for (size_t k : lock_order) sessions[k]->mu.Lock();
+  auto unlock_all = [&] {
+    for (auto it = lock_order.rbegin(); it != lock_order.rend(); ++it) {
+      Session& session = *sessions[*it];
+      session.mu.AssertHeld();
+      session.free_blocks_hint = session.allocator.free_blocks();
+      session.mu.Unlock();
+    }
+  };
+  auto env_of = [&](Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu) {
+    return SequenceEnv{session.layout,    *session.arena,  session.allocator,
+                       *backend_,         session.id,      options_.max_tokens_per_call,
+                       &tokens_appended_, &tokens_evicted_};
+  };
+
+  // 1. Validate every item; nothing changes.
+  std::vector<Sequence*> sequences(items.size(), nullptr);
+  for (size_t i = 0; i < items.size(); ++i) {
+    Session& session = *sessions[session_of[i]];
+    session.mu.AssertHeld();
+    absl::Status status;
+    if (session.dead) {
+      status = SessionGone(session.id);
+    } else if (auto it = session.sequences.find(Sv(items[i].sequence_id));
+               it == session.sequences.end()) {
+      status = absl::NotFoundError(absl::StrCat("sequence ", Sv(items[i].sequence_id),
+                                                " not found in session ", session.id));
+    } else {
+      sequences[i] = it->second.get();
+      for (size_t j = 0; j < i && status.ok(); ++j) {
+        if (sequences[j] == sequences[i]) {
+          status = absl::InvalidArgumentError(absl::StrCat(
+              "sequence ", items[i].sequence_id, " is already stepped by items[", j, "]"));
+        }
+      }
+      if (status.ok()) status = sequences[i]->CheckDecode(env_of(session), items[i]);
+    }
+    if (!status.ok()) {
+      unlock_all();
+      return absl::Status(status.code(), absl::StrCat("items[", i, "]: ", status.message()));
+    }
+  }
+
+  // 2. Run them, session by session, each session's items in item order.
+  std::vector<DecodeResult> results(items.size());
+  absl::Status failure;
+  for (size_t k = 0; k < sessions.size() && failure.ok(); ++k) {
+    Session& session = *sessions[k];
+    session.mu.AssertHeld();
+    const SequenceEnv env = env_of(session);
+    for (size_t i = 0; i < items.size() && failure.ok(); ++i) {
+      if (session_of[i] != k) continue;
+      sequences[i]->Touch(clock_->Now());
+      absl::StatusOr<DecodeResult> result =
+          sequences[i]->Decode(env, items[i], session.next_reservation_id);
+      if (!items[i].inline_kv.empty()) ++session.next_reservation_id;
+      if (!result.ok()) {
+        failure = absl::Status(result.status().code(),
+                               absl::StrCat("items[", i, "]: ", result.status().message()));
+      } else {
+        results[i] = *std::move(result);
+      }
+    }
+  }
+  unlock_all();
+  if (!failure.ok()) return failure;
+  return results;
 }
 
-absl::StatusOr<std::vector<LayerScores>> KvPool::Score(std::string_view, std::string_view,
-                                                       const ScoreParams&) {
-  return absl::UnimplementedError("Score is not implemented yet");
+absl::StatusOr<std::vector<LayerScores>> KvPool::Score(std::string_view session_id,
+                                                       std::string_view sequence_id,
+                                                       const ScoreParams& params) {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  return WithSequence(*session, sequence_id, *backend_, *clock_, options_, nullptr, nullptr,
+                      [&](Sequence& sequence, const SequenceEnv& env, Session&) {
+                        return sequence.Score(env, params);
+                      });
 }
 
 }  // namespace kvs

@@ -117,14 +117,14 @@ struct Reservation {
 // what is documented in the proto; the sequence computes the probabilities itself from the keys
 // it holds (Backend::AttentionProbs).
 struct AttentionInput {
-  std::vector<int32_t> layers;           // empty = every layer, in order; else distinct
-  int32_t num_queries = 0;               // w >= 1
+  std::vector<int32_t> layers;  // empty = every layer, in order; else distinct
+  int32_t num_queries = 0;      // w >= 1
   // Absolute positions of the queries (size w, increasing). Empty = the newest w positions of
   // the sequence (after this call's commit): the usual case, the step's own tokens.
   std::vector<int32_t> query_positions;
-  float softmax_scale = 0.0f;            // > 0, finite
-  std::vector<float> queries;            // [layers][Hq][w][D] fp32, or empty
-  std::vector<float> scores;             // [layers][Hq][w][count of the layer] fp32, or empty
+  float softmax_scale = 0.0f;  // > 0, finite
+  std::vector<float> queries;  // [layers][Hq][w][D] fp32, or empty
+  std::vector<float> scores;   // [layers][Hq][w][count of the layer] fp32, or empty
 };
 
 struct CommitResult {
@@ -159,7 +159,7 @@ struct DecodeItem {
   std::string session_id;
   std::string sequence_id;
   AttentionInput attention;
-  uint64_t reservation_id = 0;    // 0 = none
+  uint64_t reservation_id = 0;     // 0 = none
   std::vector<uint8_t> inline_kv;  // empty = none
 };
 
@@ -167,7 +167,7 @@ struct DecodeResult {
   std::vector<int32_t> counts;             // per layer after the step
   std::vector<int32_t> evicted_positions;  // [L][H], -1 = none (lowest if several)
   int32_t merged = 0;
-  int32_t position = -1;                   // the inline token's position
+  int32_t position = -1;  // the inline token's position
 };
 
 // Score (dry run): what Compress would keep, changing nothing.
@@ -175,7 +175,7 @@ struct ScoreParams {
   int32_t budget_tokens = 0;           // 0 = the sequence's budget (one of them must be > 0)
   std::optional<PolicyConfig> policy;  // nullopt = the sequence's policy
   std::optional<AttentionInput> attention;
-  std::vector<int32_t> layers;         // empty = all
+  std::vector<int32_t> layers;  // empty = all
 };
 
 struct LayerScores {
@@ -270,7 +270,9 @@ class KvPool {
   // order). `positions` empty = next positions; else strictly increasing and each above every
   // position already in the sequence. One outstanding reservation per sequence
   // (FAILED_PRECONDITION otherwise). Strict budgets first evict down to the budget and refuse
-  // num_tokens > prefill_block_tokens.
+  // num_tokens > prefill_block_tokens. A policy that needs attention cannot choose without it:
+  // under a strict budget it evicts at Commit instead (whose attention is then required when
+  // the sequence would be over budget), keeping the same bound of budget + prefill_block_tokens.
   absl::StatusOr<Reservation> Reserve(std::string_view session_id, std::string_view sequence_id,
                                       int32_t num_tokens, absl::Span<const int32_t> positions,
                                       absl::Span<const int32_t> layers);
@@ -288,6 +290,9 @@ class KvPool {
                              absl::Span<const uint8_t> bytes);
   // Publishes a reservation: the tokens become part of the sequence.
   // `attention` (may be null) is observed after the commit and used by the compression.
+  // INVALID_ARGUMENT naming the attention.* field for a malformed input, or naming the policy
+  // and `attention` when the call must evict a layer the policy needs attention for and the
+  // input does not list it; nothing changes then (the reservation stays pending).
   absl::StatusOr<CommitResult> Commit(std::string_view session_id, std::string_view sequence_id,
                                       uint64_t reservation_id, bool compress_if_over_budget,
                                       const AttentionInput* attention = nullptr);

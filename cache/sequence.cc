@@ -1,6 +1,7 @@
 #include "cache/sequence.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <utility>
 
@@ -15,6 +16,16 @@ namespace {
 constexpr int64_t kMaxPosition = std::numeric_limits<int32_t>::max();
 // Rows per Backend::CopyRows job of a compaction (see Evict).
 constexpr int64_t kCopyJobRows = 4096;
+// Queries of one attention input (AttentionInputs.num_queries).
+constexpr int32_t kMaxAttentionQueries = 4096;
+// Probabilities computed at once by Observe (a chunk of layers; one layer may exceed it).
+constexpr uint64_t kMaxProbsBytes = uint64_t{64} << 20;
+
+// DecodeItem.attention left at its defaults: the worker sent none.
+bool IsEmptyAttention(const AttentionInput& input) {
+  return input.layers.empty() && input.num_queries == 0 && input.query_positions.empty() &&
+         input.queries.empty() && input.scores.empty();
+}
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -121,7 +132,9 @@ Sequence::Sequence(std::string id, const ModelLayout& layout, std::unique_ptr<Po
       budget_(budget),
       created_(created),
       last_used_(created),
-      layers_(layout.num_layers) {}
+      layers_(layout.num_layers),
+      states_(layout.num_layers),
+      allocated_(layout.num_layers, 0) {}
 
 std::vector<int32_t> Sequence::counts() const {
   std::vector<int32_t> result(layers_.size());
@@ -133,22 +146,6 @@ int32_t Sequence::blocks_held() const {
   int64_t blocks = 0;
   for (const LayerState& layer : layers_) blocks += static_cast<int64_t>(layer.blocks.size());
   return static_cast<int32_t>(blocks);
-}
-
-std::vector<int32_t> Sequence::KeepUnder(const Policy& policy, int32_t budget) {
-  const std::vector<int32_t> current = counts();
-  std::vector<LayerPolicyState> states(current.size());
-  AllocationRequest request;
-  request.budget = budget;
-  request.counts = current;
-  request.states = absl::MakeSpan(states);
-  request.block_tokens = layout_.block_tokens;
-  std::vector<int32_t> keep = current;
-  if (absl::StatusOr<Allocation> allocation = policy.AllocateLayers(request); allocation.ok()) {
-    keep = std::move(allocation->keep);
-  }
-  for (size_t l = 0; l < keep.size(); ++l) keep[l] = std::clamp(keep[l], 0, current[l]);
-  return keep;
 }
 
 absl::Status Sequence::CheckPending(uint64_t reservation_id) const {
@@ -225,9 +222,16 @@ absl::StatusOr<Reservation> Sequence::Reserve(const SequenceEnv& env, uint64_t r
   // Strict budgets evict the reserved layers down to the budget first (keydiff.md §9
   // evict-then-append). Plan the block arithmetic of eviction + reservation up front, so an
   // arena that cannot take the reservation refuses before anything is evicted.
+  // A policy that needs attention cannot choose here (Reserve carries none): it evicts at
+  // Commit instead, which keeps the same bound of budget + prefill_block_tokens per layer.
+  const bool evict_first = strict && !policy_->attention(Phase::kPrefill).needed;
   std::vector<int32_t> keep = counts();
-  if (strict) {
-    const std::vector<int32_t> budgeted = KeepUnder(*policy_, budget_.tokens_per_layer);
+  if (evict_first) {
+    std::vector<LayerPolicyState> scratch = states_;  // the allocator may freeze budgets
+    int32_t floor_applied = 0;
+    KVS_ASSIGN_OR_RETURN(const std::vector<int32_t> budgeted,
+                         KeepFor(*policy_, Phase::kPrefill, SequenceBudget(), counts(),
+                                 absl::MakeSpan(scratch), &floor_applied));
     for (int32_t layer : targets) keep[layer] = budgeted[layer];
   }
   const int64_t b = layout_.block_tokens;
@@ -255,10 +259,10 @@ absl::StatusOr<Reservation> Sequence::Reserve(const SequenceEnv& env, uint64_t r
 
   // Mutations from here on.
   Reservation reservation;
-  if (strict) {
+  if (evict_first) {
     std::vector<int32_t> evict_keep = counts();
     for (int32_t layer : targets) evict_keep[layer] = keep[layer];
-    KVS_ASSIGN_OR_RETURN(Eviction eviction, Evict(env, *policy_, evict_keep));
+    KVS_ASSIGN_OR_RETURN(Eviction eviction, Evict(env, *policy_, Phase::kPrefill, evict_keep));
     for (int32_t evicted : eviction.evicted) {
       reservation.evicted_before = std::max(reservation.evicted_before, evicted);
     }
@@ -336,9 +340,64 @@ absl::Status Sequence::WriteReserved(const SequenceEnv& env, uint64_t reservatio
                     });
 }
 
-absl::StatusOr<CommitResult> Sequence::Commit(const SequenceEnv& env, uint64_t reservation_id,
-                                              bool compress_if_over_budget) {
-  KVS_RETURN_IF_ERROR(CheckPending(reservation_id));
+int32_t Sequence::LayerBudget(int32_t l) const {
+  if (!budget_.per_layer_tokens.empty()) return budget_.per_layer_tokens[l];
+  const LayerPolicyState& state = states_[l];
+  if (state.frozen_budget > 0 && state.frozen_for == budget_.tokens_per_layer) {
+    // A layer frozen at "unbounded" (D2O's full-cache layers) reports 0 = unbounded.
+    return state.frozen_budget == std::numeric_limits<int32_t>::max() ? 0 : state.frozen_budget;
+  }
+  return allocated_[l] > 0 ? allocated_[l] : budget_.tokens_per_layer;
+}
+
+Sequence::StepBudget Sequence::SequenceBudget() const {
+  StepBudget budget;
+  budget.tokens = budget_.tokens_per_layer;
+  budget.per_layer = budget_.per_layer_tokens;
+  return budget;
+}
+
+std::vector<int32_t> Sequence::CountsAfterPending() const {
+  std::vector<int32_t> result = counts();
+  if (pending_.has_value()) {
+    for (int32_t layer : pending_->layers) result[layer] += pending_->num_tokens;
+  }
+  return result;
+}
+
+PagedLayerView Sequence::KeysView(const SequenceEnv& env, int32_t l) const {
+  const LayerState& state = layers_[l];
+  PagedLayerView view;
+  view.arena = env.arena.data();
+  view.kv_index = 0;
+  view.block_table = state.blocks.data();
+  view.count = state.count;
+  view.num_kv_heads = layout_.num_kv_heads;
+  view.head_dim = layout_.head_dim;
+  view.block_tokens = layout_.block_tokens;
+  view.dtype = layout_.dtype;
+  view.block_bytes = layout_.block_bytes();
+  return view;
+}
+
+std::vector<int32_t> Sequence::FlatPositions(int32_t l) const {
+  const LayerState& state = layers_[l];
+  std::vector<int32_t> flat;
+  flat.reserve(static_cast<size_t>(layout_.num_kv_heads) * state.count);
+  for (const std::vector<int32_t>& head : state.positions) {
+    flat.insert(flat.end(), head.begin(), head.end());
+  }
+  return flat;
+}
+
+void Sequence::ClearStepScores() {
+  for (LayerPolicyState& state : states_) {
+    state.step_scores.clear();
+    state.step_protected_recent = 0;
+  }
+}
+
+void Sequence::CommitPending(const SequenceEnv& env) {
   Pending pending = std::move(*pending_);
   pending_.reset();
   for (int32_t layer : pending.layers) {
@@ -349,22 +408,364 @@ absl::StatusOr<CommitResult> Sequence::Commit(const SequenceEnv& env, uint64_t r
     for (std::vector<int32_t>& head : state.positions) {
       head.insert(head.end(), pending.positions.begin(), pending.positions.end());
     }
+    // New tokens start at zero in every slot-aligned policy array.
+    states_[layer].Extend(layout_.num_kv_heads, state.count, pending.num_tokens);
     state.count += pending.num_tokens;
     state.appended += pending.num_tokens;
   }
   next_position_ = int64_t{pending.positions.back()} + 1;
-  last_committed_ = reservation_id;
+  last_committed_ = pending.id;
   ++version_;
   if (env.tokens_appended != nullptr) {
     *env.tokens_appended +=
         int64_t{pending.num_tokens} * static_cast<int64_t>(pending.layers.size());
   }
+}
 
+absl::StatusOr<Sequence::StepAttention> Sequence::ValidateAttention(
+    const AttentionInput& input, absl::Span<const int32_t> counts, int64_t next_position,
+    bool decode) const {
+  StepAttention out;
+  out.input = &input;
+  absl::StatusOr<std::vector<int32_t>> layers = ResolveLayers(input.layers, layout_.num_layers);
+  if (!layers.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("attention.", layers.status().message()));
+  }
+  out.layers = *std::move(layers);
+  out.listed.assign(layout_.num_layers, 0);
+  for (int32_t layer : out.layers) out.listed[layer] = 1;
+
+  const int32_t w = input.num_queries;
+  if (decode && w != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention.num_queries must be 1 for a decode step, got ", w));
+  }
+  if (w < 1 || w > kMaxAttentionQueries) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention.num_queries must be in [1, ", kMaxAttentionQueries, "], got ", w));
+  }
+  if (input.query_positions.empty()) {
+    if (next_position < w) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention.num_queries ", w, " exceeds the ", next_position,
+                       " positions of the sequence; give attention.query_positions"));
+    }
+    out.query_positions.resize(w);
+    for (int32_t i = 0; i < w; ++i) {
+      out.query_positions[i] = static_cast<int32_t>(next_position - w + i);
+    }
+  } else {
+    if (input.query_positions.size() != static_cast<size_t>(w)) {
+      return absl::InvalidArgumentError(absl::StrCat("attention.query_positions has ",
+                                                     input.query_positions.size(),
+                                                     " entries, attention.num_queries is ", w));
+    }
+    for (size_t i = 0; i < input.query_positions.size(); ++i) {
+      if (input.query_positions[i] < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "attention.query_positions[", i, "] must be >= 0, got ", input.query_positions[i]));
+      }
+      if (i > 0 && input.query_positions[i] <= input.query_positions[i - 1]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "attention.query_positions must be strictly increasing: query_positions[", i,
+            "] = ", input.query_positions[i], " after ", input.query_positions[i - 1]));
+      }
+    }
+    out.query_positions = input.query_positions;
+  }
+
+  const bool has_queries = !input.queries.empty();
+  const bool has_scores = !input.scores.empty();
+  if (has_queries == has_scores) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention must carry exactly one of attention.inline_queries and "
+                     "attention.attention_scores, got ",
+                     has_queries ? "both" : "neither"));
+  }
+  const int64_t num_listed = static_cast<int64_t>(out.layers.size());
+  const int64_t hq = layout_.num_q_heads;
+  if (has_queries) {
+    if (!std::isfinite(input.softmax_scale) || input.softmax_scale <= 0.0f) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention.softmax_scale must be finite and > 0, got ", input.softmax_scale));
+    }
+    const std::optional<uint64_t> expected = CheckedProduct({num_listed, hq, w, layout_.head_dim});
+    if (!expected || *expected != input.queries.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention.inline_queries has ", input.queries.size(), " values, expected ",
+                       expected ? absl::StrCat(*expected) : std::string("an overflowing count"),
+                       " ([layers ", num_listed, "][num_q_heads ", hq, "][num_queries ", w,
+                       "][head_dim ", layout_.head_dim, "])"));
+    }
+    for (size_t i = 0; i < input.queries.size(); ++i) {
+      if (!std::isfinite(input.queries[i])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("attention.inline_queries[", i, "] is not finite"));
+      }
+    }
+  } else {
+    uint64_t total = 0;
+    out.score_offsets.resize(out.layers.size());
+    for (size_t i = 0; i < out.layers.size(); ++i) {
+      out.score_offsets[i] = total;
+      const std::optional<uint64_t> size = CheckedProduct({hq, w, counts[out.layers[i]]});
+      const std::optional<uint64_t> next = size ? CheckedAdd(total, *size) : std::nullopt;
+      if (!next) {
+        return absl::InvalidArgumentError("attention.attention_scores: size overflows");
+      }
+      total = *next;
+    }
+    if (total != input.scores.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention.attention_scores has ", input.scores.size(), " values, expected ", total,
+          " ([layers][num_q_heads ", hq, "][num_queries ", w, "][count of the layer])"));
+    }
+    for (size_t i = 0; i < input.scores.size(); ++i) {
+      const float v = input.scores[i];
+      if (!std::isfinite(v) || v < 0.0f) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("attention.attention_scores[", i, "] must be finite and >= 0, got ", v));
+      }
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<int32_t>> Sequence::KeepFor(const Policy& policy, Phase phase,
+                                                       const StepBudget& budget,
+                                                       absl::Span<const int32_t> counts,
+                                                       absl::Span<LayerPolicyState> states,
+                                                       int32_t* floor_applied) const {
+  std::vector<int32_t> keep(counts.begin(), counts.end());
+  *floor_applied = 0;
+  if (!budget.per_layer.empty()) {
+    // Explicit per-layer budgets are the sequence's business and override the allocator.
+    for (size_t l = 0; l < keep.size(); ++l) {
+      keep[l] = std::min(keep[l], budget.per_layer[l]);
+    }
+    return keep;
+  }
+  if (budget.tokens <= 0) return keep;
+  AllocationRequest request;
+  request.phase = phase;
+  request.budget = budget.tokens;
+  request.counts = counts;
+  request.states = states;
+  request.block_tokens = layout_.block_tokens;
+  KVS_ASSIGN_OR_RETURN(Allocation allocation, policy.AllocateLayers(request));
+  if (allocation.keep.size() != keep.size()) {
+    return absl::InternalError(absl::StrCat("allocator of policy ", policy.config().name, " gave ",
+                                            allocation.keep.size(), " keeps for ", keep.size(),
+                                            " layers"));
+  }
+  for (size_t l = 0; l < keep.size(); ++l) keep[l] = std::clamp(allocation.keep[l], 0, counts[l]);
+  *floor_applied = allocation.floor_applied_layers;
+  return keep;
+}
+
+absl::Status Sequence::CoverageError(const Policy& policy, Phase phase,
+                                     absl::Span<const int32_t> keep,
+                                     absl::Span<const int32_t> counts,
+                                     absl::Span<const LayerPolicyState> states,
+                                     const StepAttention* attention) {
+  if (!policy.attention(phase).needed) return absl::OkStatus();
+  for (size_t l = 0; l < keep.size(); ++l) {
+    if (keep[l] >= counts[l]) continue;
+    // A layer not listed now may still evict from what earlier steps left in its state (CAKE's
+    // cascade re-selects earlier layers from their prefill indicator, cake.md TV3); a policy
+    // whose choice is this step's attention only (TOVA, SnapKV) keeps nothing between calls.
+    const LayerPolicyState& state = states[l];
+    const bool remembered =
+        state.measured || !state.indicator.empty() || !state.accumulated.empty();
+    if (attention == nullptr || (attention->listed[l] == 0 && !remembered)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy ", policy.config().name,
+          " needs attention (queries or attention_scores) for layer ", l, ": field attention"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Sequence::CheckAttentionCoverage(const Policy& policy, Phase phase,
+                                              const StepBudget& budget,
+                                              absl::Span<const int32_t> counts,
+                                              const StepAttention* attention) const {
+  if (!budget.any() || !policy.attention(phase).needed) return absl::OkStatus();
+  if (attention != nullptr && std::all_of(attention->listed.begin(), attention->listed.end(),
+                                          [](uint8_t listed) { return listed != 0; })) {
+    return absl::OkStatus();
+  }
+  // Which layers would evict, decided on copies: allocators may freeze budgets in the states.
+  std::vector<LayerPolicyState> scratch = states_;
+  for (size_t l = 0; l < scratch.size(); ++l) {
+    if (counts[l] > layers_[l].count) {
+      scratch[l].Extend(layout_.num_kv_heads, layers_[l].count, counts[l] - layers_[l].count);
+    }
+  }
+  int32_t floor_applied = 0;
+  KVS_ASSIGN_OR_RETURN(
+      const std::vector<int32_t> keep,
+      KeepFor(policy, phase, budget, counts, absl::MakeSpan(scratch), &floor_applied));
+  return CoverageError(policy, phase, keep, counts, scratch, attention);
+}
+
+absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Phase phase,
+                               const StepAttention& attention,
+                               absl::Span<LayerPolicyState> states) const {
+  const AttentionInput& input = *attention.input;
+  const int32_t w = input.num_queries;
+  const AttentionRequirement requirement = policy.attention(phase);
+  const int32_t rows =
+      requirement.trailing_queries > 0 ? std::min(requirement.trailing_queries, w) : w;
+  const int32_t first_row = w - rows;
+  const int64_t hq = layout_.num_q_heads;
+  const int64_t dim = layout_.head_dim;
+  const absl::Span<const int32_t> query_positions =
+      absl::MakeConstSpan(attention.query_positions).subspan(first_row, rows);
+  const bool from_queries = !input.queries.empty();
+
+  // Layers with tokens go in chunks whose probabilities fit kMaxProbsBytes (a chunk has at
+  // least one layer), so a long prompt over many layers never holds every layer's at once.
+  std::vector<size_t> order;  // indices into attention.layers
+  for (size_t i = 0; i < attention.layers.size(); ++i) {
+    if (layers_[attention.layers[i]].count > 0) order.push_back(i);
+  }
+  size_t begin = 0;
+  while (begin < order.size()) {
+    size_t end = begin;
+    uint64_t bytes = 0;
+    while (end < order.size()) {
+      const uint64_t layer_bytes = sizeof(float) * static_cast<uint64_t>(hq) * rows *
+                                   layers_[attention.layers[order[end]]].count;
+      if (end > begin && bytes + layer_bytes > kMaxProbsBytes) break;
+      bytes += layer_bytes;
+      ++end;
+    }
+    const size_t n = end - begin;
+    std::vector<std::vector<float>> probs(n);
+    std::vector<std::vector<int32_t>> positions(n);
+    std::vector<std::vector<float>> query_rows(n);
+    std::vector<AttentionJob> jobs;
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = order[begin + k];
+      const int32_t l = attention.layers[i];
+      const int64_t count = layers_[l].count;
+      positions[k] = FlatPositions(l);
+      probs[k].assign(static_cast<size_t>(hq * rows * count), 0.0f);
+      if (from_queries) {
+        // [Hq][w][D] of this layer; only the trailing rows when the policy reads no others.
+        const float* layer_queries = input.queries.data() + i * hq * w * dim;
+        const float* job_queries = layer_queries;
+        if (rows < w) {
+          query_rows[k].resize(static_cast<size_t>(hq * rows * dim));
+          for (int64_t q = 0; q < hq; ++q) {
+            std::copy_n(layer_queries + (q * w + first_row) * dim, rows * dim,
+                        query_rows[k].data() + q * rows * dim);
+          }
+          job_queries = query_rows[k].data();
+        }
+        AttentionJob job;
+        job.keys = KeysView(env, l);
+        job.key_positions = positions[k].data();
+        job.queries = job_queries;
+        job.query_positions = query_positions.data();
+        job.num_q_heads = static_cast<int32_t>(hq);
+        job.num_queries = rows;
+        job.scale = input.softmax_scale;
+        job.probs = probs[k].data();
+        jobs.push_back(job);
+      } else {
+        const float* layer_scores = input.scores.data() + attention.score_offsets[i];
+        for (int64_t q = 0; q < hq; ++q) {
+          std::copy_n(layer_scores + (q * w + first_row) * count, rows * count,
+                      probs[k].data() + q * rows * count);
+        }
+      }
+    }
+    if (!jobs.empty()) {
+      KVS_RETURN_IF_ERROR(env.backend.AttentionProbs(jobs, nullptr));
+      KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
+    }
+    std::vector<LayerStep> steps(n);
+    for (size_t k = 0; k < n; ++k) {
+      const int32_t l = attention.layers[order[begin + k]];
+      LayerStep& step = steps[k];
+      step.layer = l;
+      step.keys = KeysView(env, l);
+      step.positions = positions[k];
+      step.num_q_heads = static_cast<int32_t>(hq);
+      step.probs = probs[k];
+      step.num_queries = rows;
+      step.query_positions = query_positions;
+      step.step_queries = w;
+      step.state = &states[l];
+    }
+    KVS_RETURN_IF_ERROR(policy.Observe(env.backend, phase, steps));
+    begin = end;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Sequence::Eviction> Sequence::RunStep(const SequenceEnv& env, const Policy& policy,
+                                                     Phase phase, const StepAttention* attention,
+                                                     const StepBudget& budget,
+                                                     int32_t* floor_applied) {
+  *floor_applied = 0;
+  if (attention != nullptr) {
+    KVS_RETURN_IF_ERROR(Observe(env, policy, phase, *attention, absl::MakeSpan(states_)));
+  }
+  const std::vector<int32_t> current = counts();
+  if (!budget.any()) {
+    Eviction none;
+    none.evicted.assign(layers_.size(), 0);
+    none.merged.assign(layers_.size(), 0);
+    none.evicted_positions.resize(layers_.size());
+    return none;
+  }
+  KVS_ASSIGN_OR_RETURN(
+      const std::vector<int32_t> keep,
+      KeepFor(policy, phase, budget, current, absl::MakeSpan(states_), floor_applied));
+  // Checked before anything changed already; an allocator that moved budgets after observing
+  // can still leave an unobserved layer to evict, which must not be chosen blind.
+  KVS_RETURN_IF_ERROR(CoverageError(policy, phase, keep, current, states_, attention));
+  // What GetLayout reports as a layer's budget: an allocation other than the uniform one.
+  for (size_t l = 0; l < keep.size(); ++l) {
+    allocated_[l] = keep[l] != std::min(budget.tokens, current[l]) ? keep[l] : 0;
+  }
+  return Evict(env, policy, phase, keep);
+}
+
+absl::StatusOr<CommitResult> Sequence::Commit(const SequenceEnv& env, uint64_t reservation_id,
+                                              bool compress_if_over_budget,
+                                              const AttentionInput* attention) {
+  KVS_RETURN_IF_ERROR(CheckPending(reservation_id));
+  // Everything is validated against the sequence as it will be after the commit, before
+  // anything changes.
+  const std::vector<int32_t> after = CountsAfterPending();
+  const int64_t next_after = int64_t{pending_->positions.back()} + 1;
+  std::optional<StepAttention> step;
+  if (attention != nullptr) {
+    KVS_ASSIGN_OR_RETURN(step, ValidateAttention(*attention, after, next_after, false));
+  }
+  const StepBudget budget = SequenceBudget();
+  // Strict budgets of policies that need attention evict here, since Reserve could not.
+  const bool strict_here =
+      budget_.strict && budget.any() && policy_->attention(Phase::kPrefill).needed;
+  const bool evict = budget.any() && (compress_if_over_budget || strict_here);
+  const StepAttention* step_ptr = step.has_value() ? &*step : nullptr;
+  if (evict) {
+    KVS_RETURN_IF_ERROR(CheckAttentionCoverage(*policy_, Phase::kPrefill, budget, after, step_ptr));
+  }
+
+  CommitPending(env);
   CommitResult result;
-  if (compress_if_over_budget && budget_.tokens_per_layer > 0) {
-    const std::vector<int32_t> keep = KeepUnder(*policy_, budget_.tokens_per_layer);
-    KVS_ASSIGN_OR_RETURN(Eviction eviction, Evict(env, *policy_, keep));
-    for (int32_t evicted : eviction.evicted) result.evicted = std::max(result.evicted, evicted);
+  if (step_ptr != nullptr || evict) {
+    int32_t floor_applied = 0;
+    absl::StatusOr<Eviction> eviction = RunStep(env, *policy_, Phase::kPrefill, step_ptr,
+                                                evict ? budget : StepBudget{}, &floor_applied);
+    ClearStepScores();
+    if (!eviction.ok()) return eviction.status();
+    for (int32_t evicted : eviction->evicted) result.evicted = std::max(result.evicted, evicted);
   }
   result.counts = counts();
   return result;
@@ -386,36 +787,255 @@ absl::StatusOr<CompressResult> Sequence::Compress(const SequenceEnv& env,
                                                       "; commit or cancel it before compressing"));
   }
   const Policy& policy = override_policy ? *override_policy : *policy_;
-  const int32_t budget = params.budget_tokens > 0 ? params.budget_tokens : budget_.tokens_per_layer;
+  // An explicit budget_tokens is a uniform budget through the allocator; otherwise the
+  // sequence's (its per-layer budgets when it has them).
+  StepBudget budget = SequenceBudget();
+  if (params.budget_tokens > 0) budget = StepBudget{params.budget_tokens, {}};
+  std::optional<StepAttention> step;
+  if (params.attention.has_value()) {
+    KVS_ASSIGN_OR_RETURN(step,
+                         ValidateAttention(*params.attention, counts(), next_position_, false));
+  }
+  const StepAttention* step_ptr = step.has_value() ? &*step : nullptr;
+  KVS_RETURN_IF_ERROR(CheckAttentionCoverage(policy, Phase::kPrefill, budget, counts(), step_ptr));
 
   CompressResult result;
-  std::vector<int32_t> evicted(layers_.size(), 0);
-  if (budget > 0) {
-    const std::vector<int32_t> keep = KeepUnder(policy, budget);
-    KVS_ASSIGN_OR_RETURN(Eviction eviction, Evict(env, policy, keep));
-    evicted = std::move(eviction.evicted);
-    result.blocks_freed = eviction.blocks_freed;
-  }
+  int32_t floor_applied = 0;
+  absl::StatusOr<Eviction> eviction =
+      RunStep(env, policy, Phase::kPrefill, step_ptr, budget, &floor_applied);
+  ClearStepScores();
+  if (!eviction.ok()) return eviction.status();
+  result.blocks_freed = eviction->blocks_freed;
+  result.floor_applied_layers = floor_applied;
   result.layers.resize(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
     LayerCompressResult& out = result.layers[l];
     out.layer = static_cast<int32_t>(l);
     out.kept = layers_[l].count;
-    out.evicted = evicted[l];
-    if (params.return_positions) {
-      out.positions.reserve(static_cast<size_t>(layout_.num_kv_heads) * out.kept);
-      for (const std::vector<int32_t>& head : layers_[l].positions) {
-        out.positions.insert(out.positions.end(), head.begin(), head.end());
-      }
-    }
+    out.evicted = eviction->evicted[l];
+    out.merged = eviction->merged[l];
+    if (params.return_positions) out.positions = FlatPositions(static_cast<int32_t>(l));
   }
   return result;
 }
 
+absl::StatusOr<std::vector<int32_t>> Sequence::StrictFlushKeep() const {
+  const bool flush =
+      budget_.strict && budget_.tokens_per_layer > 0 && !policy_->attention(Phase::kPrefill).needed;
+  if (!flush) return counts();
+  std::vector<LayerPolicyState> scratch = states_;  // the allocator may freeze budgets
+  int32_t floor_applied = 0;
+  return KeepFor(*policy_, Phase::kPrefill, SequenceBudget(), counts(), absl::MakeSpan(scratch),
+                 &floor_applied);
+}
+
+absl::Status Sequence::CheckDecode(const SequenceEnv& env, const DecodeItem& item) const {
+  const bool has_inline = !item.inline_kv.empty();
+  if (item.reservation_id != 0 && has_inline) {
+    return absl::InvalidArgumentError(
+        "reservation_id and inline_kv are exclusive: give one new token, not two");
+  }
+  std::vector<int32_t> after = counts();
+  int64_t next_after = next_position_;
+  if (item.reservation_id != 0) {
+    KVS_RETURN_IF_ERROR(CheckPending(item.reservation_id));
+    if (pending_->num_tokens != 1 ||
+        pending_->layers.size() != static_cast<size_t>(layout_.num_layers)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("reservation_id: reservation ", item.reservation_id, " holds ",
+                       pending_->num_tokens, " tokens in ", pending_->layers.size(),
+                       " layers; a decode step commits 1 token in all ", layout_.num_layers));
+    }
+    after = CountsAfterPending();
+    next_after = int64_t{pending_->positions.back()} + 1;
+  } else if (pending_.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", id_, " has a pending reservation ", pending_->id,
+                     "; give it as reservation_id or cancel it before a decode step"));
+  }
+  if (has_inline) {
+    const std::optional<uint64_t> expected = CheckedProduct(
+        {layout_.num_layers, 2, layout_.num_kv_heads, layout_.head_dim, layout_.dtype_bytes()});
+    if (!expected || *expected != item.inline_kv.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("inline_kv has ", item.inline_kv.size(), " bytes, expected ",
+                       expected ? absl::StrCat(*expected) : std::string("an overflowing count"),
+                       " ([layers][2][num_kv_heads][1][head_dim] in the session dtype)"));
+    }
+    if (next_position_ > kMaxPosition) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("inline_kv: sequence ", id_, " has no position left"));
+    }
+    // Under a strict budget the token goes in after the flush down to the budget (keydiff.md
+    // §9, as Reserve does), so the blocks are counted after it.
+    KVS_ASSIGN_OR_RETURN(const std::vector<int32_t> flushed, StrictFlushKeep());
+    const int64_t b = layout_.block_tokens;
+    int64_t needed = 0;
+    int64_t freed = 0;
+    for (int32_t l = 0; l < layout_.num_layers; ++l) {
+      freed += CeilDiv(layers_[l].count, b) - CeilDiv(flushed[l], b);
+      if (flushed[l] % b == 0) ++needed;
+      after[l] = flushed[l] + 1;
+    }
+    const int64_t available = env.allocator.free_blocks() + freed;
+    if (needed > available) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "arena of session ", absl::string_view(env.session_id.data(), env.session_id.size()),
+          " has ", available, " free blocks, the decode token needs ", needed));
+    }
+    next_after = next_position_ + 1;
+  }
+  std::optional<StepAttention> step;
+  if (!IsEmptyAttention(item.attention)) {
+    KVS_ASSIGN_OR_RETURN(step, ValidateAttention(item.attention, after, next_after, true));
+  }
+  return CheckAttentionCoverage(*policy_, Phase::kDecode, SequenceBudget(), after,
+                                step.has_value() ? &*step : nullptr);
+}
+
+absl::StatusOr<DecodeResult> Sequence::Decode(const SequenceEnv& env, const DecodeItem& item,
+                                              uint64_t reservation_id) {
+  KVS_RETURN_IF_ERROR(CheckDecode(env, item));
+  DecodeResult result;
+  if (item.reservation_id != 0) {
+    CommitPending(env);  // position stays -1: the worker placed this token itself
+  } else if (!item.inline_kv.empty()) {
+    // One token in every layer: blocks where a layer's last block is full, the rows written
+    // through the same payload walk as WriteReserved, then published as a commit.
+    KVS_ASSIGN_OR_RETURN(const std::vector<int32_t> flushed, StrictFlushKeep());
+    if (flushed != counts()) {
+      KVS_RETURN_IF_ERROR(Evict(env, *policy_, Phase::kPrefill, flushed).status());
+    }
+    const int64_t b = layout_.block_tokens;
+    int32_t needed = 0;
+    for (const LayerState& state : layers_) needed += state.count % b == 0 ? 1 : 0;
+    std::vector<int32_t> new_blocks;
+    KVS_RETURN_IF_ERROR(env.allocator.Allocate(needed, &new_blocks));
+    size_t next_block = 0;
+    std::vector<PayloadSegment> segments;
+    segments.reserve(layers_.size());
+    Pending pending;
+    pending.id = reservation_id;
+    pending.num_tokens = 1;
+    for (int32_t l = 0; l < layout_.num_layers; ++l) {
+      LayerState& state = layers_[l];
+      if (state.count % b == 0) state.blocks.push_back(new_blocks[next_block++]);
+      segments.push_back(PayloadSegment{&state.blocks, state.count, 1});
+      pending.layers.push_back(l);
+    }
+    pending.positions = {static_cast<int32_t>(next_position_)};
+    pending.payload_bytes = item.inline_kv.size();
+    result.position = pending.positions[0];
+    pending_ = std::move(pending);
+    absl::Status written =
+        ForEachRun(layout_, segments, 0, item.inline_kv.size(),
+                   [&](uint64_t arena_offset, uint64_t from, uint64_t run) {
+                     return env.arena.Write(arena_offset, item.inline_kv.data() + from, run);
+                   });
+    if (!written.ok()) {
+      (void)Cancel(env, reservation_id);
+      return written;
+    }
+    CommitPending(env);
+  }
+  std::optional<StepAttention> step;
+  if (!IsEmptyAttention(item.attention)) {
+    KVS_ASSIGN_OR_RETURN(step, ValidateAttention(item.attention, counts(), next_position_, true));
+  }
+  int32_t floor_applied = 0;
+  absl::StatusOr<Eviction> eviction =
+      RunStep(env, *policy_, Phase::kDecode, step.has_value() ? &*step : nullptr, SequenceBudget(),
+              &floor_applied);
+  ClearStepScores();
+  if (!eviction.ok()) return eviction.status();
+  result.counts = counts();
+  const int32_t heads = layout_.num_kv_heads;
+  result.evicted_positions.assign(static_cast<size_t>(layout_.num_layers) * heads, -1);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const std::vector<int32_t>& lowest = eviction->evicted_positions[l];
+    for (size_t h = 0; h < lowest.size(); ++h) result.evicted_positions[l * heads + h] = lowest[h];
+    result.merged += eviction->merged[l];
+  }
+  return result;
+}
+
+absl::StatusOr<std::vector<LayerScores>> Sequence::Score(const SequenceEnv& env,
+                                                         const ScoreParams& params) const {
+  if (params.budget_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget_tokens must be >= 0, got ", params.budget_tokens));
+  }
+  StepBudget budget = SequenceBudget();
+  if (params.budget_tokens > 0) budget = StepBudget{params.budget_tokens, {}};
+  if (!budget.any()) {
+    return absl::InvalidArgumentError(absl::StrCat("budget_tokens must be > 0: sequence ", id_,
+                                                   " has no budget to score against"));
+  }
+  KVS_ASSIGN_OR_RETURN(const std::vector<int32_t> targets,
+                       ResolveLayers(params.layers, layout_.num_layers));
+  std::unique_ptr<Policy> override_policy;
+  if (params.policy.has_value()) {
+    KVS_ASSIGN_OR_RETURN(override_policy, MakePolicy(*params.policy));
+  }
+  if (pending_.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", id_,
+                                                      " has a pending reservation ", pending_->id,
+                                                      "; commit or cancel it before scoring"));
+  }
+  const Policy& policy = override_policy ? *override_policy : *policy_;
+  const std::vector<int32_t> current = counts();
+  std::optional<StepAttention> step;
+  if (params.attention.has_value()) {
+    KVS_ASSIGN_OR_RETURN(step,
+                         ValidateAttention(*params.attention, current, next_position_, false));
+  }
+  const StepAttention* step_ptr = step.has_value() ? &*step : nullptr;
+  KVS_RETURN_IF_ERROR(CheckAttentionCoverage(policy, Phase::kPrefill, budget, current, step_ptr));
+
+  // The whole step on copies: the sequence's own state never sees this call.
+  std::vector<LayerPolicyState> scratch = states_;
+  if (step_ptr != nullptr) {
+    KVS_RETURN_IF_ERROR(Observe(env, policy, Phase::kPrefill, *step_ptr, absl::MakeSpan(scratch)));
+  }
+  int32_t floor_applied = 0;
+  KVS_ASSIGN_OR_RETURN(
+      const std::vector<int32_t> keep,
+      KeepFor(policy, Phase::kPrefill, budget, current, absl::MakeSpan(scratch), &floor_applied));
+  KVS_RETURN_IF_ERROR(CoverageError(policy, Phase::kPrefill, keep, current, scratch, step_ptr));
+
+  const int32_t heads = layout_.num_kv_heads;
+  std::vector<LayerScores> result(targets.size());
+  std::vector<LayerSelection> selections(targets.size());
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const int32_t l = targets[i];
+    LayerScores& out = result[i];
+    out.layer = l;
+    out.kept = keep[l];
+    out.positions = FlatPositions(l);
+    out.scores.assign(static_cast<size_t>(heads) * current[l], 0.0f);
+    out.kept_slots.assign(static_cast<size_t>(heads) * keep[l], 0);
+    LayerSelection& selection = selections[i];
+    selection.layer = l;
+    selection.keys = KeysView(env, l);
+    selection.positions = out.positions;
+    selection.num_q_heads = layout_.num_q_heads;
+    selection.keep = keep[l];
+    selection.kept = absl::MakeSpan(out.kept_slots);
+    selection.state = &scratch[l];
+    selection.writable_arena = nullptr;  // a dry run writes nothing
+    selection.scores_out = out.scores.data();
+  }
+  KVS_RETURN_IF_ERROR(policy.Select(env.backend, Phase::kPrefill, selections));
+  return result;
+}
+
 absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const Policy& policy,
-                                                   absl::Span<const int32_t> keep) {
+                                                   Phase phase, absl::Span<const int32_t> keep) {
+  const int32_t heads = layout_.num_kv_heads;
   Eviction eviction;
   eviction.evicted.assign(layers_.size(), 0);
+  eviction.merged.assign(layers_.size(), 0);
+  eviction.evicted_positions.resize(layers_.size());
   std::vector<int32_t> victims;  // layers that lose tokens
   for (size_t l = 0; l < layers_.size(); ++l) {
     if (keep[l] < layers_[l].count) victims.push_back(static_cast<int32_t>(l));
@@ -423,49 +1043,59 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
   if (victims.empty()) return eviction;
 
   // 1. Choose (no mutation).
-  const int32_t heads = layout_.num_kv_heads;
   std::vector<std::vector<int32_t>> flat_positions(victims.size());
   std::vector<std::vector<int32_t>> kept(victims.size());
   std::vector<LayerSelection> selections(victims.size());
   for (size_t i = 0; i < victims.size(); ++i) {
-    const LayerState& state = layers_[victims[i]];
-    flat_positions[i].reserve(static_cast<size_t>(heads) * state.count);
-    for (const std::vector<int32_t>& head : state.positions) {
-      flat_positions[i].insert(flat_positions[i].end(), head.begin(), head.end());
-    }
-    kept[i].resize(static_cast<size_t>(heads) * keep[victims[i]]);
+    const int32_t l = victims[i];
+    flat_positions[i] = FlatPositions(l);
+    kept[i].resize(static_cast<size_t>(heads) * keep[l]);
     LayerSelection& selection = selections[i];
-    selection.layer = victims[i];
-    selection.keys.arena = env.arena.data();
-    selection.keys.block_table = state.blocks.data();
-    selection.keys.count = state.count;
-    selection.keys.num_kv_heads = heads;
-    selection.keys.head_dim = layout_.head_dim;
-    selection.keys.block_tokens = layout_.block_tokens;
-    selection.keys.dtype = layout_.dtype;
-    selection.keys.block_bytes = layout_.block_bytes();
+    selection.layer = l;
+    selection.keys = KeysView(env, l);
     selection.positions = flat_positions[i];
-    selection.keep = keep[victims[i]];
+    selection.keep = keep[l];
     selection.kept = absl::MakeSpan(kept[i]);
     selection.num_q_heads = layout_.num_q_heads;
-    selection.state = &layers_[victims[i]].policy_state;
+    selection.state = &states_[l];
     selection.writable_arena = env.arena.data();
   }
-  KVS_RETURN_IF_ERROR(policy.Select(env.backend, Phase::kPrefill, selections));
+  KVS_RETURN_IF_ERROR(policy.Select(env.backend, phase, selections));
 
-  // 2. Plan the hole-filling moves (no mutation).
+  // 2. Plan the hole-filling moves (no mutation), and note what each head evicts.
   std::vector<CompactionPlan> plans(victims.size());
   std::vector<RowCopyJob> jobs;
+  std::vector<uint8_t> is_kept;
   for (size_t i = 0; i < victims.size(); ++i) {
-    const LayerState& state = layers_[victims[i]];
-    KVS_ASSIGN_OR_RETURN(plans[i], PlanCompaction(layout_, state.blocks, state.count,
-                                                  keep[victims[i]], kept[i], state.positions));
+    const int32_t l = victims[i];
+    const LayerState& state = layers_[l];
+    KVS_ASSIGN_OR_RETURN(plans[i], PlanCompaction(layout_, state.blocks, state.count, keep[l],
+                                                  kept[i], state.positions));
+    std::vector<int32_t>& lowest = eviction.evicted_positions[l];
+    lowest.assign(heads, -1);
+    for (int32_t h = 0; h < heads; ++h) {
+      is_kept.assign(state.count, 0);
+      for (int32_t t = 0; t < keep[l]; ++t) is_kept[kept[i][int64_t{h} * keep[l] + t]] = 1;
+      for (int32_t s = 0; s < state.count; ++s) {
+        if (is_kept[s] != 0) continue;
+        const int32_t position = state.positions[h][s];
+        if (lowest[h] < 0 || position < lowest[h]) lowest[h] = position;
+      }
+    }
+  }
+
+  // 3. Merge evicted rows into kept ones (D2O) while every row is still in place.
+  std::vector<int32_t> merged(victims.size(), 0);
+  KVS_RETURN_IF_ERROR(policy.Merge(env.backend, phase, selections, absl::MakeSpan(merged)));
+  for (size_t i = 0; i < victims.size(); ++i) eviction.merged[victims[i]] = merged[i];
+
+  // 4. Move rows, then publish the new tables, permute the policy state the same way and give
+  // the tail blocks back.
+  for (size_t i = 0; i < victims.size(); ++i) {
     // Pieces of kCopyJobRows rows (1 MiB of 256-byte rows): enough of them for the backend to
     // spread even a single layer's compaction over its threads.
     plans[i].AppendJobs(env.arena.data(), layout_.row_bytes(), kCopyJobRows, jobs);
   }
-
-  // 3. Move rows, then publish the new tables and give the tail blocks back.
   if (!jobs.empty()) {
     KVS_RETURN_IF_ERROR(env.backend.CopyRows(jobs, nullptr));
     KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
@@ -473,11 +1103,13 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
   std::vector<int32_t> to_free;
   int64_t evicted_total = 0;
   for (size_t i = 0; i < victims.size(); ++i) {
-    LayerState& state = layers_[victims[i]];
-    const int32_t evicted = state.count - keep[victims[i]];
-    eviction.evicted[victims[i]] = evicted;
+    const int32_t l = victims[i];
+    LayerState& state = layers_[l];
+    const int32_t evicted = state.count - keep[l];
+    eviction.evicted[l] = evicted;
     evicted_total += evicted;
-    state.count = keep[victims[i]];
+    states_[l].Compact(heads, state.count, plans[i].sources);
+    state.count = keep[l];
     state.positions = std::move(plans[i].positions);
     to_free.insert(to_free.end(), state.blocks.begin() + plans[i].keep_blocks, state.blocks.end());
     state.blocks.resize(plans[i].keep_blocks);
@@ -509,7 +1141,7 @@ absl::StatusOr<SequenceLayout> Sequence::GetLayout(const SequenceEnv& env,
         view.positions.insert(view.positions.end(), head.begin(), head.end());
       }
     }
-    view.budget = budget_.tokens_per_layer;
+    view.budget = LayerBudget(layer);
     result.layers.push_back(std::move(view));
   }
   result.next_position = static_cast<int32_t>(std::min(next_position_, kMaxPosition));
@@ -557,6 +1189,8 @@ int32_t Sequence::Release(const SequenceEnv& env) {
     state.count = 0;
     state.positions.clear();
   }
+  for (LayerPolicyState& state : states_) state = LayerPolicyState{};
+  std::fill(allocated_.begin(), allocated_.end(), 0);
   pending_.reset();
   ++version_;
   // Every block was allocated to this sequence; Free cannot fail unless bookkeeping is broken,

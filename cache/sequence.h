@@ -7,6 +7,14 @@
 // Inline payloads ([layer][2][H][T][D]) are copied in runs of rows that are contiguous in one
 // block, through Arena::Write/Read; eviction goes through the Policy and Backend::CopyRows.
 //
+// Every call that may evict (Commit, Compress, DecodeStep, Score, strict Reserve) runs one policy
+// step (cache/policy/policy.h): validate the attention input (before anything changes) ->
+// Observe the layers it lists (probabilities from Backend::AttentionProbs, or the worker's own)
+// -> allocate per-layer keeps (explicit per-layer budgets, else the policy's allocator) -> Select
+// -> Merge -> compact the rows and every layer's LayerPolicyState together. Score runs the same
+// step on copies of the states and stops after Select. The transient step scores are cleared at
+// the end of every call, whether it succeeded or not.
+//
 // Threading: not thread-safe; the owning session serialises every call under its lock. A failed
 // call leaves the sequence as it was (a backend failure in the middle of a compaction excepted,
 // which reports INTERNAL).
@@ -80,9 +88,22 @@ class Sequence {
   absl::Status Cancel(const SequenceEnv& env, uint64_t reservation_id);
   absl::Status WriteReserved(const SequenceEnv& env, uint64_t reservation_id,
                              uint64_t payload_offset, absl::Span<const uint8_t> bytes);
+  // `attention` (may be null) is observed after the commit (Phase::kPrefill). Under a strict
+  // budget a policy that needs attention evicts here (not in Reserve), whatever
+  // `compress_if_over_budget` says, so the commit must then carry attention.
   absl::StatusOr<CommitResult> Commit(const SequenceEnv& env, uint64_t reservation_id,
-                                      bool compress_if_over_budget);
+                                      bool compress_if_over_budget,
+                                      const AttentionInput* attention = nullptr);
   absl::StatusOr<CompressResult> Compress(const SequenceEnv& env, const CompressParams& params);
+  // DecodeStep of one item (KvPool::DecodeStep): CheckDecode validates without changing anything;
+  // Decode (after a successful CheckDecode) appends/commits the token, observes, evicts to the
+  // budget. `reservation_id` is the id an inline token's internal reservation takes.
+  absl::Status CheckDecode(const SequenceEnv& env, const DecodeItem& item) const;
+  absl::StatusOr<DecodeResult> Decode(const SequenceEnv& env, const DecodeItem& item,
+                                      uint64_t reservation_id);
+  // Dry run of Compress on copies of the policy state; changes nothing.
+  absl::StatusOr<std::vector<LayerScores>> Score(const SequenceEnv& env,
+                                                 const ScoreParams& params) const;
   absl::StatusOr<SequenceLayout> GetLayout(const SequenceEnv& env, absl::Span<const int32_t> layers,
                                            bool with_positions) const;
   absl::Status ReadExport(const SequenceEnv& env, absl::Span<const int32_t> layers,
@@ -101,7 +122,6 @@ class Sequence {
     int32_t count = 0;
     std::vector<std::vector<int32_t>> positions;  // [H][count], slot order; empty until used
     int64_t appended = 0;                         // tokens ever committed to this layer
-    LayerPolicyState policy_state;
   };
   struct Pending {
     uint64_t id = 0;
@@ -113,15 +133,78 @@ class Sequence {
   // Per-layer result of an eviction.
   struct Eviction {
     std::vector<int32_t> evicted;  // per layer of the sequence (0 where untouched)
+    std::vector<int32_t> merged;   // per layer, from Policy::Merge
+    // Per layer [H]: the lowest position each head evicted, -1 = none (DecodeStep).
+    std::vector<std::vector<int32_t>> evicted_positions;
     int32_t blocks_freed = 0;
   };
+  // A validated AttentionInput, resolved against the sequence it will be observed on.
+  struct StepAttention {
+    const AttentionInput* input = nullptr;
+    std::vector<int32_t> layers;           // listed layers, in the order given
+    std::vector<uint64_t> score_offsets;   // per listed layer: first float in input->scores
+    std::vector<int32_t> query_positions;  // [w], resolved (defaults filled in)
+    std::vector<uint8_t> listed;           // per layer of the model
+  };
+  // The budget of one step: explicit per-layer tokens win over `tokens` (the allocator's).
+  struct StepBudget {
+    int32_t tokens = 0;
+    absl::Span<const int32_t> per_layer;
+    bool any() const { return tokens > 0 || !per_layer.empty(); }
+  };
 
-  // Evicts every layer l with keep[l] < count down to keep[l] with `policy`, then compacts and
-  // frees the blocks past the new ends. `keep` has one entry per layer.
-  absl::StatusOr<Eviction> Evict(const SequenceEnv& env, const Policy& policy,
+  // Validates `input` against per-layer `counts` (as they will be when it is observed) and the
+  // sequence's next position then; INVALID_ARGUMENT naming the attention.* field.
+  absl::StatusOr<StepAttention> ValidateAttention(const AttentionInput& input,
+                                                  absl::Span<const int32_t> counts,
+                                                  int64_t next_position, bool decode) const;
+  // The tokens each layer keeps under `budget` (counts unchanged when it has none).
+  absl::StatusOr<std::vector<int32_t>> KeepFor(const Policy& policy, Phase phase,
+                                               const StepBudget& budget,
+                                               absl::Span<const int32_t> counts,
+                                               absl::Span<LayerPolicyState> states,
+                                               int32_t* floor_applied) const;
+  // The attention check of a step that may evict, made before anything changes: on copies of
+  // the states (extended to `counts`), the layers that would evict must all be listed in
+  // `attention` when the policy needs attention.
+  absl::Status CheckAttentionCoverage(const Policy& policy, Phase phase, const StepBudget& budget,
+                                      absl::Span<const int32_t> counts,
+                                      const StepAttention* attention) const;
+  // The same check on a computed keep.
+  static absl::Status CoverageError(const Policy& policy, Phase phase,
+                                    absl::Span<const int32_t> keep,
+                                    absl::Span<const int32_t> counts,
+                                    absl::Span<const LayerPolicyState> states,
+                                    const StepAttention* attention);
+  // Observes `attention` on `states` (one per layer of the model).
+  absl::Status Observe(const SequenceEnv& env, const Policy& policy, Phase phase,
+                       const StepAttention& attention, absl::Span<LayerPolicyState> states) const;
+  // Observe -> allocate -> Select -> Merge -> compact on the real state. `budget` without
+  // tokens only observes.
+  absl::StatusOr<Eviction> RunStep(const SequenceEnv& env, const Policy& policy, Phase phase,
+                                   const StepAttention* attention, const StepBudget& budget,
+                                   int32_t* floor_applied);
+  // Evicts every layer l with keep[l] < count down to keep[l] with `policy` (Select, Merge),
+  // then compacts rows and policy state and frees the blocks past the new ends. `keep` has one
+  // entry per layer.
+  absl::StatusOr<Eviction> Evict(const SequenceEnv& env, const Policy& policy, Phase phase,
                                  absl::Span<const int32_t> keep);
-  // Per-layer token counts each layer keeps under `budget` (> 0) with `policy`.
-  std::vector<int32_t> KeepUnder(const Policy& policy, int32_t budget);
+  // Clears the transient step scores of every layer.
+  void ClearStepScores();
+  // The keys of layer `l` as a backend view.
+  PagedLayerView KeysView(const SequenceEnv& env, int32_t l) const;
+  std::vector<int32_t> FlatPositions(int32_t l) const;
+  // Per-layer counts once the pending reservation (if any) is committed.
+  std::vector<int32_t> CountsAfterPending() const;
+  // Publishes the pending reservation (no eviction).
+  void CommitPending(const SequenceEnv& env);
+  StepBudget SequenceBudget() const;
+  // LayerLayoutView::budget of layer `l`: its explicit budget, its frozen allocation, its last
+  // non-uniform allocation, or the sequence budget.
+  int32_t LayerBudget(int32_t l) const;
+  // Per-layer counts after the evict-then-append flush a strict budget makes before an inline
+  // decode token (policies that need no attention, like Reserve); counts() otherwise.
+  absl::StatusOr<std::vector<int32_t>> StrictFlushKeep() const;
 
   const std::string id_;
   const ModelLayout layout_;
@@ -131,6 +214,12 @@ class Sequence {
   absl::Time last_used_;
 
   std::vector<LayerState> layers_;
+  // The policy's per-layer state, one per layer (contiguous: allocators take a span of them),
+  // slot-aligned with layers_[l] (Extend on commit, Compact on compaction).
+  std::vector<LayerPolicyState> states_;
+  // Per layer: the last allocation when it differed from the uniform one (0 = none), for
+  // LayerLayoutView::budget ("tokens this layer may keep, after allocation").
+  std::vector<int32_t> allocated_;
   std::optional<Pending> pending_;
   int64_t next_position_ = 0;
   uint64_t version_ = 1;

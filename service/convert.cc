@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cache/policy/policy.h"
 #include "gpu/base/checked_math.h"
+#include "gpu/base/dtype.h"
 #include "gpu/base/status_macros.h"
 
 namespace kvs {
@@ -17,7 +20,7 @@ absl::Status Invalid(absl::string_view prefix, absl::string_view field, absl::st
   return absl::InvalidArgumentError(absl::StrCat(prefix, field, " ", what));
 }
 
-std::string KnownPolicyNames() { return absl::StrJoin(kContractPolicyNames, ", "); }
+std::string ContractPolicyNames() { return absl::StrJoin(kContractPolicyNames, ", "); }
 
 // Name of the params field set in the oneof, or "" if none.
 std::string SetParamsField(const v1::PolicySpec& spec) {
@@ -89,47 +92,281 @@ v1::KeyDiffParams::Metric MetricToProto(KeyDiffMetric metric) {
   return v1::KeyDiffParams::METRIC_UNSPECIFIED;
 }
 
-absl::Status ValidateAllocator(const v1::LayerAllocator& allocator, absl::string_view prefix) {
+// Unknown enum values (a newer client, or garbage) are refused naming the field.
+absl::Status UnknownEnum(absl::string_view prefix, absl::string_view field, int value) {
+  return Invalid(prefix, field, absl::StrCat("has unknown value ", value));
+}
+
+absl::StatusOr<Pooling> PoolingFromProto(v1::SnapKvParams::Pooling pooling,
+                                         absl::string_view prefix, absl::string_view field) {
+  switch (pooling) {
+    case v1::SnapKvParams::POOLING_UNSPECIFIED:
+    case v1::SnapKvParams::POOLING_AVG:
+      return Pooling::kAvg;
+    case v1::SnapKvParams::POOLING_MAX:
+      return Pooling::kMax;
+    default:
+      break;
+  }
+  return UnknownEnum(prefix, field, static_cast<int>(pooling));
+}
+
+v1::SnapKvParams::Pooling PoolingToProto(Pooling pooling) {
+  switch (pooling) {
+    case Pooling::kAvg:
+      return v1::SnapKvParams::POOLING_AVG;
+    case Pooling::kMax:
+      return v1::SnapKvParams::POOLING_MAX;
+  }
+  return v1::SnapKvParams::POOLING_UNSPECIFIED;
+}
+
+absl::StatusOr<SnapKvConfig> SnapKvFromProto(const v1::SnapKvParams& params,
+                                             absl::string_view prefix, absl::string_view field) {
+  SnapKvConfig out;
+  out.window = params.window();
+  out.kernel_size = params.kernel_size();
+  KVS_ASSIGN_OR_RETURN(out.pooling,
+                       PoolingFromProto(params.pooling(), prefix, absl::StrCat(field, ".pooling")));
+  return out;
+}
+
+void SnapKvToProto(const SnapKvConfig& config, v1::SnapKvParams* out) {
+  out->set_window(config.window);
+  out->set_kernel_size(config.kernel_size);
+  out->set_pooling(PoolingToProto(config.pooling));
+}
+
+CakeConfig CakeFromProto(const v1::CakeParams& params) {
+  CakeConfig out;
+  out.window = params.window();
+  out.tau1 = params.tau1();
+  out.tau2 = params.tau2();
+  // Proto zero is "unset": keep the spec's default (200) rather than a weightless variance.
+  if (params.gamma() != 0.0f) out.gamma = params.gamma();
+  out.kernel_size = params.kernel_size();
+  out.non_cascading = params.non_cascading();
+  return out;
+}
+
+void CakeToProto(const CakeConfig& config, v1::CakeParams* out) {
+  out->set_window(config.window);
+  out->set_tau1(config.tau1);
+  out->set_tau2(config.tau2);
+  out->set_gamma(config.gamma);
+  out->set_kernel_size(config.kernel_size);
+  out->set_non_cascading(config.non_cascading);
+}
+
+absl::StatusOr<D2oConfig> D2oFromProto(const v1::D2oParams& params, absl::string_view prefix) {
+  D2oConfig out;
+  out.rho = params.rho();
+  // Proto zero is "unset": keep the spec's defaults (recent_frac 0.25, n_sink 4).
+  if (params.recent_frac() != 0.0f) out.recent_frac = params.recent_frac();
+  if (params.n_sink() != 0) out.n_sink = params.n_sink();
+  out.beta = params.beta();
+  switch (params.density_mode()) {
+    case v1::D2oParams::DENSITY_MODE_UNSPECIFIED:
+    case v1::D2oParams::DENSITY_MODE_HEADNORM:
+      out.density_mode = D2oDensityMode::kHeadNorm;
+      break;
+    case v1::D2oParams::DENSITY_MODE_RAW:
+      out.density_mode = D2oDensityMode::kRaw;
+      break;
+    default:
+      return UnknownEnum(prefix, "d2o.density_mode", static_cast<int>(params.density_mode()));
+  }
+  out.min_ratio = params.min_ratio();
+  out.max_ratio = params.max_ratio();
+  out.full_cache_layers.assign(params.full_cache_layers().begin(),
+                               params.full_cache_layers().end());
+  switch (params.merge_weighting()) {
+    case v1::D2oParams::MERGE_WEIGHTING_UNSPECIFIED:
+    case v1::D2oParams::MERGE_WEIGHTING_PAPER:
+      out.merge_weighting = D2oMergeWeighting::kPaper;
+      break;
+    case v1::D2oParams::MERGE_WEIGHTING_CODE:
+      out.merge_weighting = D2oMergeWeighting::kCode;
+      break;
+    default:
+      return UnknownEnum(prefix, "d2o.merge_weighting", static_cast<int>(params.merge_weighting()));
+  }
+  switch (params.threshold_scope()) {
+    case v1::D2oParams::THRESHOLD_SCOPE_UNSPECIFIED:
+    case v1::D2oParams::THRESHOLD_SCOPE_LAYER_HEAD:
+      out.threshold_scope = D2oThresholdScope::kLayerHead;
+      break;
+    case v1::D2oParams::THRESHOLD_SCOPE_LAYER:
+      out.threshold_scope = D2oThresholdScope::kLayer;
+      break;
+    default:
+      return UnknownEnum(prefix, "d2o.threshold_scope", static_cast<int>(params.threshold_scope()));
+  }
+  return out;
+}
+
+void D2oToProto(const D2oConfig& config, v1::D2oParams* out) {
+  out->set_rho(config.rho);
+  out->set_recent_frac(config.recent_frac);
+  out->set_n_sink(config.n_sink);
+  out->set_beta(config.beta);
+  out->set_density_mode(config.density_mode == D2oDensityMode::kRaw
+                            ? v1::D2oParams::DENSITY_MODE_RAW
+                            : v1::D2oParams::DENSITY_MODE_HEADNORM);
+  out->set_min_ratio(config.min_ratio);
+  out->set_max_ratio(config.max_ratio);
+  out->mutable_full_cache_layers()->Add(config.full_cache_layers.begin(),
+                                        config.full_cache_layers.end());
+  out->set_merge_weighting(config.merge_weighting == D2oMergeWeighting::kCode
+                               ? v1::D2oParams::MERGE_WEIGHTING_CODE
+                               : v1::D2oParams::MERGE_WEIGHTING_PAPER);
+  out->set_threshold_scope(config.threshold_scope == D2oThresholdScope::kLayer
+                               ? v1::D2oParams::THRESHOLD_SCOPE_LAYER
+                               : v1::D2oParams::THRESHOLD_SCOPE_LAYER_HEAD);
+}
+
+absl::StatusOr<CaoteConfig> CaoteFromProto(const v1::CaoteParams& params,
+                                           absl::string_view prefix) {
+  CaoteConfig out;
+  switch (params.base()) {
+    case v1::CaoteParams::BASE_UNSPECIFIED:
+    case v1::CaoteParams::BASE_H2O:
+      out.base = CaoteBase::kH2o;
+      break;
+    case v1::CaoteParams::BASE_TOVA:
+      out.base = CaoteBase::kTova;
+      break;
+    case v1::CaoteParams::BASE_SNAPKV:
+      out.base = CaoteBase::kSnapKv;
+      break;
+    case v1::CaoteParams::BASE_CAKE:
+      out.base = CaoteBase::kCake;
+      break;
+    default:
+      return UnknownEnum(prefix, "caote.base", static_cast<int>(params.base()));
+  }
+  switch (params.variant()) {
+    case v1::CaoteParams::VARIANT_UNSPECIFIED:
+    case v1::CaoteParams::VARIANT_EXACT:
+      out.variant = CaoteVariant::kExact;
+      break;
+    case v1::CaoteParams::VARIANT_FAST:
+      out.variant = CaoteVariant::kFast;
+      break;
+    case v1::CaoteParams::VARIANT_NONE:
+      out.variant = CaoteVariant::kNone;
+      break;
+    default:
+      return UnknownEnum(prefix, "caote.variant", static_cast<int>(params.variant()));
+  }
+  switch (params.gqa_reduce()) {
+    case v1::CaoteParams::GQA_REDUCE_UNSPECIFIED:
+    case v1::CaoteParams::GQA_REDUCE_MEAN:
+      out.gqa_reduce = GqaReduce::kMean;
+      break;
+    case v1::CaoteParams::GQA_REDUCE_RSS:
+      out.gqa_reduce = GqaReduce::kRss;
+      break;
+    default:
+      return UnknownEnum(prefix, "caote.gqa_reduce", static_cast<int>(params.gqa_reduce()));
+  }
+  out.eps = params.eps();
+  out.n_sink = params.n_sink();
+  out.n_recent = params.n_recent();
+  out.greedy = params.greedy();
+  KVS_ASSIGN_OR_RETURN(out.snapkv, SnapKvFromProto(params.snapkv(), prefix, "caote.snapkv"));
+  out.cake = CakeFromProto(params.cake());
+  return out;
+}
+
+void CaoteToProto(const CaoteConfig& config, v1::CaoteParams* out) {
+  switch (config.base) {
+    case CaoteBase::kH2o:
+      out->set_base(v1::CaoteParams::BASE_H2O);
+      break;
+    case CaoteBase::kTova:
+      out->set_base(v1::CaoteParams::BASE_TOVA);
+      break;
+    case CaoteBase::kSnapKv:
+      out->set_base(v1::CaoteParams::BASE_SNAPKV);
+      break;
+    case CaoteBase::kCake:
+      out->set_base(v1::CaoteParams::BASE_CAKE);
+      break;
+  }
+  switch (config.variant) {
+    case CaoteVariant::kExact:
+      out->set_variant(v1::CaoteParams::VARIANT_EXACT);
+      break;
+    case CaoteVariant::kFast:
+      out->set_variant(v1::CaoteParams::VARIANT_FAST);
+      break;
+    case CaoteVariant::kNone:
+      out->set_variant(v1::CaoteParams::VARIANT_NONE);
+      break;
+  }
+  out->set_gqa_reduce(config.gqa_reduce == GqaReduce::kRss ? v1::CaoteParams::GQA_REDUCE_RSS
+                                                           : v1::CaoteParams::GQA_REDUCE_MEAN);
+  out->set_eps(config.eps);
+  out->set_n_sink(config.n_sink);
+  out->set_n_recent(config.n_recent);
+  out->set_greedy(config.greedy);
+  SnapKvToProto(config.snapkv, out->mutable_snapkv());
+  CakeToProto(config.cake, out->mutable_cake());
+}
+
+absl::StatusOr<AllocatorConfig> AllocatorFromProto(const v1::LayerAllocator& allocator,
+                                                   absl::string_view prefix) {
+  AllocatorConfig out;
   switch (allocator.kind()) {
     case v1::LAYER_ALLOCATOR_UNSPECIFIED:
+      out.kind = LayerAllocatorKind::kDefault;
+      break;
     case v1::LAYER_ALLOCATOR_UNIFORM:
+      out.kind = LayerAllocatorKind::kUniform;
       break;
     case v1::LAYER_ALLOCATOR_PYRAMIDKV:
+      out.kind = LayerAllocatorKind::kPyramidKv;
+      break;
     case v1::LAYER_ALLOCATOR_D2O:
+      out.kind = LayerAllocatorKind::kD2o;
+      break;
     case v1::LAYER_ALLOCATOR_CAKE:
-      return absl::UnimplementedError(
-          absl::StrCat(prefix, "allocator.kind ", v1::LayerAllocatorKind_Name(allocator.kind()),
-                       " is not implemented in this build (only the uniform allocator is)"));
+      out.kind = LayerAllocatorKind::kCake;
+      break;
     default:
-      return Invalid(prefix, "allocator.kind",
-                     absl::StrCat("has unknown value ", static_cast<int>(allocator.kind())));
+      return UnknownEnum(prefix, "allocator.kind", static_cast<int>(allocator.kind()));
   }
-  if (allocator.min_layer_tokens() < 0) {
-    return Invalid(prefix, "allocator.min_layer_tokens",
-                   absl::StrCat("must be >= 0, got ", allocator.min_layer_tokens()));
+  out.min_layer_tokens = allocator.min_layer_tokens();
+  out.pyramid_beta = allocator.pyramid_beta();
+  return out;
+}
+
+void AllocatorToProto(const AllocatorConfig& config, v1::LayerAllocator* out) {
+  switch (config.kind) {
+    case LayerAllocatorKind::kDefault:
+      out->set_kind(v1::LAYER_ALLOCATOR_UNSPECIFIED);
+      break;
+    case LayerAllocatorKind::kUniform:
+      out->set_kind(v1::LAYER_ALLOCATOR_UNIFORM);
+      break;
+    case LayerAllocatorKind::kPyramidKv:
+      out->set_kind(v1::LAYER_ALLOCATOR_PYRAMIDKV);
+      break;
+    case LayerAllocatorKind::kD2o:
+      out->set_kind(v1::LAYER_ALLOCATOR_D2O);
+      break;
+    case LayerAllocatorKind::kCake:
+      out->set_kind(v1::LAYER_ALLOCATOR_CAKE);
+      break;
   }
-  // The uniform allocator gives every layer the same budget: a floor or a slope would be
-  // silently ignored, so they are refused like the allocators that use them.
-  if (allocator.min_layer_tokens() != 0) {
-    return absl::UnimplementedError(absl::StrCat(
-        prefix, "allocator.min_layer_tokens ", allocator.min_layer_tokens(),
-        ": per-layer floors are not implemented in this build (only the uniform allocator is); "
-        "pass 0"));
-  }
-  if (allocator.pyramid_beta() != 0.0f) {  // NaN too
-    return absl::UnimplementedError(absl::StrCat(
-        prefix, "allocator.pyramid_beta ", allocator.pyramid_beta(),
-        ": the PyramidKV allocator is not implemented in this build (only the uniform allocator "
-        "is); pass 0"));
-  }
-  return absl::OkStatus();
+  out->set_min_layer_tokens(config.min_layer_tokens);
+  out->set_pyramid_beta(config.pyramid_beta);
 }
 
 }  // namespace
 
-bool IsImplementedPolicy(absl::string_view name) {
-  return name == kPolicyStreamingLlm || name == kPolicyKeyDiff;
-}
+bool IsImplementedPolicy(absl::string_view name) { return name != kPolicyOmniKv; }
 
 // ---- Layout ----------------------------------------------------------------------------------
 
@@ -202,59 +439,69 @@ absl::StatusOr<std::optional<PolicyConfig>> PolicyFromProto(const v1::PolicySpec
     return Invalid(
         prefix, "name",
         absl::StrCat("is empty but ", prefix, params_field.empty() ? "allocator" : params_field,
-                     " is set; name the policy (", KnownPolicyNames(), ")"));
+                     " is set; name the policy (", ContractPolicyNames(), ")"));
   }
   const std::string& name = spec.name();
   bool known = false;
   for (absl::string_view candidate : kContractPolicyNames) known |= candidate == name;
   if (!known) {
-    return Invalid(prefix, "name",
-                   absl::StrCat("'", name, "' is not a known policy; known: ", KnownPolicyNames()));
+    return Invalid(
+        prefix, "name",
+        absl::StrCat("'", name, "' is not a known policy; known: ", ContractPolicyNames()));
   }
   if (!IsImplementedPolicy(name)) {
     return absl::UnimplementedError(absl::StrCat(
-        "policy '", name, "' is not implemented in this build (implemented: ", kPolicyStreamingLlm,
-        ", ", kPolicyKeyDiff, ")"));
+        prefix, "name \"", name,
+        "\" is not implemented in this build: OmniKV needs Select and the host tier (issue 4)"));
   }
-  KVS_RETURN_IF_ERROR(ValidateAllocator(spec.allocator(), prefix));
 
+  // Values are copied as given: zero means the spec's default and the policy's Resolve fills it
+  // in (and range-checks everything) when the pool builds the policy.
   PolicyConfig out;
   out.name = name;
+  KVS_ASSIGN_OR_RETURN(out.allocator, AllocatorFromProto(spec.allocator(), prefix));
   if (name == kPolicyStreamingLlm) {
-    const int32_t n_sink = spec.streaming_llm().n_sink();
-    if (n_sink < 0) {
-      return Invalid(prefix, "streaming_llm.n_sink", absl::StrCat("must be >= 0, got ", n_sink));
-    }
-    if (n_sink > 0) out.streaming_llm.n_sink = n_sink;
-  } else {  // keydiff
+    out.streaming_llm.n_sink = spec.streaming_llm().n_sink();
+  } else if (name == kPolicyKeyDiff) {
     const v1::KeyDiffParams& params = spec.keydiff();
     KVS_ASSIGN_OR_RETURN(out.keydiff.anchor,
                          AnchorFromProto(params.anchor(), absl::StrCat(prefix, "keydiff.anchor")));
     KVS_ASSIGN_OR_RETURN(out.keydiff.metric,
                          MetricFromProto(params.metric(), absl::StrCat(prefix, "keydiff.metric")));
-    const float rho = params.recent_fraction();
-    if (!(rho >= 0.0f && rho < 1.0f)) {  // also refuses NaN
-      return Invalid(prefix, "keydiff.recent_fraction",
-                     absl::StrCat("must be in [0, 1), got ", rho));
-    }
-    out.keydiff.recent_fraction = rho;
+    out.keydiff.recent_fraction = params.recent_fraction();
+  } else if (name == kPolicyH2o) {
+    out.h2o.n_sink = spec.h2o().n_sink();
+    out.h2o.n_recent = spec.h2o().n_recent();
+  } else if (name == kPolicyTova) {
+    out.tova.all_heads = spec.tova().all_heads();
+  } else if (name == kPolicySnapKv) {
+    KVS_ASSIGN_OR_RETURN(out.snapkv, SnapKvFromProto(spec.snapkv(), prefix, "snapkv"));
+  } else if (name == kPolicyCake) {
+    out.cake = CakeFromProto(spec.cake());
+  } else if (name == kPolicyD2o) {
+    KVS_ASSIGN_OR_RETURN(out.d2o, D2oFromProto(spec.d2o(), prefix));
+  } else if (name == kPolicyCaote) {
+    KVS_ASSIGN_OR_RETURN(out.caote, CaoteFromProto(spec.caote(), prefix));
   }
   return out;
 }
 
 absl::StatusOr<PolicyConfig> DefaultPolicyNamed(absl::string_view name, absl::string_view field) {
+  if (name.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " must name a policy (", ContractPolicyNames(), ")"));
+  }
   v1::PolicySpec spec;
   spec.set_name(std::string(name));
-  if (name.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, " must name a policy (", kPolicyStreamingLlm, " or ", kPolicyKeyDiff, ")"));
+  absl::StatusOr<PolicyConfig> resolved = [&]() -> absl::StatusOr<PolicyConfig> {
+    KVS_ASSIGN_OR_RETURN(std::optional<PolicyConfig> policy, PolicyFromProto(spec, ""));
+    return ResolvePolicyConfig(*policy);  // a policy this build cannot run fails here
+  }();
+  if (!resolved.ok()) {
+    return absl::Status(resolved.status().code(),
+                        absl::StrCat(field, ": ", resolved.status().message()));
   }
-  auto policy = PolicyFromProto(spec, "");
-  if (!policy.ok()) {
-    return absl::Status(policy.status().code(),
-                        absl::StrCat(field, ": ", policy.status().message()));
-  }
-  return **policy;
+  return resolved;
 }
 
 void PolicyToProto(const PolicyConfig& policy, v1::PolicySpec* out) {
@@ -266,22 +513,47 @@ void PolicyToProto(const PolicyConfig& policy, v1::PolicySpec* out) {
     params->set_anchor(AnchorToProto(policy.keydiff.anchor));
     params->set_metric(MetricToProto(policy.keydiff.metric));
     params->set_recent_fraction(policy.keydiff.recent_fraction);
+  } else if (policy.name == kPolicyH2o) {
+    out->mutable_h2o()->set_n_sink(policy.h2o.n_sink);
+    out->mutable_h2o()->set_n_recent(policy.h2o.n_recent);
+  } else if (policy.name == kPolicyTova) {
+    out->mutable_tova()->set_all_heads(policy.tova.all_heads);
+  } else if (policy.name == kPolicySnapKv) {
+    SnapKvToProto(policy.snapkv, out->mutable_snapkv());
+  } else if (policy.name == kPolicyCake) {
+    CakeToProto(policy.cake, out->mutable_cake());
+  } else if (policy.name == kPolicyD2o) {
+    D2oToProto(policy.d2o, out->mutable_d2o());
+  } else if (policy.name == kPolicyCaote) {
+    CaoteToProto(policy.caote, out->mutable_caote());
   }
-  out->mutable_allocator()->set_kind(v1::LAYER_ALLOCATOR_UNIFORM);
+  AllocatorToProto(policy.allocator, out->mutable_allocator());
 }
 
 absl::StatusOr<BudgetConfig> BudgetFromProto(const v1::Budget& budget, int32_t max_tokens_per_call,
-                                             absl::string_view prefix) {
+                                             absl::string_view prefix, int32_t num_layers) {
   if (budget.tokens_per_layer() <= 0 || budget.tokens_per_layer() > kMaxBudgetTokens) {
     return Invalid(
         prefix, "tokens_per_layer",
         absl::StrCat("must be in [1, ", kMaxBudgetTokens, "], got ", budget.tokens_per_layer()));
   }
-  if (budget.per_layer_tokens_size() > 0) {
-    return absl::UnimplementedError(absl::StrCat(
-        prefix, "per_layer_tokens: per-layer budgets are not implemented in this build"));
+  const int n = budget.per_layer_tokens_size();
+  if (n > 0 && num_layers >= 0 && n != num_layers) {
+    return Invalid(
+        prefix, "per_layer_tokens",
+        absl::StrCat("has ", n, " entries; give one per layer (", num_layers, ") or none"));
+  }
+  for (int i = 0; i < n; ++i) {
+    const int32_t tokens = budget.per_layer_tokens(i);
+    if (tokens <= 0 || tokens > kMaxBudgetTokens) {
+      return Invalid(prefix, absl::StrCat("per_layer_tokens[", i, "]"),
+                     tokens <= 0
+                         ? absl::StrCat("must be > 0, got ", tokens)
+                         : absl::StrCat("must be at most ", kMaxBudgetTokens, ", got ", tokens));
+    }
   }
   BudgetConfig out;
+  out.per_layer_tokens.assign(budget.per_layer_tokens().begin(), budget.per_layer_tokens().end());
   out.tokens_per_layer = budget.tokens_per_layer();
   out.strict = budget.strict();
   const int32_t block = budget.prefill_block_tokens();
@@ -298,6 +570,8 @@ void BudgetToProto(const BudgetConfig& budget, v1::Budget* out) {
   out->set_tokens_per_layer(budget.tokens_per_layer);
   out->set_strict(budget.strict);
   out->set_prefill_block_tokens(budget.prefill_block_tokens);
+  out->mutable_per_layer_tokens()->Add(budget.per_layer_tokens.begin(),
+                                       budget.per_layer_tokens.end());
 }
 
 // ---- Field checks ----------------------------------------------------------------------------
@@ -392,6 +666,85 @@ uint32_t ClampExportChunkBytes(uint32_t requested) {
   return std::clamp(requested, kMinExportChunkBytes, kMaxExportChunkBytes);
 }
 
+// ---- Attention inputs ------------------------------------------------------------------------
+
+absl::StatusOr<AttentionInput> AttentionFromProto(const v1::AttentionInputs& attention,
+                                                  const ModelLayout& layout,
+                                                  absl::string_view prefix) {
+  AttentionInput out;
+  KVS_RETURN_IF_ERROR(
+      ValidateLayers(attention.layers(), layout.num_layers, absl::StrCat(prefix, "layers")));
+  out.layers.assign(attention.layers().begin(), attention.layers().end());
+  if (attention.num_queries() < 1) {
+    return Invalid(
+        prefix, "num_queries",
+        absl::StrCat("must be >= 1 (the queries of this step), got ", attention.num_queries()));
+  }
+  out.num_queries = attention.num_queries();
+  if (!attention.query_positions().empty() &&
+      attention.query_positions_size() != attention.num_queries()) {
+    return Invalid(
+        prefix, "query_positions",
+        absl::StrCat("has ", attention.query_positions_size(), " entries but num_queries is ",
+                     attention.num_queries(), " (give one per query, or none)"));
+  }
+  out.query_positions.assign(attention.query_positions().begin(),
+                             attention.query_positions().end());
+  out.softmax_scale = attention.softmax_scale();
+
+  DType dtype = layout.dtype;
+  if (attention.queries_dtype() != v1::DTYPE_UNSPECIFIED) {
+    KVS_ASSIGN_OR_RETURN(
+        dtype, DTypeFromProto(attention.queries_dtype(), absl::StrCat(prefix, "queries_dtype")));
+  }
+  switch (attention.source_case()) {
+    case v1::AttentionInputs::kStagingOffset:
+      return absl::UnimplementedError(
+          absl::StrCat(prefix,
+                       "staging_offset: the staging area is reserved for the CUDA backend; send "
+                       "inline_queries (or attention_scores)"));
+    case v1::AttentionInputs::kInlineQueries: {
+      const std::string& bytes = attention.inline_queries();
+      const int64_t layers =
+          out.layers.empty() ? layout.num_layers : static_cast<int64_t>(out.layers.size());
+      const int64_t dtype_bytes = DTypeBytes(dtype);
+      const std::optional<uint64_t> expected = CheckedProduct(
+          {layers, layout.num_q_heads, out.num_queries, layout.head_dim, dtype_bytes});
+      if (!expected || bytes.size() != static_cast<uint64_t>(*expected)) {
+        return Invalid(
+            prefix, "inline_queries",
+            absl::StrCat("has ", bytes.size(), " bytes, expected ",
+                         expected ? absl::StrCat(*expected) : std::string("more than 2^63"), " = ",
+                         layers, " layers * ", layout.num_q_heads, " q heads * ", out.num_queries,
+                         " queries * ", layout.head_dim, " head_dim * ", dtype_bytes, " bytes (",
+                         std::string(DTypeName(dtype)), ")"));
+      }
+      out.queries.resize(static_cast<size_t>(*expected / dtype_bytes));
+      if (dtype == DType::kFloat32) {
+        std::memcpy(out.queries.data(), bytes.data(), bytes.size());  // little-endian host
+      } else {
+        for (size_t i = 0; i < out.queries.size(); ++i) {
+          uint16_t bits;
+          std::memcpy(&bits, bytes.data() + 2 * i, sizeof(bits));
+          out.queries[i] = dtype == DType::kFloat16 ? Float16ToFloat(bits) : BFloat16ToFloat(bits);
+        }
+      }
+      break;
+    }
+    default:
+      break;
+  }
+  const std::string& scores = attention.attention_scores();
+  if (scores.size() % sizeof(float) != 0) {
+    return Invalid(prefix, "attention_scores",
+                   absl::StrCat("has ", scores.size(),
+                                " bytes, not a whole number of fp32 values (4 bytes each)"));
+  }
+  out.scores.resize(scores.size() / sizeof(float));
+  if (!scores.empty()) std::memcpy(out.scores.data(), scores.data(), scores.size());
+  return out;
+}
+
 // ---- Requests --------------------------------------------------------------------------------
 
 absl::StatusOr<AttachParams> AttachFromProto(const v1::AttachRequest& request,
@@ -424,14 +777,15 @@ absl::StatusOr<AttachParams> AttachFromProto(const v1::AttachRequest& request,
   }
   if (request.staging_bytes() != 0) {
     return absl::UnimplementedError(
-        "staging_bytes: the query staging area serves attention-based policies, which this build "
-        "does not implement; pass 0");
+        "staging_bytes: the query staging area is reserved for the CUDA backend (this build "
+        "takes the queries inline); pass 0");
   }
   return out;
 }
 
 absl::StatusOr<SequenceParams> SequenceParamsFromProto(const v1::CreateSequenceRequest& request,
-                                                       int32_t max_tokens_per_call) {
+                                                       int32_t max_tokens_per_call,
+                                                       int32_t num_layers) {
   KVS_RETURN_IF_ERROR(ValidateName(request.session_id(), "session_id", /*required=*/true));
   KVS_RETURN_IF_ERROR(ValidateName(request.sequence_id(), "sequence_id", /*required=*/false));
   SequenceParams out;
@@ -440,8 +794,8 @@ absl::StatusOr<SequenceParams> SequenceParamsFromProto(const v1::CreateSequenceR
     KVS_ASSIGN_OR_RETURN(out.policy, PolicyFromProto(request.policy(), "policy."));
   }
   if (request.has_budget()) {
-    KVS_ASSIGN_OR_RETURN(out.budget,
-                         BudgetFromProto(request.budget(), max_tokens_per_call, "budget."));
+    KVS_ASSIGN_OR_RETURN(
+        out.budget, BudgetFromProto(request.budget(), max_tokens_per_call, "budget.", num_layers));
   }
   if (request.retain_evicted()) {
     return absl::UnimplementedError(
@@ -517,6 +871,7 @@ absl::Status ValidateAppendHeader(const v1::AppendHeader& header, const ModelLay
 }
 
 absl::StatusOr<CompressParams> CompressParamsFromProto(const v1::CompressRequest& request,
+                                                       const ModelLayout& layout,
                                                        absl::string_view prefix) {
   KVS_RETURN_IF_ERROR(
       ValidateName(request.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
@@ -535,11 +890,73 @@ absl::StatusOr<CompressParams> CompressParamsFromProto(const v1::CompressRequest
                          PolicyFromProto(request.policy(), absl::StrCat(prefix, "policy.")));
   }
   if (request.has_attention()) {
-    return absl::UnimplementedError(
-        absl::StrCat(prefix,
-                     "attention: attention inputs feed attention-based policies, which this build "
-                     "does not implement (streaming_llm and keydiff need none)"));
+    KVS_ASSIGN_OR_RETURN(out.attention, AttentionFromProto(request.attention(), layout,
+                                                           absl::StrCat(prefix, "attention.")));
   }
+  return out;
+}
+
+absl::StatusOr<DecodeItem> DecodeItemFromProto(const v1::DecodeStepRequest::Item& item,
+                                               const ModelLayout& layout,
+                                               absl::string_view prefix) {
+  KVS_RETURN_IF_ERROR(
+      ValidateName(item.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
+  KVS_RETURN_IF_ERROR(
+      ValidateName(item.sequence_id(), absl::StrCat(prefix, "sequence_id"), /*required=*/true));
+  DecodeItem out;
+  out.session_id = item.session_id();
+  out.sequence_id = item.sequence_id();
+  if (item.has_attention()) {
+    KVS_ASSIGN_OR_RETURN(out.attention, AttentionFromProto(item.attention(), layout,
+                                                           absl::StrCat(prefix, "attention.")));
+    if (out.attention.num_queries != 1) {
+      return Invalid(prefix, "attention.num_queries",
+                     absl::StrCat("must be 1 in a decode step (the new token's query), got ",
+                                  out.attention.num_queries));
+    }
+  }
+  if (item.reservation_id() != 0 && !item.inline_kv().empty()) {
+    return Invalid(prefix, "inline_kv",
+                   absl::StrCat("is set together with ", prefix,
+                                "reservation_id; give the new token's K/V one way (or neither "
+                                "if it is already committed)"));
+  }
+  out.reservation_id = item.reservation_id();
+  if (!item.inline_kv().empty()) {
+    const std::string field = absl::StrCat(prefix, "inline_kv");
+    KVS_ASSIGN_OR_RETURN(uint64_t expected,
+                         InlinePayloadBytes(layout, layout.num_layers, 1, field));
+    if (item.inline_kv().size() != expected) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " has ", item.inline_kv().size(), " bytes, expected ", expected, " = ",
+          layout.num_layers, " layers * 2 * ", layout.num_kv_heads, " kv heads * 1 token * ",
+          layout.head_dim, " head_dim * ", layout.dtype_bytes(), " bytes"));
+    }
+    const auto* bytes = reinterpret_cast<const uint8_t*>(item.inline_kv().data());
+    out.inline_kv.assign(bytes, bytes + item.inline_kv().size());
+  }
+  return out;
+}
+
+absl::StatusOr<ScoreParams> ScoreParamsFromProto(const v1::ScoreRequest& request,
+                                                 const ModelLayout& layout) {
+  KVS_RETURN_IF_ERROR(ValidateName(request.session_id(), "session_id", /*required=*/true));
+  KVS_RETURN_IF_ERROR(ValidateName(request.sequence_id(), "sequence_id", /*required=*/true));
+  if (request.budget_tokens() < 0 || request.budget_tokens() > kMaxBudgetTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget_tokens must be in [0, ", kMaxBudgetTokens,
+                     "] (0 = the sequence budget), got ", request.budget_tokens()));
+  }
+  KVS_RETURN_IF_ERROR(ValidateLayers(request.layers(), layout.num_layers, "layers"));
+  ScoreParams out;
+  out.budget_tokens = request.budget_tokens();
+  if (request.has_policy()) {
+    KVS_ASSIGN_OR_RETURN(out.policy, PolicyFromProto(request.policy(), "policy."));
+  }
+  if (request.has_attention()) {
+    KVS_ASSIGN_OR_RETURN(out.attention, AttentionFromProto(request.attention(), layout));
+  }
+  out.layers.assign(request.layers().begin(), request.layers().end());
   return out;
 }
 
@@ -601,7 +1018,23 @@ void CompressResultToProto(const CompressResult& result, v1::CompressResponse* o
     item->mutable_positions()->Add(layer.positions.begin(), layer.positions.end());
   }
   out->set_blocks_freed(result.blocks_freed);
-  out->set_floor_applied_layers(0);  // the uniform allocator never applies a floor
+  out->set_floor_applied_layers(result.floor_applied_layers);
+}
+
+void DecodeResultToProto(const DecodeResult& result, v1::DecodeStepResponse::Item* out) {
+  out->mutable_counts()->Add(result.counts.begin(), result.counts.end());
+  out->mutable_evicted_positions()->Add(result.evicted_positions.begin(),
+                                        result.evicted_positions.end());
+  out->set_merged(result.merged);
+  out->set_position(result.position);
+}
+
+void LayerScoresToProto(const LayerScores& scores, v1::ScoreResponse::LayerScores* out) {
+  out->set_layer(scores.layer);
+  out->mutable_scores()->Add(scores.scores.begin(), scores.scores.end());
+  out->mutable_kept_slots()->Add(scores.kept_slots.begin(), scores.kept_slots.end());
+  out->set_kept(scores.kept);
+  out->mutable_positions()->Add(scores.positions.begin(), scores.positions.end());
 }
 
 void LayerLayoutToProto(const LayerLayoutView& layer, v1::LayerLayout* out) {

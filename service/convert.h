@@ -4,11 +4,12 @@
 // sidecar_service.cc only sequence pool calls. INVALID_ARGUMENT messages name the proto field by
 // its path in the request ("layout.head_dim", "requests[3].num_tokens", "positions[2]"); callers
 // of batch forms pass a `prefix` such as "requests[3]." that is put in front of every field name.
-// Parts of the contract this build does not serve yet (policies other than streaming_llm and
-// keydiff, non-uniform layer allocators and their parameters, attention inputs, per-layer
-// budgets, retain_evicted, the query staging area) are
-// refused with UNIMPLEMENTED naming what is missing. Sizes are computed with overflow-checked
-// arithmetic before anything is allocated.
+// Policies are only MAPPED here (names, enums, values; zero = the spec's default): range checks
+// and defaults belong to the policies' Resolve functions on the cache side (ResolvePolicyConfig),
+// which the pool runs when it builds a policy. Parts of the contract this build does not serve
+// (the OmniKV policy, retain_evicted, the query staging area) are refused with UNIMPLEMENTED
+// naming what is missing. Sizes are computed with overflow-checked arithmetic before anything is
+// allocated.
 //
 // Threading: pure functions, no state.
 #ifndef KVSIDECAR_SERVICE_CONVERT_H_
@@ -45,7 +46,7 @@ inline constexpr uint32_t kMinExportChunkBytes = 64u << 10;
 inline constexpr uint32_t kMaxExportChunkBytes = 4u << 20;
 inline constexpr uint32_t kDefaultExportChunkBytes = 1u << 20;
 
-// Every policy name of the contract, and the ones this build implements.
+// Every policy name of the contract, and whether this build converts it (every one but omnikv).
 inline constexpr absl::string_view kContractPolicyNames[] = {
     "streaming_llm", "keydiff", "h2o", "tova", "snapkv", "cake", "d2o", "caote", "omnikv"};
 bool IsImplementedPolicy(absl::string_view name);
@@ -61,17 +62,23 @@ void LayoutToProto(const ModelLayout& layout, v1::ModelLayout* out);
 
 // ---- Policies and budgets --------------------------------------------------------------------
 // An empty spec (no name, no params, no allocator) is nullopt: the server default applies.
-// Zero-valued parameters take the spec's defaults (filled in, so responses show them).
+// Every value is copied as given (zero stays zero: ResolvePolicyConfig fills in the spec's
+// default); unknown names and enum values are INVALID_ARGUMENT naming the field
+// ("policy.caote.base has unknown value 9"); omnikv is UNIMPLEMENTED (issue 4).
 absl::StatusOr<std::optional<PolicyConfig>> PolicyFromProto(const v1::PolicySpec& spec,
                                                             absl::string_view prefix = "policy.");
-// A policy by name with every parameter at its default (for --default_policy). `field` names
-// the source in errors.
+// A policy by name with every parameter at its default, resolved (ResolvePolicyConfig), for
+// --default_policy. `field` names the source in errors.
 absl::StatusOr<PolicyConfig> DefaultPolicyNamed(absl::string_view name, absl::string_view field);
+// Every parameter of the named policy (as resolved: defaults shown) and the allocator.
 void PolicyToProto(const PolicyConfig& policy, v1::PolicySpec* out);
 
 // A present Budget message. prefill_block_tokens 0 becomes kDefaultPrefillBlockTokens.
+// per_layer_tokens: empty, or `num_layers` entries (not checked when num_layers < 0, the layout
+// being unknown), each in [1, kMaxBudgetTokens].
 absl::StatusOr<BudgetConfig> BudgetFromProto(const v1::Budget& budget, int32_t max_tokens_per_call,
-                                             absl::string_view prefix = "budget.");
+                                             absl::string_view prefix = "budget.",
+                                             int32_t num_layers = -1);
 void BudgetToProto(const BudgetConfig& budget, v1::Budget* out);
 
 // ---- Field checks ----------------------------------------------------------------------------
@@ -94,11 +101,25 @@ absl::StatusOr<uint64_t> InlinePayloadBytes(const ModelLayout& layout, int64_t n
 // 0 -> default; else clamped to [kMinExportChunkBytes, kMaxExportChunkBytes].
 uint32_t ClampExportChunkBytes(uint32_t requested);
 
+// ---- Attention inputs ------------------------------------------------------------------------
+// A present AttentionInputs message of a session with `layout`; `prefix` e.g. "attention." or
+// "items[2].attention.". layers: ValidateLayers; num_queries >= 1; query_positions empty or
+// num_queries entries. inline_queries are decoded from queries_dtype (UNSPECIFIED = the session
+// dtype) into fp32 after an exact size check (listed layers, or all, * Hq * num_queries * D *
+// dtype bytes); staging_offset is UNIMPLEMENTED (CUDA backend only); attention_scores (fp32 little
+// endian) must be a whole number of floats; their exact size, the scale and the positions' values
+// are checked by the pool, which knows the counts.
+absl::StatusOr<AttentionInput> AttentionFromProto(const v1::AttentionInputs& attention,
+                                                  const ModelLayout& layout,
+                                                  absl::string_view prefix = "attention.");
+
 // ---- Requests --------------------------------------------------------------------------------
 absl::StatusOr<AttachParams> AttachFromProto(const v1::AttachRequest& request,
                                              const PoolOptions& options);
+// `num_layers`: the session's, for budget.per_layer_tokens (< 0 = unknown, size not checked).
 absl::StatusOr<SequenceParams> SequenceParamsFromProto(const v1::CreateSequenceRequest& request,
-                                                       int32_t max_tokens_per_call);
+                                                       int32_t max_tokens_per_call,
+                                                       int32_t num_layers = -1);
 // Ids, num_tokens, positions. `layers` needs the session layout: ValidateLayers.
 absl::Status ValidateReserveRequest(const v1::ReserveRequest& request, int32_t max_tokens_per_call,
                                     absl::string_view prefix = "");
@@ -109,8 +130,19 @@ absl::Status ValidateCancelReservationRequest(const v1::CancelReservationRequest
 absl::Status ValidateAppendHeader(const v1::AppendHeader& header, const ModelLayout& layout,
                                   int32_t max_tokens_per_call,
                                   absl::string_view prefix = "header.");
+// Ids and every field; `layout` is the session's (for the attention inputs).
 absl::StatusOr<CompressParams> CompressParamsFromProto(const v1::CompressRequest& request,
+                                                       const ModelLayout& layout,
                                                        absl::string_view prefix = "");
+// One DecodeStep item (`prefix` e.g. "items[3]."): ids; attention (absent = none: num_queries 0,
+// no queries or scores), whose num_queries must be 1; reservation_id or inline_kv, not both;
+// inline_kv exactly [L][2][H][1][D] in the session dtype.
+absl::StatusOr<DecodeItem> DecodeItemFromProto(const v1::DecodeStepRequest::Item& item,
+                                               const ModelLayout& layout,
+                                               absl::string_view prefix = "");
+// Ids, budget_tokens in [0, kMaxBudgetTokens], policy, attention, layers (ValidateLayers).
+absl::StatusOr<ScoreParams> ScoreParamsFromProto(const v1::ScoreRequest& request,
+                                                 const ModelLayout& layout);
 
 // ---- Responses -------------------------------------------------------------------------------
 int64_t UnixMillisOf(absl::Time time);
@@ -118,6 +150,8 @@ void ArenaHandleToProto(const SessionView& session, v1::ArenaHandle* out);
 void ReservationToProto(const Reservation& reservation, v1::ReserveResponse* out);
 void CommitResultToProto(const CommitResult& result, v1::CommitResponse* out);
 void CompressResultToProto(const CompressResult& result, v1::CompressResponse* out);
+void DecodeResultToProto(const DecodeResult& result, v1::DecodeStepResponse::Item* out);
+void LayerScoresToProto(const LayerScores& scores, v1::ScoreResponse::LayerScores* out);
 void LayerLayoutToProto(const LayerLayoutView& layer, v1::LayerLayout* out);
 void SequenceLayoutToProto(const SequenceLayout& layout, v1::GetLayoutResponse* out);
 void SessionInfoToProto(const SessionInfo& info, v1::SessionInfo* out);

@@ -8,6 +8,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "cache/policy/policy.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/status_macros.h"
 #include "service/convert.h"
@@ -114,6 +115,39 @@ absl::Status TooLarge(absl::string_view what, uint64_t bytes, uint64_t limit,
 }
 
 constexpr absl::string_view kGetLayoutAdvice = "ask for fewer layers or set omit_positions";
+constexpr absl::string_view kScoreAdvice = "ask for fewer layers (layers)";
+
+// Whether `policy` splits the budget evenly (every layer keeps at most the budget).
+bool UniformSplit(const PolicyConfig& policy) {
+  switch (policy.allocator.kind) {
+    case LayerAllocatorKind::kUniform:
+      return true;
+    case LayerAllocatorKind::kDefault:
+      return policy.name == kPolicyStreamingLlm || policy.name == kPolicyKeyDiff ||
+             policy.name == kPolicyH2o || policy.name == kPolicyTova ||
+             policy.name == kPolicySnapKv;
+    default:
+      return false;
+  }
+}
+
+// Upper bound of a ScoreResponse for the layers of `counts` (loaded without positions): per
+// layer and head, `count` fp32 scores, at most `count` kept slots and `count` positions.
+uint64_t EstimateScoreResponseBytes(const SequenceLayout& counts, const SessionView& session) {
+  const uint64_t position_bytes = PositionBytes(counts);
+  uint64_t total = 0;
+  for (const LayerLayoutView& layer : counts.layers) {
+    const uint64_t n = static_cast<uint64_t>(session.layout.num_kv_heads) *
+                       static_cast<uint64_t>(std::max(layer.count, 0));
+    const uint64_t slot_bytes =
+        VarintBytes(static_cast<uint64_t>(std::max<int64_t>(layer.count, 0)));
+    uint64_t body = ScalarBytes(2, std::max(layer.layer, layer.count));  // layer, kept
+    if (n > 0) body += 1 + VarintBytes(4 * n) + 4 * n;                   // scores, fixed32
+    body += PackedBytes(n, slot_bytes) + PackedBytes(n, position_bytes);
+    total += EmbeddedBytes(body);
+  }
+  return total;
+}
 constexpr absl::string_view kCompressAdvice =
     "set return_positions=false (and read positions with GetLayout, a few layers at a time)";
 
@@ -571,12 +605,17 @@ absl::Status SidecarService::CheckPendingReservation(const std::string& session_
 }
 
 absl::StatusOr<uint64_t> SidecarService::EstimateCompressResponseBytes(
-    const v1::CompressRequest& request) const {
+    const v1::CompressRequest& request, const CompressParams& params) const {
   KVS_ASSIGN_OR_RETURN(SequenceLayout counts,
                        pool_->GetLayout(request.session_id(), request.sequence_id(), {},
                                         /*with_positions=*/false));
   KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request.session_id()));
   const uint64_t position_bytes = PositionBytes(counts);
+  // Only a uniform split keeps at most the budget in every layer; other allocators (and
+  // explicit per-layer budgets, and CAKE's window on top) may keep more in some layers, so
+  // there the count is the bound.
+  const bool uniform =
+      UniformSplit(params.policy.value_or(counts.policy)) && counts.budget.per_layer_tokens.empty();
   uint64_t total = 2 * 11;  // blocks_freed, floor_applied_layers
   for (const LayerLayoutView& layer : counts.layers) {
     // layer, kept, evicted, merged: none above the count (or the layer index)
@@ -584,7 +623,7 @@ absl::StatusOr<uint64_t> SidecarService::EstimateCompressResponseBytes(
     if (request.return_positions()) {
       // Compression keeps min(count, budget) tokens per head; an unbounded budget keeps all.
       const int32_t budget = request.budget_tokens() > 0 ? request.budget_tokens() : layer.budget;
-      const int32_t kept = budget > 0 ? std::min(layer.count, budget) : layer.count;
+      const int32_t kept = budget > 0 && uniform ? std::min(layer.count, budget) : layer.count;
       body += PackedBytes(static_cast<uint64_t>(session.layout.num_kv_heads) *
                               static_cast<uint64_t>(std::max(kept, 0)),
                           position_bytes);
@@ -676,8 +715,16 @@ grpc::ServerUnaryReactor* SidecarService::CreateSequence(grpc::CallbackServerCon
                                                          const v1::CreateSequenceRequest* request,
                                                          v1::CreateSequenceResponse* response) {
   return RunUnary(context, "CreateSequence", [&]() -> absl::Status {
-    KVS_ASSIGN_OR_RETURN(SequenceParams params,
-                         SequenceParamsFromProto(*request, pool_->options().max_tokens_per_call));
+    // budget.per_layer_tokens must give one budget per layer of the session.
+    int32_t num_layers = -1;
+    if (request->budget().per_layer_tokens_size() > 0) {
+      KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
+      KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
+      num_layers = session.layout.num_layers;
+    }
+    KVS_ASSIGN_OR_RETURN(
+        SequenceParams params,
+        SequenceParamsFromProto(*request, pool_->options().max_tokens_per_call, num_layers));
     KVS_ASSIGN_OR_RETURN(SequenceCreated created,
                          pool_->CreateSequence(request->session_id(), params));
     response->set_sequence_id(created.sequence_id);
@@ -723,10 +770,16 @@ grpc::ServerUnaryReactor* SidecarService::Commit(grpc::CallbackServerContext* co
                                                  v1::CommitResponse* response) {
   return RunUnary(context, "Commit", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(ValidateCommitRequest(*request));
+    std::optional<AttentionInput> attention;
+    if (request->has_attention()) {
+      KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
+      KVS_ASSIGN_OR_RETURN(attention, AttentionFromProto(request->attention(), session.layout));
+    }
     KVS_ASSIGN_OR_RETURN(
         CommitResult result,
         pool_->Commit(request->session_id(), request->sequence_id(), request->reservation_id(),
-                      request->compress_if_over_budget()));
+                      request->compress_if_over_budget(),
+                      attention.has_value() ? &*attention : nullptr));
     CommitResultToProto(result, response);
     return absl::OkStatus();
   });
@@ -754,13 +807,14 @@ absl::Status CheckBatchSize(int size) {
 
 // INVALID_ARGUMENT if (session, sequence) of item `index` already appeared in the batch.
 absl::Status CheckNoRepeat(absl::flat_hash_map<std::pair<std::string, std::string>, int>* seen,
-                           const std::string& session_id, const std::string& sequence_id,
-                           int index) {
+                           const std::string& session_id, const std::string& sequence_id, int index,
+                           absl::string_view list = "requests") {
   auto [it, inserted] = seen->try_emplace(std::make_pair(session_id, sequence_id), index);
   if (!inserted) {
-    return absl::InvalidArgumentError(absl::StrCat("requests[", index, "].sequence_id '",
-                                                   sequence_id, "' repeats requests[", it->second,
-                                                   "] (one item per sequence per batch)"));
+    return absl::InvalidArgumentError(absl::StrCat(list, "[", index, "].sequence_id '", sequence_id,
+                                                   "' repeats ", list, "[", it->second,
+                                                   "] (one item per sequence per "
+                                                   "batch)"));
   }
   return absl::OkStatus();
 }
@@ -820,10 +874,18 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
     const int n = request->requests_size();
     KVS_RETURN_IF_ERROR(CheckBatchSize(n));
     absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
+    std::vector<std::optional<AttentionInput>> attention(n);
     for (int i = 0; i < n; ++i) {
       const v1::CommitRequest& item = request->requests(i);
       KVS_RETURN_IF_ERROR(ValidateCommitRequest(item, absl::StrCat(Item(i), ".")));
       KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
+      if (item.has_attention()) {
+        absl::StatusOr<SessionView> session = pool_->GetSession(item.session_id());
+        KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
+        KVS_ASSIGN_OR_RETURN(attention[i],
+                             AttentionFromProto(item.attention(), session->layout,
+                                                absl::StrCat(Item(i), ".attention.")));
+      }
       const absl::Status pending =
           CheckPendingReservation(item.session_id(), item.sequence_id(), item.reservation_id());
       if (!pending.ok()) {
@@ -834,7 +896,8 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
     for (int i = 0; i < n; ++i) {
       const v1::CommitRequest& item = request->requests(i);
       auto result = pool_->Commit(item.session_id(), item.sequence_id(), item.reservation_id(),
-                                  item.compress_if_over_budget());
+                                  item.compress_if_over_budget(),
+                                  attention[i].has_value() ? &*attention[i] : nullptr);
       if (!result.ok()) {
         std::string note =
             i == 0 ? absl::StrCat(" (nothing was committed)")
@@ -906,9 +969,12 @@ grpc::ServerUnaryReactor* SidecarService::Compress(grpc::CallbackServerContext* 
                                                    const v1::CompressRequest* request,
                                                    v1::CompressResponse* response) {
   return RunUnary(context, "Compress", [&]() -> absl::Status {
-    KVS_ASSIGN_OR_RETURN(CompressParams params, CompressParamsFromProto(*request));
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
+    KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
+    KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
+    KVS_ASSIGN_OR_RETURN(CompressParams params, CompressParamsFromProto(*request, session.layout));
     if (request->return_positions()) {  // refuse before evicting anything
-      KVS_ASSIGN_OR_RETURN(uint64_t estimate, EstimateCompressResponseBytes(*request));
+      KVS_ASSIGN_OR_RETURN(uint64_t estimate, EstimateCompressResponseBytes(*request, params));
       if (estimate > static_cast<uint64_t>(kMaxMessageBytes)) {
         return TooLarge("the response", estimate, kMaxMessageBytes, kCompressAdvice);
       }
@@ -940,11 +1006,24 @@ grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerCont
     uint64_t estimate = 0;  // of the whole response: one message carries every item
     for (int i = 0; i < n; ++i) {
       const v1::CompressRequest& item = request->requests(i);
+      const std::string prefix = absl::StrCat(Item(i), ".");
+      KVS_RETURN_IF_ERROR(
+          ValidateName(item.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
+      KVS_RETURN_IF_ERROR(ValidateName(item.sequence_id(), absl::StrCat(prefix, "sequence_id"),
+                                       /*required=*/true));
+      absl::StatusOr<SessionView> session = pool_->GetSession(item.session_id());
+      KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
       KVS_ASSIGN_OR_RETURN(CompressParams p,
-                           CompressParamsFromProto(item, absl::StrCat(Item(i), ".")));
+                           CompressParamsFromProto(item, session->layout, prefix));
       KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
+      // An override policy is resolved now, so that a bad one fails the batch before any item
+      // is compressed (the pool would only find out when it reaches the item).
+      if (p.policy.has_value()) {
+        KVS_RETURN_IF_ERROR(
+            WithPrefix(absl::StrCat(Item(i), ": "), ResolvePolicyConfig(*p.policy).status()));
+      }
       // Also answers NOT_FOUND for a missing session or sequence.
-      absl::StatusOr<uint64_t> item_bytes = EstimateCompressResponseBytes(item);
+      absl::StatusOr<uint64_t> item_bytes = EstimateCompressResponseBytes(item, p);
       KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), item_bytes.status()));
       estimate += EmbeddedBytes(*item_bytes);
       if (estimate > static_cast<uint64_t>(kMaxMessageBytes)) {
@@ -982,20 +1061,68 @@ grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* SidecarService::DecodeStep(grpc::CallbackServerContext* context,
                                                      const v1::DecodeStepRequest* request,
                                                      v1::DecodeStepResponse* response) {
-  return RunUnary(context, "DecodeStep", [] {
-    return Unimplemented(
-        "DecodeStep is not implemented in this build: it needs the attention-based policies "
-        "(per-step query scoring); use Commit with compress_if_over_budget, or Compress");
+  return RunUnary(context, "DecodeStep", [&]() -> absl::Status {
+    const int n = request->items_size();
+    if (n > kMaxBatchItems) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("items has ", n, " items; at most ", kMaxBatchItems, " per call"));
+    }
+    std::vector<DecodeItem> items;
+    items.reserve(n);
+    absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
+    absl::flat_hash_map<std::string, ModelLayout> layouts;  // one GetSession per session
+    for (int i = 0; i < n; ++i) {
+      const v1::DecodeStepRequest::Item& item = request->items(i);
+      const std::string prefix = absl::StrCat("items[", i, "].");
+      KVS_RETURN_IF_ERROR(
+          ValidateName(item.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
+      auto it = layouts.find(item.session_id());
+      if (it == layouts.end()) {
+        absl::StatusOr<SessionView> session = pool_->GetSession(item.session_id());
+        KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat("items[", i, "]: "), session.status()));
+        it = layouts.emplace(item.session_id(), session->layout).first;
+      }
+      KVS_ASSIGN_OR_RETURN(DecodeItem decode, DecodeItemFromProto(item, it->second, prefix));
+      KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i, "items"));
+      items.push_back(std::move(decode));
+    }
+    // The pool validates every item again (reservations, positions, attention sizes) before it
+    // changes anything, and prefixes its errors with "items[i]: ".
+    KVS_ASSIGN_OR_RETURN(std::vector<DecodeResult> results, pool_->DecodeStep(items));
+    if (results.size() != items.size()) {
+      return absl::InternalError(absl::StrCat("DecodeStep: the pool returned ", results.size(),
+                                              " results for ", items.size(), " items"));
+    }
+    for (const DecodeResult& result : results) DecodeResultToProto(result, response->add_items());
+    return absl::OkStatus();
   });
 }
 
 grpc::ServerUnaryReactor* SidecarService::Score(grpc::CallbackServerContext* context,
                                                 const v1::ScoreRequest* request,
                                                 v1::ScoreResponse* response) {
-  return RunUnary(context, "Score", [] {
-    return Unimplemented(
-        "Score (dry-run scoring) is not implemented in this build: it needs the policy scoring "
-        "read-out, which comes with the attention-based policies");
+  return RunUnary(context, "Score", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
+    KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
+    KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
+    KVS_ASSIGN_OR_RETURN(ScoreParams params, ScoreParamsFromProto(*request, session.layout));
+    // Refuse before scoring: the response holds scores and positions for every held slot.
+    KVS_ASSIGN_OR_RETURN(SequenceLayout counts,
+                         pool_->GetLayout(request->session_id(), request->sequence_id(),
+                                          params.layers, /*with_positions=*/false));
+    const uint64_t estimate = EstimateScoreResponseBytes(counts, session);
+    if (estimate > static_cast<uint64_t>(kMaxMessageBytes)) {
+      return TooLarge("the response", estimate, kMaxMessageBytes, kScoreAdvice);
+    }
+    KVS_ASSIGN_OR_RETURN(std::vector<LayerScores> layers,
+                         pool_->Score(request->session_id(), request->sequence_id(), params));
+    for (const LayerScores& layer : layers) LayerScoresToProto(layer, response->add_layers());
+    const size_t bytes = response->ByteSizeLong();
+    if (bytes > static_cast<size_t>(kMaxMessageBytes)) {  // the sequence grew since the estimate
+      response->Clear();
+      return TooLarge("the response", bytes, kMaxMessageBytes, kScoreAdvice);
+    }
+    return absl::OkStatus();
   });
 }
 

@@ -130,9 +130,14 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   grpc::ServerUnaryReactor* BatchCompress(
       grpc::CallbackServerContext* context, const ::kvsidecar::v1::BatchCompressRequest* request,
       ::kvsidecar::v1::BatchCompressResponse* response) override;
+  // Every item is converted and checked first (ids, session exists, one item per sequence,
+  // attention with num_queries 1, reservation_id or inline_kv of [L][2][H][1][D] bytes); the pool
+  // then validates all items again before any runs. Errors name "items[i]".
   grpc::ServerUnaryReactor* DecodeStep(grpc::CallbackServerContext* context,
                                        const ::kvsidecar::v1::DecodeStepRequest* request,
                                        ::kvsidecar::v1::DecodeStepResponse* response) override;
+  // Dry run; refused with RESOURCE_EXHAUSTED before scoring when the response (scores, kept slots
+  // and positions of every held slot of the asked layers) could exceed kMaxMessageBytes.
   grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* context,
                                   const ::kvsidecar::v1::ScoreRequest* request,
                                   ::kvsidecar::v1::ScoreResponse* response) override;
@@ -162,7 +167,7 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   // Upper bound of the CompressResponse bytes of `request` (positions if it asks for them), from
   // the counts and budgets only.
   absl::StatusOr<uint64_t> EstimateCompressResponseBytes(
-      const ::kvsidecar::v1::CompressRequest& request) const;
+      const ::kvsidecar::v1::CompressRequest& request, const CompressParams& params) const;
 
   KvPool* const pool_;
   const std::string backend_name_;

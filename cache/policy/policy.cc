@@ -7,8 +7,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cache/policy/attention_stats.h"
+#include "cache/policy/cake.h"
+#include "cache/policy/caote.h"
+#include "cache/policy/d2o.h"
+#include "cache/policy/h2o.h"
 #include "cache/policy/keydiff.h"
+#include "cache/policy/snapkv.h"
 #include "cache/policy/streaming_llm.h"
+#include "cache/policy/tova.h"
 #include "gpu/base/status_macros.h"
 
 namespace kvs {
@@ -67,14 +73,40 @@ struct Entry {
 const Entry kRegistry[] = {
     {kPolicyStreamingLlm, &ResolveStreamingLlmConfig, &MakeStreamingLlmPolicy},
     {kPolicyKeyDiff, &ResolveKeyDiffConfig, &MakeKeyDiffPolicy},
-    {"h2o", nullptr, nullptr},
-    {"tova", nullptr, nullptr},
-    {"snapkv", nullptr, nullptr},
-    {"cake", nullptr, nullptr},
-    {"d2o", nullptr, nullptr},
-    {"caote", nullptr, nullptr},
-    {"omnikv", nullptr, nullptr},
+    {kPolicyH2o, &ResolveH2oConfig, &MakeH2oPolicy},
+    {kPolicyTova, &ResolveTovaConfig, &MakeTovaPolicy},
+    {kPolicySnapKv, &ResolveSnapKvConfig, &MakeSnapKvPolicy},
+    {kPolicyCake, &ResolveCakeConfig, &MakeCakePolicy},
+    {kPolicyD2o, &ResolveD2oConfig, &MakeD2oPolicy},
+    {kPolicyCaote, &ResolveCaoteConfig, &MakeCaotePolicy},
+    {kPolicyOmniKv, nullptr, nullptr},
 };
+
+// The layer allocator's part of a policy config, shared by every policy.
+absl::Status ResolveAllocatorConfig(AllocatorConfig& allocator) {
+  switch (allocator.kind) {
+    case LayerAllocatorKind::kDefault:
+    case LayerAllocatorKind::kUniform:
+    case LayerAllocatorKind::kPyramidKv:
+    case LayerAllocatorKind::kD2o:
+    case LayerAllocatorKind::kCake:
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.allocator.kind is not a known allocator: ", static_cast<int>(allocator.kind)));
+  }
+  if (allocator.min_layer_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.allocator.min_layer_tokens must be >= 0, got ", allocator.min_layer_tokens));
+  }
+  if (allocator.pyramid_beta == 0.0f) allocator.pyramid_beta = 20.0f;  // zero = the default
+  // Written so that NaN fails too.
+  if (!(allocator.pyramid_beta >= 1.0f && allocator.pyramid_beta <= 1e6f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.allocator.pyramid_beta must be in [1, 1e6], got ", allocator.pyramid_beta));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<const Entry*> FindEntry(const std::string& name) {
   for (const Entry& entry : kRegistry) {
@@ -148,6 +180,19 @@ AttentionRequirement Policy::attention(Phase phase) const {
 absl::Status Policy::Observe(Backend& backend, Phase phase,
                              absl::Span<const LayerStep> layers) const {
   KVS_RETURN_IF_ERROR(ObserveLayers(backend, phase, layers));
+  // An allocator that reads accumulated attention (D2O's density) under a scorer that keeps none
+  // of its own: the column sums are accumulated here, once.
+  if (allocator_->needs_accumulated() && !ScorerNeedsAccumulated()) {
+    for (const LayerStep& layer : layers) {
+      const int32_t count = layer.keys.count;
+      const size_t size = static_cast<size_t>(layer.num_q_heads) * count;
+      if (layer.probs.empty() || count == 0) continue;
+      std::vector<float>& accumulated = layer.state->accumulated;
+      if (accumulated.size() != size) accumulated.assign(size, 0.0f);
+      SumQueryRows(layer.probs, layer.num_q_heads, layer.num_queries, count, 0,
+                   /*accumulate=*/true, absl::MakeSpan(accumulated));
+    }
+  }
   for (const LayerStep& layer : layers) {
     KVS_RETURN_IF_ERROR(allocator_->Observe(phase, layer));
   }
@@ -171,7 +216,7 @@ absl::Status ScoredPolicy::Select(Backend& backend, Phase phase,
     KVS_RETURN_IF_ERROR(CheckSelection(layer));
     const int32_t count = layer.keys.count;
     if (layer.scores_out != nullptr && count > 0) {
-      active.push_back(layer);  // a dry run wants the scores even when nothing is evicted
+      active.push_back(layer);         // a dry run wants the scores even when nothing is evicted
     } else if (layer.keep == count) {  // nothing to choose: keep every slot
       for (int32_t h = 0; h < layer.keys.num_kv_heads; ++h) {
         std::iota(layer.kept.begin() + int64_t{h} * count,
@@ -256,8 +301,7 @@ absl::Status AttentionScoredPolicy::Score(Backend& backend, Phase phase,
                                               " raw scores in ", rows, " rows for layer ",
                                               layer.layer, " of ", heads, " x ", count));
     }
-    GqaMean(raw, rows, heads, count,
-            absl::MakeSpan(scores[i], static_cast<size_t>(heads) * count));
+    GqaMean(raw, rows, heads, count, absl::MakeSpan(scores[i], static_cast<size_t>(heads) * count));
   }
   return absl::OkStatus();
 }
@@ -275,13 +319,13 @@ absl::StatusOr<PolicyConfig> ResolvePolicyConfig(const PolicyConfig& config) {
   KVS_ASSIGN_OR_RETURN(const Entry* entry, FindEntry(config.name));
   PolicyConfig resolved = config;
   if (entry->resolve != nullptr) KVS_RETURN_IF_ERROR(entry->resolve(resolved));
+  KVS_RETURN_IF_ERROR(ResolveAllocatorConfig(resolved.allocator));
   return resolved;
 }
 
 absl::StatusOr<std::unique_ptr<Policy>> MakePolicy(const PolicyConfig& config) {
   KVS_ASSIGN_OR_RETURN(const Entry* entry, FindEntry(config.name));
-  PolicyConfig resolved = config;
-  if (entry->resolve != nullptr) KVS_RETURN_IF_ERROR(entry->resolve(resolved));
+  KVS_ASSIGN_OR_RETURN(PolicyConfig resolved, ResolvePolicyConfig(config));
   return entry->make(resolved);
 }
 

@@ -451,6 +451,12 @@ absl::StatusOr<v1::CommitResponse> Session::Commit(const Reservation& reservatio
   return Unary(stub_.get(), &v1::Sidecar::Stub::Commit, request, options_.rpc_timeout);
 }
 
+absl::StatusOr<v1::CommitResponse> Session::Commit(v1::CommitRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  request.set_session_id(session_id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Commit, request, options_.rpc_timeout);
+}
+
 absl::Status Session::CancelReservation(const Reservation& reservation) {
   KVS_RETURN_IF_ERROR(CheckAttached());
   v1::CancelReservationRequest request;

@@ -1,9 +1,706 @@
 #include "gpu/cpu/attention_cpu.h"
 
-namespace kvs {
+#include <immintrin.h>
 
-absl::Status RunAttentionProbs(absl::Span<const AttentionJob>, ThreadPool&) {
-  return absl::UnimplementedError("AttentionProbs: not yet implemented");
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gpu/base/checked_math.h"
+#include "gpu/base/dtype.h"
+#include "gpu/cpu/keydiff_cpu.h"
+
+namespace kvs {
+namespace {
+
+// Keys are processed in tiles of kTile consecutive slots (a tile may span several blocks): the
+// tile is converted to fp32 once and then multiplied with every query row of the GQA group, so
+// the conversion and the memory traffic are paid once per key and group, not once per query.
+// 48 fp32 rows of head_dim 128 (24 KiB) stay in L1 next to a strip of queries; 48 is a multiple
+// of the micro-kernels' 3 and 16 keys and of the 8 lanes of the softmax pass.
+constexpr int kTile = 48;
+// Below this many multiply-adds in a whole call the work runs on the calling thread: waking a
+// worker costs more (decode steps of short sequences).
+constexpr uint64_t kParallelMinMacs = 1 << 20;
+// A (job, kv head) is split into chunks of at least this many tiles when there are too few
+// (job, head) pairs to keep every thread busy.
+constexpr int64_t kMinChunkTiles = 4;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Where a job's slots live and what the kernels need of it, precomputed once per call.
+struct JobPlan {
+  const AttentionJob* job;
+  int64_t group;        // G = num_q_heads / num_kv_heads
+  int64_t group_rows;   // G * num_queries: the probability rows of one kv head (contiguous)
+  int64_t tiles;        // ceil(count / kTile)
+  int64_t chunk_tiles;  // tiles per task
+  int64_t chunks;       // tasks per kv head
+  int64_t first_task;   // index of this job's first phase-1 task
+  uint64_t row_bytes;   // head_dim * dtype bytes
+  // Records of split (job, head)s (chunks > 1), kept until phase 2; see Records.
+  std::vector<float> tile_max;
+  std::vector<float> tile_sum;
+};
+
+// Per (probability row, tile): the tile's max logit and its sum of exp(logit - max), written
+// while the tile is computed and folded into the row's softmax normaliser at the end. Rows
+// [row_base, row_base + rows) of a job, `tiles` entries per row.
+struct Records {
+  float* max;
+  float* sum;
+  int64_t row_base;
+  int64_t tiles;
+  int64_t At(int64_t row, int64_t tile) const { return (row - row_base) * tiles + tile; }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Scalar reference (any head_dim, any CPU).
+
+void ScalarTask(const JobPlan& plan, const Records& records, int64_t head, int64_t tile_begin,
+                int64_t tile_end) {
+  const AttentionJob& job = *plan.job;
+  const PagedLayerView& keys = job.keys;
+  const int dim = keys.head_dim;
+  const int64_t count = keys.count;
+  const int64_t rows = plan.group_rows;
+  const float* queries = job.queries + head * rows * dim;
+  const int32_t* key_positions = job.key_positions + head * count;
+  std::vector<float> tile_keys(static_cast<size_t>(kTile) * dim);
+  float logits[kTile];
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    const int64_t s0 = t * kTile;
+    const int n = static_cast<int>(std::min<int64_t>(kTile, count - s0));
+    for (int j = 0; j < n; ++j) {
+      const uint8_t* row = PagedRow(keys, head, s0 + j);
+      for (int d = 0; d < dim; ++d) tile_keys[j * dim + d] = LoadAsFloat(row, keys.dtype, d);
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* q = queries + m * dim;
+      const int32_t query_position = job.query_positions[m % job.num_queries];
+      float max = kNegInf;
+      for (int j = 0; j < n; ++j) {
+        if (key_positions[s0 + j] > query_position) {
+          logits[j] = kNegInf;
+          continue;
+        }
+        float dot = 0.0f;
+        const float* k = tile_keys.data() + j * dim;
+        for (int d = 0; d < dim; ++d) dot += q[d] * k[d];
+        logits[j] = job.scale * dot;
+        max = std::max(max, logits[j]);
+      }
+      const int64_t row = head * rows + m;
+      float* out = job.probs + row * count + s0;
+      float sum = 0.0f;
+      for (int j = 0; j < n; ++j) {
+        out[j] = logits[j] == kNegInf ? 0.0f : std::exp(logits[j] - max);
+        sum += out[j];
+      }
+      records.max[records.At(row, t)] = max;
+      records.sum[records.At(row, t)] = sum;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 + FMA + F16C. Chosen at run time; the rest of the binary stays baseline x86-64.
+
+#define KVS_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+template <DType kType>
+KVS_AVX2 inline __m256 Load8(const uint8_t* p) {
+  if constexpr (kType == DType::kFloat16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else if constexpr (kType == DType::kBFloat16) {
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+
+// exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2 and a degree-5 polynomial, ~2 ulp).
+// Returns exactly 0 below -87.3 (where expf underflows) and for -inf, the masked slots.
+KVS_AVX2 inline __m256 ExpNonPositive(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(underflow, result);
+}
+
+KVS_AVX2 inline float HorizontalMax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+KVS_AVX2 inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Dot products of kRows query rows with kKeys key rows (both fp32, head_dim contiguous, dim % 8
+// == 0): one accumulator per pair (kRows * kKeys independent FMA chains, enough to cover the FMA
+// latency on both pipes), reduced at the end with hadds. out[r * out_stride + j] gets the dot of
+// query row r with key j; columns kKeys..3 of each 4-wide store are scratch (the caller's row
+// buffer is padded).
+template <int kRows, int kKeys>
+KVS_AVX2 inline void DotKernel(const float* q, const float* k, int dim, float* out,
+                               int out_stride) {
+  static_assert(kKeys >= 1 && kKeys <= 4);
+  __m256 acc[kRows][kKeys];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int j = 0; j < kKeys; ++j) acc[r][j] = _mm256_setzero_ps();
+  }
+  for (int d = 0; d < dim; d += 8) {
+    __m256 key[kKeys];
+#pragma GCC unroll 4
+    for (int j = 0; j < kKeys; ++j) key[j] = _mm256_loadu_ps(k + j * dim + d);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 x = _mm256_loadu_ps(q + r * dim + d);
+#pragma GCC unroll 4
+      for (int j = 0; j < kKeys; ++j) acc[r][j] = _mm256_fmadd_ps(x, key[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 a0 = acc[r][0];
+    const __m256 a1 = kKeys > 1 ? acc[r][kKeys > 1 ? 1 : 0] : zero;
+    const __m256 a2 = kKeys > 2 ? acc[r][kKeys > 2 ? 2 : 0] : zero;
+    const __m256 a3 = kKeys > 3 ? acc[r][kKeys > 3 ? 3 : 0] : zero;
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(out + r * out_stride, sums);
+  }
+}
+
+// Micro-kernel shape: 4 query rows x 3 keys = 12 accumulators + 3 key registers + 1 query register
+// = the 16 ymm registers.
+constexpr int kRowBlock = 4;
+constexpr int kKeyBlock = 3;
+constexpr int kLogitStride = kTile + 4;  // room for the scratch columns of the last 4-wide store
+
+template <int kRows>
+KVS_AVX2 inline void DotStrip(const float* q, const float* keys, int n, int dim, float* out) {
+  int j = 0;
+  for (; j + kKeyBlock <= n; j += kKeyBlock) {
+    DotKernel<kRows, kKeyBlock>(q, keys + j * dim, dim, out + j, kLogitStride);
+  }
+  if (n - j == 2) DotKernel<kRows, 2>(q, keys + j * dim, dim, out + j, kLogitStride);
+  if (n - j == 1) DotKernel<kRows, 1>(q, keys + j * dim, dim, out + j, kLogitStride);
+}
+
+// Scale, mask, tile max, exp and sum of one row's logits of one tile; writes exp(l - max) to
+// `out` (n floats) and returns {max, sum}.
+KVS_AVX2 inline void SoftmaxTileRow(const float* logits, const int32_t* key_positions,
+                                    int32_t query_position, float scale, int n, float* out,
+                                    float* tile_max, float* tile_sum) {
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  const __m256i qpos = _mm256_set1_epi32(query_position);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  __m256 l[kTile / 8];
+  __m256 vmax = neg_inf;
+  const int vectors = (n + 7) / 8;
+  for (int v = 0; v < vectors; ++v) {
+    // Slots past n (a partial last tile) are masked like causal ones; their positions are not
+    // read past the end of the job's array.
+    const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * v), lane);
+    const __m256i kpos = _mm256_maskload_epi32(key_positions + 8 * v, valid);
+    const __m256i keep = _mm256_andnot_si256(_mm256_cmpgt_epi32(kpos, qpos), valid);
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(logits + 8 * v), vscale);
+    l[v] = _mm256_blendv_ps(neg_inf, x, _mm256_castsi256_ps(keep));
+    vmax = _mm256_max_ps(vmax, l[v]);
+  }
+  const float max = HorizontalMax(vmax);
+  *tile_max = max;
+  if (max == kNegInf) {
+    std::fill(out, out + n, 0.0f);
+    *tile_sum = 0.0f;
+    return;
+  }
+  const __m256 bmax = _mm256_set1_ps(max);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int v = 0; v < vectors; ++v) {
+    const __m256 e = ExpNonPositive(_mm256_sub_ps(l[v], bmax));
+    vsum = _mm256_add_ps(vsum, e);
+    if (8 * v + 8 <= n) {
+      _mm256_storeu_ps(out + 8 * v, e);
+    } else {
+      const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * v), lane);
+      _mm256_maskstore_ps(out + 8 * v, valid, e);
+    }
+  }
+  *tile_sum = HorizontalSum(vsum);
+}
+
+// Converts slots [s0, s0 + n) of one head to fp32 rows (head_dim contiguous) in `tile`.
+template <DType kType>
+KVS_AVX2 void ConvertTile(const PagedLayerView& keys, int64_t head, int64_t s0, int n,
+                          uint64_t row_bytes, float* tile) {
+  constexpr int kBytes = DTypeBytes(kType);
+  const int dim = keys.head_dim;
+  int j = 0;
+  while (j < n) {
+    // Rows of one block are contiguous: convert the run up to the block's end in one go.
+    const int64_t slot = s0 + j;
+    const int run =
+        static_cast<int>(std::min<int64_t>(n - j, keys.block_tokens - slot % keys.block_tokens));
+    const uint8_t* src = PagedRow(keys, head, slot);
+    float* dst = tile + static_cast<int64_t>(j) * dim;
+    if constexpr (kType == DType::kFloat32) {
+      std::memcpy(dst, src, static_cast<size_t>(run) * row_bytes);
+    } else {
+      const int64_t elements = static_cast<int64_t>(run) * dim;
+      for (int64_t e = 0; e < elements; e += 8) {
+        _mm256_storeu_ps(dst + e, Load8<kType>(src + e * kBytes));
+      }
+    }
+    j += run;
+  }
+}
+
+// --- Window kernel (GQA groups of >= 8 query rows): the tile is stored transposed, [dim][kTile],
+// so that a 6-row x 16-key block of logits accumulates in 12 registers from 2 key loads and 6
+// query broadcasts per dimension, with no horizontal reductions. The transpose costs a few
+// percent of the tile's multiply-adds when 8+ rows share it; for decode (G rows, often 4) the
+// untransposed DotKernel is used instead.
+
+KVS_AVX2 inline void Transpose8x8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// Slots [s0, s0 + n) as fp32 columns of tile[dim][kTile]; columns up to the next multiple of 16
+// past n are zero (the 16-wide kernel reads them; their logits are masked).
+template <DType kType>
+KVS_AVX2 void ConvertTileTransposed(const PagedLayerView& keys, int64_t head, int64_t s0, int n,
+                                    float* tile) {
+  constexpr int kBytes = DTypeBytes(kType);
+  const int dim = keys.head_dim;
+  const int columns = std::min(kTile, (n + 15) / 16 * 16);
+  for (int j0 = 0; j0 < columns; j0 += 8) {
+    const uint8_t* rows[8];
+    for (int i = 0; i < 8; ++i) rows[i] = j0 + i < n ? PagedRow(keys, head, s0 + j0 + i) : nullptr;
+    for (int d0 = 0; d0 < dim; d0 += 8) {
+      __m256 r[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        r[i] = rows[i] != nullptr ? Load8<kType>(rows[i] + d0 * kBytes) : _mm256_setzero_ps();
+      }
+      Transpose8x8(r);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(tile + (d0 + i) * kTile + j0, r[i]);
+    }
+  }
+}
+
+template <int kRows>
+KVS_AVX2 inline void DotKernelT(const float* q, const float* tile, int dim, float* out) {
+  __m256 acc[kRows][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int d = 0; d < dim; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(tile + d * kTile);
+    const __m256 k1 = _mm256_loadu_ps(tile + d * kTile + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 x = _mm256_broadcast_ss(q + r * dim + d);
+      acc[r][0] = _mm256_fmadd_ps(x, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, k1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < kRows; ++r) {
+    _mm256_storeu_ps(out + r * kLogitStride, acc[r][0]);
+    _mm256_storeu_ps(out + r * kLogitStride + 8, acc[r][1]);
+  }
+}
+
+constexpr int kRowBlockT = 6;
+
+template <int kRows>
+KVS_AVX2 inline void DotStripT(const float* q, const float* tile, int n, int dim, float* out) {
+  for (int j = 0; j < n; j += 16) DotKernelT<kRows>(q, tile + j, dim, out + j);
+}
+
+// Pulls the next tile's key rows towards the cache while this tile is computed: blocks are
+// scattered through the arena, which defeats the hardware stream prefetcher at block boundaries.
+void PrefetchTile(const PagedLayerView& keys, int64_t head, int64_t s0, int n, uint64_t row_bytes) {
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* row = PagedRow(keys, head, s0 + j);
+    for (uint64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset);
+  }
+}
+
+template <DType kType>
+KVS_AVX2 void Avx2Task(const JobPlan& plan, const Records& records, int64_t head,
+                       int64_t tile_begin, int64_t tile_end) {
+  const AttentionJob& job = *plan.job;
+  const PagedLayerView& keys = job.keys;
+  const int dim = keys.head_dim;
+  const int64_t count = keys.count;
+  const int64_t rows = plan.group_rows;
+  const float* queries = job.queries + head * rows * dim;
+  const int32_t* key_positions = job.key_positions + head * count;
+  thread_local std::vector<float> tile_buffer;
+  tile_buffer.resize(static_cast<size_t>(kTile) * dim);
+  float* tile = tile_buffer.data();
+  alignas(32) float logits[kRowBlockT * kLogitStride];
+  const bool transposed = rows >= 8;
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    const int64_t s0 = t * kTile;
+    const int n = static_cast<int>(std::min<int64_t>(kTile, count - s0));
+    if (transposed) {
+      ConvertTileTransposed<kType>(keys, head, s0, n, tile);
+    } else {
+      ConvertTile<kType>(keys, head, s0, n, plan.row_bytes, tile);
+    }
+    if (t + 1 < tile_end) {
+      PrefetchTile(keys, head, s0 + kTile,
+                   static_cast<int>(std::min<int64_t>(kTile, count - s0 - kTile)), plan.row_bytes);
+    }
+    const int row_block = transposed ? kRowBlockT : kRowBlock;
+    for (int64_t m0 = 0; m0 < rows; m0 += row_block) {
+      const int strip = static_cast<int>(std::min<int64_t>(row_block, rows - m0));
+      const float* q = queries + m0 * dim;
+      if (transposed) {
+        switch (strip) {
+          case 6:
+            DotStripT<6>(q, tile, n, dim, logits);
+            break;
+          case 5:
+            DotStripT<5>(q, tile, n, dim, logits);
+            break;
+          case 4:
+            DotStripT<4>(q, tile, n, dim, logits);
+            break;
+          case 3:
+            DotStripT<3>(q, tile, n, dim, logits);
+            break;
+          case 2:
+            DotStripT<2>(q, tile, n, dim, logits);
+            break;
+          default:
+            DotStripT<1>(q, tile, n, dim, logits);
+            break;
+        }
+      } else {
+        switch (strip) {
+          case 4:
+            DotStrip<4>(q, tile, n, dim, logits);
+            break;
+          case 3:
+            DotStrip<3>(q, tile, n, dim, logits);
+            break;
+          case 2:
+            DotStrip<2>(q, tile, n, dim, logits);
+            break;
+          default:
+            DotStrip<1>(q, tile, n, dim, logits);
+            break;
+        }
+      }
+      for (int r = 0; r < strip; ++r) {
+        const int64_t m = m0 + r;
+        const int64_t row = head * rows + m;
+        SoftmaxTileRow(logits + r * kLogitStride, key_positions + s0,
+                       job.query_positions[m % job.num_queries], job.scale, n,
+                       job.probs + row * count + s0, &records.max[records.At(row, t)],
+                       &records.sum[records.At(row, t)]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+// Multiplies n floats by factor; AVX2 when allowed (the pass is bound by cache bandwidth, so
+// wide loads and stores matter more than the arithmetic).
+KVS_AVX2 void ScaleAvx2(float* p, int64_t n, float factor) {
+  const __m256 f = _mm256_set1_ps(factor);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), f));
+  for (; j < n; ++j) p[j] *= factor;
+}
+
+void ScaleScalar(float* p, int64_t n, float factor) {
+  for (int64_t j = 0; j < n; ++j) p[j] *= factor;
+}
+
+// Folds a row's per-tile (max, sum) into the softmax normaliser and rescales each tile's
+// exp(l - tile max) to exp(l - row max) / sum.
+void NormalizeRow(const JobPlan& plan, const Records& records, int64_t row, bool avx2) {
+  const int64_t count = plan.job->keys.count;
+  const float* maxes = records.max + records.At(row, 0);
+  const float* sums = records.sum + records.At(row, 0);
+  float* out = plan.job->probs + row * count;
+  float max = kNegInf;
+  for (int64_t t = 0; t < plan.tiles; ++t) max = std::max(max, maxes[t]);
+  if (max == kNegInf) return;  // every slot masked: the tiles already wrote zeros
+  float sum = 0.0f;
+  for (int64_t t = 0; t < plan.tiles; ++t) {
+    if (sums[t] > 0.0f) sum += sums[t] * std::exp(maxes[t] - max);
+  }
+  const float inv = 1.0f / sum;
+  // Runs of tiles with the same max (the common case once the row max has been seen early)
+  // share one factor, so the multiply sweeps long contiguous stretches.
+  int64_t t = 0;
+  while (t < plan.tiles) {
+    if (sums[t] == 0.0f) {  // all zeros (masked)
+      ++t;
+      continue;
+    }
+    int64_t end = t + 1;
+    while (end < plan.tiles && maxes[end] == maxes[t] && sums[end] != 0.0f) ++end;
+    const float factor = std::exp(maxes[t] - max) * inv;
+    const int64_t begin_slot = t * kTile;
+    const int64_t end_slot = std::min<int64_t>(count, end * kTile);
+    if (avx2) {
+      ScaleAvx2(out + begin_slot, end_slot - begin_slot, factor);
+    } else {
+      ScaleScalar(out + begin_slot, end_slot - begin_slot, factor);
+    }
+    t = end;
+  }
+}
+
+bool ValidDType(DType dtype) {
+  return dtype == DType::kFloat16 || dtype == DType::kBFloat16 || dtype == DType::kFloat32;
+}
+
+absl::Status ValidateAttentionJob(const AttentionJob& job, size_t index) {
+  const PagedLayerView& v = job.keys;
+  const std::string context = absl::StrCat("attention job ", index);
+  auto invalid = [&context](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(context, ": ", parts...));
+  };
+  if (auto status = ValidatePagedLayerView(v, context, "keys"); !status.ok()) return status;
+  if (job.num_q_heads < 1 || job.num_q_heads % v.num_kv_heads != 0) {
+    return invalid("num_q_heads must be a positive multiple of keys.num_kv_heads (", v.num_kv_heads,
+                   "), got ", job.num_q_heads);
+  }
+  if (job.num_queries < 1) return invalid("num_queries must be >= 1, got ", job.num_queries);
+  if (!std::isfinite(job.scale) || !(job.scale > 0.0f)) {
+    return invalid("scale must be finite and > 0, got ", job.scale);
+  }
+  const auto prob_elements = CheckedProduct({job.num_q_heads, job.num_queries, v.count});
+  const auto query_elements = CheckedProduct({job.num_q_heads, job.num_queries, v.head_dim});
+  constexpr uint64_t kMaxElements = uint64_t{1} << 60;
+  if (!prob_elements || *prob_elements > kMaxElements || !query_elements ||
+      *query_elements > kMaxElements) {
+    return invalid("num_q_heads x num_queries x keys.count/head_dim overflows");
+  }
+  if (v.count == 0) return absl::OkStatus();  // nothing is read or written
+  if (job.key_positions == nullptr) return invalid("key_positions is null");
+  if (job.queries == nullptr) return invalid("queries is null");
+  if (job.query_positions == nullptr) return invalid("query_positions is null");
+  if (job.probs == nullptr) return invalid("probs is null");
+  return absl::OkStatus();
+}
+
+Records SplitRecords(const JobPlan& plan) {
+  // Tasks write distinct (row, tile) entries of the plan's arrays.
+  return Records{const_cast<float*>(plan.tile_max.data()), const_cast<float*>(plan.tile_sum.data()),
+                 0, plan.tiles};
+}
+
+void RunTask(const JobPlan& plan, const Records& records, int64_t head, int64_t tile_begin,
+             int64_t tile_end, bool avx2) {
+  if (avx2) {
+    switch (plan.job->keys.dtype) {
+      case DType::kFloat16:
+        return Avx2Task<DType::kFloat16>(plan, records, head, tile_begin, tile_end);
+      case DType::kBFloat16:
+        return Avx2Task<DType::kBFloat16>(plan, records, head, tile_begin, tile_end);
+      case DType::kFloat32:
+        return Avx2Task<DType::kFloat32>(plan, records, head, tile_begin, tile_end);
+    }
+  }
+  ScalarTask(plan, records, head, tile_begin, tile_end);
+}
+
+}  // namespace
+
+absl::Status ValidatePagedLayerView(const PagedLayerView& v, std::string_view context,
+                                    std::string_view field) {
+  const std::string prefix = std::string(context) + ": " + std::string(field) + ".";
+  auto invalid = [&prefix](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, parts...));
+  };
+  if (v.count < 0) return invalid("count must be >= 0, got ", v.count);
+  if (v.num_kv_heads < 1) return invalid("num_kv_heads must be >= 1, got ", v.num_kv_heads);
+  if (v.head_dim < 1) return invalid("head_dim must be >= 1, got ", v.head_dim);
+  if (v.block_tokens < 1) return invalid("block_tokens must be >= 1, got ", v.block_tokens);
+  if (!ValidDType(v.dtype)) {
+    return invalid("dtype ", static_cast<int>(v.dtype), " is not supported");
+  }
+  if (v.kv_index != 0 && v.kv_index != 1) {
+    return invalid("kv_index must be 0 or 1, got ", v.kv_index);
+  }
+  // kv index k of every head occupies the first (k + 1) * num_kv_heads * block_tokens rows.
+  const auto used_bytes = CheckedProduct(
+      {v.kv_index + int64_t{1}, v.num_kv_heads, v.block_tokens, v.head_dim, DTypeBytes(v.dtype)});
+  if (!used_bytes || *used_bytes > v.block_bytes) {
+    return invalid("block_bytes ", v.block_bytes, " cannot hold kv index ", v.kv_index, " of ",
+                   v.num_kv_heads, " heads x ", v.block_tokens, " tokens x ", v.head_dim, " dims");
+  }
+  if (v.count == 0) return absl::OkStatus();  // nothing is read
+  if (v.arena == nullptr) return invalid("arena is null");
+  if (v.block_table == nullptr) return invalid("block_table is null");
+  const int64_t blocks = (static_cast<int64_t>(v.count) + v.block_tokens - 1) / v.block_tokens;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int32_t block = v.block_table[b];
+    if (block < 0 || !CheckedProduct({block + int64_t{1}, static_cast<int64_t>(v.block_bytes)})) {
+      return invalid("block_table[", b, "] = ", block, " is not a valid block");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, ThreadPool& pool,
+                                      bool allow_avx2) {
+  // Validate everything first so that a failed call writes nothing.
+  uint64_t macs = 0;
+  int64_t heads = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (auto status = ValidateAttentionJob(jobs[i], i); !status.ok()) return status;
+    const AttentionJob& job = jobs[i];
+    if (job.keys.count == 0) continue;
+    macs += static_cast<uint64_t>(job.num_q_heads) * job.num_queries * job.keys.count *
+            job.keys.head_dim;
+    heads += job.keys.num_kv_heads;
+  }
+  if (heads == 0) return absl::OkStatus();
+  const bool parallel = macs >= kParallelMinMacs && pool.num_threads() > 1;
+  // Aim at >= 4 tasks per thread so that the dynamic schedule balances uneven jobs; a (job, head)
+  // is split into chunks of tiles only when the heads alone are too few.
+  const int64_t want_tasks = parallel ? 4 * pool.num_threads() : 1;
+  const int64_t split = std::max<int64_t>(1, (want_tasks + heads - 1) / heads);
+
+  std::vector<JobPlan> plans;
+  plans.reserve(jobs.size());
+  int64_t tasks = 0;
+  for (const AttentionJob& job : jobs) {
+    if (job.keys.count == 0) continue;
+    JobPlan plan;
+    plan.job = &job;
+    plan.group = job.num_q_heads / job.keys.num_kv_heads;
+    plan.group_rows = plan.group * job.num_queries;
+    plan.tiles = (static_cast<int64_t>(job.keys.count) + kTile - 1) / kTile;
+    const int64_t max_chunks = std::max<int64_t>(1, plan.tiles / kMinChunkTiles);
+    plan.chunks = std::min(split, max_chunks);
+    plan.chunk_tiles = (plan.tiles + plan.chunks - 1) / plan.chunks;
+    plan.chunks = (plan.tiles + plan.chunk_tiles - 1) / plan.chunk_tiles;
+    plan.first_task = tasks;
+    plan.row_bytes = static_cast<uint64_t>(job.keys.head_dim) * DTypeBytes(job.keys.dtype);
+    const int64_t job_rows = static_cast<int64_t>(job.num_q_heads) * job.num_queries;
+    if (plan.chunks > 1) {
+      plan.tile_max.resize(job_rows * plan.tiles);
+      plan.tile_sum.resize(job_rows * plan.tiles);
+    }
+    tasks += plan.chunks * job.keys.num_kv_heads;
+    plans.push_back(std::move(plan));
+  }
+  const bool avx2 = allow_avx2 && CpuSupportsAvx2();
+  auto plan_of = [&plans](int64_t task) {
+    return std::upper_bound(plans.begin(), plans.end(), task,
+                            [](int64_t t, const JobPlan& p) { return t < p.first_task; }) -
+           1;
+  };
+  pool.ParallelFor(
+      tasks,
+      [&](int64_t task) {
+        const JobPlan& plan = *plan_of(task);
+        const int64_t local = task - plan.first_task;
+        const int64_t head = local / plan.chunks;
+        const int64_t chunk = local % plan.chunks;
+        const int64_t begin = chunk * plan.chunk_tiles;
+        const int64_t end = std::min(plan.tiles, begin + plan.chunk_tiles);
+        const bool use_avx2 = avx2 && plan.job->keys.head_dim % 8 == 0;
+        if (plan.chunks > 1) {
+          RunTask(plan, SplitRecords(plan), head, begin, end, use_avx2);
+          return;
+        }
+        // The task sees every slot of its rows: its records live in a reused per-thread buffer
+        // (no page faults on fresh allocations), and the rows are normalised right away, while
+        // they are still in the last-level cache, instead of in a second sweep.
+        thread_local std::vector<float> buffer;
+        buffer.resize(2 * plan.group_rows * plan.tiles);
+        const Records records{buffer.data(), buffer.data() + plan.group_rows * plan.tiles,
+                              head * plan.group_rows, plan.tiles};
+        RunTask(plan, records, head, begin, end, use_avx2);
+        for (int64_t m = 0; m < plan.group_rows; ++m) {
+          NormalizeRow(plan, records, head * plan.group_rows + m, use_avx2);
+        }
+      },
+      parallel ? 0 : 1);
+  // Phase 2 for the rows of split (job, head)s, in groups of rows (~count multiplies per row).
+  std::vector<std::pair<const JobPlan*, int64_t>> split_rows;
+  for (const JobPlan& plan : plans) {
+    if (plan.chunks == 1) continue;
+    const int64_t job_rows = static_cast<int64_t>(plan.job->num_q_heads) * plan.job->num_queries;
+    for (int64_t row = 0; row < job_rows; ++row) split_rows.emplace_back(&plan, row);
+  }
+  constexpr int64_t kRowsPerTask = 64;
+  const int64_t split_count = static_cast<int64_t>(split_rows.size());
+  pool.ParallelFor((split_count + kRowsPerTask - 1) / kRowsPerTask,
+                   [&](int64_t task) {
+                     const int64_t row_end = std::min(split_count, (task + 1) * kRowsPerTask);
+                     for (int64_t i = task * kRowsPerTask; i < row_end; ++i) {
+                       NormalizeRow(*split_rows[i].first, SplitRecords(*split_rows[i].first),
+                                    split_rows[i].second, avx2);
+                     }
+                   },
+                   parallel ? 0 : 1);
+  return absl::OkStatus();
+}
+
+absl::Status RunAttentionProbs(absl::Span<const AttentionJob> jobs, ThreadPool& pool) {
+  return RunAttentionProbsWithIsa(jobs, pool, /*allow_avx2=*/true);
 }
 
 }  // namespace kvs

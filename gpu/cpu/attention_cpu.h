@@ -1,11 +1,16 @@
 // Attention probabilities on the host (Backend::AttentionProbs semantics, gpu/backend.h), exposed
 // for the CPU backend and its tests. The hot loop is the q·k dot products of a GQA group's window
-// queries against each key row (a small GEMM per block), in fp32 with AVX2/FMA when the CPU has it.
+// queries against each key row (a small GEMM per 48-slot tile of keys, converted to fp32 once), in
+// fp32 with AVX2/FMA when the CPU has it, and an online per-tile softmax folded per row at the end.
+// Also the paged-row helpers the other CPU kernels (CAOTE, nearest keys) share.
 //
-// Threading: RunAttentionProbs spreads the jobs' (job, query head group) tasks over `pool`; it
-// may be called concurrently from several threads.
+// Threading: RunAttentionProbs spreads (job, kv head[, chunk of slots]) tasks over `pool`; it
+// may be called concurrently from several threads. The helpers are pure.
 #ifndef KVSIDECAR_GPU_CPU_ATTENTION_CPU_H_
 #define KVSIDECAR_GPU_CPU_ATTENTION_CPU_H_
+
+#include <cstdint>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -17,6 +22,28 @@ namespace kvs {
 // Validates every job (INVALID_ARGUMENT naming the job index and the field; nothing written),
 // then computes them all.
 absl::Status RunAttentionProbs(absl::Span<const AttentionJob> jobs, ThreadPool& pool);
+
+// Test hook: the same with the AVX2/FMA kernels allowed or not (false = the portable scalar code,
+// which RunAttentionProbs also uses on CPUs without AVX2/FMA/F16C or when head_dim % 8 != 0).
+absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, ThreadPool& pool,
+                                      bool allow_avx2);
+
+// Shared by the CPU kernels over paged layers (attention, CAOTE, nearest keys).
+
+// The row of (view.kv_index, head, slot) as gpu/backend.h lays it out.
+inline const uint8_t* PagedRow(const PagedLayerView& view, int64_t head, int64_t slot) {
+  const uint64_t row_bytes = static_cast<uint64_t>(view.head_dim) * DTypeBytes(view.dtype);
+  return view.arena +
+         static_cast<uint64_t>(view.block_table[slot / view.block_tokens]) * view.block_bytes +
+         ((static_cast<uint64_t>(view.kv_index) * view.num_kv_heads + head) * view.block_tokens +
+          slot % view.block_tokens) *
+             row_bytes;
+}
+
+// INVALID_ARGUMENT "<context>: <field>.<member> ..." unless the view's shape, dtype, kv_index and
+// block_bytes are consistent and, when count > 0, its arena and block table are usable.
+absl::Status ValidatePagedLayerView(const PagedLayerView& view, std::string_view context,
+                                    std::string_view field);
 
 }  // namespace kvs
 

@@ -46,6 +46,10 @@ TEST(CompactionTest, MoversFillHolesInOrder) {
               ElementsAre(positions[0][6], positions[0][1], positions[0][9], positions[0][3]));
   EXPECT_THAT(plan->positions[1],
               ElementsAre(positions[1][0], positions[1][1], positions[1][2], positions[1][3]));
+  // The old slot of every new slot: what the policy state is permuted by.
+  ASSERT_EQ(plan->sources.size(), 2u);
+  EXPECT_THAT(plan->sources[0], ElementsAre(6, 1, 9, 3));
+  EXPECT_THAT(plan->sources[1], ElementsAre(0, 1, 2, 3));
   ASSERT_EQ(plan->src_offsets.size(), 4u);  // 2 tokens x (K, V)
   EXPECT_EQ(plan->src_offsets[0], RowOffset(layout, table, 0, 0, 6));
   EXPECT_EQ(plan->dst_offsets[0], RowOffset(layout, table, 0, 0, 0));
@@ -153,6 +157,7 @@ TEST(CompactionTest, ExecutedPlanPreservesEveryKeptRow) {
           const auto it = std::find(positions[h].begin(), positions[h].end(), position);
           ASSERT_NE(it, positions[h].end());
           const int32_t original = static_cast<int32_t>(it - positions[h].begin());
+          ASSERT_EQ(plan->sources[h][s], original) << "trial " << trial << " head " << h;
           got.push_back(original);
           for (int kv = 0; kv < 2; ++kv) {
             ASSERT_EQ(std::memcmp(arena.data() + RowOffset(layout, table, kv, h, s),

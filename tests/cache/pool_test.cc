@@ -287,7 +287,7 @@ TEST_F(PoolTest, CreateSequencePolicyAndBudgetValidation) {
   EXPECT_THAT(pool_.pool.CreateSequence(session_, params).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, "policy.name"));
   params.policy = PolicyConfig{};
-  params.policy->name = "snapkv";
+  params.policy->name = "omnikv";  // a contract policy of a later build
   EXPECT_EQ(pool_.pool.CreateSequence(session_, params).status().code(),
             absl::StatusCode::kUnimplemented);
   params.policy = KeyDiff(KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kCosine, 2.0f);
@@ -412,7 +412,7 @@ TEST_F(PoolTest, ReservationStateErrorsChangeNothing) {
               StatusIs(absl::StatusCode::kInvalidArgument, "budget_tokens"));
   CompressParams bad_policy;
   bad_policy.policy = PolicyConfig{};
-  bad_policy.policy->name = "h2o";
+  bad_policy.policy->name = "omnikv";
   EXPECT_EQ(pool_.pool.Compress(session_, seq_, bad_policy).status().code(),
             absl::StatusCode::kUnimplemented);
   EXPECT_TRUE(Snap(pool_, session_, seq_) == committed);

@@ -87,7 +87,7 @@ TEST(ConfigTest, EveryBadValueNamesItsFlag) {
       {[](SidecarConfig* c) { c->lease_ms = 3600 * 1000; }, "--lease_ms"},
       {[](SidecarConfig* c) { c->backend = "tpu"; }, "--backend"},
       {[](SidecarConfig* c) { c->default_policy = "lru"; }, "--default_policy"},
-      {[](SidecarConfig* c) { c->default_policy = "h2o"; }, "--default_policy"},
+      {[](SidecarConfig* c) { c->default_policy = "omnikv"; }, "--default_policy"},
       {[](SidecarConfig* c) { c->default_budget_tokens = -1; }, "--default_budget_tokens"},
       {[](SidecarConfig* c) { c->threads = -1; }, "--threads"},
       {[](SidecarConfig* c) { c->log_level = "loud"; }, "--log_level"},

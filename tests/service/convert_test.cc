@@ -3,7 +3,9 @@
 #include <cmath>
 #include <limits>
 
+#include "cache/policy/policy.h"
 #include "gmock/gmock.h"
+#include "gpu/base/dtype.h"
 #include "gtest/gtest.h"
 
 namespace kvs {
@@ -126,19 +128,22 @@ TEST(ConvertPolicyTest, ParamsWithoutNameAreRefused) {
   EXPECT_STATUS(PolicyFromProto(only_allocator).status(), kInvalidArgument, "policy.name");
 }
 
-TEST(ConvertPolicyTest, StreamingLlmDefaultsAndParams) {
+TEST(ConvertPolicyTest, StreamingLlmValuesAreCopied) {
   v1::PolicySpec spec;
   spec.set_name("streaming_llm");
   auto policy = PolicyFromProto(spec);
   ASSERT_TRUE(policy.ok() && policy->has_value()) << policy.status();
   EXPECT_EQ((*policy)->name, "streaming_llm");
-  EXPECT_EQ((*policy)->streaming_llm.n_sink, 4);  // 0 = spec default
+  EXPECT_EQ((*policy)->streaming_llm.n_sink, 0);  // 0 = default, filled in by the cache's Resolve
   spec.mutable_streaming_llm()->set_n_sink(7);
   policy = PolicyFromProto(spec);
   ASSERT_TRUE(policy.ok());
   EXPECT_EQ((*policy)->streaming_llm.n_sink, 7);
+  // Range checks are the policy's (ResolvePolicyConfig), not the conversion's.
   spec.mutable_streaming_llm()->set_n_sink(-1);
-  EXPECT_STATUS(PolicyFromProto(spec).status(), kInvalidArgument,
+  policy = PolicyFromProto(spec);
+  ASSERT_TRUE(policy.ok());
+  EXPECT_STATUS(ResolvePolicyConfig(**policy).status(), kInvalidArgument,
                 "policy.streaming_llm.n_sink must be >= 0, got -1");
 }
 
@@ -188,7 +193,7 @@ TEST(ConvertPolicyTest, AllKeyDiffEnumsMap) {
   }
 }
 
-TEST(ConvertPolicyTest, KeyDiffBadParamsNameTheirField) {
+TEST(ConvertPolicyTest, KeyDiffBadEnumsNameTheirField) {
   v1::PolicySpec spec;
   spec.set_name("keydiff");
   spec.mutable_keydiff()->set_anchor(static_cast<v1::KeyDiffParams::Anchor>(9));
@@ -198,25 +203,266 @@ TEST(ConvertPolicyTest, KeyDiffBadParamsNameTheirField) {
   spec.mutable_keydiff()->set_metric(static_cast<v1::KeyDiffParams::Metric>(-2));
   EXPECT_STATUS(PolicyFromProto(spec).status(), kInvalidArgument, "policy.keydiff.metric");
   spec.mutable_keydiff()->set_metric(v1::KeyDiffParams::METRIC_UNSPECIFIED);
-  for (float bad : {1.0f, -0.1f, 2.0f, std::numeric_limits<float>::quiet_NaN(),
-                    std::numeric_limits<float>::infinity()}) {
-    spec.mutable_keydiff()->set_recent_fraction(bad);
-    EXPECT_STATUS(PolicyFromProto(spec).status(), kInvalidArgument,
-                  "policy.keydiff.recent_fraction must be in [0, 1)");
-  }
-  spec.mutable_keydiff()->set_recent_fraction(0.999f);
-  EXPECT_TRUE(PolicyFromProto(spec).ok());
+  // Values are mapped as given; the range belongs to ResolvePolicyConfig.
+  spec.mutable_keydiff()->set_recent_fraction(2.0f);
+  auto policy = PolicyFromProto(spec);
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  EXPECT_EQ((*policy)->keydiff.recent_fraction, 2.0f);
+  EXPECT_STATUS(ResolvePolicyConfig(**policy).status(), kInvalidArgument,
+                "policy.keydiff.recent_fraction");
 }
 
-TEST(ConvertPolicyTest, OtherContractPoliciesAreUnimplemented) {
-  for (const char* name : {"h2o", "tova", "snapkv", "cake", "d2o", "caote", "omnikv"}) {
-    v1::PolicySpec spec;
-    spec.set_name(name);
-    const absl::Status status = PolicyFromProto(spec).status();
-    EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << name;
-    EXPECT_THAT(std::string(status.message()),
-                HasSubstr(absl::StrCat("policy '", name, "' is not implemented in this build")));
+TEST(ConvertPolicyTest, OmniKvIsUnimplemented) {
+  v1::PolicySpec spec;
+  spec.set_name("omnikv");
+  spec.mutable_omnikv()->set_wait_layers(2);
+  const absl::Status status = PolicyFromProto(spec, "requests[1].policy.").status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
+  EXPECT_THAT(std::string(status.message()),
+              StartsWith("requests[1].policy.name \"omnikv\" is not implemented"));
+  EXPECT_THAT(std::string(status.message()), HasSubstr("issue 4"));
+}
+
+// Every policy of the contract but omnikv converts; each round trip keeps every parameter.
+TEST(ConvertPolicyTest, H2oTovaRoundTrip) {
+  v1::PolicySpec spec;
+  spec.set_name("h2o");
+  spec.mutable_h2o()->set_n_sink(3);
+  spec.mutable_h2o()->set_n_recent(11);
+  auto policy = PolicyFromProto(spec);
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  EXPECT_EQ((*policy)->name, "h2o");
+  EXPECT_EQ((*policy)->h2o.n_sink, 3);
+  EXPECT_EQ((*policy)->h2o.n_recent, 11);
+  v1::PolicySpec back;
+  PolicyToProto(**policy, &back);
+  EXPECT_EQ(back.name(), "h2o");
+  EXPECT_EQ(back.h2o().n_sink(), 3);
+  EXPECT_EQ(back.h2o().n_recent(), 11);
+
+  for (bool all_heads : {false, true}) {
+    v1::PolicySpec tova;
+    tova.set_name("tova");
+    tova.mutable_tova()->set_all_heads(all_heads);
+    policy = PolicyFromProto(tova);
+    ASSERT_TRUE(policy.ok()) << policy.status();
+    EXPECT_EQ((*policy)->tova.all_heads, all_heads);
+    back.Clear();
+    PolicyToProto(**policy, &back);
+    EXPECT_EQ(back.name(), "tova");
+    EXPECT_TRUE(back.has_tova());
+    EXPECT_EQ(back.tova().all_heads(), all_heads);
   }
+}
+
+TEST(ConvertPolicyTest, SnapKvRoundTripAndPooling) {
+  const std::pair<v1::SnapKvParams::Pooling, Pooling> cases[] = {
+      {v1::SnapKvParams::POOLING_UNSPECIFIED, Pooling::kAvg},
+      {v1::SnapKvParams::POOLING_AVG, Pooling::kAvg},
+      {v1::SnapKvParams::POOLING_MAX, Pooling::kMax}};
+  for (const auto& [proto, config] : cases) {
+    v1::PolicySpec spec;
+    spec.set_name("snapkv");
+    spec.mutable_snapkv()->set_window(16);
+    spec.mutable_snapkv()->set_kernel_size(3);
+    spec.mutable_snapkv()->set_pooling(proto);
+    auto policy = PolicyFromProto(spec);
+    ASSERT_TRUE(policy.ok()) << policy.status();
+    EXPECT_EQ((*policy)->snapkv.window, 16);
+    EXPECT_EQ((*policy)->snapkv.kernel_size, 3);
+    EXPECT_EQ((*policy)->snapkv.pooling, config);
+    v1::PolicySpec back;
+    PolicyToProto(**policy, &back);
+    EXPECT_EQ(back.snapkv().window(), 16);
+    EXPECT_EQ(back.snapkv().kernel_size(), 3);
+    EXPECT_EQ(back.snapkv().pooling(), config == Pooling::kMax ? v1::SnapKvParams::POOLING_MAX
+                                                               : v1::SnapKvParams::POOLING_AVG);
+  }
+  v1::PolicySpec zero;
+  zero.set_name("snapkv");
+  auto policy = PolicyFromProto(zero);
+  ASSERT_TRUE(policy.ok());
+  EXPECT_EQ((*policy)->snapkv.window, 0);  // resolved cache-side
+  EXPECT_EQ((*policy)->snapkv.kernel_size, 0);
+  v1::PolicySpec bad;
+  bad.set_name("snapkv");
+  bad.mutable_snapkv()->set_pooling(static_cast<v1::SnapKvParams::Pooling>(5));
+  EXPECT_STATUS(PolicyFromProto(bad).status(), kInvalidArgument,
+                "policy.snapkv.pooling has unknown value 5");
+}
+
+v1::CakeParams SomeCakeParams() {
+  v1::CakeParams cake;
+  cake.set_window(24);
+  cake.set_tau1(0.5f);
+  cake.set_tau2(2.0f);
+  cake.set_gamma(150.0f);
+  cake.set_kernel_size(9);
+  cake.set_non_cascading(true);
+  return cake;
+}
+
+void ExpectCake(const CakeConfig& cake) {
+  EXPECT_EQ(cake.window, 24);
+  EXPECT_EQ(cake.tau1, 0.5f);
+  EXPECT_EQ(cake.tau2, 2.0f);
+  EXPECT_EQ(cake.gamma, 150.0f);
+  EXPECT_EQ(cake.kernel_size, 9);
+  EXPECT_TRUE(cake.non_cascading);
+}
+
+TEST(ConvertPolicyTest, CakeRoundTrip) {
+  v1::PolicySpec spec;
+  spec.set_name("cake");
+  *spec.mutable_cake() = SomeCakeParams();
+  auto policy = PolicyFromProto(spec);
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  ExpectCake((*policy)->cake);
+  v1::PolicySpec back;
+  PolicyToProto(**policy, &back);
+  EXPECT_EQ(back.name(), "cake");
+  EXPECT_EQ(back.cake().SerializeAsString(), SomeCakeParams().SerializeAsString());
+}
+
+TEST(ConvertPolicyTest, D2oRoundTripAndEnums) {
+  v1::PolicySpec spec;
+  spec.set_name("d2o");
+  v1::D2oParams* d2o = spec.mutable_d2o();
+  d2o->set_rho(0.4f);
+  d2o->set_recent_frac(0.3f);
+  d2o->set_n_sink(2);
+  d2o->set_beta(0.5f);
+  d2o->set_density_mode(v1::D2oParams::DENSITY_MODE_RAW);
+  d2o->set_min_ratio(0.05f);
+  d2o->set_max_ratio(0.9f);
+  d2o->add_full_cache_layers(0);
+  d2o->add_full_cache_layers(3);
+  d2o->set_merge_weighting(v1::D2oParams::MERGE_WEIGHTING_CODE);
+  d2o->set_threshold_scope(v1::D2oParams::THRESHOLD_SCOPE_LAYER);
+  auto policy = PolicyFromProto(spec);
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  const D2oConfig& config = (*policy)->d2o;
+  EXPECT_EQ(config.rho, 0.4f);
+  EXPECT_EQ(config.recent_frac, 0.3f);
+  EXPECT_EQ(config.n_sink, 2);
+  EXPECT_EQ(config.beta, 0.5f);
+  EXPECT_EQ(config.density_mode, D2oDensityMode::kRaw);
+  EXPECT_EQ(config.min_ratio, 0.05f);
+  EXPECT_EQ(config.max_ratio, 0.9f);
+  EXPECT_EQ(config.full_cache_layers, (std::vector<int32_t>{0, 3}));
+  EXPECT_EQ(config.merge_weighting, D2oMergeWeighting::kCode);
+  EXPECT_EQ(config.threshold_scope, D2oThresholdScope::kLayer);
+  v1::PolicySpec back;
+  PolicyToProto(**policy, &back);
+  EXPECT_EQ(back.d2o().SerializeAsString(), spec.d2o().SerializeAsString());
+
+  // The other value of every enum, and UNSPECIFIED = the default.
+  d2o->set_density_mode(v1::D2oParams::DENSITY_MODE_HEADNORM);
+  d2o->set_merge_weighting(v1::D2oParams::MERGE_WEIGHTING_PAPER);
+  d2o->set_threshold_scope(v1::D2oParams::THRESHOLD_SCOPE_LAYER_HEAD);
+  policy = PolicyFromProto(spec);
+  ASSERT_TRUE(policy.ok());
+  EXPECT_EQ((*policy)->d2o.density_mode, D2oDensityMode::kHeadNorm);
+  EXPECT_EQ((*policy)->d2o.merge_weighting, D2oMergeWeighting::kPaper);
+  EXPECT_EQ((*policy)->d2o.threshold_scope, D2oThresholdScope::kLayerHead);
+  back.Clear();
+  PolicyToProto(**policy, &back);
+  EXPECT_EQ(back.d2o().SerializeAsString(), spec.d2o().SerializeAsString());
+  d2o->set_density_mode(v1::D2oParams::DENSITY_MODE_UNSPECIFIED);
+  d2o->set_merge_weighting(v1::D2oParams::MERGE_WEIGHTING_UNSPECIFIED);
+  d2o->set_threshold_scope(v1::D2oParams::THRESHOLD_SCOPE_UNSPECIFIED);
+  policy = PolicyFromProto(spec);
+  ASSERT_TRUE(policy.ok());
+  EXPECT_EQ((*policy)->d2o.density_mode, D2oDensityMode::kHeadNorm);
+  EXPECT_EQ((*policy)->d2o.merge_weighting, D2oMergeWeighting::kPaper);
+  EXPECT_EQ((*policy)->d2o.threshold_scope, D2oThresholdScope::kLayerHead);
+
+  v1::PolicySpec bad = spec;
+  bad.mutable_d2o()->set_density_mode(static_cast<v1::D2oParams::DensityMode>(3));
+  EXPECT_STATUS(PolicyFromProto(bad).status(), kInvalidArgument, "policy.d2o.density_mode");
+  bad = spec;
+  bad.mutable_d2o()->set_merge_weighting(static_cast<v1::D2oParams::MergeWeighting>(-1));
+  EXPECT_STATUS(PolicyFromProto(bad).status(), kInvalidArgument, "policy.d2o.merge_weighting");
+  bad = spec;
+  bad.mutable_d2o()->set_threshold_scope(static_cast<v1::D2oParams::ThresholdScope>(8));
+  EXPECT_STATUS(PolicyFromProto(bad, "requests[0].policy.").status(), kInvalidArgument,
+                "requests[0].policy.d2o.threshold_scope has unknown value 8");
+}
+
+TEST(ConvertPolicyTest, CaoteRoundTripEveryEnum) {
+  const std::pair<v1::CaoteParams::Base, CaoteBase> bases[] = {
+      {v1::CaoteParams::BASE_H2O, CaoteBase::kH2o},
+      {v1::CaoteParams::BASE_TOVA, CaoteBase::kTova},
+      {v1::CaoteParams::BASE_SNAPKV, CaoteBase::kSnapKv},
+      {v1::CaoteParams::BASE_CAKE, CaoteBase::kCake}};
+  const std::pair<v1::CaoteParams::Variant, CaoteVariant> variants[] = {
+      {v1::CaoteParams::VARIANT_EXACT, CaoteVariant::kExact},
+      {v1::CaoteParams::VARIANT_FAST, CaoteVariant::kFast},
+      {v1::CaoteParams::VARIANT_NONE, CaoteVariant::kNone}};
+  const std::pair<v1::CaoteParams::GqaReduce, GqaReduce> reduces[] = {
+      {v1::CaoteParams::GQA_REDUCE_MEAN, GqaReduce::kMean},
+      {v1::CaoteParams::GQA_REDUCE_RSS, GqaReduce::kRss}};
+  for (const auto& [base_proto, base] : bases) {
+    for (const auto& [variant_proto, variant] : variants) {
+      for (const auto& [reduce_proto, reduce] : reduces) {
+        v1::PolicySpec spec;
+        spec.set_name("caote");
+        v1::CaoteParams* caote = spec.mutable_caote();
+        caote->set_base(base_proto);
+        caote->set_variant(variant_proto);
+        caote->set_gqa_reduce(reduce_proto);
+        caote->set_eps(1e-4f);
+        caote->set_n_sink(2);
+        caote->set_n_recent(6);
+        caote->set_greedy(true);
+        caote->mutable_snapkv()->set_window(8);
+        caote->mutable_snapkv()->set_kernel_size(3);
+        caote->mutable_snapkv()->set_pooling(v1::SnapKvParams::POOLING_MAX);
+        *caote->mutable_cake() = SomeCakeParams();
+        auto policy = PolicyFromProto(spec);
+        ASSERT_TRUE(policy.ok()) << policy.status();
+        const CaoteConfig& config = (*policy)->caote;
+        EXPECT_EQ(config.base, base);
+        EXPECT_EQ(config.variant, variant);
+        EXPECT_EQ(config.gqa_reduce, reduce);
+        EXPECT_EQ(config.eps, 1e-4f);
+        EXPECT_EQ(config.n_sink, 2);
+        EXPECT_EQ(config.n_recent, 6);
+        EXPECT_TRUE(config.greedy);
+        EXPECT_EQ(config.snapkv.window, 8);
+        EXPECT_EQ(config.snapkv.kernel_size, 3);
+        EXPECT_EQ(config.snapkv.pooling, Pooling::kMax);
+        ExpectCake(config.cake);
+        v1::PolicySpec back;
+        PolicyToProto(**policy, &back);
+        EXPECT_EQ(back.caote().SerializeAsString(), spec.caote().SerializeAsString())
+            << back.DebugString();
+      }
+    }
+  }
+  v1::PolicySpec unspecified;
+  unspecified.set_name("caote");
+  auto policy = PolicyFromProto(unspecified);
+  ASSERT_TRUE(policy.ok());
+  EXPECT_EQ((*policy)->caote.base, CaoteBase::kH2o);
+  EXPECT_EQ((*policy)->caote.variant, CaoteVariant::kExact);
+  EXPECT_EQ((*policy)->caote.gqa_reduce, GqaReduce::kMean);
+  EXPECT_EQ((*policy)->caote.eps, 0.0f);  // resolved cache-side
+
+  v1::PolicySpec bad = unspecified;
+  bad.mutable_caote()->set_base(static_cast<v1::CaoteParams::Base>(9));
+  EXPECT_STATUS(PolicyFromProto(bad).status(), kInvalidArgument,
+                "policy.caote.base has unknown value 9");
+  bad = unspecified;
+  bad.mutable_caote()->set_variant(static_cast<v1::CaoteParams::Variant>(4));
+  EXPECT_STATUS(PolicyFromProto(bad).status(), kInvalidArgument, "policy.caote.variant");
+  bad = unspecified;
+  bad.mutable_caote()->set_gqa_reduce(static_cast<v1::CaoteParams::GqaReduce>(3));
+  EXPECT_STATUS(PolicyFromProto(bad).status(), kInvalidArgument, "policy.caote.gqa_reduce");
+  bad = unspecified;
+  bad.mutable_caote()->mutable_snapkv()->set_pooling(static_cast<v1::SnapKvParams::Pooling>(7));
+  EXPECT_STATUS(PolicyFromProto(bad).status(), kInvalidArgument,
+                "policy.caote.snapkv.pooling has unknown value 7");
 }
 
 TEST(ConvertPolicyTest, UnknownPolicyListsTheKnownNames) {
@@ -229,49 +475,52 @@ TEST(ConvertPolicyTest, UnknownPolicyListsTheKnownNames) {
               HasSubstr("streaming_llm, keydiff, h2o, tova, snapkv, cake, d2o, caote, omnikv"));
 }
 
-TEST(ConvertPolicyTest, AllocatorKinds) {
+TEST(ConvertPolicyTest, AllocatorRoundTripEveryKind) {
+  const std::pair<v1::LayerAllocatorKind, LayerAllocatorKind> kinds[] = {
+      {v1::LAYER_ALLOCATOR_UNSPECIFIED, LayerAllocatorKind::kDefault},
+      {v1::LAYER_ALLOCATOR_UNIFORM, LayerAllocatorKind::kUniform},
+      {v1::LAYER_ALLOCATOR_PYRAMIDKV, LayerAllocatorKind::kPyramidKv},
+      {v1::LAYER_ALLOCATOR_D2O, LayerAllocatorKind::kD2o},
+      {v1::LAYER_ALLOCATOR_CAKE, LayerAllocatorKind::kCake}};
+  for (const auto& [proto, kind] : kinds) {
+    v1::PolicySpec spec;
+    spec.set_name("keydiff");
+    spec.mutable_allocator()->set_kind(proto);
+    spec.mutable_allocator()->set_min_layer_tokens(16);
+    spec.mutable_allocator()->set_pyramid_beta(12.5f);
+    auto policy = PolicyFromProto(spec);
+    ASSERT_TRUE(policy.ok()) << policy.status();
+    EXPECT_EQ((*policy)->allocator.kind, kind);
+    EXPECT_EQ((*policy)->allocator.min_layer_tokens, 16);
+    EXPECT_EQ((*policy)->allocator.pyramid_beta, 12.5f);
+    v1::PolicySpec back;
+    PolicyToProto(**policy, &back);
+    EXPECT_EQ(back.allocator().kind(), proto);
+    EXPECT_EQ(back.allocator().min_layer_tokens(), 16);
+    EXPECT_EQ(back.allocator().pyramid_beta(), 12.5f);
+    // What the server reports back is accepted again as a request.
+    EXPECT_TRUE(PolicyFromProto(back).ok());
+  }
   v1::PolicySpec spec;
   spec.set_name("streaming_llm");
-  spec.mutable_allocator()->set_kind(v1::LAYER_ALLOCATOR_UNIFORM);
-  EXPECT_TRUE(PolicyFromProto(spec).ok());
-  spec.mutable_allocator()->set_kind(v1::LAYER_ALLOCATOR_PYRAMIDKV);
-  EXPECT_STATUS(PolicyFromProto(spec).status(), kUnimplemented,
-                "policy.allocator.kind LAYER_ALLOCATOR_PYRAMIDKV is not implemented");
   spec.mutable_allocator()->set_kind(static_cast<v1::LayerAllocatorKind>(77));
-  EXPECT_STATUS(PolicyFromProto(spec).status(), kInvalidArgument, "policy.allocator.kind");
-  spec.mutable_allocator()->set_kind(v1::LAYER_ALLOCATOR_UNSPECIFIED);
-  spec.mutable_allocator()->set_min_layer_tokens(-1);
   EXPECT_STATUS(PolicyFromProto(spec).status(), kInvalidArgument,
-                "policy.allocator.min_layer_tokens");
-}
-
-// The uniform allocator has no floor and no slope: setting either must not be silently ignored.
-TEST(ConvertPolicyTest, AllocatorParametersAreUnimplemented) {
-  v1::PolicySpec spec;
-  spec.set_name("keydiff");
-  spec.mutable_allocator()->set_kind(v1::LAYER_ALLOCATOR_UNIFORM);
-  spec.mutable_allocator()->set_min_layer_tokens(16);
-  EXPECT_STATUS(PolicyFromProto(spec, "requests[1].policy.").status(), kUnimplemented,
-                "requests[1].policy.allocator.min_layer_tokens 16");
-  spec.mutable_allocator()->set_min_layer_tokens(0);
-  spec.mutable_allocator()->set_pyramid_beta(20.0f);
-  EXPECT_STATUS(PolicyFromProto(spec).status(), kUnimplemented, "policy.allocator.pyramid_beta");
-  spec.mutable_allocator()->set_pyramid_beta(std::nanf(""));
-  EXPECT_STATUS(PolicyFromProto(spec).status(), kUnimplemented, "policy.allocator.pyramid_beta");
-  spec.mutable_allocator()->set_pyramid_beta(0.0f);
-  EXPECT_TRUE(PolicyFromProto(spec).ok());
-  // What the server reports back (PolicyToProto) is accepted again as a request.
-  v1::PolicySpec echoed;
-  PolicyToProto(**PolicyFromProto(spec), &echoed);
-  EXPECT_TRUE(PolicyFromProto(echoed).ok());
+                "policy.allocator.kind has unknown value 77");
+  // Zero stays zero (the cache resolves the defaults); negative floors are Resolve's to refuse.
+  spec.mutable_allocator()->set_kind(v1::LAYER_ALLOCATOR_UNSPECIFIED);
+  auto policy = PolicyFromProto(spec);
+  ASSERT_TRUE(policy.ok());
+  EXPECT_EQ((*policy)->allocator.min_layer_tokens, 0);
+  EXPECT_EQ((*policy)->allocator.pyramid_beta, 0.0f);
 }
 
 TEST(ConvertPolicyTest, DefaultPolicyNamed) {
   auto policy = DefaultPolicyNamed("streaming_llm", "--default_policy");
   ASSERT_TRUE(policy.ok());
   EXPECT_EQ(policy->name, "streaming_llm");
-  EXPECT_STATUS(DefaultPolicyNamed("h2o", "--default_policy").status(), kUnimplemented,
-                "--default_policy: policy 'h2o'");
+  EXPECT_EQ(policy->streaming_llm.n_sink, 4);  // resolved
+  EXPECT_STATUS(DefaultPolicyNamed("omnikv", "--default_policy").status(), kUnimplemented,
+                "--default_policy: name \"omnikv\"");
   EXPECT_STATUS(DefaultPolicyNamed("lru", "--default_policy").status(), kInvalidArgument,
                 "--default_policy: name 'lru'");
   EXPECT_STATUS(DefaultPolicyNamed("", "--default_policy").status(), kInvalidArgument,
@@ -315,10 +564,42 @@ TEST(ConvertBudgetTest, BadBudgetsNameTheirField) {
   budget.set_prefill_block_tokens(2000);
   EXPECT_STATUS(BudgetFromProto(budget, 1000).status(), kInvalidArgument,
                 "budget.prefill_block_tokens must be in [0, 1000]");
-  budget.set_prefill_block_tokens(0);
-  budget.add_per_layer_tokens(10);
-  EXPECT_STATUS(BudgetFromProto(budget, 1 << 20).status(), kUnimplemented,
-                "budget.per_layer_tokens");
+}
+
+TEST(ConvertBudgetTest, PerLayerTokens) {
+  v1::Budget budget;
+  budget.set_tokens_per_layer(64);
+  for (int32_t tokens : {32, 64, 96, 128}) budget.add_per_layer_tokens(tokens);
+  auto config = BudgetFromProto(budget, 1 << 20, "budget.", 4);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->per_layer_tokens, (std::vector<int32_t>{32, 64, 96, 128}));
+  v1::Budget back;
+  BudgetToProto(*config, &back);
+  EXPECT_EQ(back.SerializeAsString(), [&] {
+    v1::Budget expected = budget;
+    expected.set_prefill_block_tokens(128);
+    return expected.SerializeAsString();
+  }());
+  // Layout unknown: the size is not checked, the values are.
+  EXPECT_TRUE(BudgetFromProto(budget, 1 << 20).ok());
+
+  EXPECT_STATUS(BudgetFromProto(budget, 1 << 20, "budget.", 5).status(), kInvalidArgument,
+                "budget.per_layer_tokens has 4 entries; give one per layer (5) or none");
+  v1::Budget bad = budget;
+  bad.set_per_layer_tokens(3, 0);
+  EXPECT_STATUS(BudgetFromProto(bad, 1 << 20, "budget.", 4).status(), kInvalidArgument,
+                "budget.per_layer_tokens[3] must be > 0, got 0");
+  bad.set_per_layer_tokens(3, -7);
+  EXPECT_STATUS(BudgetFromProto(bad, 1 << 20).status(), kInvalidArgument,
+                "budget.per_layer_tokens[3] must be > 0, got -7");
+  bad.set_per_layer_tokens(3, kMaxBudgetTokens + 1);
+  EXPECT_STATUS(BudgetFromProto(bad, 1 << 20, "budget.", 4).status(), kInvalidArgument,
+                "budget.per_layer_tokens[3] must be at most");
+  // An empty list is always fine.
+  v1::Budget none;
+  none.set_tokens_per_layer(8);
+  ASSERT_TRUE(BudgetFromProto(none, 1 << 20, "budget.", 4).ok());
+  EXPECT_TRUE(BudgetFromProto(none, 1 << 20, "budget.", 4)->per_layer_tokens.empty());
 }
 
 // ---- Field checks ------------------------------------------------------------------------------
@@ -465,8 +746,16 @@ TEST(ConvertRequestTest, CreateSequence) {
   EXPECT_STATUS(SequenceParamsFromProto(bad, 1 << 20).status(), kInvalidArgument,
                 "budget.tokens_per_layer");
   bad = request;
+  bad.mutable_policy()->set_name("omnikv");
+  EXPECT_STATUS(SequenceParamsFromProto(bad, 1 << 20).status(), kUnimplemented,
+                "policy.name \"omnikv\"");
+  bad = request;
   bad.mutable_policy()->set_name("tova");
-  EXPECT_STATUS(SequenceParamsFromProto(bad, 1 << 20).status(), kUnimplemented, "policy 'tova'");
+  EXPECT_TRUE(SequenceParamsFromProto(bad, 1 << 20).ok());
+  bad = request;
+  bad.mutable_budget()->add_per_layer_tokens(5);
+  EXPECT_STATUS(SequenceParamsFromProto(bad, 1 << 20, /*num_layers=*/2).status(), kInvalidArgument,
+                "budget.per_layer_tokens has 1 entries");
   bad = request;
   bad.set_retain_evicted(true);
   EXPECT_STATUS(SequenceParamsFromProto(bad, 1 << 20).status(), kUnimplemented, "retain_evicted");
@@ -562,16 +851,17 @@ TEST(ConvertRequestTest, Compress) {
   v1::CompressRequest request;
   request.set_session_id("s");
   request.set_sequence_id("q");
-  auto params = CompressParamsFromProto(request);
+  auto params = CompressParamsFromProto(request, Layout());
   ASSERT_TRUE(params.ok());
   EXPECT_EQ(params->budget_tokens, 0);
   EXPECT_FALSE(params->policy.has_value());
   EXPECT_FALSE(params->return_positions);
+  EXPECT_FALSE(params->attention.has_value());
 
   request.set_budget_tokens(64);
   request.set_return_positions(true);
   request.mutable_policy()->set_name("keydiff");
-  params = CompressParamsFromProto(request);
+  params = CompressParamsFromProto(request, Layout());
   ASSERT_TRUE(params.ok());
   EXPECT_EQ(params->budget_tokens, 64);
   EXPECT_TRUE(params->return_positions);
@@ -580,18 +870,260 @@ TEST(ConvertRequestTest, Compress) {
 
   v1::CompressRequest bad = request;
   bad.set_budget_tokens(-1);
-  EXPECT_STATUS(CompressParamsFromProto(bad, "requests[5].").status(), kInvalidArgument,
+  EXPECT_STATUS(CompressParamsFromProto(bad, Layout(), "requests[5].").status(), kInvalidArgument,
                 "requests[5].budget_tokens must be in [0, 16777216]");
   bad = request;
-  bad.mutable_policy()->set_name("snapkv");
-  EXPECT_STATUS(CompressParamsFromProto(bad).status(), kUnimplemented, "policy 'snapkv'");
+  bad.mutable_policy()->set_name("omnikv");
+  EXPECT_STATUS(CompressParamsFromProto(bad, Layout()).status(), kUnimplemented,
+                "policy.name \"omnikv\"");
   bad = request;
-  bad.mutable_policy()->mutable_keydiff()->set_recent_fraction(1.5f);
-  EXPECT_STATUS(CompressParamsFromProto(bad, "requests[1].").status(), kInvalidArgument,
-                "requests[1].policy.keydiff.recent_fraction");
+  bad.mutable_policy()->mutable_keydiff()->set_anchor(static_cast<v1::KeyDiffParams::Anchor>(40));
+  EXPECT_STATUS(CompressParamsFromProto(bad, Layout(), "requests[1].").status(), kInvalidArgument,
+                "requests[1].policy.keydiff.anchor");
+
+  // Attention is converted (scores here; queries in the attention tests).
+  v1::CompressRequest with_attention = request;
+  with_attention.mutable_attention()->set_num_queries(1);
+  with_attention.mutable_attention()->set_attention_scores(std::string(8, '\0'));
+  params = CompressParamsFromProto(with_attention, Layout());
+  ASSERT_TRUE(params.ok()) << params.status();
+  ASSERT_TRUE(params->attention.has_value());
+  EXPECT_EQ(params->attention->scores.size(), 2u);
+  bad = with_attention;
+  bad.mutable_attention()->set_num_queries(0);
+  EXPECT_STATUS(CompressParamsFromProto(bad, Layout(), "requests[2].").status(), kInvalidArgument,
+                "requests[2].attention.num_queries must be >= 1");
+}
+
+// ---- Attention inputs --------------------------------------------------------------------------
+
+// Layout(): 4 layers, 2 kv heads, 8 q heads, head_dim 16, fp16.
+v1::AttentionInputs QueryAttention(int layers_listed, int num_queries, v1::DType dtype,
+                                   int dtype_bytes) {
+  v1::AttentionInputs attention;
+  for (int l = 0; l < layers_listed; ++l) attention.add_layers(3 - l);
+  attention.set_num_queries(num_queries);
+  attention.set_softmax_scale(0.25f);
+  attention.set_queries_dtype(dtype);
+  const int layers = layers_listed == 0 ? 4 : layers_listed;
+  attention.set_inline_queries(std::string(layers * 8 * num_queries * 16 * dtype_bytes, '\0'));
+  return attention;
+}
+
+TEST(ConvertAttentionTest, QueriesOfEveryDTypeDecodeToFp32) {
+  const float values[] = {1.5f, -2.0f, 0.0f, 65504.0f, -0.125f};
+  for (v1::DType dtype :
+       {v1::DTYPE_UNSPECIFIED, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16, v1::DTYPE_FLOAT32}) {
+    // UNSPECIFIED = the session dtype (fp16).
+    const DType stored =
+        dtype == v1::DTYPE_UNSPECIFIED ? DType::kFloat16 : *DTypeFromProto(dtype, "");
+    const int bytes = DTypeBytes(stored);
+    v1::AttentionInputs attention = QueryAttention(2, 3, dtype, bytes);
+    attention.add_query_positions(10);
+    attention.add_query_positions(11);
+    attention.add_query_positions(12);
+    std::string& payload = *attention.mutable_inline_queries();
+    for (int i = 0; i < 5; ++i) StoreFromFloat(payload.data(), stored, i, values[i]);
+    StoreFromFloat(payload.data(), stored, 2 * 8 * 3 * 16 - 1, 3.0f);  // the last element
+    auto converted = AttentionFromProto(attention, Layout());
+    ASSERT_TRUE(converted.ok()) << converted.status();
+    EXPECT_EQ(converted->layers, (std::vector<int32_t>{3, 2}));
+    EXPECT_EQ(converted->num_queries, 3);
+    EXPECT_EQ(converted->query_positions, (std::vector<int32_t>{10, 11, 12}));
+    EXPECT_EQ(converted->softmax_scale, 0.25f);
+    ASSERT_EQ(converted->queries.size(), 2u * 8 * 3 * 16);
+    for (int i = 0; i < 5; ++i) {
+      // bf16 keeps 8 bits of mantissa: 65504 rounds to 65536.
+      const float expected = stored == DType::kBFloat16 && i == 3 ? 65536.0f : values[i];
+      EXPECT_EQ(converted->queries[i], expected) << DTypeName(stored) << " " << i;
+    }
+    EXPECT_EQ(converted->queries.back(), 3.0f);
+    EXPECT_TRUE(converted->scores.empty());
+  }
+}
+
+TEST(ConvertAttentionTest, AllLayersWhenNoneListed) {
+  auto converted = AttentionFromProto(QueryAttention(0, 1, v1::DTYPE_FLOAT32, 4), Layout());
+  ASSERT_TRUE(converted.ok()) << converted.status();
+  EXPECT_TRUE(converted->layers.empty());
+  EXPECT_EQ(converted->queries.size(), 4u * 8 * 16);
+}
+
+TEST(ConvertAttentionTest, InlineQueriesSizeIsExact) {
+  v1::AttentionInputs attention = QueryAttention(2, 1, v1::DTYPE_UNSPECIFIED, 2);
+  attention.mutable_inline_queries()->push_back('\0');
+  EXPECT_STATUS(AttentionFromProto(attention, Layout(), "items[4].attention.").status(),
+                kInvalidArgument,
+                "items[4].attention.inline_queries has 513 bytes, expected 512 = 2 layers * 8 q "
+                "heads * 1 queries * 16 head_dim * 2 bytes");
+  // fp32 queries in an fp16 session: sized by queries_dtype.
+  attention = QueryAttention(1, 2, v1::DTYPE_FLOAT32, 2);
+  EXPECT_STATUS(AttentionFromProto(attention, Layout()).status(), kInvalidArgument,
+                "attention.inline_queries has 512 bytes, expected 1024");
+  attention.set_queries_dtype(static_cast<v1::DType>(9));
+  EXPECT_STATUS(AttentionFromProto(attention, Layout()).status(), kInvalidArgument,
+                "attention.queries_dtype has unknown value 9");
+}
+
+TEST(ConvertAttentionTest, BadFieldsAreNamed) {
+  v1::AttentionInputs attention = QueryAttention(1, 1, v1::DTYPE_FLOAT16, 2);
+  v1::AttentionInputs bad = attention;
+  bad.set_num_queries(-1);
+  EXPECT_STATUS(AttentionFromProto(bad, Layout()).status(), kInvalidArgument,
+                "attention.num_queries must be >= 1 (the queries of this step), got -1");
+  bad = attention;
+  bad.set_layers(0, -1);
+  EXPECT_STATUS(AttentionFromProto(bad, Layout()).status(), kInvalidArgument,
+                "attention.layers[0] = -1 is out of range");
+  bad = attention;
+  bad.add_layers(3);  // repeats layer 3
+  EXPECT_STATUS(AttentionFromProto(bad, Layout()).status(), kInvalidArgument,
+                "attention.layers[1] repeats layer 3");
+  bad = attention;
+  bad.add_query_positions(1);
+  bad.add_query_positions(2);
+  EXPECT_STATUS(AttentionFromProto(bad, Layout()).status(), kInvalidArgument,
+                "attention.query_positions has 2 entries but num_queries is 1");
+  bad = attention;
+  bad.set_staging_offset(0);
+  EXPECT_STATUS(AttentionFromProto(bad, Layout()).status(), kUnimplemented,
+                "attention.staging_offset: the staging area is reserved for the CUDA backend");
+  bad = attention;
+  bad.set_attention_scores(std::string(6, '\0'));
+  EXPECT_STATUS(AttentionFromProto(bad, Layout()).status(), kInvalidArgument,
+                "attention.attention_scores has 6 bytes, not a whole number of fp32 values");
+}
+
+TEST(ConvertAttentionTest, ScoresAreCopied) {
+  v1::AttentionInputs attention;
+  attention.set_num_queries(1);
+  const float scores[] = {0.25f, 0.75f, 1.0f};
+  attention.set_attention_scores(
+      std::string(reinterpret_cast<const char*>(scores), sizeof(scores)));
+  auto converted = AttentionFromProto(attention, Layout());
+  ASSERT_TRUE(converted.ok()) << converted.status();
+  EXPECT_EQ(converted->scores, (std::vector<float>{0.25f, 0.75f, 1.0f}));
+  EXPECT_TRUE(converted->queries.empty());
+}
+
+TEST(ConvertRequestTest, DecodeItem) {
+  v1::DecodeStepRequest::Item item;
+  item.set_session_id("s");
+  item.set_sequence_id("q");
+  auto decode = DecodeItemFromProto(item, Layout());
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  EXPECT_EQ(decode->session_id, "s");
+  EXPECT_EQ(decode->sequence_id, "q");
+  EXPECT_EQ(decode->reservation_id, 0u);
+  EXPECT_TRUE(decode->inline_kv.empty());
+  EXPECT_EQ(decode->attention.num_queries, 0);  // absent: no attention
+  EXPECT_TRUE(decode->attention.queries.empty());
+
+  // inline_kv [L][2][H][1][D] fp16 = 4 * 2 * 2 * 16 * 2 = 512 bytes.
+  item.set_inline_kv(std::string(512, '\x01'));
+  *item.mutable_attention() = QueryAttention(0, 1, v1::DTYPE_UNSPECIFIED, 2);
+  decode = DecodeItemFromProto(item, Layout(), "items[0].");
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  EXPECT_EQ(decode->inline_kv, std::vector<uint8_t>(512, 1));
+  EXPECT_EQ(decode->attention.num_queries, 1);
+  EXPECT_EQ(decode->attention.queries.size(), 4u * 8 * 16);
+
+  v1::DecodeStepRequest::Item bad = item;
+  bad.set_inline_kv(std::string(511, '\0'));
+  EXPECT_STATUS(DecodeItemFromProto(bad, Layout(), "items[2].").status(), kInvalidArgument,
+                "items[2].inline_kv has 511 bytes, expected 512");
+  bad = item;
+  bad.set_reservation_id(7);
+  EXPECT_STATUS(DecodeItemFromProto(bad, Layout(), "items[2].").status(), kInvalidArgument,
+                "items[2].inline_kv is set together with items[2].reservation_id");
+  bad = item;
+  *bad.mutable_attention() = QueryAttention(0, 2, v1::DTYPE_UNSPECIFIED, 2);
+  EXPECT_STATUS(DecodeItemFromProto(bad, Layout(), "items[1].").status(), kInvalidArgument,
+                "items[1].attention.num_queries must be 1");
+  bad = item;
+  bad.set_sequence_id("");
+  EXPECT_STATUS(DecodeItemFromProto(bad, Layout(), "items[3].").status(), kInvalidArgument,
+                "items[3].sequence_id must not be empty");
+  bad = item;
+  bad.clear_inline_kv();
+  bad.set_reservation_id(9);
+  decode = DecodeItemFromProto(bad, Layout());
+  ASSERT_TRUE(decode.ok());
+  EXPECT_EQ(decode->reservation_id, 9u);
+}
+
+TEST(ConvertRequestTest, Score) {
+  v1::ScoreRequest request;
+  request.set_session_id("s");
+  request.set_sequence_id("q");
+  auto params = ScoreParamsFromProto(request, Layout());
+  ASSERT_TRUE(params.ok()) << params.status();
+  EXPECT_EQ(params->budget_tokens, 0);
+  EXPECT_FALSE(params->policy.has_value());
+  EXPECT_FALSE(params->attention.has_value());
+  EXPECT_TRUE(params->layers.empty());
+
+  request.set_budget_tokens(12);
+  request.mutable_policy()->set_name("streaming_llm");
+  request.add_layers(2);
+  request.add_layers(0);
+  request.mutable_attention()->set_num_queries(1);
+  params = ScoreParamsFromProto(request, Layout());
+  ASSERT_TRUE(params.ok()) << params.status();
+  EXPECT_EQ(params->budget_tokens, 12);
+  EXPECT_EQ(params->policy->name, "streaming_llm");
+  EXPECT_EQ(params->layers, (std::vector<int32_t>{2, 0}));
+  ASSERT_TRUE(params->attention.has_value());
+
+  v1::ScoreRequest bad = request;
+  bad.add_layers(4);
+  EXPECT_STATUS(ScoreParamsFromProto(bad, Layout()).status(), kInvalidArgument,
+                "layers[2] = 4 is out of range");
   bad = request;
-  bad.mutable_attention()->set_num_queries(1);
-  EXPECT_STATUS(CompressParamsFromProto(bad).status(), kUnimplemented, "attention");
+  bad.set_budget_tokens(-3);
+  EXPECT_STATUS(ScoreParamsFromProto(bad, Layout()).status(), kInvalidArgument, "budget_tokens");
+  bad = request;
+  bad.mutable_policy()->mutable_caote()->set_base(static_cast<v1::CaoteParams::Base>(12));
+  bad.mutable_policy()->set_name("caote");
+  EXPECT_STATUS(ScoreParamsFromProto(bad, Layout()).status(), kInvalidArgument,
+                "policy.caote.base has unknown value 12");
+}
+
+TEST(ConvertResponseTest, DecodeScoreAndCompressResults) {
+  DecodeResult decode;
+  decode.counts = {5, 5};
+  decode.evicted_positions = {3, -1, 2, 4};
+  decode.merged = 2;
+  decode.position = 9;
+  v1::DecodeStepResponse::Item item;
+  DecodeResultToProto(decode, &item);
+  EXPECT_THAT(item.counts(), ::testing::ElementsAre(5, 5));
+  EXPECT_THAT(item.evicted_positions(), ::testing::ElementsAre(3, -1, 2, 4));
+  EXPECT_EQ(item.merged(), 2);
+  EXPECT_EQ(item.position(), 9);
+
+  LayerScores scores;
+  scores.layer = 1;
+  scores.kept = 1;
+  scores.scores = {0.5f, std::numeric_limits<float>::infinity(), 0.1f, 0.2f};
+  scores.kept_slots = {1, 0};
+  scores.positions = {7, 8, 7, 8};
+  v1::ScoreResponse::LayerScores layer;
+  LayerScoresToProto(scores, &layer);
+  EXPECT_EQ(layer.layer(), 1);
+  EXPECT_EQ(layer.kept(), 1);
+  EXPECT_THAT(layer.scores(),
+              ::testing::ElementsAre(0.5f, std::numeric_limits<float>::infinity(), 0.1f, 0.2f));
+  EXPECT_THAT(layer.kept_slots(), ::testing::ElementsAre(1, 0));
+  EXPECT_THAT(layer.positions(), ::testing::ElementsAre(7, 8, 7, 8));
+
+  CompressResult compress;
+  compress.floor_applied_layers = 3;
+  compress.layers.push_back({0, 4, 2, 1, {}});
+  v1::CompressResponse response;
+  CompressResultToProto(compress, &response);
+  EXPECT_EQ(response.floor_applied_layers(), 3);
+  EXPECT_EQ(response.layers(0).merged(), 1);
 }
 
 // ---- Responses ---------------------------------------------------------------------------------

@@ -611,9 +611,9 @@ TEST_F(SidecarServiceTest, CreateSequenceResolvesPolicyAndBudget) {
   EXPECT_EQ(created.budget().prefill_block_tokens(), 128);
 
   EXPECT_GRPC_ERROR(Create(attached.session_id(), &created, "req-1"), ALREADY_EXISTS, "req-1");
-  policy.set_name("h2o");
+  policy.set_name("omnikv");
   EXPECT_GRPC_ERROR(Create(attached.session_id(), &created, "", &policy), UNIMPLEMENTED,
-                    "policy 'h2o' is not implemented in this build");
+                    "policy.name \"omnikv\" is not implemented in this build");
   policy.set_name("magic");
   EXPECT_GRPC_ERROR(Create(attached.session_id(), &created, "", &policy), INVALID_ARGUMENT,
                     "policy.name 'magic'");
@@ -621,9 +621,12 @@ TEST_F(SidecarServiceTest, CreateSequenceResolvesPolicyAndBudget) {
   EXPECT_GRPC_ERROR(Create(attached.session_id(), &created, "", nullptr, &budget), INVALID_ARGUMENT,
                     "budget.tokens_per_layer");
   budget.set_tokens_per_layer(10);
-  budget.add_per_layer_tokens(5);
-  EXPECT_GRPC_ERROR(Create(attached.session_id(), &created, "", nullptr, &budget), UNIMPLEMENTED,
-                    "budget.per_layer_tokens");
+  budget.add_per_layer_tokens(5);  // the session has kLayers = 2 layers
+  EXPECT_GRPC_ERROR(Create(attached.session_id(), &created, "", nullptr, &budget), INVALID_ARGUMENT,
+                    "budget.per_layer_tokens has 1 entries; give one per layer (2) or none");
+  budget.add_per_layer_tokens(0);
+  EXPECT_GRPC_ERROR(Create(attached.session_id(), &created, "", nullptr, &budget), INVALID_ARGUMENT,
+                    "budget.per_layer_tokens[1] must be > 0, got 0");
   EXPECT_GRPC_ERROR(Create("nope", &created), NOT_FOUND, "");
   v1::CreateSequenceRequest retain;
   retain.set_session_id(attached.session_id());
@@ -1362,16 +1365,21 @@ TEST_F(SidecarServiceTest, CompressStreamingLlmKeepsSinksAndRecent) {
   EXPECT_EQ(LayoutOf(session, "s").layers(0).count(), 16);
 
   request.mutable_attention()->set_num_queries(1);
+  request.mutable_attention()->set_staging_offset(64);
   EXPECT_GRPC_ERROR(stub_->Compress(Context().get(), request, &response), UNIMPLEMENTED,
-                    "attention");
+                    "attention.staging_offset");
+  request.mutable_attention()->clear_staging_offset();
+  request.mutable_attention()->set_attention_scores("abc");
+  EXPECT_GRPC_ERROR(stub_->Compress(Context().get(), request, &response), INVALID_ARGUMENT,
+                    "attention.attention_scores has 3 bytes");
   request.clear_attention();
   request.set_budget_tokens(-1);
   EXPECT_GRPC_ERROR(stub_->Compress(Context().get(), request, &response), INVALID_ARGUMENT,
                     "budget_tokens");
   request.set_budget_tokens(8);
-  request.mutable_policy()->set_name("d2o");
+  request.mutable_policy()->set_name("omnikv");
   EXPECT_GRPC_ERROR(stub_->Compress(Context().get(), request, &response), UNIMPLEMENTED,
-                    "policy 'd2o'");
+                    "policy.name \"omnikv\"");
   request.clear_policy();
   request.set_sequence_id("ghost");
   EXPECT_GRPC_ERROR(stub_->Compress(Context().get(), request, &response), NOT_FOUND, "ghost");
@@ -1403,7 +1411,7 @@ TEST_F(SidecarServiceTest, BatchCompress) {
   batch.mutable_requests(1)->mutable_policy()->set_name("keydiff");
   batch.mutable_requests(1)->mutable_policy()->mutable_keydiff()->set_recent_fraction(2.0f);
   EXPECT_GRPC_ERROR(stub_->BatchCompress(Context().get(), batch, &response), INVALID_ARGUMENT,
-                    "requests[1].policy.keydiff.recent_fraction");
+                    "requests[1]: policy.keydiff.recent_fraction");
   batch.mutable_requests(1)->clear_policy();
   batch.mutable_requests(1)->set_sequence_id("x");
   EXPECT_GRPC_ERROR(stub_->BatchCompress(Context().get(), batch, &response), INVALID_ARGUMENT,
@@ -1525,10 +1533,6 @@ TEST_F(SidecarServiceTest, OversizedResponsesAreRefusedBeforeTheyAreBuilt) {
 // ---- Not in this build --------------------------------------------------------------------------
 
 TEST_F(SidecarServiceTest, LaterCallsAreUnimplemented) {
-  v1::DecodeStepResponse decode;
-  EXPECT_GRPC_ERROR(stub_->DecodeStep(Context().get(), {}, &decode), UNIMPLEMENTED, "DecodeStep");
-  v1::ScoreResponse score;
-  EXPECT_GRPC_ERROR(stub_->Score(Context().get(), {}, &score), UNIMPLEMENTED, "Score");
   v1::SelectResponse select;
   EXPECT_GRPC_ERROR(stub_->Select(Context().get(), {}, &select), UNIMPLEMENTED, "OmniKV");
   v1::SpillResponse spill;
@@ -1540,6 +1544,297 @@ TEST_F(SidecarServiceTest, LaterCallsAreUnimplemented) {
                     "SetDefaults");
   v1::SetQuotaResponse quota;
   EXPECT_GRPC_ERROR(admin_->SetQuota(Context().get(), {}, &quota), UNIMPLEMENTED, "SetQuota");
+}
+
+// ---- Attention inputs, DecodeStep, Score
+// ---------------------------------------------------------
+
+// One decode token's inline K/V for every layer: [L][2][H][1][D] fp32.
+std::string DecodeKv(uint32_t seed) { return Pattern(kLayers * kTokenBytes, seed); }
+
+v1::DecodeStepRequest::Item DecodeItem(const std::string& session, const std::string& sequence,
+                                       uint32_t seed) {
+  v1::DecodeStepRequest::Item item;
+  item.set_session_id(session);
+  item.set_sequence_id(sequence);
+  item.set_inline_kv(DecodeKv(seed));
+  return item;
+}
+
+TEST_F(SidecarServiceTest, CommitConvertsAttentionBeforeCommitting) {
+  const std::string session = AttachOk().session_id();
+  const std::string sequence = CreateOk(session, "a");
+  v1::ReserveResponse reserved;
+  ASSERT_GRPC_OK(Reserve(session, sequence, 3, &reserved));
+  v1::CommitRequest commit;
+  commit.set_session_id(session);
+  commit.set_sequence_id(sequence);
+  commit.set_reservation_id(reserved.reservation_id());
+  v1::CommitResponse response;
+  // Refused before the pool sees them: the reservation stays pending.
+  commit.mutable_attention()->set_num_queries(3);
+  commit.mutable_attention()->set_staging_offset(0);
+  EXPECT_GRPC_ERROR(stub_->Commit(Context().get(), commit, &response), UNIMPLEMENTED,
+                    "attention.staging_offset: the staging area is reserved for the CUDA backend");
+  // SmallLayout: 2 layers, 4 q heads, head_dim 8, fp32 -> 2 * 4 * 3 * 8 * 4 = 768 bytes.
+  commit.mutable_attention()->set_inline_queries(std::string(767, '\0'));
+  EXPECT_GRPC_ERROR(stub_->Commit(Context().get(), commit, &response), INVALID_ARGUMENT,
+                    "attention.inline_queries has 767 bytes, expected 768");
+  commit.mutable_attention()->add_layers(2);
+  EXPECT_GRPC_ERROR(stub_->Commit(Context().get(), commit, &response), INVALID_ARGUMENT,
+                    "attention.layers[0] = 2 is out of range");
+  EXPECT_EQ(LayoutOf(session, sequence).layers(0).count(), 0);
+  EXPECT_TRUE(pool_->CheckReservation(session, sequence, reserved.reservation_id()).ok());
+
+  // A well-formed attention input reaches the pool (keydiff ignores it).
+  commit.mutable_attention()->clear_layers();
+  commit.mutable_attention()->set_inline_queries(std::string(768, '\0'));
+  commit.mutable_attention()->set_softmax_scale(0.35f);
+  ASSERT_GRPC_OK(stub_->Commit(Context().get(), commit, &response));
+  EXPECT_THAT(response.counts(), ElementsAre(3, 3));
+}
+
+TEST_F(SidecarServiceTest, BatchCommitChecksEveryItemsAttentionFirst) {
+  const std::string session = AttachOk().session_id();
+  v1::BatchCommitRequest batch;
+  for (const char* id : {"a", "b"}) {
+    const std::string sequence = CreateOk(session, id);
+    v1::ReserveResponse reserved;
+    ASSERT_GRPC_OK(Reserve(session, sequence, 2, &reserved));
+    v1::CommitRequest* item = batch.add_requests();
+    item->set_session_id(session);
+    item->set_sequence_id(sequence);
+    item->set_reservation_id(reserved.reservation_id());
+  }
+  batch.mutable_requests(1)->mutable_attention()->set_num_queries(2);
+  batch.mutable_requests(1)->mutable_attention()->set_attention_scores(std::string(5, '\0'));
+  v1::BatchCommitResponse response;
+  EXPECT_GRPC_ERROR(stub_->BatchCommit(Context().get(), batch, &response), INVALID_ARGUMENT,
+                    "requests[1].attention.attention_scores has 5 bytes");
+  EXPECT_EQ(LayoutOf(session, "a").layers(0).count(), 0);  // nothing committed
+
+  // Without the attention the commit goes through (the sequence has no budget to evict to).
+  batch.mutable_requests(1)->clear_attention();
+  ASSERT_GRPC_OK(stub_->BatchCommit(Context().get(), batch, &response));
+  ASSERT_EQ(response.responses_size(), 2);
+  EXPECT_THAT(response.responses(1).counts(), ElementsAre(2, 2));
+}
+
+TEST_F(SidecarServiceTest, CreateSequenceWithPerLayerBudgets) {
+  const std::string session = AttachOk().session_id();
+  v1::Budget budget;
+  budget.set_tokens_per_layer(8);
+  budget.add_per_layer_tokens(6);
+  budget.add_per_layer_tokens(10);
+  v1::CreateSequenceResponse created;
+  ASSERT_GRPC_OK(Create(session, &created, "p", nullptr, &budget));
+  EXPECT_THAT(created.budget().per_layer_tokens(), ElementsAre(6, 10));
+}
+
+// Keydiff keeps every layer at its budget through a decode loop of inline tokens.
+TEST_F(SidecarServiceTest, DecodeStepInlineKeepsEveryLayerAtBudget) {
+  const std::string session = AttachOk().session_id();
+  v1::PolicySpec policy;
+  policy.set_name("keydiff");
+  v1::Budget budget;
+  budget.set_tokens_per_layer(8);
+  v1::CreateSequenceResponse created;
+  ASSERT_GRPC_OK(Create(session, &created, "d", &policy, &budget));
+  ASSERT_GRPC_OK(AppendOk(session, "d", Pattern(8 * kLayers * kTokenBytes, 1), 8));
+  for (int step = 0; step < 6; ++step) {
+    v1::DecodeStepRequest request;
+    *request.add_items() = DecodeItem(session, "d", 100 + step);
+    v1::DecodeStepResponse response;
+    ASSERT_GRPC_OK(stub_->DecodeStep(Context().get(), request, &response));
+    ASSERT_EQ(response.items_size(), 1);
+    const v1::DecodeStepResponse::Item& item = response.items(0);
+    EXPECT_THAT(item.counts(), ElementsAre(8, 8)) << "step " << step;
+    EXPECT_EQ(item.position(), 8 + step);
+    ASSERT_EQ(item.evicted_positions_size(), kLayers * kHeads);
+    for (int32_t evicted : item.evicted_positions()) {
+      EXPECT_GE(evicted, 0);  // over budget by one: every (layer, head) evicted one token
+      EXPECT_LE(evicted, 8 + step);
+    }
+  }
+  const v1::GetLayoutResponse layout = LayoutOf(session, "d");
+  EXPECT_EQ(layout.next_position(), 14);
+  for (const v1::LayerLayout& layer : layout.layers()) EXPECT_EQ(layer.count(), 8);
+}
+
+TEST_F(SidecarServiceTest, DecodeStepWithAReservationOrNeither) {
+  const std::string session = AttachOk().session_id();
+  v1::PolicySpec policy;
+  policy.set_name("streaming_llm");
+  policy.mutable_streaming_llm()->set_n_sink(2);
+  v1::Budget budget;
+  budget.set_tokens_per_layer(6);
+  v1::CreateSequenceResponse created;
+  ASSERT_GRPC_OK(Create(session, &created, "r", &policy, &budget));
+  ASSERT_GRPC_OK(AppendOk(session, "r", Pattern(6 * kLayers * kTokenBytes, 2), 6));
+  v1::ReserveResponse reserved;
+  ASSERT_GRPC_OK(Reserve(session, "r", 1, &reserved));
+  v1::DecodeStepRequest request;
+  v1::DecodeStepRequest::Item* item = request.add_items();
+  item->set_session_id(session);
+  item->set_sequence_id("r");
+  item->set_reservation_id(reserved.reservation_id());
+  v1::DecodeStepResponse response;
+  ASSERT_GRPC_OK(stub_->DecodeStep(Context().get(), request, &response));
+  ASSERT_EQ(response.items_size(), 1);
+  EXPECT_THAT(response.items(0).counts(), ElementsAre(6, 6));
+  EXPECT_EQ(response.items(0).position(), -1);  // not an inline token
+  // StreamingLLM evicts the oldest position after the sinks: position 2 in every (layer, head).
+  EXPECT_THAT(response.items(0).evicted_positions(), ElementsAre(2, 2, 2, 2));
+  // Neither: the token was committed already; nothing over budget, nothing evicted.
+  item->set_reservation_id(0);
+  ASSERT_GRPC_OK(stub_->DecodeStep(Context().get(), request, &response));
+  EXPECT_THAT(response.items(0).counts(), ElementsAre(6, 6));
+  EXPECT_THAT(response.items(0).evicted_positions(), ElementsAre(-1, -1, -1, -1));
+}
+
+TEST_F(SidecarServiceTest, DecodeStepBadItemChangesNothing) {
+  const std::string session = AttachOk().session_id();
+  for (const char* id : {"a", "b"}) {
+    v1::CreateSequenceResponse created;
+    v1::Budget budget;
+    budget.set_tokens_per_layer(4);
+    ASSERT_GRPC_OK(Create(session, &created, id, nullptr, &budget));
+    ASSERT_GRPC_OK(AppendOk(session, id, Pattern(4 * kLayers * kTokenBytes, 3), 4));
+  }
+  const v1::GetLayoutResponse before_a = LayoutOf(session, "a");
+  const v1::GetLayoutResponse before_b = LayoutOf(session, "b");
+  auto expect_unchanged = [&] {
+    EXPECT_EQ(LayoutOf(session, "a").SerializeAsString(), before_a.SerializeAsString());
+    EXPECT_EQ(LayoutOf(session, "b").SerializeAsString(), before_b.SerializeAsString());
+  };
+  v1::DecodeStepResponse response;
+  {
+    v1::DecodeStepRequest request;
+    *request.add_items() = DecodeItem(session, "a", 1);
+    *request.add_items() = DecodeItem(session, "b", 2);
+    request.mutable_items(1)->mutable_inline_kv()->pop_back();
+    EXPECT_GRPC_ERROR(stub_->DecodeStep(Context().get(), request, &response), INVALID_ARGUMENT,
+                      "items[1].inline_kv has " + std::to_string(kLayers * kTokenBytes - 1) +
+                          " bytes, expected " + std::to_string(kLayers * kTokenBytes));
+  }
+  {
+    v1::DecodeStepRequest request;
+    *request.add_items() = DecodeItem(session, "a", 1);
+    *request.add_items() = DecodeItem(session, "a", 2);
+    EXPECT_GRPC_ERROR(stub_->DecodeStep(Context().get(), request, &response), INVALID_ARGUMENT,
+                      "items[1].sequence_id 'a' repeats items[0]");
+  }
+  {
+    v1::DecodeStepRequest request;
+    *request.add_items() = DecodeItem(session, "a", 1);
+    *request.add_items() = DecodeItem("no-such-session", "b", 2);
+    EXPECT_GRPC_ERROR(stub_->DecodeStep(Context().get(), request, &response), NOT_FOUND,
+                      "items[1]: ");
+  }
+  {
+    v1::DecodeStepRequest request;
+    *request.add_items() = DecodeItem(session, "a", 1);
+    *request.add_items() = DecodeItem(session, "b", 2);
+    request.mutable_items(0)->mutable_attention()->set_num_queries(2);
+    EXPECT_GRPC_ERROR(stub_->DecodeStep(Context().get(), request, &response), INVALID_ARGUMENT,
+                      "items[0].attention.num_queries must be 1");
+    request.mutable_items(0)->clear_attention();
+    request.mutable_items(1)->set_reservation_id(5);
+    EXPECT_GRPC_ERROR(stub_->DecodeStep(Context().get(), request, &response), INVALID_ARGUMENT,
+                      "items[1].inline_kv is set together with items[1].reservation_id");
+    request.mutable_items(1)->clear_inline_kv();  // a reservation that does not exist
+    EXPECT_GRPC_ERROR(stub_->DecodeStep(Context().get(), request, &response), NOT_FOUND,
+                      "items[1]");
+  }
+  expect_unchanged();
+}
+
+TEST_F(SidecarServiceTest, ScoreIsADryRunOfCompress) {
+  const std::string session = AttachOk().session_id();
+  v1::PolicySpec policy;
+  policy.set_name("streaming_llm");
+  v1::Budget budget;
+  budget.set_tokens_per_layer(16);
+  v1::CreateSequenceResponse created;
+  ASSERT_GRPC_OK(Create(session, &created, "s", &policy, &budget));
+  ASSERT_GRPC_OK(AppendOk(session, "s", Pattern(40 * kLayers * kTokenBytes, 4), 40));
+  const v1::GetLayoutResponse before = LayoutOf(session, "s");
+
+  v1::ScoreRequest request;
+  request.set_session_id(session);
+  request.set_sequence_id("s");
+  v1::ScoreResponse scored;
+  ASSERT_GRPC_OK(stub_->Score(Context().get(), request, &scored));
+  EXPECT_EQ(LayoutOf(session, "s").SerializeAsString(), before.SerializeAsString());
+  ASSERT_EQ(scored.layers_size(), kLayers);
+  std::vector<std::set<int>> would_keep;  // [layer * kHeads + head]
+  for (const auto& layer : scored.layers()) {
+    EXPECT_EQ(layer.kept(), 16);
+    ASSERT_EQ(layer.scores_size(), kHeads * 40);
+    ASSERT_EQ(layer.positions_size(), kHeads * 40);
+    ASSERT_EQ(layer.kept_slots_size(), kHeads * 16);
+    for (int h = 0; h < kHeads; ++h) {
+      std::set<int> kept;
+      for (int i = 0; i < 16; ++i) {
+        const int slot = layer.kept_slots(h * 16 + i);
+        if (i > 0) {
+          EXPECT_LT(layer.kept_slots(h * 16 + i - 1), slot);  // ascending
+        }
+        kept.insert(layer.positions(h * 40 + slot));
+      }
+      would_keep.push_back(kept);
+    }
+  }
+  std::set<int> expected = {0, 1, 2, 3};  // sinks (default 4) and the 12 newest
+  for (int p = 28; p < 40; ++p) expected.insert(p);
+  EXPECT_EQ(would_keep.front(), expected);
+
+  v1::CompressRequest compress;
+  compress.set_session_id(session);
+  compress.set_sequence_id("s");
+  compress.set_return_positions(true);
+  v1::CompressResponse compressed;
+  ASSERT_GRPC_OK(stub_->Compress(Context().get(), compress, &compressed));
+  ASSERT_EQ(compressed.layers_size(), kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    const auto& layer = compressed.layers(l);
+    ASSERT_EQ(layer.positions_size(), kHeads * 16);
+    for (int h = 0; h < kHeads; ++h) {
+      std::set<int> kept(layer.positions().begin() + h * 16,
+                         layer.positions().begin() + (h + 1) * 16);
+      EXPECT_EQ(kept, would_keep[l * kHeads + h]) << "layer " << l << " head " << h;
+    }
+  }
+}
+
+TEST_F(SidecarServiceTest, ScoreRefusesBadInput) {
+  const std::string session = AttachOk().session_id();
+  CreateOk(session, "s");
+  v1::ScoreRequest request;
+  request.set_session_id(session);
+  request.set_sequence_id("s");
+  v1::ScoreResponse response;
+  request.add_layers(kLayers);
+  EXPECT_GRPC_ERROR(stub_->Score(Context().get(), request, &response), INVALID_ARGUMENT,
+                    "layers[0] = 2 is out of range");
+  request.clear_layers();
+  request.set_budget_tokens(-2);
+  EXPECT_GRPC_ERROR(stub_->Score(Context().get(), request, &response), INVALID_ARGUMENT,
+                    "budget_tokens");
+  request.set_budget_tokens(4);
+  request.mutable_policy()->set_name("omnikv");
+  EXPECT_GRPC_ERROR(stub_->Score(Context().get(), request, &response), UNIMPLEMENTED, "omnikv");
+  request.clear_policy();
+  request.mutable_attention()->set_num_queries(1);
+  request.mutable_attention()->set_queries_dtype(static_cast<v1::DType>(6));
+  EXPECT_GRPC_ERROR(stub_->Score(Context().get(), request, &response), INVALID_ARGUMENT,
+                    "attention.queries_dtype has unknown value 6");
+  request.clear_attention();
+  request.set_sequence_id("ghost");
+  EXPECT_GRPC_ERROR(stub_->Score(Context().get(), request, &response), NOT_FOUND, "ghost");
+  request.set_sequence_id("");
+  EXPECT_GRPC_ERROR(stub_->Score(Context().get(), request, &response), INVALID_ARGUMENT,
+                    "sequence_id must not be empty");
 }
 
 // ---- Admin --------------------------------------------------------------------------------------

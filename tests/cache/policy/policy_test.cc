@@ -27,15 +27,40 @@ TEST(PolicyFactoryTest, UnknownNameListsKnownOnes) {
   EXPECT_EQ(MakePolicy(config).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST(PolicyFactoryTest, LaterPoliciesAreUnimplemented) {
-  for (const char* name : {"h2o", "tova", "snapkv", "cake", "d2o", "caote", "omnikv"}) {
+TEST(PolicyFactoryTest, EveryPolicyOfThePapersIsBuilt) {
+  for (const char* name :
+       {"streaming_llm", "keydiff", "h2o", "tova", "snapkv", "cake", "d2o", "caote"}) {
     PolicyConfig config;
     config.name = name;
     auto policy = MakePolicy(config);
-    EXPECT_EQ(policy.status().code(), absl::StatusCode::kUnimplemented) << name;
-    EXPECT_THAT(policy.status().message(), HasSubstr(name));
-    EXPECT_EQ(ResolvePolicyConfig(config).status().code(), absl::StatusCode::kUnimplemented);
+    ASSERT_TRUE(policy.ok()) << name << ": " << policy.status();
+    EXPECT_EQ((*policy)->config().name, name);
   }
+}
+
+TEST(PolicyFactoryTest, OmniKvIsUnimplementedUntilTheTiersExist) {
+  PolicyConfig config;
+  config.name = "omnikv";
+  auto policy = MakePolicy(config);
+  EXPECT_EQ(policy.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(policy.status().message(), HasSubstr("omnikv"));
+  EXPECT_EQ(ResolvePolicyConfig(config).status().code(), absl::StatusCode::kUnimplemented);
+}
+
+TEST(PolicyFactoryTest, AllocatorConfigIsValidatedForEveryPolicy) {
+  PolicyConfig config;
+  config.name = "h2o";
+  config.allocator.min_layer_tokens = -1;
+  EXPECT_THAT(ResolvePolicyConfig(config).status().message(),
+              HasSubstr("policy.allocator.min_layer_tokens"));
+  config.allocator.min_layer_tokens = 0;
+  config.allocator.pyramid_beta = 0.5f;
+  EXPECT_THAT(ResolvePolicyConfig(config).status().message(),
+              HasSubstr("policy.allocator.pyramid_beta"));
+  config.allocator.pyramid_beta = 0.0f;
+  auto resolved = ResolvePolicyConfig(config);
+  ASSERT_TRUE(resolved.ok());
+  EXPECT_EQ(resolved->allocator.pyramid_beta, 20.0f);
 }
 
 TEST(PolicyFactoryTest, MakesBothPoliciesWithResolvedConfigs) {
@@ -102,9 +127,11 @@ TEST(ScoredPolicyTest, MalformedSelectionIsInternal) {
   layer.positions = positions;
   layer.keep = 4;  // more than count
   layer.kept = absl::MakeSpan(kept);
-  EXPECT_EQ((*policy)->Select(*backend, Phase::kPrefill, {&layer, 1}).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ((*policy)->Select(*backend, Phase::kPrefill, {&layer, 1}).code(),
+            absl::StatusCode::kInternal);
   layer.keep = 1;  // kept has room for 2
-  EXPECT_EQ((*policy)->Select(*backend, Phase::kPrefill, {&layer, 1}).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ((*policy)->Select(*backend, Phase::kPrefill, {&layer, 1}).code(),
+            absl::StatusCode::kInternal);
 }
 
 }  // namespace

@@ -209,6 +209,8 @@ class Session {
                              int token_i, absl::Span<const uint8_t> row) const;
   absl::StatusOr<v1::CommitResponse> Commit(const Reservation& reservation,
                                             bool compress_if_over_budget = false);
+  // Full control (attention inputs); session_id is filled in.
+  absl::StatusOr<v1::CommitResponse> Commit(v1::CommitRequest request);
   // Drops a pending reservation without committing it; its row pointers must not be used after.
   absl::Status CancelReservation(const Reservation& reservation);
   // All or nothing on the server: if an item is bad nothing is reserved.

@@ -1,0 +1,167 @@
+// AttentionProbs on the CPU backend (gpu/cpu/attention_cpu.cc) for the shapes of a 32-layer GQA
+// model (Hq=32, H=8, D=128, fp16 keys), reported against limits measured in the same run:
+//   - prefill/compress window (w=32, count 8192): compute-bound, FLOP/s as a fraction of a dense
+//     fp32 AVX2 FMA dot-product loop on L1-resident data with the same thread count;
+//   - decode (w=1, count 2048, 16 sequences x 32 layers): memory-bound, key bytes read per second
+//   as a
+//     fraction of memcpy bandwidth.
+// Threads: the benchmark argument (2 = this machine's cores).
+#include <benchmark/benchmark.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "gpu/backend.h"
+#include "gpu/base/dtype.h"
+
+namespace kvs::bench {
+namespace {
+
+constexpr int kLayers = 32, kKvHeads = 8, kQHeads = 32, kHeadDim = 128, kBlockTokens = 16;
+
+void Check(const absl::Status& status) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "%s\n", status.ToString().c_str());
+    std::abort();
+  }
+}
+
+// `count` fp16 tokens per layer for `layers` (sequence, layer) pairs in one arena with the real
+// block layout ([2][H][B][D]; only the key half is written), through shuffled block tables.
+struct Cache {
+  uint64_t block_bytes = 2ull * kKvHeads * kBlockTokens * kHeadDim * 2;
+  uint8_t* arena = nullptr;
+  uint64_t arena_bytes = 0;
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<std::vector<int32_t>> key_positions;
+  std::vector<std::vector<float>> queries;
+  std::vector<int32_t> query_positions;
+  std::vector<float*> probs;
+  std::vector<AttentionJob> jobs;
+
+  Cache(int layers, int count, int window) {
+    const int blocks_per_layer = (count + kBlockTokens - 1) / kBlockTokens;
+    const int64_t blocks = int64_t{layers} * blocks_per_layer;
+    arena_bytes = blocks * block_bytes;
+    // mmap: the untouched value halves of the blocks cost no memory.
+    arena = static_cast<uint8_t*>(
+        mmap(nullptr, arena_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    if (arena == MAP_FAILED) std::abort();
+    std::vector<int32_t> ids(blocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::mt19937 rng(1);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    // One random key row pattern per block (fast to fill, enough for timing).
+    std::vector<uint16_t> pattern(kKvHeads * kBlockTokens * kHeadDim);
+    for (auto& h : pattern) h = FloatToFloat16(normal(rng));
+    for (int64_t b = 0; b < blocks; ++b) {
+      std::memcpy(arena + b * block_bytes, pattern.data(), pattern.size() * 2);
+    }
+    for (int l = 0; l < layers; ++l) {
+      tables.emplace_back(ids.begin() + int64_t{l} * blocks_per_layer,
+                          ids.begin() + int64_t{l + 1} * blocks_per_layer);
+      std::vector<int32_t> pos(int64_t{kKvHeads} * count);
+      for (int h = 0; h < kKvHeads; ++h)
+        std::iota(pos.begin() + h * count, pos.begin() + (h + 1) * count, 0);
+      key_positions.push_back(std::move(pos));
+      std::vector<float> q(int64_t{kQHeads} * window * kHeadDim);
+      for (float& x : q) x = normal(rng);
+      queries.push_back(std::move(q));
+    }
+    for (int i = 0; i < window; ++i) query_positions.push_back(count - window + i);
+    for (int l = 0; l < layers; ++l) {
+      const size_t bytes = sizeof(float) * kQHeads * window * count;
+      float* out = static_cast<float*>(std::malloc(bytes));
+      std::memset(out, 0, bytes);  // fault the pages in outside the timed loop
+      probs.push_back(out);
+      AttentionJob job;
+      job.keys.arena = arena;
+      job.keys.kv_index = 0;
+      job.keys.block_table = tables[l].data();
+      job.keys.count = count;
+      job.keys.num_kv_heads = kKvHeads;
+      job.keys.head_dim = kHeadDim;
+      job.keys.block_tokens = kBlockTokens;
+      job.keys.dtype = DType::kFloat16;
+      job.keys.block_bytes = block_bytes;
+      job.key_positions = key_positions[l].data();
+      job.queries = queries[l].data();
+      job.query_positions = query_positions.data();
+      job.num_q_heads = kQHeads;
+      job.num_queries = window;
+      job.scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+      job.probs = out;
+      jobs.push_back(job);
+    }
+  }
+  ~Cache() {
+    for (float* p : probs) std::free(p);
+    munmap(arena, arena_bytes);
+  }
+  uint64_t key_bytes() const {
+    return uint64_t{kKvHeads} * jobs.size() * jobs[0].keys.count * kHeadDim * 2;
+  }
+};
+
+void BM_AttentionWindow(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const int window = static_cast<int>(state.range(1));
+  const int count = static_cast<int>(state.range(2));
+  const int layers = static_cast<int>(state.range(3));
+  Cache cache(layers, count, window);
+  auto backend = MakeCpuBackend(threads);
+  Check(backend->AttentionProbs(cache.jobs, nullptr));  // warm-up
+  const double cpu_start = ProcessCpuSeconds();
+  for (auto _ : state) {
+    Check(backend->AttentionProbs(cache.jobs, nullptr));
+  }
+  const double cpu_seconds = ProcessCpuSeconds() - cpu_start;
+  const double flops = 2.0 * kQHeads * window * static_cast<double>(count) * kHeadDim * layers;
+  const double peak = DotPeakFlopsPerSecond(threads);
+  state.counters["GFLOPs"] =
+      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["dot_peak_GFLOPs"] = peak / 1e9;
+  state.counters["flops_per_peak"] =
+      benchmark::Counter(flops / peak, benchmark::Counter::kIsIterationInvariantRate);
+  // Per CPU second (all threads): robust to other processes sharing the cores.
+  const double flops_per_cpu_second = flops * state.iterations() / cpu_seconds;
+  const double core_peak = DotPeakFlopsPerCpuSecond();
+  state.counters["GFLOP_per_cpu_s"] = flops_per_cpu_second / 1e9;
+  state.counters["core_peak_GFLOP_per_cpu_s"] = core_peak / 1e9;
+  state.counters["cpu_flops_per_core_peak"] = flops_per_cpu_second / core_peak;
+  const double limit = std::max(MemcpyBytesPerSecond(256ull << 20),
+                                ParallelMemcpyBytesPerSecond(256ull << 20, threads));
+  state.counters["key_GBps"] =
+      benchmark::Counter(cache.key_bytes() / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["memcpy_GBps"] = limit / 1e9;
+  state.counters["keys_per_memcpy"] =
+      benchmark::Counter(cache.key_bytes() / limit, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// args: threads, window, count, jobs (layers x sequences).
+BENCHMARK(BM_AttentionWindow)
+    ->ArgNames({"threads", "w", "count", "jobs"})
+    ->Args({2, 32, 8192, kLayers})      // compress of one 8192-token sequence: 32 layers, one call
+    ->Args({2, 32, 2048, 4 * kLayers})  // batch: 4 sequences x 32 layers of 2048 tokens
+    // decode: one query per (sequence, layer). 16 sequences x 32 layers (2.1 GB of keys, far past
+    // the caches) rather than 64: the 8.6 GB of 64 would not fit this shared machine's memory.
+    ->Args({2, 1, 2048, 16 * kLayers})
+    ->Args({1, 32, 8192, kLayers})
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(1.0)
+    ->UseRealTime();
+
+}  // namespace
+}  // namespace kvs::bench
+
+BENCHMARK_MAIN();

@@ -1,0 +1,221 @@
+#include "cache/policy/cake.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cache/policy/attention_stats.h"
+#include "gpu/base/status_macros.h"
+
+namespace kvs {
+namespace {
+
+constexpr int32_t kDefaultWindow = 32;
+constexpr float kDefaultTau = 1.0f;
+constexpr int32_t kDefaultKernel = 5;
+
+// A step must carry [Hq][num_queries][count] finite, non-negative probabilities and the
+// positions of its keys and queries.
+absl::Status CheckStep(const LayerStep& step) {
+  const int64_t heads = step.keys.num_kv_heads;
+  const int64_t count = step.keys.count;
+  if (heads < 1 || step.num_q_heads < heads || step.num_q_heads % heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention for layer ", step.layer, ": ", step.num_q_heads,
+                     " query heads is not a positive multiple of ", heads, " kv heads"));
+  }
+  if (step.num_queries < 1 ||
+      static_cast<int64_t>(step.probs.size()) != step.num_q_heads * step.num_queries * count) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention for layer ", step.layer, ": ", step.probs.size(), " probabilities for ",
+        step.num_q_heads, " heads x ", step.num_queries, " queries x ", count, " tokens"));
+  }
+  if (static_cast<int64_t>(step.query_positions.size()) != step.num_queries ||
+      static_cast<int64_t>(step.positions.size()) != heads * count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention for layer ", step.layer, ": ", step.query_positions.size(),
+                     " query positions for ", step.num_queries, " queries, ", step.positions.size(),
+                     " key positions for ", heads, " x ", count));
+  }
+  for (float p : step.probs) {
+    if (!(p >= 0.0f && p <= std::numeric_limits<float>::max())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention for layer ", step.layer, " holds a negative or non-finite probability: ", p));
+    }
+  }
+  if (step.state == nullptr) {
+    return absl::InternalError(absl::StrCat("layer ", step.layer, " has no policy state"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+AttentionRequirement CakePolicy::ScorerAttention(Phase phase) const {
+  // Prefill: the observation window; decode: the new token's query alone.
+  return AttentionRequirement{true, phase == Phase::kPrefill ? cake_.window : 1};
+}
+
+absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
+                                       absl::Span<const LayerStep> layers) const {
+  std::vector<float> rows;
+  std::vector<float> pooled;
+  std::vector<uint8_t> eligible;
+  std::vector<int32_t> scratch;
+  for (const LayerStep& step : layers) {
+    KVS_RETURN_IF_ERROR(CheckStep(step));
+    const int32_t hq = step.num_q_heads;
+    const int32_t heads = step.keys.num_kv_heads;
+    const int32_t count = step.keys.count;
+    const int32_t nq = step.num_queries;
+    const int64_t n = count;
+    rows.assign(static_cast<size_t>(hq) * n, 0.0f);
+    pooled.assign(rows.size(), 0.0f);
+    eligible.assign(static_cast<size_t>(heads) * n, 0);
+    if (phase == Phase::kPrefill) {
+      // Step 3 over the trailing window: mean + gamma * unbiased variance, fp64 per slot.
+      const int32_t w = std::min(cake_.window, nq);
+      const int32_t first_window_position = step.query_positions[nq - w];
+      for (int64_t q = 0; q < hq; ++q) {
+        for (int64_t s = 0; s < n; ++s) {
+          double sum = 0.0;
+          for (int32_t i = nq - w; i < nq; ++i) sum += step.probs[(q * nq + i) * n + s];
+          const double mean = sum / w;
+          double squares = 0.0;
+          for (int32_t i = nq - w; i < nq; ++i) {
+            const double d = step.probs[(q * nq + i) * n + s] - mean;
+            squares += d * d;
+          }
+          const double var = w > 1 ? squares / (w - 1) : 0.0;
+          rows[q * n + s] = static_cast<float>(mean + static_cast<double>(cake_.gamma) * var);
+        }
+      }
+      for (int64_t j = 0; j < heads * n; ++j) {
+        eligible[j] = step.positions[j] < first_window_position ? 1 : 0;
+      }
+      PoolByPosition(rows, hq, heads, count, step.positions, eligible, cake_.kernel_size,
+                     Pooling::kAvg, absl::MakeSpan(pooled));
+      std::vector<float>& indicator = step.state->indicator;
+      indicator.assign(static_cast<size_t>(heads) * n, 0.0f);
+      GqaMean(pooled, hq, heads, count, absl::MakeSpan(indicator));
+      // The window is always kept: stored as +inf (cake.md step 3, Omega).
+      for (int64_t j = 0; j < heads * n; ++j) {
+        if (eligible[j] == 0) indicator[j] = std::numeric_limits<float>::infinity();
+      }
+      continue;
+    }
+    // Decode (step 7): the last query's row, pooled over the candidates.
+    for (int64_t q = 0; q < hq; ++q) {
+      const float* row = step.probs.data() + (q * nq + (nq - 1)) * n;
+      std::copy(row, row + n, rows.begin() + q * n);
+    }
+    for (int32_t h = 0; h < heads; ++h) {
+      const int32_t* positions = step.positions.data() + int64_t{h} * n;
+      const int32_t candidates = count - cake_.window;
+      if (candidates <= 0) continue;  // everything is window
+      scratch.assign(positions, positions + n);
+      std::nth_element(scratch.begin(), scratch.begin() + candidates, scratch.end());
+      const int32_t window_start = scratch[candidates];  // the W newest are at or above it
+      for (int64_t s = 0; s < n; ++s) eligible[h * n + s] = positions[s] < window_start ? 1 : 0;
+    }
+    PoolByPosition(rows, hq, heads, count, step.positions, eligible, cake_.kernel_size,
+                   Pooling::kAvg, absl::MakeSpan(pooled));
+    step.state->step_scores = pooled;  // window slots keep the unpooled probabilities
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t> CakePolicy::RawScores(Backend&, Phase phase, const LayerSelection& layer,
+                                              std::vector<float>& raw) const {
+  const int64_t heads = layer.keys.num_kv_heads;
+  const int64_t count = layer.keys.count;
+  if (phase == Phase::kPrefill) {
+    const std::vector<float>& indicator = layer.state->indicator;
+    if (indicator.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy cake needs the window queries of layer ", layer.layer, ": field attention"));
+    }
+    if (static_cast<int64_t>(indicator.size()) != heads * count) {
+      return absl::InternalError(absl::StrCat("layer ", layer.layer, " holds ", indicator.size(),
+                                              " indicator entries for ", heads, " x ", count));
+    }
+    raw = indicator;
+    // The +inf of the window would poison a normalisation (CAOTE): the window is protected by
+    // Protect anyway, so it gets the row's largest finite score instead.
+    for (int64_t h = 0; h < heads; ++h) {
+      float* row = raw.data() + h * count;
+      float best = 0.0f;
+      for (int64_t s = 0; s < count; ++s) {
+        if (std::isfinite(row[s])) best = std::max(best, row[s]);
+      }
+      for (int64_t s = 0; s < count; ++s) {
+        if (!std::isfinite(row[s])) row[s] = best;
+      }
+    }
+    return static_cast<int32_t>(heads);
+  }
+  const std::vector<float>& scores = layer.state->step_scores;
+  if (scores.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy cake needs the new token's query of layer ", layer.layer, ": field attention"));
+  }
+  const int64_t rows = count > 0 ? static_cast<int64_t>(scores.size()) / count : 0;
+  if (rows < heads || rows % heads != 0 || static_cast<int64_t>(scores.size()) != rows * count) {
+    return absl::InternalError(absl::StrCat("layer ", layer.layer, " holds ", scores.size(),
+                                            " step scores for ", heads, " x ", count));
+  }
+  raw = scores;
+  return static_cast<int32_t>(rows);
+}
+
+ScoredPolicy::Protection CakePolicy::Protect(Phase, const LayerSelection& layer) const {
+  return Protection{0, std::min(cake_.window, layer.keep)};
+}
+
+std::unique_ptr<AttentionScoredPolicy> MakeCakeScorer(const PolicyConfig& config,
+                                                      const CakeConfig& cake) {
+  return std::make_unique<CakePolicy>(config, cake);
+}
+
+absl::Status ResolveCakeParams(CakeConfig& cake, absl::string_view field_prefix) {
+  // Zero is not a valid value of these: it stands for the spec's default.
+  if (cake.window == 0) cake.window = kDefaultWindow;
+  if (cake.tau1 == 0.0f) cake.tau1 = kDefaultTau;
+  if (cake.tau2 == 0.0f) cake.tau2 = kDefaultTau;
+  if (cake.kernel_size == 0) cake.kernel_size = kDefaultKernel;
+  if (cake.window < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field_prefix, ".window must be >= 1, got ", cake.window));
+  }
+  // Written so that NaN fails.
+  const float kMax = std::numeric_limits<float>::max();
+  if (!(cake.tau1 > 0.0f && cake.tau1 <= kMax)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field_prefix, ".tau1 must be finite and > 0, got ", cake.tau1));
+  }
+  if (!(cake.tau2 > 0.0f && cake.tau2 <= kMax)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field_prefix, ".tau2 must be finite and > 0, got ", cake.tau2));
+  }
+  if (!(cake.gamma >= 0.0f && cake.gamma <= kMax)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field_prefix, ".gamma must be finite and >= 0, got ", cake.gamma));
+  }
+  if (cake.kernel_size < 1 || cake.kernel_size % 2 == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field_prefix, ".kernel_size must be odd and >= 1, got ", cake.kernel_size));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ResolveCakeConfig(PolicyConfig& config) {
+  return ResolveCakeParams(config.cake, "policy.cake");
+}
+
+std::unique_ptr<Policy> MakeCakePolicy(const PolicyConfig& config) {
+  return MakeCakeScorer(config, config.cake);
+}
+
+}  // namespace kvs

@@ -1,0 +1,382 @@
+#include "cache/policy/caote.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "cache/policy/allocator.h"
+#include "cache/policy/attention_stats.h"
+#include "cache/policy/cake.h"
+#include "cache/policy/h2o.h"
+#include "cache/policy/snapkv.h"
+#include "cache/policy/tova.h"
+#include "gpu/base/status_macros.h"
+
+namespace kvs {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kDefaultCaoteEps = 1e-6f;
+constexpr int32_t kDefaultCaoteSnapKvWindow = 32;
+constexpr int32_t kDefaultCaoteSnapKvKernel = 5;
+
+// Normalises every row of `reduced` ([rows][n], non-negative, +inf allowed) into alpha summing to
+// 1 over its finite entries; a row whose finite entries sum to 0 becomes uniform over them
+// (caote.md §3.7). `infinite` marks the +inf entries, which get alpha 0.
+void Normalise(const std::vector<float>& reduced, int64_t rows, int64_t n,
+               std::vector<float>& alpha, std::vector<uint8_t>& infinite) {
+  alpha.assign(reduced.size(), 0.0f);
+  infinite.assign(reduced.size(), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* in = reduced.data() + r * n;
+    double sum = 0.0;
+    int64_t finite = 0;
+    for (int64_t s = 0; s < n; ++s) {
+      if (std::isinf(in[s])) {
+        infinite[r * n + s] = 1;
+      } else {
+        sum += in[s];
+        ++finite;
+      }
+    }
+    for (int64_t s = 0; s < n; ++s) {
+      if (infinite[r * n + s] != 0) continue;
+      alpha[r * n + s] =
+          sum > 0.0 ? static_cast<float>(in[s] / sum) : static_cast<float>(1.0 / finite);
+    }
+  }
+}
+
+// sqrt(sum c^2) over each kv head's `group` rows of `rows_in` ([H * group][n]) into out [H][n].
+void CombineRss(const float* rows_in, int64_t heads, int64_t group, int64_t n, float* out) {
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t s = 0; s < n; ++s) {
+      double sum = 0.0;
+      for (int64_t j = 0; j < group; ++j) {
+        const double c = rows_in[(h * group + j) * n + s];
+        sum += c * c;  // +inf stays +inf
+      }
+      out[h * n + s] = static_cast<float>(std::sqrt(sum));
+    }
+  }
+}
+
+// forced[s] = 1 for the `sinks` lowest and `recent` highest of the n distinct positions.
+void MarkProtected(const int32_t* positions, int32_t n, int32_t sinks, int32_t recent,
+                   std::vector<int32_t>& order, uint8_t* forced) {
+  order.resize(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [positions](int32_t a, int32_t b) { return positions[a] < positions[b]; });
+  std::fill(forced, forced + n, uint8_t{0});
+  for (int32_t j = 0; j < n; ++j) {
+    if (j < sinks || j >= n - recent) forced[order[j]] = 1;
+  }
+}
+
+absl::Status CheckFinite(const float* scores, int64_t size, int32_t layer) {
+  for (int64_t j = 0; j < size; ++j) {
+    if (std::isnan(scores[j])) {
+      return absl::InternalError(
+          absl::StrCat("policy caote: NaN score in layer ", layer, " at ", j));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+CaotePolicy::CaotePolicy(const PolicyConfig& config, std::unique_ptr<AttentionScoredPolicy> base)
+    : ScoredPolicy(config, MakeLayerAllocator(config)), base_(std::move(base)) {}
+
+ScoredPolicy::Protection CaotePolicy::Protect(Phase phase, const LayerSelection& layer) const {
+  const Protection from_base = base_->BaseProtect(phase, layer);
+  const int32_t sinks = std::clamp(std::max(from_base.sinks, config().caote.n_sink), 0, layer.keep);
+  const int32_t recent =
+      std::clamp(std::max(from_base.recent, config().caote.n_recent), 0, layer.keep - sinks);
+  return Protection{sinks, recent};
+}
+
+absl::Status CaotePolicy::Score(Backend& backend, Phase phase,
+                                absl::Span<const LayerSelection> layers,
+                                absl::Span<float* const> scores) const {
+  const CaoteConfig& caote = config().caote;
+  // Per layer: the normalised weights, their +inf marks and (rss) the per-row scores; the
+  // buffers live until the batched backend call has finished.
+  struct Work {
+    int32_t rows = 0;  // rows of alpha: H (mean) or the base's rows (rss)
+    std::vector<float> alpha;
+    std::vector<uint8_t> infinite;
+    std::vector<float> row_scores;  // rss only
+    bool batched = false;
+  };
+  std::vector<Work> work(layers.size());
+  std::vector<CaoteJob> jobs;
+  std::vector<size_t> job_layer;
+  std::vector<float> raw;
+  std::vector<float> reduced;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const LayerSelection& layer = layers[i];
+    const int64_t heads = layer.keys.num_kv_heads;
+    const int64_t count = layer.keys.count;
+    KVS_ASSIGN_OR_RETURN(const int32_t rows, base_->RawScores(backend, phase, layer, raw));
+    if (rows < heads || rows % heads != 0 ||
+        raw.size() != static_cast<size_t>(rows) * static_cast<size_t>(count)) {
+      return absl::InternalError(absl::StrCat("policy caote: the base gave ", raw.size(),
+                                              " raw scores in ", rows, " rows for layer ",
+                                              layer.layer, " of ", heads, " x ", count));
+    }
+    for (size_t j = 0; j < raw.size(); ++j) {
+      if (!(raw[j] >= 0.0f)) {  // NaN or negative: the normalisation would be meaningless
+        return absl::InternalError(absl::StrCat("policy caote: base raw score ", raw[j],
+                                                " in layer ", layer.layer, " at ", j));
+      }
+    }
+    float* out = scores[i];
+    if (caote.variant == CaoteVariant::kNone) {
+      GqaMean(raw, rows, static_cast<int32_t>(heads), static_cast<int32_t>(count),
+              absl::MakeSpan(out, static_cast<size_t>(heads * count)));
+      continue;
+    }
+    Work& w = work[i];
+    if (caote.gqa_reduce == GqaReduce::kMean || rows == heads) {
+      // Mean and sum give the same alpha; one CAOTE per kv head (caote.md §4).
+      reduced.assign(static_cast<size_t>(heads * count), 0.0f);
+      GqaMean(raw, rows, static_cast<int32_t>(heads), static_cast<int32_t>(count),
+              absl::MakeSpan(reduced));
+      w.rows = static_cast<int32_t>(heads);
+      Normalise(reduced, heads, count, w.alpha, w.infinite);
+    } else {
+      w.rows = rows;
+      Normalise(raw, rows, count, w.alpha, w.infinite);
+    }
+    if (caote.greedy) {
+      KVS_RETURN_IF_ERROR(GreedyScores(backend, phase, layer, w.alpha, w.rows, w.infinite, out));
+      continue;
+    }
+    CaoteJob job;
+    job.values = ValuesOf(layer.keys);
+    job.alpha = w.alpha.data();
+    job.rows = w.rows;
+    job.fast = caote.variant == CaoteVariant::kFast;
+    job.eps = caote.eps;
+    if (w.rows == heads) {
+      job.scores = out;
+    } else {
+      w.row_scores.assign(w.alpha.size(), 0.0f);
+      job.scores = w.row_scores.data();
+    }
+    w.batched = true;
+    jobs.push_back(job);
+  }
+  if (!jobs.empty()) {
+    KVS_RETURN_IF_ERROR(backend.CaoteScores(jobs, nullptr));
+    KVS_RETURN_IF_ERROR(backend.Synchronize(nullptr));
+  }
+  for (size_t i = 0; i < layers.size(); ++i) {
+    Work& w = work[i];
+    const int64_t heads = layers[i].keys.num_kv_heads;
+    const int64_t count = layers[i].keys.count;
+    float* out = scores[i];
+    if (w.batched) {
+      float* per_row = w.rows == heads ? out : w.row_scores.data();
+      for (size_t j = 0; j < w.infinite.size(); ++j) {
+        if (w.infinite[j] != 0) per_row[j] = kInf;
+      }
+      if (w.rows != heads) CombineRss(per_row, heads, w.rows / heads, count, out);
+    }
+    KVS_RETURN_IF_ERROR(CheckFinite(out, heads * count, layers[i].layer));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CaotePolicy::GreedyScores(Backend& backend, Phase phase, const LayerSelection& layer,
+                                       const std::vector<float>& alpha, int32_t rows,
+                                       const std::vector<uint8_t>& infinite, float* scores) const {
+  const CaoteConfig& caote = config().caote;
+  const bool fast = caote.variant == CaoteVariant::kFast;
+  const int32_t heads = layer.keys.num_kv_heads;
+  const int32_t n = layer.keys.count;
+  const int32_t group = rows / heads;
+  const int32_t evictions = n - layer.keep;
+  const int64_t size = int64_t{heads} * n;
+
+  // Protected slots are never evicted; they still carry weight in every renormalisation.
+  const Protection protection = Protect(phase, layer);
+  std::vector<uint8_t> forced(static_cast<size_t>(size));
+  std::vector<int32_t> order;
+  for (int32_t h = 0; h < heads; ++h) {
+    MarkProtected(layer.positions.data() + int64_t{h} * n, n, protection.sinks, protection.recent,
+                  order, forced.data() + int64_t{h} * n);
+  }
+
+  std::vector<uint8_t> remaining(static_cast<size_t>(size), 1);
+  std::vector<int32_t> evicted_at(static_cast<size_t>(size), -1);
+  std::vector<int32_t> left(heads, n);  // |R| per head
+  std::vector<float> renormalised(alpha.size());
+  std::vector<float> job_alpha(alpha.size());
+  std::vector<float> row_scores(alpha.size());
+  std::vector<float> combined(static_cast<size_t>(size));
+  for (int32_t step = 0;; ++step) {
+    // alpha over the tokens left: alpha_i / (1 - sum of the evicted alphas), per row.
+    for (int32_t r = 0; r < rows; ++r) {
+      const int32_t h = r / group;
+      const int64_t base = int64_t{r} * n;
+      const uint8_t* in = remaining.data() + int64_t{h} * n;
+      double sum = 0.0;
+      int32_t finite = 0;
+      for (int32_t s = 0; s < n; ++s) {
+        if (in[s] != 0 && infinite[base + s] == 0) {
+          sum += alpha[base + s];
+          ++finite;
+        }
+      }
+      for (int32_t s = 0; s < n; ++s) {
+        float a = 0.0f;
+        if (in[s] != 0 && infinite[base + s] == 0) {
+          a = sum > 0.0 ? static_cast<float>(alpha[base + s] / sum)
+                        : static_cast<float>(1.0 / finite);
+        }
+        renormalised[base + s] = a;
+        // Fast: uniform weights over the tokens left make the backend's exact X their plain
+        // mean, and its score (1/|R|)/(1 - 1/|R|) * ||mean - v|| gives the distance back.
+        job_alpha[base + s] = fast ? (in[s] != 0 ? 1.0f / static_cast<float>(left[h]) : 0.0f) : a;
+      }
+    }
+    CaoteJob job;
+    job.values = ValuesOf(layer.keys);
+    job.alpha = job_alpha.data();
+    job.rows = rows;
+    job.fast = false;
+    job.eps = caote.eps;
+    job.scores = row_scores.data();
+    KVS_RETURN_IF_ERROR(backend.CaoteScores({job}, nullptr));
+    KVS_RETURN_IF_ERROR(backend.Synchronize(nullptr));
+    for (int32_t r = 0; r < rows; ++r) {
+      const int32_t h = r / group;
+      const int64_t base = int64_t{r} * n;
+      for (int32_t s = 0; s < n; ++s) {
+        float& c = row_scores[base + s];
+        if (remaining[int64_t{h} * n + s] == 0) {
+          c = 0.0f;
+          continue;
+        }
+        if (infinite[base + s] != 0) {
+          c = kInf;
+          continue;
+        }
+        if (fast) {
+          const float a = renormalised[base + s];
+          const double distance = left[h] > 1 ? double{c} * (left[h] - 1) : 0.0;
+          if (a == 0.0f) {
+            c = 0.0f;
+          } else if (1.0f - a <= caote.eps) {
+            c = kInf;
+          } else {
+            c = static_cast<float>(a / (1.0 - a) * distance);
+          }
+        }
+      }
+    }
+    if (group == 1) {
+      combined = row_scores;
+    } else {
+      CombineRss(row_scores.data(), heads, group, n, combined.data());
+    }
+    KVS_RETURN_IF_ERROR(CheckFinite(combined.data(), size, layer.layer));
+    if (step == evictions) break;
+    for (int32_t h = 0; h < heads; ++h) {
+      const int64_t base = int64_t{h} * n;
+      const int32_t* pos = layer.positions.data() + base;
+      int32_t victim = -1;
+      for (int32_t s = 0; s < n; ++s) {
+        if (remaining[base + s] == 0 || forced[base + s] != 0) continue;
+        // The lowest score goes; on a tie the higher position goes (the lower one is kept).
+        if (victim < 0 || combined[base + s] < combined[base + victim] ||
+            (combined[base + s] == combined[base + victim] && pos[s] > pos[victim])) {
+          victim = s;
+        }
+      }
+      if (victim < 0) {
+        return absl::InternalError(absl::StrCat("policy caote: nothing left to evict greedily in ",
+                                                "layer ", layer.layer, " head ", h));
+      }
+      remaining[base + victim] = 0;
+      evicted_at[base + victim] = step;
+      --left[h];
+    }
+  }
+  for (int64_t j = 0; j < size; ++j) {
+    scores[j] = evicted_at[j] >= 0 ? static_cast<float>(evicted_at[j] - evictions) : combined[j];
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<AttentionScoredPolicy> MakeCaoteBase(const PolicyConfig& config) {
+  const CaoteConfig& caote = config.caote;
+  switch (caote.base) {
+    case CaoteBase::kTova:
+      return std::make_unique<TovaPolicy>(config, config.tova);
+    case CaoteBase::kSnapKv:
+      return std::make_unique<SnapKvPolicy>(config, caote.snapkv);
+    case CaoteBase::kCake:
+      return MakeCakeScorer(config, caote.cake);
+    case CaoteBase::kH2o:
+    default:
+      return std::make_unique<H2oPolicy>(config, H2oConfig{caote.n_sink, caote.n_recent});
+  }
+}
+
+absl::Status ResolveCaoteConfig(PolicyConfig& config) {
+  CaoteConfig& caote = config.caote;
+  switch (caote.base) {
+    case CaoteBase::kH2o:
+    case CaoteBase::kTova:
+    case CaoteBase::kSnapKv:
+    case CaoteBase::kCake:
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("policy.caote.base is not a known base: ", static_cast<int>(caote.base)));
+  }
+  switch (caote.variant) {
+    case CaoteVariant::kExact:
+    case CaoteVariant::kFast:
+    case CaoteVariant::kNone:
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.caote.variant is not a known variant: ", static_cast<int>(caote.variant)));
+  }
+  if (caote.gqa_reduce != GqaReduce::kMean && caote.gqa_reduce != GqaReduce::kRss) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.caote.gqa_reduce is not a known reduction: ", static_cast<int>(caote.gqa_reduce)));
+  }
+  if (caote.eps == 0.0f) caote.eps = kDefaultCaoteEps;  // zero values mean the spec's default
+  if (!(caote.eps > 0.0f && caote.eps < 0.5f)) {        // written so that NaN fails too
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.caote.eps must be in (0, 0.5), got ", caote.eps));
+  }
+  if (caote.n_sink < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.caote.n_sink must be >= 0, got ", caote.n_sink));
+  }
+  if (caote.n_recent < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.caote.n_recent must be >= 0, got ", caote.n_recent));
+  }
+  KVS_RETURN_IF_ERROR(ResolveSnapKvParams(caote.snapkv, "policy.caote.snapkv",
+                                          kDefaultCaoteSnapKvWindow, kDefaultCaoteSnapKvKernel));
+  if (caote.base == CaoteBase::kCake) {
+    KVS_RETURN_IF_ERROR(ResolveCakeParams(caote.cake, "policy.caote.cake"));
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<Policy> MakeCaotePolicy(const PolicyConfig& config) {
+  return std::make_unique<CaotePolicy>(config, MakeCaoteBase(config));
+}
+
+}  // namespace kvs

@@ -1,0 +1,56 @@
+// H2O (Zhang et al., "Heavy-Hitter Oracle"; policies/caote.md §4): a token's score is the
+// attention it has received from every query the sidecar observed while it was cached, summed per
+// query head (LayerPolicyState::accumulated, [Hq][count], new tokens start at 0). The accumulation
+// runs on every step that carries attention, evicting or not. Optional n_sink lowest and n_recent
+// newest positions are always kept (0 / 0 by default, as in the paper). The selection score of a
+// kv head is the GQA mean of its group (AttentionScoredPolicy).
+//
+// Immutable; safe to share across threads (per-sequence state lives in LayerPolicyState).
+#ifndef KVSIDECAR_CACHE_POLICY_H2O_H_
+#define KVSIDECAR_CACHE_POLICY_H2O_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cache/policy/policy.h"
+
+namespace kvs {
+
+class H2oPolicy final : public AttentionScoredPolicy {
+ public:
+  // Parameters from config.h2o.
+  explicit H2oPolicy(const PolicyConfig& config) : H2oPolicy(config, config.h2o) {}
+  // Explicit parameters (CAOTE's base takes its n_sink / n_recent from config.caote).
+  H2oPolicy(const PolicyConfig& config, const H2oConfig& params);
+
+  absl::StatusOr<int32_t> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,
+                                    std::vector<float>& raw) const override;
+
+ protected:
+  AttentionRequirement ScorerAttention(Phase) const override { return {true, 0}; }
+  bool ScorerNeedsAccumulated() const override { return true; }
+  absl::Status ObserveLayers(Backend& backend, Phase phase,
+                             absl::Span<const LayerStep> layers) const override;
+  Protection Protect(Phase phase, const LayerSelection& layer) const override;
+
+ private:
+  const H2oConfig params_;
+};
+
+// INVALID_ARGUMENT naming the field unless `layer` carries a well-formed probability block
+// ([num_q_heads][num_queries][count], num_q_heads a positive multiple of the kv heads). Shared by
+// the attention-based scorers; `policy` names the policy in the message.
+absl::Status CheckAttentionStep(const std::string& policy, const LayerStep& layer);
+
+// Validates config.h2o ("policy.h2o.n_sink must be >= 0, got -1"). Zero = the default (0).
+absl::Status ResolveH2oConfig(PolicyConfig& config);
+// `config` must be resolved.
+std::unique_ptr<Policy> MakeH2oPolicy(const PolicyConfig& config);
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_CACHE_POLICY_H2O_H_

@@ -1,0 +1,109 @@
+#include "cache/policy/snapkv.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "cache/policy/allocator.h"
+#include "cache/policy/attention_stats.h"
+#include "cache/policy/h2o.h"
+#include "gpu/base/status_macros.h"
+
+namespace kvs {
+
+SnapKvPolicy::SnapKvPolicy(const PolicyConfig& config, const SnapKvConfig& params)
+    : AttentionScoredPolicy(config, MakeLayerAllocator(config)), params_(params) {}
+
+absl::Status SnapKvPolicy::ObserveLayers(Backend&, Phase,
+                                         absl::Span<const LayerStep> layers) const {
+  std::vector<float> sums;
+  std::vector<uint8_t> eligible;
+  std::vector<int32_t> scratch;
+  for (const LayerStep& layer : layers) {
+    KVS_RETURN_IF_ERROR(CheckAttentionStep(config().name, layer));
+    const int32_t count = layer.keys.count;
+    const int32_t heads = layer.keys.num_kv_heads;
+    const int32_t step_queries = layer.step_queries > 0 ? layer.step_queries : layer.num_queries;
+    const int32_t window = std::min(params_.window, step_queries);
+    if (layer.num_queries < window) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention.num_queries of layer ", layer.layer, ": policy ", config().name,
+          " needs the last ", window, " queries of the step, got ", layer.num_queries));
+    }
+    const int64_t size = int64_t{layer.num_q_heads} * count;
+    sums.assign(static_cast<size_t>(size), 0.0f);
+    SumQueryRows(layer.probs, layer.num_q_heads, layer.num_queries, count, window,
+                 /*accumulate=*/false, absl::MakeSpan(sums));
+    // The window = each head's `window` newest positions; everything older is pooled.
+    eligible.assign(static_cast<size_t>(int64_t{heads} * count), 1);
+    for (int32_t h = 0; h < heads; ++h) {
+      const int32_t* pos = layer.positions.data() + int64_t{h} * count;
+      uint8_t* mark = eligible.data() + int64_t{h} * count;
+      if (window >= count) {
+        std::fill(mark, mark + count, uint8_t{0});
+        continue;
+      }
+      scratch.assign(pos, pos + count);
+      std::nth_element(scratch.begin(), scratch.begin() + (count - window), scratch.end());
+      const int32_t first_window = scratch[count - window];  // positions are distinct per head
+      for (int32_t s = 0; s < count; ++s) mark[s] = pos[s] < first_window ? 1 : 0;
+    }
+    std::vector<float>& scores = layer.state->step_scores;
+    scores.assign(static_cast<size_t>(size), 0.0f);
+    PoolByPosition(sums, layer.num_q_heads, heads, count, layer.positions, eligible,
+                   params_.kernel_size, params_.pooling, absl::MakeSpan(scores));
+    layer.state->step_protected_recent = window;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t> SnapKvPolicy::RawScores(Backend&, Phase, const LayerSelection& layer,
+                                                std::vector<float>& raw) const {
+  const std::vector<float>& scores = layer.state->step_scores;
+  const int64_t count = layer.keys.count;
+  if (scores.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy ", config().name,
+        " needs attention (the last min(window, step) queries) in this call: field attention"));
+  }
+  if (count == 0 || scores.size() % count != 0) {
+    return absl::InternalError(absl::StrCat("policy ", config().name, ": step scores of layer ",
+                                            layer.layer, " hold ", scores.size(), " values for ",
+                                            count, " slots"));
+  }
+  raw = scores;
+  return static_cast<int32_t>(scores.size() / count);
+}
+
+ScoredPolicy::Protection SnapKvPolicy::Protect(Phase, const LayerSelection& layer) const {
+  return Protection{0, std::clamp(layer.state->step_protected_recent, 0, layer.keep)};
+}
+
+absl::Status ResolveSnapKvParams(SnapKvConfig& params, const char* field, int32_t default_window,
+                                 int32_t default_kernel) {
+  if (params.window < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".window must be >= 1, got ", params.window));
+  }
+  if (params.window == 0) params.window = default_window;
+  if (params.kernel_size == 0) params.kernel_size = default_kernel;
+  if (params.kernel_size < 1 || params.kernel_size % 2 == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".kernel_size must be odd and >= 1, got ", params.kernel_size));
+  }
+  if (params.pooling != Pooling::kAvg && params.pooling != Pooling::kMax) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".pooling is not a known pooling: ", static_cast<int>(params.pooling)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ResolveSnapKvConfig(PolicyConfig& config) {
+  return ResolveSnapKvParams(config.snapkv, "policy.snapkv", kDefaultSnapKvWindow,
+                             kDefaultSnapKvKernel);
+}
+
+std::unique_ptr<Policy> MakeSnapKvPolicy(const PolicyConfig& config) {
+  return std::make_unique<SnapKvPolicy>(config);
+}
+
+}  // namespace kvs

@@ -1,0 +1,78 @@
+#include "cache/policy/tova.h"
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "cache/policy/allocator.h"
+#include "cache/policy/attention_stats.h"
+#include "cache/policy/h2o.h"
+#include "gpu/base/status_macros.h"
+
+namespace kvs {
+
+TovaPolicy::TovaPolicy(const PolicyConfig& config, const TovaConfig& params)
+    : AttentionScoredPolicy(config, MakeLayerAllocator(config)), params_(params) {}
+
+absl::Status TovaPolicy::ObserveLayers(Backend&, Phase, absl::Span<const LayerStep> layers) const {
+  for (const LayerStep& layer : layers) {
+    KVS_RETURN_IF_ERROR(CheckAttentionStep(config().name, layer));
+    const int64_t size = int64_t{layer.num_q_heads} * layer.keys.count;
+    std::vector<float>& scores = layer.state->step_scores;
+    scores.assign(static_cast<size_t>(size), 0.0f);
+    SumQueryRows(layer.probs, layer.num_q_heads, layer.num_queries, layer.keys.count, 1,
+                 /*accumulate=*/false, absl::MakeSpan(scores));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t> TovaPolicy::RawScores(Backend&, Phase, const LayerSelection& layer,
+                                              std::vector<float>& raw) const {
+  const std::vector<float>& scores = layer.state->step_scores;
+  const int64_t count = layer.keys.count;
+  const int64_t heads = layer.keys.num_kv_heads;
+  if (scores.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy ", config().name,
+                     " needs attention (the last query) in this call: field attention"));
+  }
+  if (count == 0 || scores.size() % count != 0 ||
+      static_cast<int64_t>(scores.size() / count) % heads != 0) {
+    return absl::InternalError(absl::StrCat("policy ", config().name, ": step scores of layer ",
+                                            layer.layer, " hold ", scores.size(), " values for ",
+                                            heads, " x ", count, " slots"));
+  }
+  const int64_t rows = static_cast<int64_t>(scores.size()) / count;
+  if (!params_.all_heads) {
+    raw = scores;
+    return static_cast<int32_t>(rows);
+  }
+  // One score per TOKEN over every query head of the layer. Heads may hold different positions
+  // in a given slot (compaction is per head), so the mean is taken by position, over the query
+  // heads whose kv head still holds the token.
+  const int64_t rows_per_head = rows / heads;
+  absl::flat_hash_map<int32_t, std::pair<double, int32_t>> by_position;
+  by_position.reserve(static_cast<size_t>(count));
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* pos = layer.positions.data() + (r / rows_per_head) * count;
+    for (int64_t s = 0; s < count; ++s) {
+      auto& [sum, n] = by_position[pos[s]];
+      sum += scores[r * count + s];
+      ++n;
+    }
+  }
+  raw.assign(static_cast<size_t>(heads * count), 0.0f);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t s = 0; s < count; ++s) {
+      const auto& [sum, n] = by_position.at(layer.positions[h * count + s]);
+      raw[h * count + s] = static_cast<float>(sum / n);
+    }
+  }
+  return static_cast<int32_t>(heads);
+}
+
+absl::Status ResolveTovaConfig(PolicyConfig&) { return absl::OkStatus(); }
+
+std::unique_ptr<Policy> MakeTovaPolicy(const PolicyConfig& config) {
+  return std::make_unique<TovaPolicy>(config);
+}
+
+}  // namespace kvs

@@ -1,0 +1,141 @@
+// TOVA driven directly (Observe -> Select over a real paged fp32 layer): the last query only,
+// caote.md §13 TV2's probabilities from queries, all_heads (mean over every query head, by
+// position), ties on scrambled slots, missing attention.
+#include "cache/policy/tova.h"
+
+#include <cmath>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/cache/policy/attention_policy_test_util.h"
+
+namespace kvs {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::FloatNear;
+using ::testing::Pointwise;
+using testing_util::Identity;
+using testing_util::ObserveSelect;
+using testing_util::Rows;
+using testing_util::TestLayer;
+
+PolicyConfig Tova(bool all_heads = false) {
+  PolicyConfig config;
+  config.name = kPolicyTova;
+  config.tova.all_heads = all_heads;
+  EXPECT_TRUE(ResolveTovaConfig(config).ok());
+  return config;
+}
+
+Rows Values(int32_t n) { return Rows(n, std::vector<float>{1.0f, 0.0f}); }
+
+// softmax(scale * <q, k_j>) over the keys.
+std::vector<float> Softmax(std::vector<float> q, const Rows& keys, float scale) {
+  std::vector<double> logits;
+  double max = -1e30;
+  for (const auto& k : keys) {
+    double dot = 0.0;
+    for (size_t c = 0; c < q.size(); ++c) dot += double{q[c]} * k[c];
+    logits.push_back(scale * dot);
+    max = std::max(max, logits.back());
+  }
+  double sum = 0.0;
+  for (double& l : logits) sum += (l = std::exp(l - max));
+  std::vector<float> out;
+  for (double l : logits) out.push_back(static_cast<float>(l / sum));
+  return out;
+}
+
+class TovaTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<Backend> backend_ = MakeCpuBackend(1);
+};
+
+TEST_F(TovaTest, RequirementsLastQuery) {
+  const auto policy = MakeTovaPolicy(Tova());
+  for (Phase phase : {Phase::kPrefill, Phase::kDecode}) {
+    EXPECT_TRUE(policy->attention(phase).needed);
+    EXPECT_EQ(policy->attention(phase).trailing_queries, 1);
+  }
+  EXPECT_FALSE(policy->needs_accumulated());
+}
+
+TEST_F(TovaTest, Tv2LastQueryFromQueries) {
+  // q = [sqrt 2, 0], K as in caote.md TV2, scale 1/sqrt 2: alpha = [.1, .2, .4, .1, .2].
+  const Rows keys = {{0, 0}, {std::log(2.0f), 0}, {std::log(4.0f), 0}, {0, 0}, {std::log(2.0f), 0}};
+  const float root2 = std::sqrt(2.0f);
+  std::vector<float> probs = {.2f, .2f, .2f, .2f, .2f};  // an earlier query: must not count
+  for (float p : Softmax({root2, 0}, keys, 1.0f / root2)) probs.push_back(p);
+  const auto policy = MakeTovaPolicy(Tova());
+  for (int32_t keep : {1, 4}) {
+    TestLayer layer({Values(5)}, Identity(1, 5));
+    auto round = ObserveSelect(*policy, *backend_, Phase::kPrefill, layer, 1, probs, 2, keep);
+    ASSERT_TRUE(round.ok()) << round.status();
+    EXPECT_THAT(round->scores,
+                Pointwise(FloatNear(1e-6), std::vector<float>{.1f, .2f, .4f, .1f, .2f}));
+    if (keep == 1) {
+      EXPECT_THAT(round->kept[0], ElementsAre(2));
+    } else {
+      EXPECT_THAT(round->kept[0], ElementsAre(0, 1, 2, 4));
+    }
+  }
+}
+
+TEST_F(TovaTest, GqaMeanPerKvHeadAndDecode) {
+  const auto policy = MakeTovaPolicy(Tova());
+  TestLayer layer({Values(4)}, Identity(1, 4));
+  const std::vector<float> probs = {.5f, .25f, .25f, 0, 0, .25f, .25f, .5f};  // 2 query heads
+  auto round = ObserveSelect(*policy, *backend_, Phase::kDecode, layer, 2, probs, 1, 2);
+  ASSERT_TRUE(round.ok()) << round.status();
+  EXPECT_THAT(round->scores, ElementsAre(.25f, .25f, .25f, .25f));
+  EXPECT_THAT(round->kept[0], ElementsAre(0, 1));
+}
+
+TEST_F(TovaTest, AllHeadsMeansOverEveryQueryHeadByPosition) {
+  // Two kv heads (one query head each) holding the same positions in opposite slot orders.
+  const std::vector<std::vector<int32_t>> positions = {{0, 1, 2, 3}, {3, 2, 1, 0}};
+  const std::vector<float> probs = {.125f, .25f,  .375f, .25f,    // head 0 by slot = by position
+                                    .625f, .125f, .125f, .125f};  // head 1: position 3 high
+  {
+    const auto policy = MakeTovaPolicy(Tova());
+    TestLayer layer({Values(4), Values(4)}, positions);
+    auto round = ObserveSelect(*policy, *backend_, Phase::kPrefill, layer, 2, probs, 1, 2);
+    ASSERT_TRUE(round.ok()) << round.status();
+    EXPECT_THAT(round->kept[0], ElementsAre(1, 2));
+    EXPECT_THAT(round->kept[1], ElementsAre(0, 3));  // 0, 1, 2 tie: the lowest position stays
+  }
+  {
+    // Means by position: 0: .125, 1: .1875, 2: .25, 3: .4375; the same for both heads.
+    const auto policy = MakeTovaPolicy(Tova(true));
+    TestLayer layer({Values(4), Values(4)}, positions);
+    auto round = ObserveSelect(*policy, *backend_, Phase::kPrefill, layer, 2, probs, 1, 2);
+    ASSERT_TRUE(round.ok()) << round.status();
+    EXPECT_THAT(round->kept[0], ElementsAre(2, 3));
+    EXPECT_THAT(round->kept[1], ElementsAre(2, 3));
+    EXPECT_THAT(round->scores,
+                ElementsAre(.125f, .1875f, .25f, .4375f, .4375f, .25f, .1875f, .125f));
+  }
+}
+
+TEST_F(TovaTest, TiesKeepTheLowerPositionOnScrambledSlots) {
+  const auto policy = MakeTovaPolicy(Tova());
+  TestLayer layer({Values(5)}, {{4, 2, 0, 3, 1}});
+  const std::vector<float> probs = {.2f, .2f, .2f, .2f, .2f};
+  auto round = ObserveSelect(*policy, *backend_, Phase::kPrefill, layer, 1, probs, 1, 3);
+  ASSERT_TRUE(round.ok()) << round.status();
+  EXPECT_THAT(round->kept[0], ElementsAre(0, 1, 2));
+}
+
+TEST_F(TovaTest, MissingAttentionIsInvalidArgument) {
+  const auto policy = MakeTovaPolicy(Tova());
+  TestLayer layer({Values(3)}, Identity(1, 3));
+  auto round = ObserveSelect(*policy, *backend_, Phase::kDecode, layer, 1, {}, 0, 2);
+  ASSERT_EQ(round.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(round.status().message(),
+            "policy tova needs attention (the last query) in this call: field attention");
+}
+
+}  // namespace
+}  // namespace kvs

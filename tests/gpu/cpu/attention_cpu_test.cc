@@ -1,0 +1,298 @@
+#include "gpu/cpu/attention_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gpu/backend.h"
+#include "gpu/base/dtype.h"
+#include "gpu/cpu/keydiff_cpu.h"
+#include "gpu/cpu/thread_pool.h"
+#include "gtest/gtest.h"
+
+namespace kvs {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A paged layer on the host, K and V per block ([2][H][B][D]), through a shuffled block table.
+// Everything but the key rows (values, unused blocks) is NaN so a stray read shows up in probs.
+struct PagedLayer {
+  std::vector<uint8_t> arena;
+  std::vector<int32_t> block_table;
+  PagedLayerView view;
+  std::vector<float> stored;  // keys as stored, [H][count][D], after rounding to dtype
+
+  PagedLayer(int heads, int count, int dim, DType dtype, int block_tokens, std::mt19937& rng) {
+    const int bytes = DTypeBytes(dtype);
+    const int used = (count + block_tokens - 1) / block_tokens;
+    const int total = used + 3;
+    const uint64_t block_bytes = 2ull * heads * block_tokens * dim * bytes;
+    arena.resize(total * block_bytes);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (uint64_t i = 0; i < arena.size() / bytes; ++i) StoreFromFloat(arena.data(), dtype, i, nan);
+    std::vector<int32_t> ids(total);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    block_table.assign(ids.begin(), ids.begin() + used);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    stored.resize(static_cast<size_t>(heads) * count * dim);
+    for (int h = 0; h < heads; ++h) {
+      for (int s = 0; s < count; ++s) {
+        uint8_t* row = arena.data() + block_table[s / block_tokens] * block_bytes +
+                       (static_cast<uint64_t>(h) * block_tokens + s % block_tokens) * dim * bytes;
+        for (int d = 0; d < dim; ++d) {
+          StoreFromFloat(row, dtype, d, normal(rng));
+          stored[(static_cast<size_t>(h) * count + s) * dim + d] = LoadAsFloat(row, dtype, d);
+        }
+      }
+    }
+    view.arena = arena.data();
+    view.kv_index = 0;
+    view.block_table = block_table.data();
+    view.count = count;
+    view.num_kv_heads = heads;
+    view.head_dim = dim;
+    view.block_tokens = block_tokens;
+    view.dtype = dtype;
+    view.block_bytes = block_bytes;
+  }
+};
+
+struct Problem {
+  PagedLayer layer;
+  std::vector<int32_t> key_positions;    // [H][count], scrambled per head
+  std::vector<float> queries;            // [Hq][w][D]
+  std::vector<int32_t> query_positions;  // [w]
+  std::vector<float> probs;
+  AttentionJob job;
+
+  Problem(int heads, int group, int window, int count, int dim, DType dtype, int block_tokens,
+          uint32_t seed)
+      : layer(heads, count, dim, dtype, block_tokens, rng(seed)) {
+    std::mt19937 r(seed + 1);
+    const int q_heads = heads * group;
+    for (int h = 0; h < heads; ++h) {
+      // Slot order != position order: a permutation of positions 10..count+9 per head.
+      std::vector<int32_t> p(count);
+      std::iota(p.begin(), p.end(), 10);
+      std::shuffle(p.begin(), p.end(), r);
+      key_positions.insert(key_positions.end(), p.begin(), p.end());
+    }
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    queries.resize(static_cast<size_t>(q_heads) * window * dim);
+    for (float& q : queries) q = normal(r);
+    // Query 0 sits before every key (a fully masked row); the rest spread over the range, the
+    // last one after every key (nothing masked).
+    std::uniform_int_distribution<int32_t> pos(10, count + 9);
+    for (int i = 0; i < window; ++i) query_positions.push_back(pos(r));
+    query_positions[0] = 5;
+    if (window > 1) query_positions[window - 1] = count + 20;
+    probs.assign(static_cast<size_t>(q_heads) * window * count, -7.0f);
+    job.keys = layer.view;
+    job.key_positions = key_positions.data();
+    job.queries = queries.data();
+    job.query_positions = query_positions.data();
+    job.num_q_heads = q_heads;
+    job.num_queries = window;
+    job.scale = 1.0f / std::sqrt(static_cast<float>(dim));
+    job.probs = probs.data();
+  }
+
+  static std::mt19937& rng(uint32_t seed) {
+    thread_local std::mt19937 r;
+    r.seed(seed);
+    return r;
+  }
+
+  // Naive double-precision softmax of the stored (dtype-rounded) keys.
+  std::vector<double> Reference() const {
+    const int heads = job.keys.num_kv_heads, count = job.keys.count, dim = job.keys.head_dim;
+    const int group = job.num_q_heads / heads, window = job.num_queries;
+    std::vector<double> out(probs.size(), 0.0);
+    for (int q = 0; q < job.num_q_heads; ++q) {
+      const int g = q / group;
+      for (int i = 0; i < window; ++i) {
+        std::vector<double> l(count);
+        double max = -INFINITY;
+        for (int s = 0; s < count; ++s) {
+          if (key_positions[g * count + s] > query_positions[i]) {
+            l[s] = -INFINITY;
+            continue;
+          }
+          double dot = 0;
+          for (int d = 0; d < dim; ++d) {
+            dot += static_cast<double>(queries[(static_cast<size_t>(q) * window + i) * dim + d]) *
+                   layer.stored[(static_cast<size_t>(g) * count + s) * dim + d];
+          }
+          l[s] = dot * job.scale;
+          max = std::max(max, l[s]);
+        }
+        double* row = out.data() + (static_cast<size_t>(q) * window + i) * count;
+        if (max == -INFINITY) continue;
+        double sum = 0;
+        for (int s = 0; s < count; ++s) sum += l[s] == -INFINITY ? 0 : std::exp(l[s] - max);
+        for (int s = 0; s < count; ++s) row[s] = l[s] == -INFINITY ? 0 : std::exp(l[s] - max) / sum;
+      }
+    }
+    return out;
+  }
+
+  void ExpectMatchesReference(double tolerance = 1e-5) const {
+    const std::vector<double> expected = Reference();
+    const int count = job.keys.count;
+    int masked_rows = 0;
+    for (size_t r = 0; r < probs.size() / count; ++r) {
+      double row_sum = 0;
+      for (int s = 0; s < count; ++s) {
+        const size_t k = r * count + s;
+        ASSERT_NEAR(probs[k], expected[k], tolerance) << "row " << r << " slot " << s;
+        if (expected[k] == 0.0) {
+          ASSERT_EQ(probs[k], 0.0f) << "masked slot must be exactly 0, row " << r << " slot " << s;
+        }
+        row_sum += probs[k];
+      }
+      if (row_sum == 0) {
+        ++masked_rows;
+      } else {
+        EXPECT_NEAR(row_sum, 1.0, 1e-5) << "row " << r;
+      }
+    }
+    // Query 0 of every head precedes all keys.
+    EXPECT_EQ(masked_rows, job.num_q_heads);
+  }
+};
+
+// dtype, group size G, window w, allow AVX2.
+class AttentionCpuTest : public ::testing::TestWithParam<std::tuple<DType, int, int, bool>> {};
+
+TEST_P(AttentionCpuTest, MatchesDoubleReference) {
+  const auto [dtype, group, window, avx2] = GetParam();
+  ThreadPool pool(3);
+  // count 100 with block_tokens 16: neither the blocks nor the 48-slot tiles divide it.
+  for (int dim : {64, 20}) {  // 20: not a multiple of 8, always the scalar kernel
+    SCOPED_TRACE(dim);
+    Problem problem(/*heads=*/2, group, window, /*count=*/100, dim, dtype, /*block_tokens=*/16,
+                    /*seed=*/static_cast<uint32_t>(group * 100 + window + dim));
+    ASSERT_TRUE(RunAttentionProbsWithIsa({&problem.job, 1}, pool, avx2).ok());
+    problem.ExpectMatchesReference();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, AttentionCpuTest,
+    ::testing::Combine(::testing::Values(DType::kFloat16, DType::kBFloat16, DType::kFloat32),
+                       ::testing::Values(1, 2, 4), ::testing::Values(1, 32), ::testing::Bool()));
+
+// A long single job on a 4-thread pool is split into chunks of tiles whose partial softmaxes are
+// merged in the second phase; several jobs of different shapes share one call.
+TEST(AttentionCpu, ChunkedAndMultiJobMatchReference) {
+  for (bool avx2 : {true, false}) {
+    SCOPED_TRACE(avx2);
+    ThreadPool pool(4);
+    Problem a(/*heads=*/1, /*group=*/4, /*window=*/16, /*count=*/2000, /*dim=*/128, DType::kFloat16,
+              /*block_tokens=*/32, 11);
+    Problem b(/*heads=*/2, /*group=*/2, /*window=*/3, /*count=*/333, /*dim=*/32, DType::kFloat32,
+              /*block_tokens=*/7, 12);
+    Problem c(/*heads=*/4, /*group=*/1, /*window=*/1, /*count=*/1, /*dim=*/8, DType::kBFloat16,
+              /*block_tokens=*/16, 13);
+    const std::vector<AttentionJob> jobs = {a.job, b.job, c.job};
+    ASSERT_TRUE(RunAttentionProbsWithIsa(jobs, pool, avx2).ok());
+    a.ExpectMatchesReference();
+    b.ExpectMatchesReference();
+    c.ExpectMatchesReference();
+  }
+}
+
+// The Backend entry point runs the same kernels.
+TEST(AttentionCpu, BackendAttentionProbs) {
+  auto backend = MakeCpuBackend(2);
+  Problem p(/*heads=*/8, /*group=*/4, /*window=*/32, /*count=*/200, /*dim=*/128, DType::kFloat16,
+            /*block_tokens=*/16, 21);
+  ASSERT_TRUE(backend->AttentionProbs({&p.job, 1}, nullptr).ok());
+  p.ExpectMatchesReference();
+}
+
+// Large logits: the softmax is max-subtracted (a naive exp would overflow to inf / NaN).
+TEST(AttentionCpu, LargeLogitsAreStable) {
+  for (bool avx2 : {true, false}) {
+    ThreadPool pool(1);
+    Problem p(1, 1, 2, 60, 16, DType::kFloat32, 16, 5);
+    p.job.scale = 40.0f;  // logits in the hundreds
+    ASSERT_TRUE(RunAttentionProbsWithIsa({&p.job, 1}, pool, avx2).ok());
+    for (float v : p.probs) ASSERT_TRUE(std::isfinite(v));
+    p.ExpectMatchesReference(1e-4);
+  }
+}
+
+TEST(AttentionCpu, EmptyCountWritesNothing) {
+  ThreadPool pool(2);
+  AttentionJob job;
+  job.keys.num_kv_heads = 2;
+  job.keys.head_dim = 8;
+  job.keys.block_tokens = 16;
+  job.keys.block_bytes = 2 * 2 * 16 * 8 * 2;
+  job.num_q_heads = 4;
+  job.num_queries = 3;
+  job.scale = 1.0f;
+  EXPECT_TRUE(RunAttentionProbs({&job, 1}, pool).ok());
+}
+
+TEST(AttentionCpu, InvalidJobsAreRejectedAndNothingIsWritten) {
+  ThreadPool pool(2);
+  struct Case {
+    const char* field;
+    void (*mutate)(AttentionJob&);
+  };
+  const Case cases[] = {
+      {"num_q_heads", [](AttentionJob& j) { j.num_q_heads = 3; }},
+      {"num_q_heads", [](AttentionJob& j) { j.num_q_heads = 0; }},
+      {"num_queries", [](AttentionJob& j) { j.num_queries = 0; }},
+      {"scale", [](AttentionJob& j) { j.scale = 0.0f; }},
+      {"scale", [](AttentionJob& j) { j.scale = std::numeric_limits<float>::infinity(); }},
+      {"scale", [](AttentionJob& j) { j.scale = std::numeric_limits<float>::quiet_NaN(); }},
+      {"keys.count", [](AttentionJob& j) { j.keys.count = -1; }},
+      {"keys.num_kv_heads", [](AttentionJob& j) { j.keys.num_kv_heads = 0; }},
+      {"keys.head_dim", [](AttentionJob& j) { j.keys.head_dim = 0; }},
+      {"keys.block_tokens", [](AttentionJob& j) { j.keys.block_tokens = 0; }},
+      {"keys.block_bytes",
+       [](AttentionJob& j) { j.keys.block_bytes = j.keys.block_bytes / 2 - 1; }},
+      {"keys.kv_index", [](AttentionJob& j) { j.keys.kv_index = 2; }},
+      {"keys.dtype", [](AttentionJob& j) { j.keys.dtype = static_cast<DType>(9); }},
+      {"keys.arena", [](AttentionJob& j) { j.keys.arena = nullptr; }},
+      {"keys.block_table", [](AttentionJob& j) { j.keys.block_table = nullptr; }},
+      {"key_positions", [](AttentionJob& j) { j.key_positions = nullptr; }},
+      {"queries", [](AttentionJob& j) { j.queries = nullptr; }},
+      {"query_positions", [](AttentionJob& j) { j.query_positions = nullptr; }},
+      {"probs", [](AttentionJob& j) { j.probs = nullptr; }},
+      {"overflows", [](AttentionJob& j) { j.num_q_heads = j.num_queries = 1 << 30; }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.field);
+    Problem good(2, 2, 4, 40, 16, DType::kFloat16, 16, 3);
+    Problem bad(2, 2, 4, 40, 16, DType::kFloat16, 16, 4);
+    c.mutate(bad.job);
+    const std::vector<AttentionJob> jobs = {good.job, bad.job};
+    const absl::Status status = RunAttentionProbs(jobs, pool);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(status.message()), HasSubstr("attention job 1: "));
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.field));
+    for (float v : good.probs) ASSERT_EQ(v, -7.0f);
+  }
+  // A block table entry that is negative.
+  Problem bad(1, 1, 1, 40, 8, DType::kFloat32, 16, 4);
+  bad.layer.block_table[2] = -1;
+  const absl::Status status = RunAttentionProbs({&bad.job, 1}, pool);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("keys.block_table[2]"));
+  for (float v : bad.probs) ASSERT_EQ(v, -7.0f);
+}
+
+}  // namespace
+}  // namespace kvs

@@ -1,0 +1,417 @@
+#include "gpu/cpu/merge_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gpu/backend.h"
+#include "gpu/base/dtype.h"
+#include "gpu/cpu/attention_cpu.h"
+#include "gpu/cpu/thread_pool.h"
+#include "gtest/gtest.h"
+
+namespace kvs {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+// Keys and values of one layer ([H][count][D] each) in real paged blocks ([2][H][B][D]) behind a
+// shuffled block table.
+struct PagedKv {
+  std::vector<uint8_t> arena;
+  std::vector<int32_t> block_table;
+  PagedLayerView keys, values;
+
+  PagedKv(const std::vector<std::vector<std::vector<float>>>& k,
+          const std::vector<std::vector<std::vector<float>>>& v, DType dtype, int block_tokens) {
+    const int heads = static_cast<int>(k.size());
+    const int count = static_cast<int>(k[0].size());
+    const int dim = static_cast<int>(k[0][0].size());
+    const int bytes = DTypeBytes(dtype);
+    const int used = (count + block_tokens - 1) / block_tokens;
+    const uint64_t block_bytes = 2ull * heads * block_tokens * dim * bytes;
+    arena.assign((used + 2) * block_bytes, 0xff);  // NaN in every dtype
+    std::vector<int32_t> ids(used + 2);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), std::mt19937(5));
+    block_table.assign(ids.begin(), ids.begin() + used);
+    keys.arena = arena.data();
+    keys.block_table = block_table.data();
+    keys.count = count;
+    keys.num_kv_heads = heads;
+    keys.head_dim = dim;
+    keys.block_tokens = block_tokens;
+    keys.dtype = dtype;
+    keys.block_bytes = block_bytes;
+    values = keys;
+    values.kv_index = 1;
+    for (int h = 0; h < heads; ++h) {
+      for (int s = 0; s < count; ++s) {
+        for (int d = 0; d < dim; ++d) {
+          StoreFromFloat(Row(keys, h, s), dtype, d, k[h][s][d]);
+          StoreFromFloat(Row(values, h, s), dtype, d, v[h][s][d]);
+        }
+      }
+    }
+  }
+  uint8_t* Row(const PagedLayerView& view, int head, int slot) {
+    return const_cast<uint8_t*>(PagedRow(view, head, slot));
+  }
+  uint64_t Offset(const PagedLayerView& view, int head, int slot) {
+    return PagedRow(view, head, slot) - arena.data();
+  }
+  std::vector<float> Read(const PagedLayerView& view, int head, int slot) {
+    std::vector<float> out(view.head_dim);
+    for (int d = 0; d < view.head_dim; ++d)
+      out[d] = LoadAsFloat(Row(view, head, slot), view.dtype, d);
+    return out;
+  }
+};
+
+// d2o.md §11 TV4 keys k0..k7 and values v_i = (i, 1), one head.
+PagedKv Tv4(DType dtype, int block_tokens) {
+  const std::vector<std::vector<float>> k = {{1, 0}, {4, 1},   {0, 1},  {-1, 0},
+                                             {2, 0}, {-1, -1}, {0, -1}, {1, -1}};
+  std::vector<std::vector<float>> v;
+  for (int i = 0; i < 8; ++i) v.push_back({static_cast<float>(i), 1.0f});
+  return PagedKv({k}, {v}, dtype, block_tokens);
+}
+
+struct Nearest {
+  std::vector<float> similarity;
+  std::vector<int32_t> target;
+};
+
+Nearest RunNearest(const PagedLayerView& keys, int head, const std::vector<int32_t>& query_slots,
+                   const std::vector<int32_t>& candidate_slots,
+                   const std::vector<int32_t>& candidate_positions) {
+  ThreadPool pool(2);
+  Nearest out{std::vector<float>(query_slots.size(), -9.0f),
+              std::vector<int32_t>(query_slots.size(), -9)};
+  NearestKeyJob job;
+  job.keys = keys;
+  job.head = head;
+  job.query_slots = query_slots.data();
+  job.num_queries = static_cast<int32_t>(query_slots.size());
+  job.candidate_slots = candidate_slots.data();
+  job.candidate_positions = candidate_positions.data();
+  job.num_candidates = static_cast<int32_t>(candidate_slots.size());
+  job.similarity = out.similarity.data();
+  job.target = out.target.data();
+  const absl::Status status = RunNearestKeys({&job, 1}, pool);
+  EXPECT_TRUE(status.ok()) << status;
+  return out;
+}
+
+// TV4: evicted {1, 4, 5} against kept {0, 2, 3, 6, 7} (slot = position here).
+TEST(NearestKeysCpu, Tv4NearestWithPositionTie) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    PagedKv kv = Tv4(dtype, 3);
+    const Nearest n = RunNearest(kv.keys, 0, {1, 4, 5}, {0, 2, 3, 6, 7}, {0, 2, 3, 6, 7});
+    EXPECT_THAT(n.target, ElementsAre(0, 0, 2));  // 5 -> candidate 2 = position 3 (tie with 6)
+    EXPECT_NEAR(n.similarity[0], 0.970143, 1e-6);
+    EXPECT_NEAR(n.similarity[1], 1.0, 1e-6);
+    EXPECT_NEAR(n.similarity[2], 0.707107, 1e-6);
+  }
+}
+
+// Ties go to the lowest POSITION, not the lowest slot or candidate index.
+TEST(NearestKeysCpu, TieGoesToLowestPositionNotIndex) {
+  PagedKv kv = Tv4(DType::kFloat32, 4);
+  // Candidates listed as slots {6, 3} with positions {2, 9}: slot 6 has the lower position.
+  const Nearest n = RunNearest(kv.keys, 0, {5}, {6, 3}, {2, 9});
+  EXPECT_THAT(n.target, ElementsAre(0));
+  const Nearest m = RunNearest(kv.keys, 0, {5}, {6, 3}, {9, 2});
+  EXPECT_THAT(m.target, ElementsAre(1));
+}
+
+// Zero keys: norms floored at 1e-6, so the cosine is 0 rather than NaN.
+TEST(NearestKeysCpu, ZeroKeyHasZeroSimilarity) {
+  PagedKv kv({{{0, 0}, {1, 0}, {-1, 0}}}, {{{0, 0}, {0, 0}, {0, 0}}}, DType::kFloat32, 2);
+  const Nearest n = RunNearest(kv.keys, 0, {0, 2}, {1, 0}, {1, 0});
+  EXPECT_EQ(n.similarity[0], 0.0f);
+  EXPECT_EQ(n.target[0], 1);  // both candidates give 0: position 0 wins
+  EXPECT_EQ(n.similarity[1], 0.0f);
+  EXPECT_EQ(n.target[1], 1);  // cos(-1,0 ; 1,0) = -1 < cos with the zero key = 0
+}
+
+// Random keys, two heads, against a double reference (cosine, floored norms, tie rule).
+TEST(NearestKeysCpu, RandomMatchesDoubleReference) {
+  std::mt19937 rng(2);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int heads = 2, count = 50, dim = 16;
+  std::vector<std::vector<std::vector<float>>> k(heads, std::vector<std::vector<float>>(count));
+  for (auto& h : k) {
+    for (auto& row : h) {
+      for (int d = 0; d < dim; ++d) row.push_back(normal(rng));
+    }
+  }
+  PagedKv kv(k, k, DType::kFloat16, 7);
+  std::vector<int32_t> slots(count);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  const std::vector<int32_t> queries(slots.begin(), slots.begin() + 20);
+  const std::vector<int32_t> candidates(slots.begin() + 20, slots.end());
+  std::vector<int32_t> positions(candidates.size());
+  std::iota(positions.begin(), positions.end(), 100);
+  std::shuffle(positions.begin(), positions.end(), rng);
+  for (int head = 0; head < heads; ++head) {
+    const Nearest n = RunNearest(kv.keys, head, queries, candidates, positions);
+    for (size_t e = 0; e < queries.size(); ++e) {
+      const std::vector<float> q = kv.Read(kv.keys, head, queries[e]);
+      double best = -2;
+      size_t best_c = 0;
+      for (size_t c = 0; c < candidates.size(); ++c) {
+        const std::vector<float> x = kv.Read(kv.keys, head, candidates[c]);
+        double dot = 0, nq = 0, nx = 0;
+        for (int d = 0; d < dim; ++d) {
+          dot += double{q[d]} * x[d];
+          nq += double{q[d]} * q[d];
+          nx += double{x[d]} * x[d];
+        }
+        const double cos = dot / (std::max(std::sqrt(nq), 1e-6) * std::max(std::sqrt(nx), 1e-6));
+        if (cos > best) {
+          best = cos;
+          best_c = c;
+        }
+      }
+      EXPECT_NEAR(n.similarity[e], best, 1e-5);
+      EXPECT_EQ(n.target[e], static_cast<int32_t>(best_c));
+    }
+  }
+}
+
+TEST(NearestKeysCpu, InvalidJobsAreRejectedAndNothingIsWritten) {
+  PagedKv kv = Tv4(DType::kFloat32, 3);
+  const std::vector<int32_t> q = {1, 4}, c = {0, 2}, p = {0, 2}, bad_slot = {1, 8};
+  struct Case {
+    const char* field;
+    std::function<void(NearestKeyJob&)> mutate;
+  };
+  const Case cases[] = {
+      {"head", [](NearestKeyJob& j) { j.head = 1; }},
+      {"num_queries", [](NearestKeyJob& j) { j.num_queries = -1; }},
+      {"num_candidates", [](NearestKeyJob& j) { j.num_candidates = 0; }},
+      {"query_slots[1]", [&](NearestKeyJob& j) { j.query_slots = bad_slot.data(); }},
+      {"candidate_slots[1]", [&](NearestKeyJob& j) { j.candidate_slots = bad_slot.data(); }},
+      {"candidate_positions", [](NearestKeyJob& j) { j.candidate_positions = nullptr; }},
+      {"similarity", [](NearestKeyJob& j) { j.similarity = nullptr; }},
+      {"target", [](NearestKeyJob& j) { j.target = nullptr; }},
+      {"keys.head_dim", [](NearestKeyJob& j) { j.keys.head_dim = 0; }},
+  };
+  ThreadPool pool(2);
+  for (const Case& cs : cases) {
+    SCOPED_TRACE(cs.field);
+    std::vector<float> sim(2, -9.0f);
+    std::vector<int32_t> target(2, -9);
+    NearestKeyJob good;
+    good.keys = kv.keys;
+    good.query_slots = q.data();
+    good.num_queries = 2;
+    good.candidate_slots = c.data();
+    good.candidate_positions = p.data();
+    good.num_candidates = 2;
+    good.similarity = sim.data();
+    good.target = target.data();
+    NearestKeyJob bad = good;
+    cs.mutate(bad);
+    const std::vector<NearestKeyJob> jobs = {good, bad};
+    const absl::Status status = RunNearestKeys(jobs, pool);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(status.message()), HasSubstr("nearest key job 1: "));
+    EXPECT_THAT(std::string(status.message()), HasSubstr(cs.field));
+    EXPECT_THAT(sim, ElementsAre(-9.0f, -9.0f));
+    EXPECT_THAT(target, ElementsAre(-9, -9));
+  }
+}
+
+absl::Status Merge(std::vector<RowMergeJob> jobs, int threads = 2) {
+  ThreadPool pool(threads);
+  return RunMergeRows(jobs, pool);
+}
+
+// TV4 end to end: nearest keys, then the paper weights (e for the kept key, e^u for each merged
+// key, normalised) merged into slot 0 of keys and values; dst is one of the sources.
+TEST(MergeRowsCpu, Tv4PaperWeights) {
+  PagedKv kv = Tv4(DType::kFloat32, 3);
+  const Nearest n = RunNearest(kv.keys, 0, {1, 4}, {0, 2, 3, 6, 7}, {0, 2, 3, 6, 7});
+  ASSERT_THAT(n.target, ElementsAre(0, 0));
+  const double e = std::exp(1.0), e1 = std::exp(double{n.similarity[0]}),
+               e4 = std::exp(double{n.similarity[1]});
+  const double z = e + e1 + e4;
+  const std::vector<float> weights = {static_cast<float>(e / z), static_cast<float>(e1 / z),
+                                      static_cast<float>(e4 / z)};
+  const std::vector<uint64_t> key_src = {kv.Offset(kv.keys, 0, 0), kv.Offset(kv.keys, 0, 1),
+                                         kv.Offset(kv.keys, 0, 4)};
+  const std::vector<uint64_t> value_src = {kv.Offset(kv.values, 0, 0), kv.Offset(kv.values, 0, 1),
+                                           kv.Offset(kv.values, 0, 4)};
+  RowMergeJob key_job;
+  key_job.arena = kv.arena.data();
+  key_job.dtype = DType::kFloat32;
+  key_job.row_elements = 2;
+  key_job.dst_offset = key_src[0];
+  key_job.src_offsets = key_src.data();
+  key_job.weights = weights.data();
+  key_job.num_sources = 3;
+  RowMergeJob value_job = key_job;
+  value_job.dst_offset = value_src[0];
+  value_job.src_offsets = value_src.data();
+  ASSERT_TRUE(Merge({key_job, value_job}).ok());
+  const std::vector<float> k0 = kv.Read(kv.keys, 0, 0), v0 = kv.Read(kv.values, 0, 0);
+  EXPECT_NEAR(k0[0], 2.316829, 1e-6);
+  EXPECT_NEAR(k0[1], 0.326732, 1e-6);
+  EXPECT_NEAR(v0[0], 1.673268, 1e-6);
+  EXPECT_NEAR(v0[1], 1.0, 1e-6);
+  // Sources other than dst are untouched.
+  EXPECT_THAT(kv.Read(kv.keys, 0, 1), ElementsAre(4.0f, 1.0f));
+  EXPECT_THAT(kv.Read(kv.values, 0, 4), ElementsAre(4.0f, 1.0f));
+}
+
+// The fp32 sum is rounded once: 1 + 2^-11 + 2^-11 = 1 + 2^-10 is an fp16 value, while rounding
+// after each addition would give 1 (1 + 2^-11 is a tie that rounds to even).
+TEST(MergeRowsCpu, Fp16RoundsOnce) {
+  std::vector<uint8_t> arena(64, 0);
+  const float half_ulp = std::ldexp(1.0f, -11);
+  StoreFromFloat(arena.data() + 0, DType::kFloat16, 0, 1.0f);
+  StoreFromFloat(arena.data() + 8, DType::kFloat16, 0, half_ulp);
+  StoreFromFloat(arena.data() + 16, DType::kFloat16, 0, half_ulp);
+  const std::vector<uint64_t> src = {0, 8, 16};
+  const std::vector<float> weights = {1, 1, 1};
+  RowMergeJob job;
+  job.arena = arena.data();
+  job.dtype = DType::kFloat16;
+  job.row_elements = 1;
+  job.dst_offset = 0;
+  job.src_offsets = src.data();
+  job.weights = weights.data();
+  job.num_sources = 3;
+  ASSERT_TRUE(Merge({job}).ok());
+  EXPECT_EQ(LoadAsFloat(arena.data(), DType::kFloat16, 0), 1.0f + std::ldexp(1.0f, -10));
+}
+
+// Many rows in one call (parallel path), bf16, against a float reference rounded once.
+TEST(MergeRowsCpu, ManyJobsBFloat16) {
+  const int rows = 600, dim = 64, sources = 3;
+  std::vector<uint8_t> arena(static_cast<size_t>(rows) * (sources + 1) * dim * 2);
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (size_t i = 0; i < arena.size() / 2; ++i) {
+    StoreFromFloat(arena.data(), DType::kBFloat16, i, normal(rng));
+  }
+  const std::vector<uint8_t> before = arena;
+  std::vector<uint64_t> offsets(static_cast<size_t>(rows) * sources);
+  std::vector<float> weights(static_cast<size_t>(rows) * sources);
+  std::vector<RowMergeJob> jobs(rows);
+  for (int r = 0; r < rows; ++r) {
+    const uint64_t base = static_cast<uint64_t>(r) * (sources + 1) * dim * 2;
+    for (int k = 0; k < sources; ++k) {
+      offsets[r * sources + k] = base + (k + 1) * dim * 2;
+      weights[r * sources + k] = normal(rng);
+    }
+    jobs[r].arena = arena.data();
+    jobs[r].dtype = DType::kBFloat16;
+    jobs[r].row_elements = dim;
+    jobs[r].dst_offset = base;
+    jobs[r].src_offsets = offsets.data() + r * sources;
+    jobs[r].weights = weights.data() + r * sources;
+    jobs[r].num_sources = sources;
+  }
+  ASSERT_TRUE(Merge(jobs, 3).ok());
+  for (int r = 0; r < rows; ++r) {
+    for (int d = 0; d < dim; ++d) {
+      float sum = 0;
+      for (int k = 0; k < sources; ++k) {
+        sum += weights[r * sources + k] *
+               LoadAsFloat(before.data() + offsets[r * sources + k], DType::kBFloat16, d);
+      }
+      const float expected = BFloat16ToFloat(FloatToBFloat16(sum));
+      const float actual = LoadAsFloat(arena.data() + jobs[r].dst_offset, DType::kBFloat16, d);
+      ASSERT_NEAR(actual, expected, std::abs(expected) * 1e-2 + 1e-6) << r << " " << d;
+    }
+  }
+}
+
+TEST(MergeRowsCpu, InvalidJobsAreRejectedAndNothingIsWritten) {
+  std::vector<uint8_t> arena(64, 0);
+  const std::vector<uint64_t> src = {8, 16}, huge = {8, ~uint64_t{0} - 1};
+  const std::vector<float> weights = {1, 1};
+  struct Case {
+    const char* field;
+    std::function<void(RowMergeJob&)> mutate;
+  };
+  const Case cases[] = {
+      {"row_elements", [](RowMergeJob& j) { j.row_elements = 0; }},
+      {"num_sources", [](RowMergeJob& j) { j.num_sources = 0; }},
+      {"num_sources", [](RowMergeJob& j) { j.num_sources = -2; }},
+      {"arena", [](RowMergeJob& j) { j.arena = nullptr; }},
+      {"src_offsets", [](RowMergeJob& j) { j.src_offsets = nullptr; }},
+      {"weights", [](RowMergeJob& j) { j.weights = nullptr; }},
+      {"dtype", [](RowMergeJob& j) { j.dtype = static_cast<DType>(0); }},
+      {"src_offsets[1]", [&](RowMergeJob& j) { j.src_offsets = huge.data(); }},
+      {"dst_offset", [](RowMergeJob& j) { j.dst_offset = ~uint64_t{0}; }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.field);
+    std::fill(arena.begin(), arena.end(), 0x3c);
+    RowMergeJob good;
+    good.arena = arena.data();
+    good.dtype = DType::kFloat16;
+    good.row_elements = 2;
+    good.dst_offset = 0;
+    good.src_offsets = src.data();
+    good.weights = weights.data();
+    good.num_sources = 2;
+    RowMergeJob bad = good;
+    bad.dst_offset = 32;
+    c.mutate(bad);
+    const absl::Status status = Merge({good, bad});
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(status.message()), HasSubstr("row merge job 1: "));
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.field));
+    for (uint8_t b : arena) ASSERT_EQ(b, 0x3c);
+  }
+}
+
+// Through the Backend entry points.
+TEST(MergeRowsCpu, BackendNearestAndMerge) {
+  auto backend = MakeCpuBackend(2);
+  PagedKv kv = Tv4(DType::kFloat16, 3);
+  const std::vector<int32_t> q = {5}, c = {0, 2, 3, 6, 7};
+  float sim = 0;
+  int32_t target = -1;
+  NearestKeyJob nearest;
+  nearest.keys = kv.keys;
+  nearest.query_slots = q.data();
+  nearest.num_queries = 1;
+  nearest.candidate_slots = c.data();
+  nearest.candidate_positions = c.data();
+  nearest.num_candidates = 5;
+  nearest.similarity = &sim;
+  nearest.target = &target;
+  ASSERT_TRUE(backend->NearestKeys({&nearest, 1}, nullptr).ok());
+  EXPECT_EQ(target, 2);
+  const std::vector<uint64_t> src = {kv.Offset(kv.values, 0, 3), kv.Offset(kv.values, 0, 5)};
+  const std::vector<float> weights = {0.5f, 0.5f};
+  RowMergeJob merge;
+  merge.arena = kv.arena.data();
+  merge.dtype = DType::kFloat16;
+  merge.row_elements = 2;
+  merge.dst_offset = src[0];
+  merge.src_offsets = src.data();
+  merge.weights = weights.data();
+  merge.num_sources = 2;
+  ASSERT_TRUE(backend->MergeRows({&merge, 1}, nullptr).ok());
+  EXPECT_THAT(kv.Read(kv.values, 0, 3), ElementsAre(4.0f, 1.0f));
+}
+
+}  // namespace
+}  // namespace kvs
