@@ -127,6 +127,8 @@ struct Fixture {
     PoolOptions options;
     options.arena_capacity_bytes = static_cast<uint64_t>(blocks) * layout.block_bytes();
     options.max_sequences_per_session = 4096;
+    // Filling 64 sequences takes longer than the default lease, and nothing heartbeats here.
+    options.default_lease = absl::Minutes(10);
     pool = std::make_unique<KvPool>(backend.get(), &clock, options);
     AttachParams attach;
     attach.layout = layout;

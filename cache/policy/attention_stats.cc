@@ -26,18 +26,21 @@ void GqaMean(absl::Span<const float> in, int32_t num_q_heads, int32_t num_kv_hea
              absl::Span<float> out) {
   const int64_t n = count;
   const int32_t group = num_q_heads / num_kv_heads;
+  std::vector<double> sums;
   for (int64_t g = 0; g < num_kv_heads; ++g) {
     float* dst = out.data() + g * n;
     if (group == 1) {
       std::copy(in.data() + g * n, in.data() + (g + 1) * n, dst);
       continue;
     }
-    // Accumulate in double per slot so the mean does not depend on the summation order.
-    for (int64_t s = 0; s < n; ++s) {
-      double sum = 0.0;
-      for (int32_t j = 0; j < group; ++j) sum += in[(g * group + j) * n + s];
-      dst[s] = static_cast<float>(sum / group);
+    // Accumulate in double per slot so the mean does not depend on the summation order; rows
+    // stream contiguously into the per-slot sums (same per-slot order as a column loop).
+    sums.assign(n, 0.0);
+    for (int32_t j = 0; j < group; ++j) {
+      const float* src = in.data() + (g * group + j) * n;
+      for (int64_t s = 0; s < n; ++s) sums[s] += src[s];
     }
+    for (int64_t s = 0; s < n; ++s) dst[s] = static_cast<float>(sums[s] / group);
   }
 }
 
@@ -60,7 +63,8 @@ void PoolByPosition(absl::Span<const float> in, int32_t rows, int32_t num_kv_hea
       for (int32_t s = 0; s < count; ++s) {
         if (eligible.empty() || eligible[int64_t{head} * n + s] != 0) order.push_back(s);
       }
-      std::sort(order.begin(), order.end(), [pos](int32_t a, int32_t b) { return pos[a] < pos[b]; });
+      std::sort(order.begin(), order.end(),
+                [pos](int32_t a, int32_t b) { return pos[a] < pos[b]; });
     }
     const int32_t m = static_cast<int32_t>(order.size());
     sequence.resize(m);

@@ -1,5 +1,7 @@
 #include "cache/policy/cake.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -15,6 +17,32 @@ namespace {
 constexpr int32_t kDefaultWindow = 32;
 constexpr float kDefaultTau = 1.0f;
 constexpr int32_t kDefaultKernel = 5;
+
+// Whether every value is finite and non-negative: a branch-free scan (8 lanes at a time where
+// AVX2 is available); the caller reports the first offender.
+__attribute__((target("avx2"))) bool AllProbabilitiesAvx2(const float* p, int64_t n) {
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
+  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(p + i);
+    ok = _mm256_and_ps(ok, _mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_GE_OQ),
+                                         _mm256_cmp_ps(v, largest, _CMP_LE_OQ)));
+  }
+  bool all = _mm256_movemask_ps(ok) == 0xFF;
+  for (; i < n; ++i) all = all && p[i] >= 0.0f && p[i] <= std::numeric_limits<float>::max();
+  return all;
+}
+
+bool AllProbabilities(absl::Span<const float> probs) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return AllProbabilitiesAvx2(probs.data(), static_cast<int64_t>(probs.size()));
+  for (float p : probs) {
+    if (!(p >= 0.0f && p <= std::numeric_limits<float>::max())) return false;
+  }
+  return true;
+}
 
 // A step must carry [Hq][num_queries][count] finite, non-negative probabilities and the
 // positions of its keys and queries.
@@ -39,16 +67,93 @@ absl::Status CheckStep(const LayerStep& step) {
                      " query positions for ", step.num_queries, " queries, ", step.positions.size(),
                      " key positions for ", heads, " x ", count));
   }
-  for (float p : step.probs) {
-    if (!(p >= 0.0f && p <= std::numeric_limits<float>::max())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "attention for layer ", step.layer, " holds a negative or non-finite probability: ", p));
+  if (!AllProbabilities(step.probs)) {  // then find the first offender for the message
+    for (float p : step.probs) {
+      if (!(p >= 0.0f && p <= std::numeric_limits<float>::max())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("attention for layer ", step.layer,
+                         " holds a negative or non-finite probability: ", p));
+      }
     }
   }
   if (step.state == nullptr) {
     return absl::InternalError(absl::StrCat("layer ", step.layer, " has no policy state"));
   }
   return absl::OkStatus();
+}
+
+// Observe streams the W window rows of a head row by row (contiguous) over blocks of slots with
+// per-slot fp64 accumulators; W rows x kBlock floats stay in L2 for the second (variance) pass.
+constexpr int32_t kBlock = 512;
+
+// out[s] = mean + gamma * unbiased variance of rows[i][s] over the `rows` rows (stride apart),
+// fp64 per slot in row order, for s in [0, len). `mean` and `squares` are kBlock scratch.
+void MeanVarianceScalar(const float* head, int64_t stride, int32_t rows, int32_t len, double gamma,
+                        double* mean, double* squares, float* out) {
+  std::fill(mean, mean + len, 0.0);
+  std::fill(squares, squares + len, 0.0);
+  for (int32_t i = 0; i < rows; ++i) {
+    const float* row = head + i * stride;
+    for (int32_t s = 0; s < len; ++s) mean[s] += row[s];
+  }
+  for (int32_t s = 0; s < len; ++s) mean[s] /= rows;
+  for (int32_t i = 0; i < rows; ++i) {
+    const float* row = head + i * stride;
+    for (int32_t s = 0; s < len; ++s) {
+      const double d = row[s] - mean[s];
+      squares[s] += d * d;
+    }
+  }
+  for (int32_t s = 0; s < len; ++s) {
+    const double var = rows > 1 ? squares[s] / (rows - 1) : 0.0;
+    out[s] = static_cast<float>(mean[s] + gamma * var);
+  }
+}
+
+// AVX2 without FMA on purpose: GCC contracts the vector mul + add into an FMA when FMA is
+// enabled, and the scores must round exactly like the scalar definition (ties pick positions).
+#define KVS_CAKE_AVX2 __attribute__((target("avx2")))
+
+KVS_CAKE_AVX2 void MeanVarianceAvx2(const float* head, int64_t stride, int32_t rows, int32_t len,
+                                    double gamma, double* mean, double* squares, float* out) {
+  const int32_t vec = len & ~3;
+  std::fill(mean, mean + len, 0.0);
+  std::fill(squares, squares + len, 0.0);
+  for (int32_t i = 0; i < rows; ++i) {
+    const float* row = head + i * stride;
+    for (int32_t s = 0; s < vec; s += 4) {
+      _mm256_storeu_pd(mean + s, _mm256_add_pd(_mm256_loadu_pd(mean + s),
+                                               _mm256_cvtps_pd(_mm_loadu_ps(row + s))));
+    }
+    for (int32_t s = vec; s < len; ++s) mean[s] += row[s];
+  }
+  const __m256d divisor = _mm256_set1_pd(rows);
+  for (int32_t s = 0; s < vec; s += 4) {
+    _mm256_storeu_pd(mean + s, _mm256_div_pd(_mm256_loadu_pd(mean + s), divisor));
+  }
+  for (int32_t s = vec; s < len; ++s) mean[s] /= rows;
+  for (int32_t i = 0; i < rows; ++i) {
+    const float* row = head + i * stride;
+    for (int32_t s = 0; s < vec; s += 4) {
+      const __m256d d =
+          _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(row + s)), _mm256_loadu_pd(mean + s));
+      _mm256_storeu_pd(squares + s,
+                       _mm256_add_pd(_mm256_loadu_pd(squares + s), _mm256_mul_pd(d, d)));
+    }
+    for (int32_t s = vec; s < len; ++s) {
+      const double d = row[s] - mean[s];
+      squares[s] += d * d;
+    }
+  }
+  for (int32_t s = 0; s < len; ++s) {
+    const double var = rows > 1 ? squares[s] / (rows - 1) : 0.0;
+    out[s] = static_cast<float>(mean[s] + gamma * var);
+  }
+}
+
+bool HasAvx2() {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2;
 }
 
 }  // namespace
@@ -64,6 +169,7 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
   std::vector<float> pooled;
   std::vector<uint8_t> eligible;
   std::vector<int32_t> scratch;
+  std::vector<double> mean(kBlock), squares(kBlock);
   for (const LayerStep& step : layers) {
     KVS_RETURN_IF_ERROR(CheckStep(step));
     const int32_t hq = step.num_q_heads;
@@ -78,18 +184,18 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
       // Step 3 over the trailing window: mean + gamma * unbiased variance, fp64 per slot.
       const int32_t w = std::min(cake_.window, nq);
       const int32_t first_window_position = step.query_positions[nq - w];
+      const bool avx2 = HasAvx2();
+      const double gamma = cake_.gamma;
       for (int64_t q = 0; q < hq; ++q) {
-        for (int64_t s = 0; s < n; ++s) {
-          double sum = 0.0;
-          for (int32_t i = nq - w; i < nq; ++i) sum += step.probs[(q * nq + i) * n + s];
-          const double mean = sum / w;
-          double squares = 0.0;
-          for (int32_t i = nq - w; i < nq; ++i) {
-            const double d = step.probs[(q * nq + i) * n + s] - mean;
-            squares += d * d;
+        const float* head = step.probs.data() + (q * nq + (nq - w)) * n;
+        for (int64_t s0 = 0; s0 < n; s0 += kBlock) {
+          const int32_t len = static_cast<int32_t>(std::min<int64_t>(kBlock, n - s0));
+          float* out = rows.data() + q * n + s0;
+          if (avx2) {
+            MeanVarianceAvx2(head + s0, n, w, len, gamma, mean.data(), squares.data(), out);
+          } else {
+            MeanVarianceScalar(head + s0, n, w, len, gamma, mean.data(), squares.data(), out);
           }
-          const double var = w > 1 ? squares / (w - 1) : 0.0;
-          rows[q * n + s] = static_cast<float>(mean + static_cast<double>(cake_.gamma) * var);
         }
       }
       for (int64_t j = 0; j < heads * n; ++j) {

@@ -1,15 +1,20 @@
 #include "gpu/cpu/merge_cpu.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/dtype.h"
 #include "gpu/cpu/attention_cpu.h"
+#include "gpu/cpu/keydiff_cpu.h"
 
 namespace kvs {
 namespace {
@@ -74,11 +79,12 @@ bool Better(float a, int32_t pa, float b, int32_t pb) {
   return a > b || (a == b && pa < pb);
 }
 
-void NearestKeysOfJob(const NearestKeyJob& job) {
+// The portable path (CPUs without AVX2/FMA): candidates are normalised once (unit rows), then
+// every query is a sweep of dot products in candidate order.
+void NearestKeysOfJobScalar(const NearestKeyJob& job) {
   if (job.num_queries == 0) return;
   const PagedLayerView& v = job.keys;
   const int dim = v.head_dim;
-  // Candidates are normalised once (unit rows), then every query is a sweep of dot products.
   std::vector<float> candidates(static_cast<size_t>(job.num_candidates) * dim);
   for (int32_t c = 0; c < job.num_candidates; ++c) {
     float* row = candidates.data() + static_cast<size_t>(c) * dim;
@@ -103,6 +109,131 @@ void NearestKeysOfJob(const NearestKeyJob& job) {
     }
     job.similarity[e] = best;
     job.target[e] = best_index;
+  }
+}
+
+// ---- AVX2/FMA path ----------------------------------------------------------------------------
+// A small GEMM of unit query rows against unit candidate rows with a running (max, argmax) per
+// query. Candidates are packed once per job into panels of kPanel candidates, transposed
+// ([dim][kPanel]), so the micro-kernel broadcasts one query element and FMAs it into kPanel
+// candidate lanes: every (query, candidate) dot is the same sequential fp32 FMA chain over d no
+// matter which lane or panel the candidate sits in, so equal unit rows give bit-equal cosines and
+// exact ties stay exact. Padding candidates (zero rows past num_candidates) are never selected.
+// Candidates are visited in index order per query and fed to Better() exactly like the scalar
+// path, so the tie rule (lowest position) and NaN handling are unchanged.
+
+#define KVS_MERGE_AVX2 __attribute__((target("avx2,fma")))
+
+constexpr int kPanel = 16;             // candidates per packed panel (two ymm)
+constexpr int kRows = 6;               // queries per micro-kernel: 12 accumulators + 2 + 1 ymm
+constexpr int kChunkRows = 8 * kRows;  // queries per task (normalised into a thread-local buffer)
+constexpr int kPanelsPerBlock = 8;     // 128 candidates x dim fp32 per L2-resident block
+// Packed candidates of all jobs of one batch stay under this many floats (16 MiB: bounds memory for
+// calls with hundreds of jobs; each job's panels are ~1 MiB at 2048 x 128).
+constexpr size_t kBatchFloats = size_t{4} << 20;
+
+// One job's normalised candidates, [panels][dim][kPanel], zero past num_candidates.
+struct PackedCandidates {
+  std::vector<float> data;
+  int panels = 0;
+};
+
+void PackCandidates(const NearestKeyJob& job, PackedCandidates& out) {
+  const PagedLayerView& v = job.keys;
+  const int dim = v.head_dim;
+  out.panels = (job.num_candidates + kPanel - 1) / kPanel;
+  out.data.assign(static_cast<size_t>(out.panels) * dim * kPanel, 0.0f);
+  std::vector<float> row(dim);
+  for (int32_t c = 0; c < job.num_candidates; ++c) {
+    const float norm = LoadKey(v, job.head, job.candidate_slots[c], row.data());
+    float* panel = out.data.data() + static_cast<size_t>(c / kPanel) * dim * kPanel + c % kPanel;
+    for (int d = 0; d < dim; ++d) panel[static_cast<size_t>(d) * kPanel] = row[d] / norm;
+  }
+}
+
+// Dots of `rows` (<= kRows) unit query rows (row stride = dim) with one candidate panel. Returns
+// false (out untouched beyond scratch) when no lane of any row can beat that row's best: every
+// dot is a number below best[r] (best[r] NaN or an unset best never skips).
+template <int kR>
+KVS_MERGE_AVX2 inline bool PanelDots(const float* q, int dim, const float* panel, const float* best,
+                                     float (*out)[kPanel]) {
+  __m256 acc[kR][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < kR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int d = 0; d < dim; ++d) {
+    const __m256 c0 = _mm256_loadu_ps(panel + static_cast<size_t>(d) * kPanel);
+    const __m256 c1 = _mm256_loadu_ps(panel + static_cast<size_t>(d) * kPanel + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < kR; ++r) {
+      const __m256 x = _mm256_broadcast_ss(q + static_cast<size_t>(r) * dim + d);
+      acc[r][0] = _mm256_fmadd_ps(x, c0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, c1, acc[r][1]);
+    }
+  }
+  int all_below = 1;
+#pragma GCC unroll 6
+  for (int r = 0; r < kR; ++r) {
+    const __m256 b = _mm256_set1_ps(best[r]);
+    // Ordered compares: false for NaN dots and NaN bests, which then take the exact path.
+    const __m256 below = _mm256_and_ps(_mm256_cmp_ps(acc[r][0], b, _CMP_LT_OQ),
+                                       _mm256_cmp_ps(acc[r][1], b, _CMP_LT_OQ));
+    all_below &= _mm256_movemask_ps(below) == 0xff;
+  }
+  if (all_below) return false;
+#pragma GCC unroll 6
+  for (int r = 0; r < kR; ++r) {
+    _mm256_storeu_ps(out[r], acc[r][0]);
+    _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+  }
+  return true;
+}
+
+// Queries [first, first + rows) of `job` (rows <= kChunkRows) against all packed candidates.
+KVS_MERGE_AVX2 void NearestChunkAvx2(const NearestKeyJob& job, const PackedCandidates& packed,
+                                     int32_t first, int rows) {
+  const PagedLayerView& v = job.keys;
+  const int dim = v.head_dim;
+  thread_local std::vector<float> queries;
+  queries.assign(static_cast<size_t>(kChunkRows) * dim, 0.0f);
+  for (int r = 0; r < rows; ++r) {
+    float* row = queries.data() + static_cast<size_t>(r) * dim;
+    const float norm = LoadKey(v, job.head, job.query_slots[first + r], row);
+    for (int d = 0; d < dim; ++d) row[d] /= norm;
+  }
+  // best is NaN while unset (index -1), so no panel is skipped before a query has a best.
+  float best[kChunkRows];
+  int32_t best_index[kChunkRows];
+  for (int r = 0; r < kChunkRows; ++r) {
+    best[r] = std::numeric_limits<float>::quiet_NaN();
+    best_index[r] = -1;
+  }
+  float dots[kRows][kPanel];
+  const int32_t* positions = job.candidate_positions;
+  for (int p0 = 0; p0 < packed.panels; p0 += kPanelsPerBlock) {
+    const int p1 = std::min(packed.panels, p0 + kPanelsPerBlock);
+    for (int r0 = 0; r0 < rows; r0 += kRows) {
+      const float* q = queries.data() + static_cast<size_t>(r0) * dim;
+      for (int p = p0; p < p1; ++p) {
+        const float* panel = packed.data.data() + static_cast<size_t>(p) * dim * kPanel;
+        if (!PanelDots<kRows>(q, dim, panel, best + r0, dots)) continue;
+        const int lanes = std::min(kPanel, job.num_candidates - p * kPanel);
+        for (int r = 0; r < kRows && r0 + r < rows; ++r) {
+          float& b = best[r0 + r];
+          int32_t& bi = best_index[r0 + r];
+          for (int j = 0; j < lanes; ++j) {
+            const int32_t c = p * kPanel + j;
+            if (bi < 0 || Better(dots[r][j], positions[c], b, positions[bi])) {
+              b = dots[r][j];
+              bi = c;
+            }
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    job.similarity[first + r] = best[r];
+    job.target[first + r] = best_index[r];
   }
 }
 
@@ -152,9 +283,53 @@ absl::Status RunNearestKeys(absl::Span<const NearestKeyJob> jobs, ThreadPool& po
     elements += static_cast<uint64_t>(jobs[i].num_queries) *
                 static_cast<uint64_t>(std::max(jobs[i].num_candidates, 0)) * jobs[i].keys.head_dim;
   }
-  pool.ParallelFor(
-      static_cast<int64_t>(jobs.size()), [&](int64_t i) { NearestKeysOfJob(jobs[i]); },
-      elements < kParallelMinNearestElements ? 1 : 0);
+  const int max_parallel = elements < kParallelMinNearestElements ? 1 : 0;
+  if (!CpuSupportsAvx2()) {
+    pool.ParallelFor(
+        static_cast<int64_t>(jobs.size()), [&](int64_t i) { NearestKeysOfJobScalar(jobs[i]); },
+        max_parallel);
+    return absl::OkStatus();
+  }
+  // Batches of jobs whose packed candidates fit kBatchFloats: pack them (one task per job), then
+  // one task per (job, chunk of kChunkRows queries) so even a single big job spreads over the
+  // pool's threads.
+  std::vector<PackedCandidates> packed;
+  std::vector<std::pair<size_t, int32_t>> tasks;  // (job, first query)
+  size_t begin = 0;
+  while (begin < jobs.size()) {
+    size_t end = begin;
+    size_t floats = 0;
+    while (end < jobs.size()) {
+      const NearestKeyJob& job = jobs[end];
+      const size_t job_floats =
+          job.num_queries == 0 ? 0
+                               : static_cast<size_t>((job.num_candidates + kPanel - 1) / kPanel) *
+                                     kPanel * job.keys.head_dim;
+      if (end > begin && floats + job_floats > kBatchFloats) break;
+      floats += job_floats;
+      ++end;
+    }
+    packed.assign(end - begin, PackedCandidates{});
+    pool.ParallelFor(
+        static_cast<int64_t>(end - begin),
+        [&](int64_t i) {
+          if (jobs[begin + i].num_queries > 0) PackCandidates(jobs[begin + i], packed[i]);
+        },
+        max_parallel);
+    tasks.clear();
+    for (size_t i = begin; i < end; ++i) {
+      for (int32_t e = 0; e < jobs[i].num_queries; e += kChunkRows) tasks.emplace_back(i, e);
+    }
+    pool.ParallelFor(
+        static_cast<int64_t>(tasks.size()),
+        [&](int64_t t) {
+          const auto [i, first] = tasks[t];
+          NearestChunkAvx2(jobs[i], packed[i - begin], first,
+                           std::min(kChunkRows, jobs[i].num_queries - first));
+        },
+        max_parallel);
+    begin = end;
+  }
   return absl::OkStatus();
 }
 

@@ -190,6 +190,85 @@ TEST(NearestKeysCpu, RandomMatchesDoubleReference) {
   }
 }
 
+// Larger shapes (several jobs in one call, queries not a multiple of the micro-kernel's rows,
+// candidates not a multiple of its panel, odd head_dim) against a double reference: the result
+// must be a maximum within 1e-5, and duplicated candidate keys (exact ties) must go to the lowest
+// position.
+TEST(NearestKeysCpu, LargerRandomWithDuplicatesMatchesDoubleReference) {
+  for (int dim : {128, 20}) {
+    SCOPED_TRACE(dim);
+    std::mt19937 rng(7 + dim);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const int heads = 2, count = 300;
+    std::vector<std::vector<std::vector<float>>> k(heads, std::vector<std::vector<float>>(count));
+    for (auto& h : k) {
+      for (auto& row : h) {
+        for (int d = 0; d < dim; ++d) row.push_back(normal(rng));
+      }
+      // Slots 250.. repeat slots 200.. (same rows, so bit-equal cosines).
+      for (int s = 250; s < count; ++s) h[s] = h[s - 50];
+    }
+    PagedKv kv(k, k, DType::kFloat16, 16);
+    std::vector<int32_t> queries(200), candidates(100), positions(100);
+    std::iota(queries.begin(), queries.end(), 0);
+    queries.resize(197);
+    std::iota(candidates.begin(), candidates.end(), 200);
+    std::iota(positions.begin(), positions.end(), 1000);
+    std::shuffle(positions.begin(), positions.end(), rng);
+    // Drop a few candidates so num_candidates is not a multiple of 16.
+    candidates.resize(93);
+    positions.resize(93);
+    std::vector<Nearest> out(heads);
+    std::vector<NearestKeyJob> jobs(heads);
+    for (int head = 0; head < heads; ++head) {
+      out[head] = {std::vector<float>(queries.size(), -9.0f),
+                   std::vector<int32_t>(queries.size(), -9)};
+      NearestKeyJob& job = jobs[head];
+      job.keys = kv.keys;
+      job.head = head;
+      job.query_slots = queries.data();
+      job.num_queries = static_cast<int32_t>(queries.size());
+      job.candidate_slots = candidates.data();
+      job.candidate_positions = positions.data();
+      job.num_candidates = static_cast<int32_t>(candidates.size());
+      job.similarity = out[head].similarity.data();
+      job.target = out[head].target.data();
+    }
+    ThreadPool pool(2);
+    ASSERT_TRUE(RunNearestKeys(jobs, pool).ok());
+    for (int head = 0; head < heads; ++head) {
+      std::vector<std::vector<float>> rows;
+      for (int32_t c : candidates) rows.push_back(kv.Read(kv.keys, head, c));
+      for (size_t e = 0; e < queries.size(); ++e) {
+        const std::vector<float> q = kv.Read(kv.keys, head, queries[e]);
+        std::vector<double> cos(candidates.size());
+        double best = -2;
+        for (size_t c = 0; c < candidates.size(); ++c) {
+          double dot = 0, nq = 0, nx = 0;
+          for (int d = 0; d < dim; ++d) {
+            dot += double{q[d]} * rows[c][d];
+            nq += double{q[d]} * q[d];
+            nx += double{rows[c][d]} * rows[c][d];
+          }
+          cos[c] = dot / (std::max(std::sqrt(nq), 1e-6) * std::max(std::sqrt(nx), 1e-6));
+          best = std::max(best, cos[c]);
+        }
+        const int32_t t = out[head].target[e];
+        ASSERT_GE(t, 0);
+        ASSERT_LT(t, static_cast<int32_t>(candidates.size()));
+        EXPECT_NEAR(out[head].similarity[e], best, 1e-5);
+        EXPECT_NEAR(cos[t], best, 1e-5);
+        // An identical candidate at a lower position would have had a bit-equal cosine.
+        for (size_t c = 0; c < candidates.size(); ++c) {
+          if (rows[c] == rows[t]) {
+            EXPECT_GE(positions[c], positions[t]) << e << " " << c;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(NearestKeysCpu, InvalidJobsAreRejectedAndNothingIsWritten) {
   PagedKv kv = Tv4(DType::kFloat32, 3);
   const std::vector<int32_t> q = {1, 4}, c = {0, 2}, p = {0, 2}, bad_slot = {1, 8};
