@@ -615,6 +615,9 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
   const AttentionInput& input = *attention.input;
   const int32_t w = input.num_queries;
   const AttentionRequirement requirement = policy.attention(phase);
+  // A policy that reads no attention (keydiff, streaming_llm) ignores what the worker sent:
+  // computing probabilities for it would only cost a pass over every key.
+  if (!requirement.needed && !policy.needs_accumulated()) return absl::OkStatus();
   const int32_t rows =
       requirement.trailing_queries > 0 ? std::min(requirement.trailing_queries, w) : w;
   const int32_t first_row = w - rows;
