@@ -58,24 +58,23 @@ inline D2oSplit SplitD2oBudget(int32_t budget, int32_t n_sink, float recent_frac
   split.sinks = std::clamp(n_sink, 0, std::max(budget, 0));
   // recent_frac is a float (0.3f is 0.29999999): nudge the product up by about one ulp first.
   const double rest = static_cast<double>(budget - split.sinks);
-  split.recent = static_cast<int32_t>(
-      std::clamp(std::floor(rest * recent_frac * (1.0 + 1.2e-7)), 0.0, rest));
+  split.recent =
+      static_cast<int32_t>(std::clamp(std::floor(rest * recent_frac * (1.0 + 1.2e-7)), 0.0, rest));
   split.heavy = budget - split.sinks - split.recent;
   return split;
 }
 
 // CAKE preference terms of one layer from its window attention probs [Hq][W][count] (the W
 // window queries of the prompt, slot order): over the prefix slots of each query head's kv head
-// (key_positions[g][s] < first_query_position) entropy H = -sum p ln(p + 1e-10) and shift V = sum over (head, slot) of the
-// unbiased variance over the W rows (cake.md step 2). fp64.
+// (key_positions[g][s] < first_query_position) entropy H = -sum p ln(p + 1e-10) and shift V = sum
+// over (head, slot) of the unbiased variance over the W rows (cake.md step 2). fp64.
 struct CakeMeasure {
   double entropy = 0.0;
   double shift = 0.0;
 };
 CakeMeasure CakeLayerMeasure(absl::Span<const float> probs, int32_t num_q_heads,
                              int32_t num_queries, int32_t count, int32_t num_kv_heads,
-                             absl::Span<const int32_t> key_positions,
-                             int32_t first_query_position);
+                             absl::Span<const int32_t> key_positions, int32_t first_query_position);
 // ln P = ln H / tau1 + ln V / tau2; -inf when H or V is 0.
 double CakeLogPreference(const CakeMeasure& measure, double tau1, double tau2);
 

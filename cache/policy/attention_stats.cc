@@ -6,7 +6,63 @@
 #include <numeric>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+
 namespace kvs {
+
+absl::Status CheckLayerStep(absl::string_view policy, const LayerStep& layer) {
+  const int64_t heads = layer.keys.num_kv_heads;
+  const int64_t q_heads = layer.num_q_heads;
+  const int64_t count = layer.keys.count;
+  if (layer.state == nullptr || heads < 1 || count < 0 ||
+      static_cast<int64_t>(layer.positions.size()) != heads * count) {
+    return absl::InternalError(absl::StrCat("policy ", policy, ": malformed layer ", layer.layer,
+                                            " (kv heads ", heads, ", count ", count, ", positions ",
+                                            layer.positions.size(), ")"));
+  }
+  if (q_heads < heads || q_heads % heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("attention of layer ", layer.layer, ": policy ",
+                                                   policy, " needs a multiple of ", heads,
+                                                   " query heads, got ", q_heads));
+  }
+  if (layer.num_queries < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("attention.num_queries of layer ", layer.layer,
+                                                   " must be >= 1 for policy ", policy, ", got ",
+                                                   layer.num_queries));
+  }
+  const int64_t expected = q_heads * layer.num_queries * count;
+  if (static_cast<int64_t>(layer.probs.size()) != expected) {
+    return absl::InvalidArgumentError(absl::StrCat("attention of layer ", layer.layer, ": policy ",
+                                                   policy, " expected ", q_heads, " x ",
+                                                   layer.num_queries, " x ", count, " = ", expected,
+                                                   " probabilities, got ", layer.probs.size()));
+  }
+  // Written so that NaN fails too.
+  for (float p : layer.probs) {
+    if (!(p >= 0.0f && p <= std::numeric_limits<float>::max())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention of layer ", layer.layer, ": policy ", policy,
+                       " got a negative or non-finite probability ", p));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AccumulateColumnSums(absl::string_view policy, const LayerStep& layer) {
+  if (absl::Status status = CheckLayerStep(policy, layer); !status.ok()) return status;
+  const int64_t size = int64_t{layer.num_q_heads} * layer.keys.count;
+  std::vector<float>& accumulated = layer.state->accumulated;
+  if (accumulated.empty()) {
+    accumulated.assign(static_cast<size_t>(size), 0.0f);
+  } else if (static_cast<int64_t>(accumulated.size()) != size) {
+    return absl::InternalError(absl::StrCat("policy ", policy, ": accumulated attention of layer ",
+                                            layer.layer, " holds ", accumulated.size(),
+                                            " values, expected ", size));
+  }
+  SumQueryRows(layer.probs, layer.num_q_heads, layer.num_queries, layer.keys.count, 0,
+               /*accumulate=*/true, absl::MakeSpan(accumulated));
+  return absl::OkStatus();
+}
 
 void SumQueryRows(absl::Span<const float> probs, int32_t num_q_heads, int32_t num_queries,
                   int32_t count, int32_t rows, bool accumulate, absl::Span<float> out) {

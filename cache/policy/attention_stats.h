@@ -11,10 +11,25 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "cache/policy/policy.h"
 #include "cache/policy/policy_config.h"
 
 namespace kvs {
+
+// The one check of a step's attention every attention-based scorer makes before folding it into
+// state that lives as long as the sequence: INVALID_ARGUMENT unless `layer` carries
+// [num_q_heads][num_queries][count] finite, non-negative probabilities (num_q_heads a positive
+// multiple of the kv heads); INTERNAL when the sequence passed a
+// malformed layer (no state, position table of the wrong size). `policy` names the policy.
+absl::Status CheckLayerStep(absl::string_view policy, const LayerStep& layer);
+
+// H2O's and D2O's update (caote.md §4, d2o.md §4.1 Eq. 4 and §4.2 Eq. 6): checks `layer` (as
+// CheckLayerStep) and adds the column sums of every query row of the step to
+// layer.state->accumulated ([Hq][count], created at zero). INTERNAL when the state is misaligned.
+absl::Status AccumulateColumnSums(absl::string_view policy, const LayerStep& layer);
 
 // out[q][s] (+)= sum over the last `rows` query rows of probs[q][i][s] (all rows when rows <= 0
 // or rows > num_queries). `accumulate` adds to out instead of overwriting it.

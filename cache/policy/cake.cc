@@ -18,70 +18,6 @@ constexpr int32_t kDefaultWindow = 32;
 constexpr float kDefaultTau = 1.0f;
 constexpr int32_t kDefaultKernel = 5;
 
-// Whether every value is finite and non-negative: a branch-free scan (8 lanes at a time where
-// AVX2 is available); the caller reports the first offender.
-__attribute__((target("avx2"))) bool AllProbabilitiesAvx2(const float* p, int64_t n) {
-  const __m256 zero = _mm256_setzero_ps();
-  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
-  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(p + i);
-    ok = _mm256_and_ps(ok, _mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_GE_OQ),
-                                         _mm256_cmp_ps(v, largest, _CMP_LE_OQ)));
-  }
-  bool all = _mm256_movemask_ps(ok) == 0xFF;
-  for (; i < n; ++i) all = all && p[i] >= 0.0f && p[i] <= std::numeric_limits<float>::max();
-  return all;
-}
-
-bool AllProbabilities(absl::Span<const float> probs) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) return AllProbabilitiesAvx2(probs.data(), static_cast<int64_t>(probs.size()));
-  for (float p : probs) {
-    if (!(p >= 0.0f && p <= std::numeric_limits<float>::max())) return false;
-  }
-  return true;
-}
-
-// A step must carry [Hq][num_queries][count] finite, non-negative probabilities and the
-// positions of its keys and queries.
-absl::Status CheckStep(const LayerStep& step) {
-  const int64_t heads = step.keys.num_kv_heads;
-  const int64_t count = step.keys.count;
-  if (heads < 1 || step.num_q_heads < heads || step.num_q_heads % heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("attention for layer ", step.layer, ": ", step.num_q_heads,
-                     " query heads is not a positive multiple of ", heads, " kv heads"));
-  }
-  if (step.num_queries < 1 ||
-      static_cast<int64_t>(step.probs.size()) != step.num_q_heads * step.num_queries * count) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention for layer ", step.layer, ": ", step.probs.size(), " probabilities for ",
-        step.num_q_heads, " heads x ", step.num_queries, " queries x ", count, " tokens"));
-  }
-  if (static_cast<int64_t>(step.query_positions.size()) != step.num_queries ||
-      static_cast<int64_t>(step.positions.size()) != heads * count) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("attention for layer ", step.layer, ": ", step.query_positions.size(),
-                     " query positions for ", step.num_queries, " queries, ", step.positions.size(),
-                     " key positions for ", heads, " x ", count));
-  }
-  if (!AllProbabilities(step.probs)) {  // then find the first offender for the message
-    for (float p : step.probs) {
-      if (!(p >= 0.0f && p <= std::numeric_limits<float>::max())) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("attention for layer ", step.layer,
-                         " holds a negative or non-finite probability: ", p));
-      }
-    }
-  }
-  if (step.state == nullptr) {
-    return absl::InternalError(absl::StrCat("layer ", step.layer, " has no policy state"));
-  }
-  return absl::OkStatus();
-}
-
 // Observe streams the W window rows of a head row by row (contiguous) over blocks of slots with
 // per-slot fp64 accumulators; W rows x kBlock floats stay in L2 for the second (variance) pass.
 constexpr int32_t kBlock = 512;
@@ -171,7 +107,7 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
   std::vector<int32_t> scratch;
   std::vector<double> mean(kBlock), squares(kBlock);
   for (const LayerStep& step : layers) {
-    KVS_RETURN_IF_ERROR(CheckStep(step));
+    KVS_RETURN_IF_ERROR(CheckLayerStep(config().name, step));
     const int32_t hq = step.num_q_heads;
     const int32_t heads = step.keys.num_kv_heads;
     const int32_t count = step.keys.count;

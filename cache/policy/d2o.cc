@@ -17,34 +17,6 @@ constexpr float kDefaultBeta = 0.7f;
 constexpr float kDefaultMinRatio = 0.01f;
 constexpr float kDefaultMaxRatio = 1.0f;
 
-// A step's probabilities must be [Hq][num_queries][count], finite and non-negative: they are
-// summed into state that lives as long as the sequence, so a NaN would poison every later step.
-absl::Status CheckStep(const LayerStep& step) {
-  const int64_t heads = step.keys.num_kv_heads;
-  const int64_t count = step.keys.count;
-  if (heads < 1 || step.num_q_heads < heads || step.num_q_heads % heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("attention for layer ", step.layer, ": ", step.num_q_heads,
-                     " query heads is not a positive multiple of ", heads, " kv heads"));
-  }
-  if (step.num_queries < 1 ||
-      static_cast<int64_t>(step.probs.size()) != step.num_q_heads * step.num_queries * count) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention for layer ", step.layer, ": ", step.probs.size(), " probabilities for ",
-        step.num_q_heads, " heads x ", step.num_queries, " queries x ", count, " tokens"));
-  }
-  for (float p : step.probs) {
-    if (!(p >= 0.0f && p <= std::numeric_limits<float>::max())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "attention for layer ", step.layer, " holds a negative or non-finite probability: ", p));
-    }
-  }
-  if (step.state == nullptr) {
-    return absl::InternalError(absl::StrCat("layer ", step.layer, " has no policy state"));
-  }
-  return absl::OkStatus();
-}
-
 // Byte offset of slot `slot` of kv head `head` (kv 0 keys, 1 values) in the arena.
 uint64_t RowOffset(const PagedLayerView& view, int32_t kv, int32_t head, int32_t slot) {
   const uint64_t block = static_cast<uint64_t>(view.block_table[slot / view.block_tokens]);
@@ -81,24 +53,6 @@ bool FiniteMean(absl::Span<const float> values, double& mean) {
 }
 
 }  // namespace
-
-absl::Status D2oPolicy::ObserveLayers(Backend&, Phase, absl::Span<const LayerStep> layers) const {
-  for (const LayerStep& step : layers) {
-    KVS_RETURN_IF_ERROR(CheckStep(step));
-    const int64_t size = int64_t{step.num_q_heads} * step.keys.count;
-    std::vector<float>& accumulated = step.state->accumulated;
-    if (accumulated.empty()) {
-      accumulated.assign(static_cast<size_t>(size), 0.0f);
-    } else if (static_cast<int64_t>(accumulated.size()) != size) {
-      return absl::InternalError(absl::StrCat("layer ", step.layer, " accumulates ",
-                                              accumulated.size(), " scores, expected ", size));
-    }
-    // Every query of the step: prefill column sums (Eq. 4) and the decode row (Eq. 6).
-    SumQueryRows(step.probs, step.num_q_heads, step.num_queries, step.keys.count, 0,
-                 /*accumulate=*/true, absl::MakeSpan(accumulated));
-  }
-  return absl::OkStatus();
-}
 
 absl::StatusOr<int32_t> D2oPolicy::RawScores(Backend&, Phase, const LayerSelection& layer,
                                              std::vector<float>& raw) const {

@@ -46,8 +46,6 @@ class D2oPolicy final : public AttentionScoredPolicy {
  protected:
   AttentionRequirement ScorerAttention(Phase) const override { return {true, 0}; }
   bool ScorerNeedsAccumulated() const override { return true; }
-  absl::Status ObserveLayers(Backend& backend, Phase phase,
-                             absl::Span<const LayerStep> layers) const override;
   Protection Protect(Phase phase, const LayerSelection& layer) const override;
 };
 

@@ -33,18 +33,11 @@ class H2oPolicy final : public AttentionScoredPolicy {
  protected:
   AttentionRequirement ScorerAttention(Phase) const override { return {true, 0}; }
   bool ScorerNeedsAccumulated() const override { return true; }
-  absl::Status ObserveLayers(Backend& backend, Phase phase,
-                             absl::Span<const LayerStep> layers) const override;
   Protection Protect(Phase phase, const LayerSelection& layer) const override;
 
  private:
   const H2oConfig params_;
 };
-
-// INVALID_ARGUMENT naming the field unless `layer` carries a well-formed probability block
-// ([num_q_heads][num_queries][count], num_q_heads a positive multiple of the kv heads). Shared by
-// the attention-based scorers; `policy` names the policy in the message.
-absl::Status CheckAttentionStep(const std::string& policy, const LayerStep& layer);
 
 // Validates config.h2o ("policy.h2o.n_sink must be >= 0, got -1"). Zero = the default (0).
 absl::Status ResolveH2oConfig(PolicyConfig& config);

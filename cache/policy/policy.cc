@@ -179,20 +179,14 @@ AttentionRequirement Policy::attention(Phase phase) const {
 
 absl::Status Policy::Observe(Backend& backend, Phase phase,
                              absl::Span<const LayerStep> layers) const {
-  KVS_RETURN_IF_ERROR(ObserveLayers(backend, phase, layers));
-  // An allocator that reads accumulated attention (D2O's density) under a scorer that keeps none
-  // of its own: the column sums are accumulated here, once.
-  if (allocator_->needs_accumulated() && !ScorerNeedsAccumulated()) {
+  // Accumulated attention (H2O's and D2O's scores, D2O's layer density) is kept here, once,
+  // whichever of the scorer and the allocator reads it.
+  if (needs_accumulated()) {
     for (const LayerStep& layer : layers) {
-      const int32_t count = layer.keys.count;
-      const size_t size = static_cast<size_t>(layer.num_q_heads) * count;
-      if (layer.probs.empty() || count == 0) continue;
-      std::vector<float>& accumulated = layer.state->accumulated;
-      if (accumulated.size() != size) accumulated.assign(size, 0.0f);
-      SumQueryRows(layer.probs, layer.num_q_heads, layer.num_queries, count, 0,
-                   /*accumulate=*/true, absl::MakeSpan(accumulated));
+      KVS_RETURN_IF_ERROR(AccumulateColumnSums(config_.name, layer));
     }
   }
+  KVS_RETURN_IF_ERROR(ObserveLayers(backend, phase, layers));
   for (const LayerStep& layer : layers) {
     KVS_RETURN_IF_ERROR(allocator_->Observe(phase, layer));
   }

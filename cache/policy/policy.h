@@ -103,10 +103,10 @@ struct LayerSelection {
   PagedLayerView keys;                  // keys.count tokens in every kv head
   absl::Span<const int32_t> positions;  // [H][count] original positions, slot order
   int32_t num_q_heads = 0;
-  int32_t keep = 0;                     // tokens each head keeps, 0 <= keep <= count
-  absl::Span<int32_t> kept;             // out: [H][keep] kept slots, ascending per head
-  LayerPolicyState* state = nullptr;    // never null
-  uint8_t* writable_arena = nullptr;    // the same arena as keys.arena, for Merge
+  int32_t keep = 0;                   // tokens each head keeps, 0 <= keep <= count
+  absl::Span<int32_t> kept;           // out: [H][keep] kept slots, ascending per head
+  LayerPolicyState* state = nullptr;  // never null
+  uint8_t* writable_arena = nullptr;  // the same arena as keys.arena, for Merge
   // Optional out: [H][count] the selection scores (Score dry run); written even when keep ==
   // count. +inf marks protected slots.
   float* scores_out = nullptr;
@@ -152,7 +152,9 @@ class Policy {
   // What the scorer and the allocator together read of a step's attention.
   AttentionRequirement attention(Phase phase) const;
   // Whether LayerPolicyState::accumulated is maintained for this policy.
-  bool needs_accumulated() const { return ScorerNeedsAccumulated() || allocator_->needs_accumulated(); }
+  bool needs_accumulated() const {
+    return ScorerNeedsAccumulated() || allocator_->needs_accumulated();
+  }
   // Tokens every layer keeps outside the allocated share (CAKE's window W; 0 for the others).
   virtual int32_t window_tokens() const { return 0; }
 
@@ -168,8 +170,7 @@ class Policy {
                               absl::Span<const LayerSelection> layers) const = 0;
   // Step 4: after Select, before compaction; merged[i] = evicted rows folded into kept ones in
   // layers[i], summed over heads. Default: nothing merged.
-  virtual absl::Status Merge(Backend& backend, Phase phase,
-                             absl::Span<const LayerSelection> layers,
+  virtual absl::Status Merge(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
                              absl::Span<int32_t> merged) const;
 
  protected:
@@ -208,8 +209,7 @@ class ScoredPolicy : public Policy {
 
   // Writes scores[i][h * count + s] for every layer i; higher is kept first. The buffers are
   // zeroed on entry, so a position-only policy may leave them alone.
-  virtual absl::Status Score(Backend& backend, Phase phase,
-                             absl::Span<const LayerSelection> layers,
+  virtual absl::Status Score(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
                              absl::Span<float* const> scores) const = 0;
 };
 

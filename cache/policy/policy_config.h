@@ -125,7 +125,7 @@ struct PolicyConfig {
 };
 
 struct BudgetConfig {
-  int32_t tokens_per_layer = 0;        // 0 = unbounded
+  int32_t tokens_per_layer = 0;  // 0 = unbounded
   bool strict = false;
   int32_t prefill_block_tokens = 128;  // N_b, strict mode only
   // Explicit per-layer budgets (size L, each > 0) that override the allocator; empty = none.

@@ -19,7 +19,7 @@ absl::Status SnapKvPolicy::ObserveLayers(Backend&, Phase,
   std::vector<uint8_t> eligible;
   std::vector<int32_t> scratch;
   for (const LayerStep& layer : layers) {
-    KVS_RETURN_IF_ERROR(CheckAttentionStep(config().name, layer));
+    KVS_RETURN_IF_ERROR(CheckLayerStep(config().name, layer));
     const int32_t count = layer.keys.count;
     const int32_t heads = layer.keys.num_kv_heads;
     const int32_t step_queries = layer.step_queries > 0 ? layer.step_queries : layer.num_queries;

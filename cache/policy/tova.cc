@@ -14,7 +14,7 @@ TovaPolicy::TovaPolicy(const PolicyConfig& config, const TovaConfig& params)
 
 absl::Status TovaPolicy::ObserveLayers(Backend&, Phase, absl::Span<const LayerStep> layers) const {
   for (const LayerStep& layer : layers) {
-    KVS_RETURN_IF_ERROR(CheckAttentionStep(config().name, layer));
+    KVS_RETURN_IF_ERROR(CheckLayerStep(config().name, layer));
     const int64_t size = int64_t{layer.num_q_heads} * layer.keys.count;
     std::vector<float>& scores = layer.state->step_scores;
     scores.assign(static_cast<size_t>(size), 0.0f);

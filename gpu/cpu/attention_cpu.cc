@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/dtype.h"
+#include "gpu/cpu/avx2_util.h"
 #include "gpu/cpu/keydiff_cpu.h"
 
 namespace kvs {
@@ -113,20 +114,8 @@ void ScalarTask(const JobPlan& plan, const Records& records, int64_t head, int64
 // ---------------------------------------------------------------------------------------------
 // AVX2 + FMA + F16C. Chosen at run time; the rest of the binary stays baseline x86-64.
 
-#define KVS_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-template <DType kType>
-KVS_AVX2 inline __m256 Load8(const uint8_t* p) {
-  if constexpr (kType == DType::kFloat16) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  } else if constexpr (kType == DType::kBFloat16) {
-    const __m256i wide =
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  } else {
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-  }
-}
+using avx2::HorizontalSum;
+using avx2::Load8;
 
 // exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2 and a degree-5 polynomial, ~2 ulp).
 // Returns exactly 0 below -87.3 (where expf underflows) and for -inf, the masked slots.
@@ -155,13 +144,6 @@ KVS_AVX2 inline float HorizontalMax(__m256 v) {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
   return _mm_cvtss_f32(m);
-}
-
-KVS_AVX2 inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // Dot products of kRows query rows with kKeys key rows (both fp32, head_dim contiguous, dim % 8

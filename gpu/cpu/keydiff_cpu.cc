@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/dtype.h"
+#include "gpu/cpu/avx2_util.h"
 
 namespace kvs {
 namespace {
@@ -184,27 +185,8 @@ void ScoreHeadScalar(const KeyDiffScoreJob& job, int head) {
 // AVX2 + FMA + F16C: the default cosine metric with a mean anchor, two streaming passes over the
 // keys (anchor, then scores). Chosen at run time; the rest of the binary stays baseline x86-64.
 
-#define KVS_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-template <DType kType>
-KVS_AVX2 inline __m256 Load8(const uint8_t* p) {
-  if constexpr (kType == DType::kFloat16) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  } else if constexpr (kType == DType::kBFloat16) {
-    const __m256i wide =
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  } else {
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-  }
-}
-
-KVS_AVX2 inline float HorizontalSum(__m256 v) {
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-  return _mm_cvtss_f32(sum);
-}
+using avx2::HorizontalSum;
+using avx2::Load8;
 
 // Rows of a block are taken in groups small enough to stay in L1 between the two sweeps below.
 constexpr int kRowGroup = 16;

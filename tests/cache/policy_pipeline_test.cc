@@ -91,7 +91,9 @@ class TestPolicy final : public ScoredPolicy {
   AttentionRequirement ScorerAttention(Phase) const override {
     return AttentionRequirement{true, trailing_};
   }
-  bool ScorerNeedsAccumulated() const override { return true; }
+  // It writes `accumulated` itself (a value per token, or its own sums), so the base class must
+  // not add the column sums it keeps for H2O and D2O; the sequence still aligns the array.
+  bool ScorerNeedsAccumulated() const override { return false; }
 
   absl::Status ObserveLayers(Backend&, Phase phase,
                              absl::Span<const LayerStep> layers) const override {
@@ -408,7 +410,6 @@ TEST(PolicyPipelineTest, ObserveComputesTrailingRowsFromQueries) {
     attention.queries.push_back(static_cast<float>((i * 37) % 11) / 8.0f - 0.6f);
   }
   absl::Status status = trailing.seq().Compress(trailing.env(), Attended(attention)).status();
-  if (absl::IsUnimplemented(status)) GTEST_SKIP() << "AttentionProbs kernel not built: " << status;
   ASSERT_TRUE(status.ok()) << status;
   ASSERT_TRUE(full.seq().Compress(full.env(), Attended(attention)).ok());
   ASSERT_EQ(trailing_log.steps.size(), 1u);
@@ -966,7 +967,6 @@ TEST(PoolPipelineTest, EveryPolicyRunsThePipelineEndToEnd) {
           pool.pool.WriteReserved(session, seq, reservation->reservation_id, 0, payload).ok());
       const AttentionInput attention = queries(chunk);
       auto commit = pool.pool.Commit(session, seq, reservation->reservation_id, true, &attention);
-      if (absl::IsUnimplemented(commit.status())) GTEST_SKIP() << commit.status();
       ASSERT_TRUE(commit.ok()) << commit.status();
     }
     const auto prompt = pool.pool.GetLayout(session, seq, {}, false);

@@ -72,7 +72,7 @@ TestLayer Tv4Prompt(const D2oPolicy& policy, Backend& backend) {
   const std::vector<float> probs = ProbsFor(layer, scores, 2);
   const std::vector<int32_t> queries = {6, 7};
   const LayerStep step = layer.Step(0, 1, probs, queries);
-  EXPECT_TRUE(policy.BaseObserve(backend, Phase::kPrefill, {&step, 1}).ok());
+  EXPECT_TRUE(policy.Observe(backend, Phase::kPrefill, {&step, 1}).ok());
   return layer;
 }
 
@@ -198,7 +198,7 @@ TEST(D2oTest, Tv5Tv6DecodeMergeThenDrop) {
       ProbsFor(tv5, {{0, .5f}, {2, .1f}, {3, .1f}, {6, .1f}, {7, .1f}, {8, .1f}}, 1);
   const std::vector<int32_t> q5 = {8};
   const LayerStep step5 = tv5.Step(0, 1, p5, q5);
-  ASSERT_TRUE(policy->BaseObserve(backend, Phase::kDecode, {&step5, 1}).ok());
+  ASSERT_TRUE(policy->Observe(backend, Phase::kDecode, {&step5, 1}).ok());
   const std::map<int32_t, float> scores5 = Accumulated(tv5);
   EXPECT_FLOAT_EQ(scores5.at(0), 5.5f);
   EXPECT_FLOAT_EQ(scores5.at(2), 1.0f);
@@ -223,7 +223,7 @@ TEST(D2oTest, Tv5Tv6DecodeMergeThenDrop) {
       ProbsFor(tv6, {{0, .4f}, {2, .05f}, {3, .3f}, {7, .05f}, {8, .1f}, {9, .1f}}, 1);
   const std::vector<int32_t> q6 = {9};
   const LayerStep step6 = tv6.Step(0, 1, p6, q6);
-  ASSERT_TRUE(policy->BaseObserve(backend, Phase::kDecode, {&step6, 1}).ok());
+  ASSERT_TRUE(policy->Observe(backend, Phase::kDecode, {&step6, 1}).ok());
   const LayerSelection decode6 = tv6.Selection(0, 1, 5, kept);
   ASSERT_TRUE(policy->Select(backend, Phase::kDecode, {&decode6, 1}).ok());
   EXPECT_THAT(tv6.KeptPositions(kept, 0), ElementsAre(0, 2, 3, 8, 9));
@@ -334,10 +334,10 @@ TEST(D2oTest, ScoresWithoutAttentionNameTheField) {
   probs[3] = std::nanf("");
   const std::vector<int32_t> queries = {7};
   const LayerStep step = layer.Step(0, 1, probs, queries);
-  EXPECT_EQ(policy->BaseObserve(backend, Phase::kPrefill, {&step, 1}).code(),
+  EXPECT_EQ(policy->Observe(backend, Phase::kPrefill, {&step, 1}).code(),
             absl::StatusCode::kInvalidArgument);
   const LayerStep short_step = layer.Step(0, 1, absl::MakeSpan(probs).subspan(1), queries);
-  EXPECT_EQ(policy->BaseObserve(backend, Phase::kPrefill, {&short_step, 1}).code(),
+  EXPECT_EQ(policy->Observe(backend, Phase::kPrefill, {&short_step, 1}).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(layer.state.accumulated.empty());
 }
@@ -388,7 +388,7 @@ TEST(D2oTest, Tv8ConstantValuesSurviveThePaperMerge) {
     std::vector<int32_t> queries;
     for (int32_t i = 0; i < nq; ++i) queries.push_back(next_position - nq + i);
     const LayerStep observe = layer.Step(0, kQHeads, probs, queries);
-    ASSERT_TRUE(policy->BaseObserve(backend, phase, {&observe, 1}).ok());
+    ASSERT_TRUE(policy->Observe(backend, phase, {&observe, 1}).ok());
     std::vector<int32_t> kept;
     const LayerSelection selection = layer.Selection(0, kQHeads, kKeep, kept);
     ASSERT_TRUE(policy->Select(backend, phase, {&selection, 1}).ok());

@@ -1,7 +1,7 @@
 // Helpers of the D2O and CAKE scorer tests: one layer of one sequence over a real paged fp32
 // arena (std::vector<uint8_t>, block table deliberately not the identity, slot order not position
-// order), drivers for Select/Merge with hand-built LayerSelection, and a CPU backend whose
-// NearestKeys/MergeRows fall back to a plain reference while the CPU kernels are stubs.
+// order), drivers for Select/Merge with hand-built LayerSelection, and a CPU backend that counts
+// the merge kernels' calls.
 // Header-only; test code, not thread-safe.
 #ifndef KVSIDECAR_TESTS_CACHE_POLICY_SCORER_TEST_UTIL_H_
 #define KVSIDECAR_TESTS_CACHE_POLICY_SCORER_TEST_UTIL_H_
@@ -139,56 +139,7 @@ class TestLayer {
   std::vector<int32_t> positions_;
 };
 
-// Reference NearestKeys / MergeRows for fp32 rows (the spec's formulas, nothing clever).
-inline void ReferenceNearestKeys(absl::Span<const NearestKeyJob> jobs) {
-  for (const NearestKeyJob& job : jobs) {
-    const PagedLayerView& v = job.keys;
-    auto row = [&](int32_t slot) {
-      const uint64_t offset = uint64_t(v.block_table[slot / v.block_tokens]) * v.block_bytes +
-                              ((uint64_t(v.kv_index) * v.num_kv_heads + job.head) * v.block_tokens +
-                               slot % v.block_tokens) *
-                                  v.head_dim * sizeof(float);
-      return reinterpret_cast<const float*>(v.arena + offset);
-    };
-    auto norm = [&](const float* x) {
-      double sum = 0;
-      for (int d = 0; d < v.head_dim; ++d) sum += double(x[d]) * x[d];
-      return std::max(std::sqrt(sum), 1e-6);
-    };
-    for (int32_t e = 0; e < job.num_queries; ++e) {
-      const float* q = row(job.query_slots[e]);
-      double best = -2.0;
-      int32_t target = -1;
-      for (int32_t c = 0; c < job.num_candidates; ++c) {
-        const float* k = row(job.candidate_slots[c]);
-        double dot = 0;
-        for (int d = 0; d < v.head_dim; ++d) dot += double(q[d]) * k[d];
-        const double sim = dot / (norm(q) * norm(k));
-        if (target < 0 || sim > best ||
-            (sim == best && job.candidate_positions[c] < job.candidate_positions[target])) {
-          best = sim;
-          target = c;
-        }
-      }
-      job.similarity[e] = static_cast<float>(best);
-      job.target[e] = target;
-    }
-  }
-}
-
-inline void ReferenceMergeRows(absl::Span<const RowMergeJob> jobs) {
-  for (const RowMergeJob& job : jobs) {
-    std::vector<float> sum(job.row_elements, 0.0f);
-    for (int32_t k = 0; k < job.num_sources; ++k) {
-      const float* src = reinterpret_cast<const float*>(job.arena + job.src_offsets[k]);
-      for (int32_t d = 0; d < job.row_elements; ++d) sum[d] += job.weights[k] * src[d];
-    }
-    std::memcpy(job.arena + job.dst_offset, sum.data(), sum.size() * sizeof(float));
-  }
-}
-
-// The CPU backend; NearestKeys/MergeRows use the reference above only while the CPU kernels
-// answer UNIMPLEMENTED (before gpu/cpu/merge_cpu.cc lands).
+// The CPU backend, counting the NearestKeys / MergeRows calls and jobs a policy issues.
 class TestBackend final : public Backend {
  public:
   TestBackend() : cpu_(MakeCpuBackend(1)) {}
@@ -215,22 +166,12 @@ class TestBackend final : public Backend {
   }
   absl::Status NearestKeys(absl::Span<const NearestKeyJob> jobs, Stream stream) override {
     ++nearest_calls;
-    absl::Status status = cpu_->NearestKeys(jobs, stream);
-    if (absl::IsUnimplemented(status)) {
-      ReferenceNearestKeys(jobs);
-      return absl::OkStatus();
-    }
-    return status;
+    return cpu_->NearestKeys(jobs, stream);
   }
   absl::Status MergeRows(absl::Span<const RowMergeJob> jobs, Stream stream) override {
     ++merge_calls;
     merge_jobs += static_cast<int>(jobs.size());
-    absl::Status status = cpu_->MergeRows(jobs, stream);
-    if (absl::IsUnimplemented(status)) {
-      ReferenceMergeRows(jobs);
-      return absl::OkStatus();
-    }
-    return status;
+    return cpu_->MergeRows(jobs, stream);
   }
   absl::Status Synchronize(Stream stream) override { return cpu_->Synchronize(stream); }
 
