@@ -3,8 +3,9 @@
 //   - prefill/compress window (w=32, count 8192): compute-bound, FLOP/s as a fraction of a dense
 //     fp32 AVX2 FMA dot-product loop on L1-resident data with the same thread count;
 //   - decode (w=1, count 2048, 16 sequences x 32 layers): memory-bound, key bytes read per second
-//   as a
-//     fraction of memcpy bandwidth.
+//     as a fraction of memcpy bandwidth.
+// and CaoteScores (gpu/cpu/caote_cpu.cc) over paged fp16 values (decode and prefill shapes), value
+// bytes per second as a fraction of memcpy.
 // Threads: the benchmark argument (2 = this machine's cores).
 #include <benchmark/benchmark.h>
 #include <sys/mman.h>
@@ -157,6 +158,115 @@ BENCHMARK(BM_AttentionWindow)
     // the caches) rather than 64: the 8.6 GB of 64 would not fit this shared machine's memory.
     ->Args({2, 1, 2048, 16 * kLayers})
     ->Args({1, 32, 8192, kLayers})
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(1.0)
+    ->UseRealTime();
+
+// CaoteScores (gpu/cpu/caote_cpu.cc) over the value halves of paged fp16 blocks: `jobs`
+// (sequence, layer) pairs of `count` tokens, `rows` alpha rows per job (8 = one per kv head, 32 =
+// one per query head for gqa_reduce rss). Memory-bound: value bytes (each read once by the
+// formula, twice by the kernel) per second as a fraction of memcpy measured in the same run.
+struct ValueCache {
+  uint64_t block_bytes = 2ull * kKvHeads * kBlockTokens * kHeadDim * 2;
+  uint8_t* arena = nullptr;
+  uint64_t arena_bytes = 0;
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<float> alpha;
+  std::vector<float> scores;
+  std::vector<CaoteJob> jobs;
+
+  ValueCache(int layers, int count, int rows, bool fast) {
+    const int blocks_per_layer = (count + kBlockTokens - 1) / kBlockTokens;
+    const int64_t blocks = int64_t{layers} * blocks_per_layer;
+    arena_bytes = blocks * block_bytes;
+    // mmap: the untouched key halves of the blocks cost no memory.
+    arena = static_cast<uint8_t*>(
+        mmap(nullptr, arena_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    if (arena == MAP_FAILED) std::abort();
+    std::vector<int32_t> ids(blocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::mt19937 rng(2);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<uint16_t> pattern(kKvHeads * kBlockTokens * kHeadDim);
+    for (auto& h : pattern) h = FloatToFloat16(normal(rng));
+    for (int64_t b = 0; b < blocks; ++b) {
+      std::memcpy(arena + b * block_bytes + block_bytes / 2, pattern.data(), pattern.size() * 2);
+    }
+    // One alpha pattern (normalised rows) for every job; its reads are small next to the values.
+    alpha.resize(int64_t{rows} * count);
+    std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+    for (int r = 0; r < rows; ++r) {
+      double sum = 0;
+      for (int s = 0; s < count; ++s) sum += alpha[int64_t{r} * count + s] = uniform(rng);
+      for (int s = 0; s < count; ++s) alpha[int64_t{r} * count + s] /= sum;
+    }
+    scores.assign(int64_t{layers} * rows * count, 0.0f);
+    for (int l = 0; l < layers; ++l) {
+      tables.emplace_back(ids.begin() + int64_t{l} * blocks_per_layer,
+                          ids.begin() + int64_t{l + 1} * blocks_per_layer);
+    }
+    for (int l = 0; l < layers; ++l) {
+      CaoteJob job;
+      job.values.arena = arena;
+      job.values.kv_index = 1;
+      job.values.block_table = tables[l].data();
+      job.values.count = count;
+      job.values.num_kv_heads = kKvHeads;
+      job.values.head_dim = kHeadDim;
+      job.values.block_tokens = kBlockTokens;
+      job.values.dtype = DType::kFloat16;
+      job.values.block_bytes = block_bytes;
+      job.alpha = alpha.data();
+      job.rows = rows;
+      job.fast = fast;
+      job.scores = scores.data() + int64_t{l} * rows * count;
+      jobs.push_back(job);
+    }
+  }
+  ~ValueCache() { munmap(arena, arena_bytes); }
+  uint64_t value_bytes() const {
+    return uint64_t{kKvHeads} * jobs.size() * jobs[0].values.count * kHeadDim * 2;
+  }
+};
+
+void BM_CaoteScores(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const int rows = static_cast<int>(state.range(1));
+  const int count = static_cast<int>(state.range(2));
+  const int layers = static_cast<int>(state.range(3));
+  const bool fast = state.range(4) != 0;
+  ValueCache cache(layers, count, rows, fast);
+  auto backend = MakeCpuBackend(threads);
+  Check(backend->CaoteScores(cache.jobs, nullptr));  // warm-up
+  const double cpu_start = ProcessCpuSeconds();
+  for (auto _ : state) {
+    Check(backend->CaoteScores(cache.jobs, nullptr));
+  }
+  // Per CPU second (all threads): steadier than wall time when other processes share the cores.
+  state.counters["value_GB_per_cpu_s"] =
+      cache.value_bytes() * state.iterations() / (ProcessCpuSeconds() - cpu_start) / 1e9;
+  const double limit = std::max(MemcpyBytesPerSecond(256ull << 20),
+                                ParallelMemcpyBytesPerSecond(256ull << 20, threads));
+  state.counters["value_GBps"] =
+      benchmark::Counter(cache.value_bytes() / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["memcpy_GBps"] = limit / 1e9;
+  state.counters["values_per_memcpy"] = benchmark::Counter(
+      cache.value_bytes() / limit, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// args: threads, rows, count, jobs (layers x sequences), fast.
+BENCHMARK(BM_CaoteScores)
+    ->ArgNames({"threads", "rows", "count", "jobs", "fast"})
+    // decode: one call per sequence in the service; here 4 sequences x 32 layers in one call
+    // (512 MiB of values, far past the caches). rows 8 = gqa_reduce mean, 32 = rss.
+    ->Args({2, 8, 2048, 4 * kLayers, 0})
+    ->Args({2, 32, 2048, 4 * kLayers, 0})
+    ->Args({2, 8, 2048, 4 * kLayers, 1})
+    // one sequence's 32 layers: the size of one decode-step call.
+    ->Args({2, 8, 2048, kLayers, 0})
+    // prefill/compress of one 8192-token sequence (SnapKV base: rows 8).
+    ->Args({2, 8, 8192, kLayers, 0})
     ->Unit(benchmark::kMillisecond)
     ->MinTime(1.0)
     ->UseRealTime();

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <thread>
 #include <utility>
 
 #include "absl/random/random.h"
@@ -13,6 +14,7 @@
 #include "cache/sequence.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/status_macros.h"
+#include "gpu/cpu/thread_pool.h"
 
 namespace kvs {
 namespace {
@@ -166,8 +168,18 @@ auto WithSequence(Session& session, std::string_view sequence_id, Backend& backe
 
 }  // namespace
 
+namespace {
+int DecodeThreads(int32_t requested) {
+  if (requested > 0) return requested;
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+}  // namespace
+
 KvPool::KvPool(Backend* backend, const Clock* clock, PoolOptions options)
-    : backend_(backend), clock_(clock), options_(std::move(options)) {}
+    : backend_(backend),
+      clock_(clock),
+      options_(std::move(options)),
+      decode_pool_(std::make_unique<ThreadPool>(DecodeThreads(options_.decode_threads))) {}
 
 KvPool::~KvPool() {
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions;
@@ -706,25 +718,40 @@ absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const De
     }
   }
 
-  // 2. Run them, session by session, each session's items in item order.
-  std::vector<DecodeResult> results(items.size());
-  absl::Status failure;
-  for (size_t k = 0; k < sessions.size() && failure.ok(); ++k) {
-    Session& session = *sessions[k];
+  // 2. Run them. Items are distinct sequences, so they share nothing but their session's block
+  // allocator (thread-safe) and arena (disjoint blocks); reservation ids and last-use times are
+  // handed out here, in item order, so that they do not depend on the schedule.
+  std::vector<SequenceEnv> envs;
+  envs.reserve(sessions.size());
+  for (const std::shared_ptr<Session>& session : sessions) {
+    session->mu.AssertHeld();
+    envs.push_back(env_of(*session));
+  }
+  std::vector<uint64_t> reservation_ids(items.size());
+  const absl::Time now = clock_->Now();
+  for (size_t i = 0; i < items.size(); ++i) {
+    Session& session = *sessions[session_of[i]];
     session.mu.AssertHeld();
-    const SequenceEnv env = env_of(session);
-    for (size_t i = 0; i < items.size() && failure.ok(); ++i) {
-      if (session_of[i] != k) continue;
-      sequences[i]->Touch(clock_->Now());
-      absl::StatusOr<DecodeResult> result =
-          sequences[i]->Decode(env, items[i], session.next_reservation_id);
-      if (!items[i].inline_kv.empty()) ++session.next_reservation_id;
-      if (!result.ok()) {
-        failure = absl::Status(result.status().code(),
-                               absl::StrCat("items[", i, "]: ", result.status().message()));
-      } else {
-        results[i] = *std::move(result);
-      }
+    sequences[i]->Touch(now);
+    reservation_ids[i] = session.next_reservation_id;
+    if (!items[i].inline_kv.empty()) ++session.next_reservation_id;
+  }
+  std::vector<DecodeResult> results(items.size());
+  std::vector<absl::Status> statuses(items.size());
+  decode_pool_->ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    absl::StatusOr<DecodeResult> result =
+        sequences[i]->Decode(envs[session_of[i]], items[i], reservation_ids[i]);
+    if (result.ok()) {
+      results[i] = *std::move(result);
+    } else {
+      statuses[i] = std::move(result).status();
+    }
+  });
+  absl::Status failure;
+  for (size_t i = 0; i < items.size() && failure.ok(); ++i) {
+    if (!statuses[i].ok()) {
+      failure =
+          absl::Status(statuses[i].code(), absl::StrCat("items[", i, "]: ", statuses[i].message()));
     }
   }
   unlock_all();

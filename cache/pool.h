@@ -50,6 +50,9 @@ struct PoolOptions {
   int32_t max_sessions = 256;
   int32_t max_sequences_per_session = 4096;
   int32_t max_tokens_per_call = 1 << 20;  // num_tokens of one Reserve/Append
+  // Threads that run the sequences of one DecodeStep side by side (each sequence's own steps
+  // stay in order); <= 0 picks the hardware concurrency, 1 runs them on the caller.
+  int32_t decode_threads = 0;
   ArenaOptions arena_options;
   PolicyConfig default_policy;  // for sequences created without a policy
   BudgetConfig default_budget;  // tokens_per_layer 0 = unbounded
@@ -239,7 +242,8 @@ struct PoolStats {
   int64_t sessions_reclaimed = 0;  // by lease expiry or Reclaim()
 };
 
-class Session;  // defined in cache/pool.cc
+class Session;     // defined in cache/pool.cc
+class ThreadPool;  // gpu/cpu/thread_pool.h
 
 class KvPool {
  public:
@@ -301,8 +305,11 @@ class KvPool {
                                           const CompressParams& params);
 
   // One decode step for many sequences (Phase::kDecode). Every item is validated before any is
-  // executed (a bad item: its error, prefixed "items[i]: ", and nothing changed); then items run
-  // grouped by session, each session under its lock. Results in item order.
+  // executed (a bad item: its error, prefixed "items[i]: ", and nothing changed); then the items
+  // run side by side on PoolOptions::decode_threads threads, with every session of the batch
+  // locked for the whole step. Results in item order. An item that fails while running (arena
+  // exhausted, backend error) fails the call with the lowest such item's error; the other items
+  // have run.
   absl::StatusOr<std::vector<DecodeResult>> DecodeStep(absl::Span<const DecodeItem> items);
 
   // Dry run of Compress: scores and kept sets per layer; the sequence is unchanged.
@@ -338,6 +345,7 @@ class KvPool {
   Backend* const backend_;
   const Clock* const clock_;
   const PoolOptions options_;
+  const std::unique_ptr<ThreadPool> decode_pool_;
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);

@@ -645,7 +645,17 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
       ++end;
     }
     const size_t n = end - begin;
-    std::vector<std::vector<float>> probs(n);
+    // Not zeroed: AttentionProbs or the copy below writes every value. One buffer per layer
+    // (tens of MiB at most) stays below glibc's mmap threshold, so its pages are reused from
+    // the heap instead of being faulted in afresh on every call.
+    std::vector<std::unique_ptr<float[]>> probs_buffers(n);
+    std::vector<absl::Span<float>> probs(n);
+    for (size_t k = 0; k < n; ++k) {
+      const size_t size =
+          static_cast<size_t>(hq) * rows * layers_[attention.layers[order[begin + k]]].count;
+      probs_buffers[k].reset(new float[size]);
+      probs[k] = absl::MakeSpan(probs_buffers[k].get(), size);
+    }
     std::vector<std::vector<int32_t>> positions(n);
     std::vector<std::vector<float>> query_rows(n);
     std::vector<AttentionJob> jobs;
@@ -654,7 +664,6 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
       const int32_t l = attention.layers[i];
       const int64_t count = layers_[l].count;
       positions[k] = FlatPositions(l);
-      probs[k].assign(static_cast<size_t>(hq * rows * count), 0.0f);
       if (from_queries) {
         // [Hq][w][D] of this layer; only the trailing rows when the policy reads no others.
         const float* layer_queries = input.queries.data() + i * hq * w * dim;

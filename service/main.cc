@@ -25,6 +25,7 @@
 #include "cache/clock.h"
 #include "cache/pool.h"
 #include "gpu/backend.h"
+#include "gpu/cpu/shm_arena.h"
 #include "service/config.h"
 #include "service/log.h"
 #include "service/server.h"
@@ -172,6 +173,11 @@ int main(int argc, char** argv) {
   std::unique_ptr<kvs::Backend> backend = kvs::MakeCpuBackend(config.threads);
   kvs::RealClock clock;
   kvs::KvPool pool(backend.get(), &clock, *pool_options);
+  // Arenas a killed sidecar left in the shared-memory directory hold memory until removed.
+  if (const int removed = kvs::RemoveStaleShmArenas(pool_options->arena_options); removed > 0) {
+    KVS_LOG(kWarning, "stale_arenas_removed")
+    ("directory", pool_options->arena_options.shm_directory)("files", removed);
+  }
 
   kvs::ServerOptions server_options;
   server_options.listen = config.listen;

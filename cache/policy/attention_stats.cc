@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -37,12 +38,26 @@ absl::Status CheckLayerStep(absl::string_view policy, const LayerStep& layer) {
                                                    layer.num_queries, " x ", count, " = ", expected,
                                                    " probabilities, got ", layer.probs.size()));
   }
-  // Written so that NaN fails too.
-  for (float p : layer.probs) {
-    if (!(p >= 0.0f && p <= std::numeric_limits<float>::max())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("attention of layer ", layer.layer, ": policy ", policy,
-                       " got a negative or non-finite probability ", p));
+  // Keys in the arena are whatever the worker wrote, so computed probabilities are checked as
+  // well. The branch-free block loop vectorises, which keeps the scan far below the cost of the
+  // step; the rare bad block is then searched for the value to report.
+  constexpr size_t kBlock = 4096;
+  const float* probs = layer.probs.data();
+  for (size_t begin = 0; begin < layer.probs.size(); begin += kBlock) {
+    const size_t end = std::min(layer.probs.size(), begin + kBlock);
+    int bad = 0;
+    for (size_t i = begin; i < end; ++i) {
+      // Written so that NaN counts as bad too.
+      bad |= !(probs[i] >= 0.0f) | !(probs[i] <= std::numeric_limits<float>::max());
+    }
+    if (bad == 0) continue;
+    for (size_t i = begin; i < end; ++i) {
+      const float p = probs[i];
+      if (!(p >= 0.0f && p <= std::numeric_limits<float>::max())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("attention of layer ", layer.layer, ": policy ", policy,
+                         " got a negative or non-finite probability ", p));
+      }
     }
   }
   return absl::OkStatus();
@@ -100,42 +115,168 @@ void GqaMean(absl::Span<const float> in, int32_t num_q_heads, int32_t num_kv_hea
   }
 }
 
+// The `rank`-th (1-based) set bit of `words`, counted from the lowest bit when `from_low`, else
+// from the highest; the caller guarantees at least `rank` bits are set.
+namespace {
+int64_t NthSetBit(const std::vector<uint64_t>& words, int64_t rank, bool from_low) {
+  const int64_t size = static_cast<int64_t>(words.size());
+  for (int64_t i = 0; i < size; ++i) {
+    const int64_t w = from_low ? i : size - 1 - i;
+    uint64_t word = words[w];
+    const int64_t bits = __builtin_popcountll(word);
+    if (bits < rank) {
+      rank -= bits;
+      continue;
+    }
+    while (true) {
+      const int bit = from_low ? __builtin_ctzll(word) : 63 - __builtin_clzll(word);
+      if (--rank == 0) return w * 64 + bit;
+      word &= ~(uint64_t{1} << bit);
+    }
+  }
+  return -1;  // unreachable for a valid rank
+}
+}  // namespace
+
+void MarkSinksAndRecent(const int32_t* positions, int32_t n, int32_t sinks, int32_t recent,
+                        std::vector<int32_t>& scratch, std::vector<uint64_t>& bitmap,
+                        uint8_t* forced) {
+  if (int64_t{sinks} + recent >= n) {
+    std::fill(forced, forced + n, uint8_t{1});
+    return;
+  }
+  // Positions are distinct, so "at or below the sinks-th smallest" is exactly `sinks` slots.
+  int64_t sink_limit = -1;
+  int64_t recent_limit = 0;
+  const auto [low, high] = std::minmax_element(positions, positions + n);
+  const int64_t span = int64_t{*high} - *low + 1;
+  if (span <= 64 * int64_t{n}) {
+    bitmap.assign(static_cast<size_t>((span + 63) / 64), 0);
+    for (int32_t s = 0; s < n; ++s) {
+      const int64_t offset = int64_t{positions[s]} - *low;
+      bitmap[offset / 64] |= uint64_t{1} << (offset % 64);
+    }
+    if (sinks > 0) sink_limit = *low + NthSetBit(bitmap, sinks, /*from_low=*/true);
+    if (recent > 0) recent_limit = *low + NthSetBit(bitmap, recent, /*from_low=*/false);
+  } else {
+    scratch.assign(positions, positions + n);
+    if (sinks > 0) {
+      std::nth_element(scratch.begin(), scratch.begin() + (sinks - 1), scratch.end());
+      sink_limit = scratch[sinks - 1];
+    }
+    if (recent > 0) {
+      // After the first partition everything from index `sinks` on is above the sinks.
+      std::nth_element(scratch.begin() + sinks, scratch.begin() + (n - recent), scratch.end());
+      recent_limit = scratch[n - recent];
+    }
+  }
+  for (int32_t s = 0; s < n; ++s) {
+    const bool sink = sinks > 0 && positions[s] <= sink_limit;
+    const bool fresh = recent > 0 && positions[s] >= recent_limit;
+    forced[s] = (sink || fresh) ? 1 : 0;
+  }
+}
+
+void SlotsByPosition(const int32_t* positions, int32_t count, const uint8_t* eligible,
+                     std::vector<int32_t>& scratch, std::vector<int32_t>& order) {
+  order.clear();
+  if (count == 0) return;
+  const auto [low, high] = std::minmax_element(positions, positions + count);
+  const int64_t span = int64_t{*high} - *low + 1;
+  if (span > 32 * int64_t{count}) {
+    for (int32_t s = 0; s < count; ++s) {
+      if (eligible == nullptr || eligible[s] != 0) order.push_back(s);
+    }
+    std::sort(order.begin(), order.end(),
+              [positions](int32_t a, int32_t b) { return positions[a] < positions[b]; });
+    return;
+  }
+  // Positions are distinct and usually span a few times the slot count (what compression left
+  // of the prompt): one pass places every slot at its position's offset, one pass reads them
+  // back in order. Linear, where a sort of every head at every decode step was not.
+  scratch.assign(static_cast<size_t>(span), -1);
+  for (int32_t s = 0; s < count; ++s) {
+    if (eligible == nullptr || eligible[s] != 0) scratch[positions[s] - *low] = s;
+  }
+  for (int32_t slot : scratch) {
+    if (slot >= 0) order.push_back(slot);
+  }
+}
+
 void PoolByPosition(absl::Span<const float> in, int32_t rows, int32_t num_kv_heads, int32_t count,
                     absl::Span<const int32_t> positions, absl::Span<const uint8_t> eligible,
                     int32_t kernel_size, Pooling pooling, absl::Span<float> out) {
   const int64_t n = count;
-  const int32_t rows_per_head = std::max(1, rows / std::max(1, num_kv_heads));
+  const int32_t heads = std::max(1, num_kv_heads);
+  const int32_t rows_per_head = std::max(1, rows / heads);
   const int32_t half = kernel_size / 2;
+  std::copy(in.begin(), in.begin() + int64_t{rows} * n, out.begin());
   std::vector<int32_t> order;  // eligible slots of the head, by position
+  std::vector<int32_t> by_offset;
+  // The rows of one head share its position order: they are gathered interleaved ([m][group]),
+  // so every window pass below is one contiguous, vectorisable loop over all of them.
   std::vector<float> sequence;
-  for (int32_t r = 0; r < rows; ++r) {
-    const int32_t head = r / rows_per_head;
-    const int32_t* pos = positions.data() + int64_t{head} * n;
-    const float* src = in.data() + int64_t{r} * n;
-    float* dst = out.data() + int64_t{r} * n;
-    std::copy(src, src + n, dst);
-    if (r % rows_per_head == 0 || order.empty()) {
-      order.clear();
-      for (int32_t s = 0; s < count; ++s) {
-        if (eligible.empty() || eligible[int64_t{head} * n + s] != 0) order.push_back(s);
-      }
-      std::sort(order.begin(), order.end(),
-                [pos](int32_t a, int32_t b) { return pos[a] < pos[b]; });
-    }
+  std::vector<float> pooled_max;
+  std::vector<double> pooled_sum;
+  for (int32_t first_row = 0; first_row < rows; first_row += rows_per_head) {
+    const int32_t head = std::min(first_row / rows_per_head, heads - 1);
+    const int32_t group = std::min(rows_per_head, rows - first_row);
+    SlotsByPosition(positions.data() + int64_t{head} * n, count,
+                    eligible.empty() ? nullptr : eligible.data() + int64_t{head} * n, by_offset,
+                    order);
     const int32_t m = static_cast<int32_t>(order.size());
-    sequence.resize(m);
-    for (int32_t j = 0; j < m; ++j) sequence[j] = src[order[j]];
+    const float* src = in.data() + int64_t{first_row} * n;
+    float* dst = out.data() + int64_t{first_row} * n;
+    sequence.resize(static_cast<size_t>(m) * group);
     for (int32_t j = 0; j < m; ++j) {
+      for (int32_t g = 0; g < group; ++g) sequence[int64_t{j} * group + g] = src[g * n + order[j]];
+    }
+    // Windows cut by either end of the sequence, one by one.
+    auto edge = [&](int32_t j) {
       const int32_t lo = std::max(0, j - half);
       const int32_t hi = std::min(m - 1, j + half);
-      if (pooling == Pooling::kMax) {
+      for (int32_t g = 0; g < group; ++g) {
         float best = -std::numeric_limits<float>::infinity();
-        for (int32_t t = lo; t <= hi; ++t) best = std::max(best, sequence[t]);
-        dst[order[j]] = best;
-      } else {
         double sum = 0.0;
-        for (int32_t t = lo; t <= hi; ++t) sum += sequence[t];
-        dst[order[j]] = static_cast<float>(sum / kernel_size);
+        for (int32_t t = lo; t <= hi; ++t) {
+          const float v = sequence[int64_t{t} * group + g];
+          best = std::max(best, v);
+          sum += v;
+        }
+        dst[g * n + order[j]] =
+            pooling == Pooling::kMax ? best : static_cast<float>(sum / kernel_size);
+      }
+    };
+    const int32_t interior_begin = std::min(half, m);
+    const int32_t interior_end = std::max(interior_begin, m - half);
+    for (int32_t j = 0; j < interior_begin; ++j) edge(j);
+    for (int32_t j = interior_end; j < m; ++j) edge(j);
+    // Whole windows: one pass per window offset, adding (or comparing) in the same order as a
+    // window-by-window loop, so the result is the same to the bit.
+    const int64_t interior = int64_t{interior_end - interior_begin} * group;
+    if (interior == 0) continue;
+    const float* first = sequence.data() + int64_t{interior_begin - half} * group;
+    if (pooling == Pooling::kMax) {
+      pooled_max.assign(first, first + interior);
+      for (int32_t t = 1; t <= 2 * half; ++t) {
+        const float* shifted = first + int64_t{t} * group;
+        for (int64_t i = 0; i < interior; ++i) pooled_max[i] = std::max(pooled_max[i], shifted[i]);
+      }
+      for (int32_t j = interior_begin; j < interior_end; ++j) {
+        const float* pooled = pooled_max.data() + int64_t{j - interior_begin} * group;
+        for (int32_t g = 0; g < group; ++g) dst[g * n + order[j]] = pooled[g];
+      }
+    } else {
+      pooled_sum.assign(first, first + interior);
+      for (int32_t t = 1; t <= 2 * half; ++t) {
+        const float* shifted = first + int64_t{t} * group;
+        for (int64_t i = 0; i < interior; ++i) pooled_sum[i] += shifted[i];
+      }
+      for (int32_t j = interior_begin; j < interior_end; ++j) {
+        const double* pooled = pooled_sum.data() + int64_t{j - interior_begin} * group;
+        for (int32_t g = 0; g < group; ++g) {
+          dst[g * n + order[j]] = static_cast<float>(pooled[g] / kernel_size);
+        }
       }
     }
   }

@@ -10,6 +10,7 @@
 #define KVSIDECAR_CACHE_POLICY_ATTENTION_STATS_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -39,6 +40,19 @@ void SumQueryRows(absl::Span<const float> probs, int32_t num_q_heads, int32_t nu
 // out[g][s] = mean over the query heads q of group g of in[q][s].
 void GqaMean(absl::Span<const float> in, int32_t num_q_heads, int32_t num_kv_heads, int32_t count,
              absl::Span<float> out);
+
+// Marks in `forced` (n entries) the slots holding the `sinks` lowest and the `recent` highest of
+// the n distinct `positions` (a head's protected tokens). O(n): positions usually span little
+// more than n values, so the two limits come from a bitmap of the span; a sparse span takes two
+// partial selections on a copy instead. `scratch` and `bitmap` are reused between calls.
+void MarkSinksAndRecent(const int32_t* positions, int32_t n, int32_t sinks, int32_t recent,
+                        std::vector<int32_t>& scratch, std::vector<uint64_t>& bitmap,
+                        uint8_t* forced);
+
+// The slots of one head whose `eligible` flag is set (every slot when null), in ascending order
+// of their distinct `positions`; `scratch` is reused between calls.
+void SlotsByPosition(const int32_t* positions, int32_t count, const uint8_t* eligible,
+                     std::vector<int32_t>& scratch, std::vector<int32_t>& order);
 
 // Pools each row of `in` ([rows][count]; row r belongs to kv head r / (rows / num_kv_heads))
 // along the position order of its head's slots, restricted to the slots with eligible[h][s] != 0

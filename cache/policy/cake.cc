@@ -105,6 +105,7 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
   std::vector<float> pooled;
   std::vector<uint8_t> eligible;
   std::vector<int32_t> scratch;
+  std::vector<uint64_t> bitmap;
   std::vector<double> mean(kBlock), squares(kBlock);
   for (const LayerStep& step : layers) {
     KVS_RETURN_IF_ERROR(CheckLayerStep(config().name, step));
@@ -157,10 +158,10 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
       const int32_t* positions = step.positions.data() + int64_t{h} * n;
       const int32_t candidates = count - cake_.window;
       if (candidates <= 0) continue;  // everything is window
-      scratch.assign(positions, positions + n);
-      std::nth_element(scratch.begin(), scratch.begin() + candidates, scratch.end());
-      const int32_t window_start = scratch[candidates];  // the W newest are at or above it
-      for (int64_t s = 0; s < n; ++s) eligible[h * n + s] = positions[s] < window_start ? 1 : 0;
+      // Candidates: everything but the W newest positions.
+      uint8_t* mark = eligible.data() + h * n;
+      MarkSinksAndRecent(positions, count, 0, cake_.window, scratch, bitmap, mark);
+      for (int64_t s = 0; s < n; ++s) mark[s] ^= 1;
     }
     PoolByPosition(rows, hq, heads, count, step.positions, eligible, cake_.kernel_size,
                    Pooling::kAvg, absl::MakeSpan(pooled));

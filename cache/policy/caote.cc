@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "cache/policy/allocator.h"
@@ -24,29 +23,56 @@ constexpr int32_t kDefaultCaoteSnapKvKernel = 5;
 
 // Normalises every row of `reduced` ([rows][n], non-negative, +inf allowed) into alpha summing to
 // 1 over its finite entries; a row whose finite entries sum to 0 becomes uniform over them
-// (caote.md §3.7). `infinite` marks the +inf entries, which get alpha 0.
-void Normalise(const std::vector<float>& reduced, int64_t rows, int64_t n,
-               std::vector<float>& alpha, std::vector<uint8_t>& infinite) {
-  alpha.assign(reduced.size(), 0.0f);
-  infinite.assign(reduced.size(), 0);
+// (caote.md §3.7). `infinite` marks the +inf entries, which get alpha 0; it is left empty when
+// there are none (the common case: only CAKE's window scores +inf). The buffers are reused.
+void Normalise(const float* reduced, int64_t rows, int64_t n, std::vector<float>& alpha,
+               std::vector<uint8_t>& infinite) {
+  const size_t size = static_cast<size_t>(rows * n);
+  alpha.resize(size);
+  infinite.clear();
+  bool any_infinite = false;
+  for (size_t j = 0; j < size; ++j) any_infinite |= std::isinf(reduced[j]);
+  if (any_infinite) {
+    infinite.resize(size);
+    for (size_t j = 0; j < size; ++j) infinite[j] = std::isinf(reduced[j]) ? 1 : 0;
+  }
   for (int64_t r = 0; r < rows; ++r) {
-    const float* in = reduced.data() + r * n;
+    const float* in = reduced + r * n;
+    float* out = alpha.data() + r * n;
     double sum = 0.0;
-    int64_t finite = 0;
-    for (int64_t s = 0; s < n; ++s) {
-      if (std::isinf(in[s])) {
-        infinite[r * n + s] = 1;
-      } else {
-        sum += in[s];
-        ++finite;
+    int64_t finite = n;
+    if (any_infinite) {
+      finite = 0;
+      for (int64_t s = 0; s < n; ++s) {
+        if (!std::isinf(in[s])) {
+          sum += in[s];
+          ++finite;
+        }
       }
+    } else {
+      for (int64_t s = 0; s < n; ++s) sum += in[s];
     }
     for (int64_t s = 0; s < n; ++s) {
-      if (infinite[r * n + s] != 0) continue;
-      alpha[r * n + s] =
-          sum > 0.0 ? static_cast<float>(in[s] / sum) : static_cast<float>(1.0 / finite);
+      if (any_infinite && std::isinf(in[s])) {
+        out[s] = 0.0f;
+        continue;
+      }
+      out[s] = sum > 0.0 ? static_cast<float>(in[s] / sum) : static_cast<float>(1.0 / finite);
     }
   }
+}
+
+// Index of the first raw score that is NaN or negative, or -1. The scan is a branch-free
+// reduction (it runs over every raw score of every layer of every step); the index is only looked
+// for when one is bad.
+int64_t FirstInvalidRaw(const std::vector<float>& raw) {
+  bool bad = false;
+  for (const float x : raw) bad |= !(x >= 0.0f);
+  if (!bad) return -1;
+  for (size_t j = 0; j < raw.size(); ++j) {
+    if (!(raw[j] >= 0.0f)) return static_cast<int64_t>(j);
+  }
+  return -1;
 }
 
 // sqrt(sum c^2) over each kv head's `group` rows of `rows_in` ([H * group][n]) into out [H][n].
@@ -63,20 +89,10 @@ void CombineRss(const float* rows_in, int64_t heads, int64_t group, int64_t n, f
   }
 }
 
-// forced[s] = 1 for the `sinks` lowest and `recent` highest of the n distinct positions.
-void MarkProtected(const int32_t* positions, int32_t n, int32_t sinks, int32_t recent,
-                   std::vector<int32_t>& order, uint8_t* forced) {
-  order.resize(n);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(),
-            [positions](int32_t a, int32_t b) { return positions[a] < positions[b]; });
-  std::fill(forced, forced + n, uint8_t{0});
-  for (int32_t j = 0; j < n; ++j) {
-    if (j < sinks || j >= n - recent) forced[order[j]] = 1;
-  }
-}
-
 absl::Status CheckFinite(const float* scores, int64_t size, int32_t layer) {
+  bool any_nan = false;  // branch-free first: this runs over every score of every step
+  for (int64_t j = 0; j < size; ++j) any_nan |= std::isnan(scores[j]);
+  if (!any_nan) return absl::OkStatus();
   for (int64_t j = 0; j < size; ++j) {
     if (std::isnan(scores[j])) {
       return absl::InternalError(
@@ -112,11 +128,15 @@ absl::Status CaotePolicy::Score(Backend& backend, Phase phase,
     std::vector<float> row_scores;  // rss only
     bool batched = false;
   };
-  std::vector<Work> work(layers.size());
-  std::vector<CaoteJob> jobs;
-  std::vector<size_t> job_layer;
-  std::vector<float> raw;
-  std::vector<float> reduced;
+  // Reused per thread across calls (a decode step calls this for every sequence): no
+  // allocations, and no fresh pages to fault in, per step.
+  thread_local std::vector<Work> work;
+  thread_local std::vector<CaoteJob> jobs;
+  thread_local std::vector<float> raw;
+  thread_local std::vector<float> reduced;
+  if (work.size() < layers.size()) work.resize(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) work[i].batched = false;
+  jobs.clear();
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerSelection& layer = layers[i];
     const int64_t heads = layer.keys.num_kv_heads;
@@ -128,11 +148,10 @@ absl::Status CaotePolicy::Score(Backend& backend, Phase phase,
                                               " raw scores in ", rows, " rows for layer ",
                                               layer.layer, " of ", heads, " x ", count));
     }
-    for (size_t j = 0; j < raw.size(); ++j) {
-      if (!(raw[j] >= 0.0f)) {  // NaN or negative: the normalisation would be meaningless
-        return absl::InternalError(absl::StrCat("policy caote: base raw score ", raw[j],
-                                                " in layer ", layer.layer, " at ", j));
-      }
+    // NaN or negative: the normalisation would be meaningless.
+    if (const int64_t j = FirstInvalidRaw(raw); j >= 0) {
+      return absl::InternalError(absl::StrCat("policy caote: base raw score ", raw[j], " in layer ",
+                                              layer.layer, " at ", j));
     }
     float* out = scores[i];
     if (caote.variant == CaoteVariant::kNone) {
@@ -143,16 +162,17 @@ absl::Status CaotePolicy::Score(Backend& backend, Phase phase,
     Work& w = work[i];
     if (caote.gqa_reduce == GqaReduce::kMean || rows == heads) {
       // Mean and sum give the same alpha; one CAOTE per kv head (caote.md §4).
-      reduced.assign(static_cast<size_t>(heads * count), 0.0f);
+      reduced.resize(static_cast<size_t>(heads * count));
       GqaMean(raw, rows, static_cast<int32_t>(heads), static_cast<int32_t>(count),
               absl::MakeSpan(reduced));
       w.rows = static_cast<int32_t>(heads);
-      Normalise(reduced, heads, count, w.alpha, w.infinite);
+      Normalise(reduced.data(), heads, count, w.alpha, w.infinite);
     } else {
       w.rows = rows;
-      Normalise(raw, rows, count, w.alpha, w.infinite);
+      Normalise(raw.data(), rows, count, w.alpha, w.infinite);
     }
     if (caote.greedy) {
+      if (w.infinite.empty()) w.infinite.assign(w.alpha.size(), 0);  // GreedyScores reads it
       KVS_RETURN_IF_ERROR(GreedyScores(backend, phase, layer, w.alpha, w.rows, w.infinite, out));
       continue;
     }
@@ -165,7 +185,7 @@ absl::Status CaotePolicy::Score(Backend& backend, Phase phase,
     if (w.rows == heads) {
       job.scores = out;
     } else {
-      w.row_scores.assign(w.alpha.size(), 0.0f);
+      w.row_scores.resize(w.alpha.size());  // every entry is written by the backend
       job.scores = w.row_scores.data();
     }
     w.batched = true;
@@ -206,10 +226,11 @@ absl::Status CaotePolicy::GreedyScores(Backend& backend, Phase phase, const Laye
   // Protected slots are never evicted; they still carry weight in every renormalisation.
   const Protection protection = Protect(phase, layer);
   std::vector<uint8_t> forced(static_cast<size_t>(size));
-  std::vector<int32_t> order;
+  std::vector<int32_t> scratch;
+  std::vector<uint64_t> bitmap;
   for (int32_t h = 0; h < heads; ++h) {
-    MarkProtected(layer.positions.data() + int64_t{h} * n, n, protection.sinks, protection.recent,
-                  order, forced.data() + int64_t{h} * n);
+    MarkSinksAndRecent(layer.positions.data() + int64_t{h} * n, n, protection.sinks,
+                       protection.recent, scratch, bitmap, forced.data() + int64_t{h} * n);
   }
 
   std::vector<uint8_t> remaining(static_cast<size_t>(size), 1);

@@ -25,16 +25,53 @@ uint64_t RowOffset(const PagedLayerView& view, int32_t kv, int32_t head, int32_t
   return block * view.block_bytes + row * view.head_dim * DTypeBytes(view.dtype);
 }
 
-// One (layer, kv head) with evictions: its slots split into kept and evicted (by position).
+// One (layer, kv head) with evictions. Its evicted slots, candidate positions and per-evicted
+// outputs are ranges of the flat arrays of MergeScratch (one allocation per call at most, none
+// once a thread's scratch has grown); its kept slots are read in place from the selection.
 struct HeadMerge {
   size_t layer = 0;
   int32_t head = 0;
-  std::vector<int32_t> evicted;  // slots, ascending position
-  std::vector<int32_t> kept;     // slots, as Select wrote them
-  std::vector<int32_t> kept_positions;
-  std::vector<float> similarity;  // u_i per evicted
-  std::vector<int32_t> target;    // index into kept per evicted
-  std::vector<uint8_t> merge;     // decision per evicted
+  const int32_t* kept = nullptr;  // slots, as Select wrote them (layer.kept)
+  int32_t num_kept = 0;
+  size_t evicted_begin = 0;  // into MergeScratch::evicted / similarity / target / merge
+  int32_t num_evicted = 0;
+  size_t kept_begin = 0;  // into MergeScratch::kept_positions
+};
+
+// A token folded into a kept one: (head, target index into kept, evicted index). Sorted, the
+// tokens of one target are adjacent and in evicted order (ascending position).
+struct MergeEntry {
+  uint32_t work = 0;
+  int32_t target = 0;
+  int32_t evicted = 0;
+  bool operator<(const MergeEntry& o) const {
+    return work != o.work       ? work < o.work
+           : target != o.target ? target < o.target
+                                : evicted < o.evicted;
+  }
+};
+
+// Per-thread buffers of Merge, reused across calls: a decode step calls Merge for every
+// sequence with ~256 (layer, head) pieces of bookkeeping, and sequences may merge on several
+// threads at once.
+struct MergeScratch {
+  std::vector<HeadMerge> work;
+  std::vector<int32_t> evicted;         // slots, ascending position within each head
+  std::vector<int32_t> kept_positions;  // per head, aligned with its kept slots
+  std::vector<float> similarity;        // u_i per evicted
+  std::vector<int32_t> target;          // index into kept per evicted
+  std::vector<uint8_t> merge;           // decision per evicted
+  std::vector<uint8_t> is_kept;         // fallback for kept lists that do not ascend
+  std::vector<NearestKeyJob> nearest;
+  std::vector<float> thresholds;        // the new taus of the layers, in layer order
+  std::vector<int32_t> threshold_size;  // per layer: its taus in thresholds; -1 = unchanged
+  std::vector<float> head_means, column;
+  std::vector<MergeEntry> entries;
+  std::vector<double> weights_double;
+  std::vector<uint64_t> offsets;
+  std::vector<float> weights;
+  std::vector<size_t> starts;  // per job: its first source in offsets / weights
+  std::vector<RowMergeJob> jobs;
 };
 
 // Mean of the finite entries; false when there are none.
@@ -70,9 +107,13 @@ absl::StatusOr<int32_t> D2oPolicy::RawScores(Backend&, Phase, const LayerSelecti
                                             accumulated.size(), " scores for ", count,
                                             " tokens of ", heads, " kv heads"));
   }
-  // The spec sums over the group; the selector's GQA mean ranks the same.
-  raw = accumulated;
-  return static_cast<int32_t>(rows);
+  // The spec sums over the group; the selector's GQA mean ranks the same. The mean is taken
+  // here, straight from the state (the selector's mean of one row per head is then a copy): a
+  // quarter of the [Hq][count] copy the selector would otherwise make and reduce, every step.
+  raw.resize(static_cast<size_t>(heads) * count);
+  GqaMean(accumulated, static_cast<int32_t>(rows), static_cast<int32_t>(heads),
+          static_cast<int32_t>(count), absl::MakeSpan(raw));
+  return static_cast<int32_t>(heads);
 }
 
 ScoredPolicy::Protection D2oPolicy::Protect(Phase, const LayerSelection& layer) const {
@@ -88,10 +129,13 @@ absl::Status D2oPolicy::Merge(Backend& backend, Phase, absl::Span<const LayerSel
   }
   std::fill(merged.begin(), merged.end(), 0);
   const D2oConfig& d2o = config().d2o;
+  thread_local MergeScratch scratch;
+  MergeScratch& x = scratch;
 
   // 1. Kept / evicted slots of every (layer, head) that evicts into something.
-  std::vector<HeadMerge> work;
-  std::vector<uint8_t> is_kept;
+  x.work.clear();
+  x.evicted.clear();
+  x.kept_positions.clear();
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerSelection& layer = layers[i];
     const int32_t heads = layer.keys.num_kv_heads;
@@ -110,82 +154,121 @@ absl::Status D2oPolicy::Merge(Backend& backend, Phase, absl::Span<const LayerSel
       head.head = h;
       const int32_t* positions = layer.positions.data() + int64_t{h} * count;
       const int32_t* kept = layer.kept.data() + int64_t{h} * layer.keep;
-      is_kept.assign(count, 0);
-      for (int32_t t = 0; t < layer.keep; ++t) {
-        if (kept[t] < 0 || kept[t] >= count || is_kept[kept[t]] != 0) {
-          return absl::InternalError(absl::StrCat("layer ", layer.layer, " head ", h,
-                                                  " keeps slot ", kept[t], " of ", count));
+      head.kept = kept;
+      head.num_kept = layer.keep;
+      head.kept_begin = x.kept_positions.size();
+      head.evicted_begin = x.evicted.size();
+      // Select writes kept slots ascending: then they are in range and distinct when the ends
+      // are in range and every step rises, and the evicted slots are the gaps between them.
+      // Anything else takes the general path below.
+      x.kept_positions.resize(head.kept_begin + layer.keep);
+      int32_t* kept_positions = x.kept_positions.data() + head.kept_begin;
+      int ascending = kept[0] >= 0 && kept[layer.keep - 1] < count;
+      for (int32_t t = 1; t < layer.keep; ++t) ascending &= kept[t] > kept[t - 1];
+      if (ascending) {
+        for (int32_t t = 0; t < layer.keep; ++t) kept_positions[t] = positions[kept[t]];
+        int32_t next = 0;  // the first slot not yet accounted for
+        for (int32_t t = 0; t < layer.keep; ++t) {
+          for (int32_t s = next; s < kept[t]; ++s) x.evicted.push_back(s);
+          next = kept[t] + 1;
         }
-        is_kept[kept[t]] = 1;
-        head.kept.push_back(kept[t]);
-        head.kept_positions.push_back(positions[kept[t]]);
+        for (int32_t s = next; s < count; ++s) x.evicted.push_back(s);
+      } else {
+        x.is_kept.assign(count, 0);
+        for (int32_t t = 0; t < layer.keep; ++t) {
+          if (kept[t] < 0 || kept[t] >= count || x.is_kept[kept[t]] != 0) {
+            return absl::InternalError(absl::StrCat("layer ", layer.layer, " head ", h,
+                                                    " keeps slot ", kept[t], " of ", count));
+          }
+          x.is_kept[kept[t]] = 1;
+          kept_positions[t] = positions[kept[t]];
+        }
+        for (int32_t s = 0; s < count; ++s) {
+          if (x.is_kept[s] == 0) x.evicted.push_back(s);
+        }
       }
-      for (int32_t s = 0; s < count; ++s) {
-        if (is_kept[s] == 0) head.evicted.push_back(s);
+      head.num_evicted = static_cast<int32_t>(x.evicted.size() - head.evicted_begin);
+      if (head.num_evicted > 1) {
+        std::sort(x.evicted.begin() + head.evicted_begin, x.evicted.end(),
+                  [positions](int32_t a, int32_t b) { return positions[a] < positions[b]; });
       }
-      std::sort(head.evicted.begin(), head.evicted.end(),
-                [positions](int32_t a, int32_t b) { return positions[a] < positions[b]; });
-      head.similarity.assign(head.evicted.size(), 0.0f);
-      head.target.assign(head.evicted.size(), 0);
-      head.merge.assign(head.evicted.size(), 0);
-      work.push_back(std::move(head));
+      x.work.push_back(head);
     }
   }
-  if (work.empty()) return absl::OkStatus();
+  if (x.work.empty()) return absl::OkStatus();
+  const size_t evicted_total = x.evicted.size();
+  x.similarity.assign(evicted_total, 0.0f);
+  x.target.assign(evicted_total, 0);
+  x.merge.assign(evicted_total, 0);
 
   // 2. Nearest kept key of every evicted one, one batch for all layers.
-  std::vector<NearestKeyJob> nearest(work.size());
-  for (size_t w = 0; w < work.size(); ++w) {
-    HeadMerge& head = work[w];
-    NearestKeyJob& job = nearest[w];
+  x.nearest.resize(x.work.size());
+  for (size_t w = 0; w < x.work.size(); ++w) {
+    const HeadMerge& head = x.work[w];
+    NearestKeyJob& job = x.nearest[w];
+    job = NearestKeyJob{};
     job.keys = layers[head.layer].keys;
     job.keys.kv_index = 0;
     job.head = head.head;
-    job.query_slots = head.evicted.data();
-    job.num_queries = static_cast<int32_t>(head.evicted.size());
-    job.candidate_slots = head.kept.data();
-    job.candidate_positions = head.kept_positions.data();
-    job.num_candidates = static_cast<int32_t>(head.kept.size());
-    job.similarity = head.similarity.data();
-    job.target = head.target.data();
+    job.query_slots = x.evicted.data() + head.evicted_begin;
+    job.num_queries = head.num_evicted;
+    job.candidate_slots = head.kept;
+    job.candidate_positions = x.kept_positions.data() + head.kept_begin;
+    job.num_candidates = head.num_kept;
+    job.similarity = x.similarity.data() + head.evicted_begin;
+    job.target = x.target.data() + head.evicted_begin;
   }
-  KVS_RETURN_IF_ERROR(backend.NearestKeys(nearest, nullptr));
+  KVS_RETURN_IF_ERROR(backend.NearestKeys(x.nearest, nullptr));
   KVS_RETURN_IF_ERROR(backend.Synchronize(nullptr));
+  auto similarities = [&x](const HeadMerge& head) {
+    return absl::Span<const float>(x.similarity.data() + head.evicted_begin, head.num_evicted);
+  };
 
-  // 3. Thresholds and merge decisions, per layer (work is grouped by layer, heads in order).
+  // 3. Thresholds and merge decisions, per layer (work is grouped by layer, heads in order). The
+  // new taus go to scratch and into the states only once the merges are done.
   const double beta = d2o.beta;
-  std::vector<std::vector<float>> new_thresholds(layers.size());
-  for (size_t begin = 0; begin < work.size();) {
-    const size_t i = work[begin].layer;
+  x.threshold_size.assign(layers.size(), -1);
+  x.thresholds.clear();
+  for (size_t begin = 0; begin < x.work.size();) {
+    const size_t i = x.work[begin].layer;
     size_t end = begin;
-    while (end < work.size() && work[end].layer == i) ++end;
+    while (end < x.work.size() && x.work[end].layer == i) ++end;
     const LayerSelection& layer = layers[i];
     const int32_t heads = layer.keys.num_kv_heads;
     const std::vector<float>& previous = layer.state->threshold;
-    std::vector<float>& tau = new_thresholds[i];
+    const size_t tau_begin = x.thresholds.size();
     if (d2o.threshold_scope == D2oThresholdScope::kLayerHead) {
       if (!previous.empty() && static_cast<int32_t>(previous.size()) != heads) {
         return absl::InternalError(absl::StrCat("layer ", layer.layer, " holds ", previous.size(),
                                                 " merge thresholds for ", heads, " kv heads"));
       }
-      tau = previous.empty() ? std::vector<float>(heads, 0.0f) : previous;
+      if (previous.empty()) {
+        x.thresholds.resize(tau_begin + heads, 0.0f);
+      } else {
+        x.thresholds.insert(x.thresholds.end(), previous.begin(), previous.end());
+      }
+      float* tau = x.thresholds.data() + tau_begin;
       int32_t observed = 0;
       for (size_t w = begin; w < end; ++w) {
-        HeadMerge& head = work[w];
+        const HeadMerge& head = x.work[w];
         double observation = 0.0;
-        if (!FiniteMean(head.similarity, observation)) continue;  // tau unchanged
+        if (!FiniteMean(similarities(head), observation)) continue;  // tau unchanged
         ++observed;
         const double next = previous.empty()
                                 ? observation
                                 : beta * observation + (1.0 - beta) * previous[head.head];
         tau[head.head] = static_cast<float>(next);
-        for (size_t e = 0; e < head.evicted.size(); ++e) {
-          const float u = head.similarity[e];
-          head.merge[e] = std::isfinite(u) && u >= tau[head.head] ? 1 : 0;
+        for (int32_t e = 0; e < head.num_evicted; ++e) {
+          const float u = x.similarity[head.evicted_begin + e];
+          x.merge[head.evicted_begin + e] = std::isfinite(u) && u >= tau[head.head] ? 1 : 0;
         }
       }
       // A first threshold is stored only when every head observed one (NaN keys aside).
-      if (previous.empty() && observed < heads) tau.clear();
+      if (previous.empty() && observed < heads) {
+        x.thresholds.resize(tau_begin);
+      } else {
+        x.threshold_size[i] = heads;
+      }
     } else {
       // One tau per layer (the released code): the observation is the mean over heads of each
       // head's mean, and the r-th evicted token of every head follows the heads' mean u at r.
@@ -193,27 +276,30 @@ absl::Status D2oPolicy::Merge(Backend& backend, Phase, absl::Span<const LayerSel
         return absl::InternalError(absl::StrCat("layer ", layer.layer, " holds ", previous.size(),
                                                 " merge thresholds, expected 1"));
       }
-      tau = previous.empty() ? std::vector<float>(1, 0.0f) : previous;
-      std::vector<float> head_means;
+      x.head_means.clear();
       for (size_t w = begin; w < end; ++w) {
         double mean = 0.0;
-        if (FiniteMean(work[w].similarity, mean)) head_means.push_back(static_cast<float>(mean));
+        if (FiniteMean(similarities(x.work[w]), mean)) {
+          x.head_means.push_back(static_cast<float>(mean));
+        }
       }
       double observation = 0.0;
-      if (!FiniteMean(head_means, observation)) {
-        tau.clear();  // nothing observed: no merge, tau unchanged
-      } else {
-        tau[0] = static_cast<float>(
+      if (FiniteMean(x.head_means, observation)) {  // else no merge, tau unchanged
+        const float tau = static_cast<float>(
             previous.empty() ? observation : beta * observation + (1.0 - beta) * previous[0]);
-        const size_t evicted = work[begin].evicted.size();  // every head evicts as many
-        std::vector<float> column;
-        for (size_t r = 0; r < evicted; ++r) {
-          column.clear();
-          for (size_t w = begin; w < end; ++w) column.push_back(work[w].similarity[r]);
-          double mean_u = 0.0;
-          const bool merge = FiniteMean(column, mean_u) && static_cast<float>(mean_u) >= tau[0];
+        x.thresholds.push_back(tau);
+        x.threshold_size[i] = 1;
+        const int32_t evicted = x.work[begin].num_evicted;  // every head evicts as many
+        for (int32_t r = 0; r < evicted; ++r) {
+          x.column.clear();
           for (size_t w = begin; w < end; ++w) {
-            work[w].merge[r] = merge && std::isfinite(work[w].similarity[r]) ? 1 : 0;
+            x.column.push_back(x.similarity[x.work[w].evicted_begin + r]);
+          }
+          double mean_u = 0.0;
+          const bool merge = FiniteMean(x.column, mean_u) && static_cast<float>(mean_u) >= tau;
+          for (size_t w = begin; w < end; ++w) {
+            const size_t at = x.work[w].evicted_begin + r;
+            x.merge[at] = merge && std::isfinite(x.similarity[at]) ? 1 : 0;
           }
         }
       }
@@ -222,89 +308,93 @@ absl::Status D2oPolicy::Merge(Backend& backend, Phase, absl::Span<const LayerSel
   }
 
   // 4. Weighted merges: one job per (kept target, kv), the target its own first source.
-  struct Group {
-    size_t work = 0;
-    int32_t target = 0;           // index into kept
-    std::vector<size_t> members;  // indices into evicted
-  };
-  std::vector<Group> groups;
-  std::vector<int32_t> group_of;
-  for (size_t w = 0; w < work.size(); ++w) {
-    const HeadMerge& head = work[w];
-    group_of.assign(head.kept.size(), -1);
-    for (size_t e = 0; e < head.evicted.size(); ++e) {
-      if (head.merge[e] == 0) continue;
-      const int32_t t = head.target[e];
-      if (t < 0 || t >= static_cast<int32_t>(head.kept.size())) {
-        return absl::InternalError(
-            absl::StrCat("nearest key target ", t, " of ", head.kept.size()));
+  x.entries.clear();
+  for (size_t w = 0; w < x.work.size(); ++w) {
+    const HeadMerge& head = x.work[w];
+    for (int32_t e = 0; e < head.num_evicted; ++e) {
+      if (x.merge[head.evicted_begin + e] == 0) continue;
+      const int32_t t = x.target[head.evicted_begin + e];
+      if (t < 0 || t >= head.num_kept) {
+        return absl::InternalError(absl::StrCat("nearest key target ", t, " of ", head.num_kept));
       }
-      if (group_of[t] < 0) {
-        group_of[t] = static_cast<int32_t>(groups.size());
-        groups.push_back(Group{w, t, {}});
-      }
-      groups[group_of[t]].members.push_back(e);
+      x.entries.push_back(MergeEntry{static_cast<uint32_t>(w), t, e});
     }
   }
-  std::vector<uint64_t> offsets;
-  std::vector<float> weights;
-  std::vector<size_t> starts;
-  std::vector<RowMergeJob> jobs;
-  for (const Group& group : groups) {
-    const HeadMerge& head = work[group.work];
+  // Already in (work, evicted) order; sorting groups each target's tokens, in evicted order.
+  std::sort(x.entries.begin(), x.entries.end());
+  x.offsets.clear();
+  x.weights.clear();
+  x.starts.clear();
+  x.jobs.clear();
+  for (size_t g = 0; g < x.entries.size();) {
+    size_t g_end = g + 1;
+    while (g_end < x.entries.size() && x.entries[g_end].work == x.entries[g].work &&
+           x.entries[g_end].target == x.entries[g].target) {
+      ++g_end;
+    }
+    const HeadMerge& head = x.work[x.entries[g].work];
     const PagedLayerView& view = layers[head.layer].keys;
+    const size_t members = g_end - g;
+    auto similarity_of = [&](size_t m) {
+      return x.similarity[head.evicted_begin + x.entries[g + m].evicted];
+    };
     // Weights in double, then rounded once: both schemes from the key similarities alone.
-    std::vector<double> w(group.members.size() + 1);
+    std::vector<double>& w = x.weights_double;
+    w.assign(members + 1, 0.0);
     if (d2o.merge_weighting == D2oMergeWeighting::kPaper) {
       const double self = std::exp(1.0);
       double total = self;
-      for (size_t m = 0; m < group.members.size(); ++m) {
-        w[m + 1] = std::exp(static_cast<double>(head.similarity[group.members[m]]));
+      for (size_t m = 0; m < members; ++m) {
+        w[m + 1] = std::exp(static_cast<double>(similarity_of(m)));
         total += w[m + 1];
       }
       w[0] = self;
-      for (double& x : w) x /= total;
+      for (double& v : w) v /= total;
     } else {
-      const double denominator = 1.0 + static_cast<double>(group.members.size());
+      const double denominator = 1.0 + static_cast<double>(members);
       w[0] = 1.0 / denominator;
-      for (size_t m = 0; m < group.members.size(); ++m) {
-        w[m + 1] = head.similarity[group.members[m]] / denominator;
-      }
+      for (size_t m = 0; m < members; ++m) w[m + 1] = similarity_of(m) / denominator;
     }
+    const int32_t target_slot = head.kept[x.entries[g].target];
     for (int32_t kv = 0; kv < 2; ++kv) {
-      starts.push_back(offsets.size());
-      offsets.push_back(RowOffset(view, kv, head.head, head.kept[group.target]));
-      weights.push_back(static_cast<float>(w[0]));
-      for (size_t m = 0; m < group.members.size(); ++m) {
-        offsets.push_back(RowOffset(view, kv, head.head, head.evicted[group.members[m]]));
-        weights.push_back(static_cast<float>(w[m + 1]));
-      }
       RowMergeJob job;
       job.arena = layers[head.layer].writable_arena;
       job.dtype = view.dtype;
       job.row_elements = view.head_dim;
-      job.dst_offset = offsets[starts.back()];
-      job.num_sources = static_cast<int32_t>(group.members.size() + 1);
-      jobs.push_back(job);
+      job.dst_offset = RowOffset(view, kv, head.head, target_slot);
+      job.num_sources = static_cast<int32_t>(members + 1);
+      x.starts.push_back(x.offsets.size());
+      x.offsets.push_back(job.dst_offset);
+      x.weights.push_back(static_cast<float>(w[0]));
+      for (size_t m = 0; m < members; ++m) {
+        const int32_t slot = x.evicted[head.evicted_begin + x.entries[g + m].evicted];
+        x.offsets.push_back(RowOffset(view, kv, head.head, slot));
+        x.weights.push_back(static_cast<float>(w[m + 1]));
+      }
+      x.jobs.push_back(job);
     }
-    merged[head.layer] += static_cast<int32_t>(group.members.size());
+    merged[head.layer] += static_cast<int32_t>(members);
+    g = g_end;
   }
   // The offset and weight buffers no longer grow: point the jobs into them.
-  for (size_t j = 0; j < jobs.size(); ++j) {
-    jobs[j].src_offsets = offsets.data() + starts[j];
-    jobs[j].weights = weights.data() + starts[j];
+  for (size_t j = 0; j < x.jobs.size(); ++j) {
+    x.jobs[j].src_offsets = x.offsets.data() + x.starts[j];
+    x.jobs[j].weights = x.weights.data() + x.starts[j];
   }
-  if (!jobs.empty()) {
-    absl::Status status = backend.MergeRows(jobs, nullptr);
+  if (!x.jobs.empty()) {
+    absl::Status status = backend.MergeRows(x.jobs, nullptr);
     if (status.ok()) status = backend.Synchronize(nullptr);
     if (!status.ok()) {
       std::fill(merged.begin(), merged.end(), 0);
       return status;
     }
   }
-  // The thresholds move only once the step's merges are done.
+  // The thresholds move only once the step's merges are done (assign reuses the capacity).
+  const float* tau = x.thresholds.data();
   for (size_t i = 0; i < layers.size(); ++i) {
-    if (!new_thresholds[i].empty()) layers[i].state->threshold = std::move(new_thresholds[i]);
+    if (x.threshold_size[i] < 0) continue;
+    layers[i].state->threshold.assign(tau, tau + x.threshold_size[i]);
+    tau += x.threshold_size[i];
   }
   return absl::OkStatus();
 }

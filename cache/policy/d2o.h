@@ -39,7 +39,7 @@ class D2oPolicy final : public AttentionScoredPolicy {
   absl::Status Merge(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
                      absl::Span<int32_t> merged) const override;
 
-  // The accumulated attention of the layer, [Hq][count].
+  // The GQA mean of the layer's accumulated attention, [H][count] (returns H).
   absl::StatusOr<int32_t> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,
                                     std::vector<float>& raw) const override;
 

@@ -1,6 +1,7 @@
 #include "cache/policy/policy.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <numeric>
 
@@ -19,34 +20,6 @@
 
 namespace kvs {
 namespace {
-
-// Marks in `forced` (n entries) the slots holding the `sinks` lowest and the `recent` highest of
-// the n distinct `positions`. O(n): two partial selections on a copy.
-void MarkProtected(const int32_t* positions, int32_t n, int32_t sinks, int32_t recent,
-                   std::vector<int32_t>& scratch, uint8_t* forced) {
-  if (int64_t{sinks} + recent >= n) {
-    std::fill(forced, forced + n, uint8_t{1});
-    return;
-  }
-  scratch.assign(positions, positions + n);
-  // Positions are distinct, so "at or below the sinks-th smallest" is exactly `sinks` slots.
-  int32_t sink_limit = -1;
-  if (sinks > 0) {
-    std::nth_element(scratch.begin(), scratch.begin() + (sinks - 1), scratch.end());
-    sink_limit = scratch[sinks - 1];
-  }
-  int32_t recent_limit = 0;
-  if (recent > 0) {
-    // After the first partition everything from index `sinks` on is above the sinks.
-    std::nth_element(scratch.begin() + sinks, scratch.begin() + (n - recent), scratch.end());
-    recent_limit = scratch[n - recent];
-  }
-  for (int32_t s = 0; s < n; ++s) {
-    const bool sink = sinks > 0 && positions[s] <= sink_limit;
-    const bool fresh = recent > 0 && positions[s] >= recent_limit;
-    forced[s] = (sink || fresh) ? 1 : 0;
-  }
-}
 
 absl::Status CheckSelection(const LayerSelection& layer) {
   const int64_t heads = layer.keys.num_kv_heads;
@@ -128,19 +101,49 @@ absl::StatusOr<const Entry*> FindEntry(const std::string& name) {
 void LayerPolicyState::Compact(int32_t num_kv_heads, int32_t old_count,
                                absl::Span<const std::vector<int32_t>> sources) {
   const int32_t keep = sources.empty() ? 0 : static_cast<int32_t>(sources[0].size());
+  // Hole-filling plans keep most slots where they are (source[t] == t) and fill the holes from
+  // slots at or past `keep`. Then each row shrinks in place with one memmove of its first
+  // `keep` values, and only the filled holes are patched, from beyond what the move wrote; a
+  // decode step that drops one token per head costs a move, not a gather. Other plans take a
+  // copy and gather.
+  bool hole_filling = true;
+  std::vector<std::vector<int32_t>> filled(sources.size());
+  for (size_t h = 0; h < sources.size() && hole_filling; ++h) {
+    const std::vector<int32_t>& source = sources[h];
+    for (int32_t t = 0; t < static_cast<int32_t>(source.size()); ++t) {
+      if (source[t] == t) continue;
+      if (source[t] < keep) {
+        hole_filling = false;
+        break;
+      }
+      filled[h].push_back(t);
+    }
+  }
+  std::vector<float> original;
   for (std::vector<float>* array : {&accumulated, &indicator, &step_scores}) {
     if (array->empty()) continue;
     if (old_count == 0) continue;
     const int64_t rows = static_cast<int64_t>(array->size()) / old_count;
     const int64_t rows_per_head = std::max<int64_t>(1, rows / std::max(1, num_kv_heads));
-    std::vector<float> packed(static_cast<size_t>(rows * keep));
-    for (int64_t r = 0; r < rows; ++r) {
-      const std::vector<int32_t>& source = sources[r / rows_per_head];
-      const float* from = array->data() + r * old_count;
-      float* to = packed.data() + r * keep;
-      for (int32_t t = 0; t < keep; ++t) to[t] = from[source[t]];
+    float* data = array->data();
+    if (hole_filling) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = r / rows_per_head;
+        const float* from = data + r * old_count;
+        float* to = data + r * keep;
+        std::memmove(to, from, sizeof(float) * keep);
+        for (int32_t t : filled[h]) to[t] = from[sources[h][t]];
+      }
+    } else {
+      original = *array;
+      for (int64_t r = 0; r < rows; ++r) {
+        const std::vector<int32_t>& source = sources[r / rows_per_head];
+        const float* from = original.data() + r * old_count;
+        float* to = data + r * keep;
+        for (int32_t t = 0; t < keep; ++t) to[t] = from[source[t]];
+      }
     }
-    *array = std::move(packed);
+    array->resize(static_cast<size_t>(rows * keep));
   }
 }
 
@@ -150,12 +153,15 @@ void LayerPolicyState::Extend(int32_t num_kv_heads, int32_t old_count, int32_t a
     if (array->empty() || old_count == 0 || added <= 0) continue;
     const int64_t rows = static_cast<int64_t>(array->size()) / old_count;
     const int64_t new_count = int64_t{old_count} + added;
-    std::vector<float> grown(static_cast<size_t>(rows * new_count), 0.0f);
-    for (int64_t r = 0; r < rows; ++r) {
-      std::copy(array->begin() + r * old_count, array->begin() + (r + 1) * old_count,
-                grown.begin() + r * new_count);
+    // Grown in place, last row first (each row moves right), so a decode step's one new slot
+    // costs a move of the array rather than a fresh allocation and copy.
+    array->resize(static_cast<size_t>(rows * new_count));
+    float* data = array->data();
+    for (int64_t r = rows - 1; r >= 0; --r) {
+      if (r > 0)
+        std::memmove(data + r * new_count, data + r * old_count, sizeof(float) * old_count);
+      std::fill(data + r * new_count + old_count, data + (r + 1) * new_count, 0.0f);
     }
-    *array = std::move(grown);
   }
 }
 
@@ -234,6 +240,7 @@ absl::Status ScoredPolicy::Select(Backend& backend, Phase phase,
 
   std::vector<uint8_t> forced;
   std::vector<int32_t> scratch;
+  std::vector<uint64_t> bitmap;
   std::vector<TopKJob> jobs(active.size());
   for (size_t i = 0; i < active.size(); ++i) {
     const LayerSelection& layer = active[i];
@@ -257,8 +264,8 @@ absl::Status ScoredPolicy::Select(Backend& backend, Phase phase,
       if (forced.empty()) forced.resize(offsets.back());
       uint8_t* mask = forced.data() + offsets[i];
       for (int32_t h = 0; h < heads; ++h) {
-        MarkProtected(layer.positions.data() + int64_t{h} * count, count, protection.sinks,
-                      protection.recent, scratch, mask + int64_t{h} * count);
+        MarkSinksAndRecent(layer.positions.data() + int64_t{h} * count, count, protection.sinks,
+                           protection.recent, scratch, bitmap, mask + int64_t{h} * count);
       }
       job.forced = mask;
     }

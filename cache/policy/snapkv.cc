@@ -18,6 +18,7 @@ absl::Status SnapKvPolicy::ObserveLayers(Backend&, Phase,
   std::vector<float> sums;
   std::vector<uint8_t> eligible;
   std::vector<int32_t> scratch;
+  std::vector<uint64_t> bitmap;
   for (const LayerStep& layer : layers) {
     KVS_RETURN_IF_ERROR(CheckLayerStep(config().name, layer));
     const int32_t count = layer.keys.count;
@@ -42,10 +43,9 @@ absl::Status SnapKvPolicy::ObserveLayers(Backend&, Phase,
         std::fill(mark, mark + count, uint8_t{0});
         continue;
       }
-      scratch.assign(pos, pos + count);
-      std::nth_element(scratch.begin(), scratch.begin() + (count - window), scratch.end());
-      const int32_t first_window = scratch[count - window];  // positions are distinct per head
-      for (int32_t s = 0; s < count; ++s) mark[s] = pos[s] < first_window ? 1 : 0;
+      // Everything but the `window` newest positions.
+      MarkSinksAndRecent(pos, count, 0, window, scratch, bitmap, mark);
+      for (int32_t s = 0; s < count; ++s) mark[s] ^= 1;
     }
     std::vector<float>& scores = layer.state->step_scores;
     scores.assign(static_cast<size_t>(size), 0.0f);

@@ -21,11 +21,13 @@
 namespace kvs {
 namespace {
 
-// Keys are processed in tiles of kTile consecutive slots (a tile may span several blocks): the
-// tile is converted to fp32 once and then multiplied with every query row of the GQA group, so
-// the conversion and the memory traffic are paid once per key and group, not once per query.
-// 48 fp32 rows of head_dim 128 (24 KiB) stay in L1 next to a strip of queries; 48 is a multiple
-// of the micro-kernels' 3 and 16 keys and of the 8 lanes of the softmax pass.
+// Keys are processed in tiles of kTile consecutive slots (a tile may span several blocks). With
+// 8+ query rows per kv head (windows) the tile is converted to fp32 once and then multiplied with
+// every query row of the GQA group, so the conversion is paid once per key and group; with fewer
+// (decode) the conversion is fused into the multiply and the tile only paces the prefetches and
+// the softmax records. 48 fp32 rows of head_dim 128 (24 KiB) stay in L1 next to a strip of
+// queries; 48 is a multiple of the micro-kernels' 3 and 16 keys and of the 8 lanes of the
+// softmax pass.
 constexpr int kTile = 48;
 // Below this many multiply-adds in a whole call the work runs on the calling thread: waking a
 // worker costs more (decode steps of short sequences).
@@ -39,13 +41,14 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Where a job's slots live and what the kernels need of it, precomputed once per call.
 struct JobPlan {
   const AttentionJob* job;
-  int64_t group;        // G = num_q_heads / num_kv_heads
-  int64_t group_rows;   // G * num_queries: the probability rows of one kv head (contiguous)
-  int64_t tiles;        // ceil(count / kTile)
-  int64_t chunk_tiles;  // tiles per task
-  int64_t chunks;       // tasks per kv head
-  int64_t first_task;   // index of this job's first phase-1 task
-  uint64_t row_bytes;   // head_dim * dtype bytes
+  int64_t group;           // G = num_q_heads / num_kv_heads
+  int64_t group_rows;      // G * num_queries: the probability rows of one kv head (contiguous)
+  int64_t tiles;           // ceil(count / kTile)
+  int64_t chunk_tiles;     // tiles per task
+  int64_t chunks;          // tasks per group of heads_per_task kv heads
+  int64_t heads_per_task;  // kv heads one task covers: all of them in the decode kernel
+  int64_t first_task;      // index of this job's first phase-1 task
+  uint64_t row_bytes;      // head_dim * dtype bytes
   // Records of split (job, head)s (chunks > 1), kept until phase 2; see Records.
   std::vector<float> tile_max;
   std::vector<float> tile_sum;
@@ -146,15 +149,43 @@ KVS_AVX2 inline float HorizontalMax(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// Dot products of kRows query rows with kKeys key rows (both fp32, head_dim contiguous, dim % 8
-// == 0): one accumulator per pair (kRows * kKeys independent FMA chains, enough to cover the FMA
-// latency on both pipes), reduced at the end with hadds. out[r * out_stride + j] gets the dot of
-// query row r with key j; columns kKeys..3 of each 4-wide store are scratch (the caller's row
-// buffer is padded).
-template <int kRows, int kKeys>
-KVS_AVX2 inline void DotKernel(const float* q, const float* k, int dim, float* out,
-                               int out_stride) {
+// Micro-kernel shape: 4 query rows x 3 keys = 12 accumulators + 3 key registers + 1 query register
+// = the 16 ymm registers.
+constexpr int kRowBlock = 4;
+constexpr int kKeyBlock = 3;
+constexpr int kLogitStride = kTile + 4;  // room for the scratch columns of the last 4-wide store
+
+// --- Decode kernel (GQA groups of < 8 query rows, e.g. w=1 and G=4): the few query rows share
+// each key, so the work per key byte is small and the kernel is bound by the memory stream. The
+// key rows are therefore read straight from the arena, converted to fp32 in registers
+// (vcvtph2ps / a shift / a plain load) and multiplied at once, with no fp32 tile stored and read
+// back; the next tile's rows are prefetched while this one is computed (see DecodeTiles).
+
+// Dot products of kRows fp32 query rows with kKeys key rows of dtype kType read from the arena
+// (dim % 8 == 0): one accumulator per pair (kRows * kKeys independent FMA chains, enough to cover
+// the FMA latency on both pipes), reduced at the end with hadds. out[r * out_stride + j] gets the
+// dot of query row r with key j; columns kKeys..3 of each 4-wide store are scratch (the caller's
+// row buffer is padded). When `prefetch` is not null, the lines of prefetch[0 .. kKeys) (rows of
+// the next tile to be computed) are requested first, spreading that tile's prefetches evenly over
+// this tile's work.
+template <DType kType, int kRows, int kKeys>
+KVS_AVX2 inline void FusedDotKernel(const float* q, const uint8_t* const* k,
+                                    const uint8_t* const* prefetch, int dim, float* out,
+                                    int out_stride) {
   static_assert(kKeys >= 1 && kKeys <= 4);
+  constexpr int kBytes = DTypeBytes(kType);
+  if (prefetch != nullptr) {
+    const int row_bytes = dim * kBytes;
+#pragma GCC unroll 4
+    for (int j = 0; j < kKeys; ++j) {
+      for (int offset = 0; offset < row_bytes; offset += 64) {
+        __builtin_prefetch(prefetch[j] + offset);
+      }
+    }
+  }
+  const uint8_t* key_row[kKeys];
+#pragma GCC unroll 4
+  for (int j = 0; j < kKeys; ++j) key_row[j] = k[j];
   __m256 acc[kRows][kKeys];
 #pragma GCC unroll 4
   for (int r = 0; r < kRows; ++r) {
@@ -164,7 +195,7 @@ KVS_AVX2 inline void DotKernel(const float* q, const float* k, int dim, float* o
   for (int d = 0; d < dim; d += 8) {
     __m256 key[kKeys];
 #pragma GCC unroll 4
-    for (int j = 0; j < kKeys; ++j) key[j] = _mm256_loadu_ps(k + j * dim + d);
+    for (int j = 0; j < kKeys; ++j) key[j] = Load8<kType>(key_row[j] + d * kBytes);
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
       const __m256 x = _mm256_loadu_ps(q + r * dim + d);
@@ -185,27 +216,47 @@ KVS_AVX2 inline void DotKernel(const float* q, const float* k, int dim, float* o
   }
 }
 
-// Micro-kernel shape: 4 query rows x 3 keys = 12 accumulators + 3 key registers + 1 query register
-// = the 16 ymm registers.
-constexpr int kRowBlock = 4;
-constexpr int kKeyBlock = 3;
-constexpr int kLogitStride = kTile + 4;  // room for the scratch columns of the last 4-wide store
-
-template <int kRows>
-KVS_AVX2 inline void DotStrip(const float* q, const float* keys, int n, int dim, float* out) {
+// The logits of kRows query rows against the n keys at `rows` (a tile); `prefetch` (null or the
+// next tile's row pointers, n_prefetch of them) is requested along the way.
+template <DType kType, int kRows>
+KVS_AVX2 inline void FusedDotStrip(const float* q, const uint8_t* const* rows, int n,
+                                   const uint8_t* const* prefetch, int n_prefetch, int dim,
+                                   float* out) {
   int j = 0;
+  int prefetched = 0;
   for (; j + kKeyBlock <= n; j += kKeyBlock) {
-    DotKernel<kRows, kKeyBlock>(q, keys + j * dim, dim, out + j, kLogitStride);
+    const uint8_t* const* p = nullptr;
+    if (prefetch != nullptr && j + kKeyBlock <= n_prefetch) {
+      p = prefetch + j;
+      prefetched = j + kKeyBlock;
+    }
+    FusedDotKernel<kType, kRows, kKeyBlock>(q, rows + j, p, dim, out + j, kLogitStride);
   }
-  if (n - j == 2) DotKernel<kRows, 2>(q, keys + j * dim, dim, out + j, kLogitStride);
-  if (n - j == 1) DotKernel<kRows, 1>(q, keys + j * dim, dim, out + j, kLogitStride);
+  if (n - j == 2) {
+    FusedDotKernel<kType, kRows, 2>(q, rows + j, nullptr, dim, out + j, kLogitStride);
+  }
+  if (n - j == 1) {
+    FusedDotKernel<kType, kRows, 1>(q, rows + j, nullptr, dim, out + j, kLogitStride);
+  }
+  // Prefetch rows the blocked loop above did not reach (a next tile longer than this one).
+  if (prefetch != nullptr) {
+    const int row_bytes = dim * DTypeBytes(kType);
+    for (int i = prefetched; i < n_prefetch; ++i) {
+      for (int offset = 0; offset < row_bytes; offset += 64) {
+        __builtin_prefetch(prefetch[i] + offset);
+      }
+    }
+  }
 }
 
-// Scale, mask, tile max, exp and sum of one row's logits of one tile; writes exp(l - max) to
-// `out` (n floats) and returns {max, sum}.
+// Scale, mask, max, exp and sum of one row's logits of one tile, with max = the larger of the
+// tile's max and *running_max (the row's max over its earlier tiles in this task, updated): writes
+// exp(l - max) to `out` (n floats) and max and the sum to *tile_max and *tile_sum. Taking the
+// running max keeps the recorded maxima non-decreasing, so NormalizeRow rescales long runs of
+// tiles with one factor (one exp per run, not per tile).
 KVS_AVX2 inline void SoftmaxTileRow(const float* logits, const int32_t* key_positions,
                                     int32_t query_position, float scale, int n, float* out,
-                                    float* tile_max, float* tile_sum) {
+                                    float* running_max, float* tile_max, float* tile_sum) {
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   const __m256i qpos = _mm256_set1_epi32(query_position);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -223,7 +274,8 @@ KVS_AVX2 inline void SoftmaxTileRow(const float* logits, const int32_t* key_posi
     l[v] = _mm256_blendv_ps(neg_inf, x, _mm256_castsi256_ps(keep));
     vmax = _mm256_max_ps(vmax, l[v]);
   }
-  const float max = HorizontalMax(vmax);
+  const float max = std::max(HorizontalMax(vmax), *running_max);
+  *running_max = max;
   *tile_max = max;
   if (max == kNegInf) {
     std::fill(out, out + n, 0.0f);
@@ -243,32 +295,6 @@ KVS_AVX2 inline void SoftmaxTileRow(const float* logits, const int32_t* key_posi
     }
   }
   *tile_sum = HorizontalSum(vsum);
-}
-
-// Converts slots [s0, s0 + n) of one head to fp32 rows (head_dim contiguous) in `tile`.
-template <DType kType>
-KVS_AVX2 void ConvertTile(const PagedLayerView& keys, int64_t head, int64_t s0, int n,
-                          uint64_t row_bytes, float* tile) {
-  constexpr int kBytes = DTypeBytes(kType);
-  const int dim = keys.head_dim;
-  int j = 0;
-  while (j < n) {
-    // Rows of one block are contiguous: convert the run up to the block's end in one go.
-    const int64_t slot = s0 + j;
-    const int run =
-        static_cast<int>(std::min<int64_t>(n - j, keys.block_tokens - slot % keys.block_tokens));
-    const uint8_t* src = PagedRow(keys, head, slot);
-    float* dst = tile + static_cast<int64_t>(j) * dim;
-    if constexpr (kType == DType::kFloat32) {
-      std::memcpy(dst, src, static_cast<size_t>(run) * row_bytes);
-    } else {
-      const int64_t elements = static_cast<int64_t>(run) * dim;
-      for (int64_t e = 0; e < elements; e += 8) {
-        _mm256_storeu_ps(dst + e, Load8<kType>(src + e * kBytes));
-      }
-    }
-    j += run;
-  }
 }
 
 // --- Window kernel (GQA groups of >= 8 query rows): the tile is stored transposed, [dim][kTile],
@@ -358,81 +384,141 @@ void PrefetchTile(const PagedLayerView& keys, int64_t head, int64_t s0, int n, u
   }
 }
 
+// The decode kernel over tiles [tile_begin, tile_end) of kv heads [head_begin, head_end), tile
+// by tile and head by head within a tile: a block holds every head's rows of its slots
+// ([2][H][B][D]), so this order reads each block's keys as one contiguous run (32 KiB for 8 heads
+// x 16 fp16 tokens x 128) where a head-by-head order would read scattered 4 KiB pieces, which
+// this machine streams at under half the speed (TLB and DRAM page misses). Keys are streamed from
+// the arena (FusedDotStrip) while the next (tile, head) is prefetched, 12 KiB ahead for fp16
+// keys of head_dim 128 (further ahead, or prefetches to L2 only, were no better in
+// attention_bench). running_max: (head_end - head_begin) * group_rows entries.
 template <DType kType>
-KVS_AVX2 void Avx2Task(const JobPlan& plan, const Records& records, int64_t head,
-                       int64_t tile_begin, int64_t tile_end) {
+KVS_AVX2 void DecodeTiles(const JobPlan& plan, const Records& records, int64_t head_begin,
+                          int64_t head_end, int64_t tile_begin, int64_t tile_end,
+                          float* running_max) {
   const AttentionJob& job = *plan.job;
   const PagedLayerView& keys = job.keys;
   const int dim = keys.head_dim;
   const int64_t count = keys.count;
   const int64_t rows = plan.group_rows;
+  alignas(32) float logits[kRowBlock * kLogitStride];
+  const uint8_t* tile_rows[kTile];
+  const uint8_t* ahead_rows[kTile];
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    const int64_t s0 = t * kTile;
+    const int n = static_cast<int>(std::min<int64_t>(kTile, count - s0));
+    for (int64_t head = head_begin; head < head_end; ++head) {
+      const float* queries = job.queries + head * rows * dim;
+      const int32_t* key_positions = job.key_positions + head * count;
+      PagedRows(keys, head, s0, n, tile_rows);
+      // The next (tile, head) in this order.
+      const uint8_t* const* next = nullptr;
+      int n_next = 0;
+      if (head + 1 < head_end) {
+        n_next = n;
+        PagedRows(keys, head + 1, s0, n_next, ahead_rows);
+        next = ahead_rows;
+      } else if (t + 1 < tile_end) {
+        n_next = static_cast<int>(std::min<int64_t>(kTile, count - s0 - kTile));
+        PagedRows(keys, head_begin, s0 + kTile, n_next, ahead_rows);
+        next = ahead_rows;
+      }
+      for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+        const int strip = static_cast<int>(std::min<int64_t>(kRowBlock, rows - m0));
+        const float* q = queries + m0 * dim;
+        // Only the first strip prefetches; later strips find the tile in L1/L2.
+        const uint8_t* const* p = m0 == 0 ? next : nullptr;
+        switch (strip) {
+          case 4:
+            FusedDotStrip<kType, 4>(q, tile_rows, n, p, n_next, dim, logits);
+            break;
+          case 3:
+            FusedDotStrip<kType, 3>(q, tile_rows, n, p, n_next, dim, logits);
+            break;
+          case 2:
+            FusedDotStrip<kType, 2>(q, tile_rows, n, p, n_next, dim, logits);
+            break;
+          default:
+            FusedDotStrip<kType, 1>(q, tile_rows, n, p, n_next, dim, logits);
+            break;
+        }
+        for (int r = 0; r < strip; ++r) {
+          const int64_t m = m0 + r;
+          const int64_t row = head * rows + m;
+          SoftmaxTileRow(logits + r * kLogitStride, key_positions + s0,
+                         job.query_positions[m % job.num_queries], job.scale, n,
+                         job.probs + row * count + s0, &running_max[(head - head_begin) * rows + m],
+                         &records.max[records.At(row, t)], &records.sum[records.At(row, t)]);
+        }
+      }
+    }
+  }
+}
+
+template <DType kType>
+KVS_AVX2 void Avx2Task(const JobPlan& plan, const Records& records, int64_t head_begin,
+                       int64_t head_end, int64_t tile_begin, int64_t tile_end) {
+  const AttentionJob& job = *plan.job;
+  const PagedLayerView& keys = job.keys;
+  const int dim = keys.head_dim;
+  const int64_t count = keys.count;
+  const int64_t rows = plan.group_rows;
+  alignas(32) float logits[kRowBlockT * kLogitStride];
+  // Each row's largest logit so far in this task: a tile's exponentials are taken against it
+  // (or the tile's own max when larger), so the per-tile maxima recorded are non-decreasing and
+  // the normalisation pass rescales long runs of tiles with one factor.
+  thread_local std::vector<float> running_max;
+  running_max.assign((head_end - head_begin) * rows, kNegInf);
+  const bool transposed = rows >= 8;
+  if (!transposed) {
+    DecodeTiles<kType>(plan, records, head_begin, head_end, tile_begin, tile_end,
+                       running_max.data());
+    return;
+  }
+  const int64_t head = head_begin;  // the window kernel's tasks cover one head
   const float* queries = job.queries + head * rows * dim;
   const int32_t* key_positions = job.key_positions + head * count;
   thread_local std::vector<float> tile_buffer;
   tile_buffer.resize(static_cast<size_t>(kTile) * dim);
   float* tile = tile_buffer.data();
-  alignas(32) float logits[kRowBlockT * kLogitStride];
-  const bool transposed = rows >= 8;
   for (int64_t t = tile_begin; t < tile_end; ++t) {
     const int64_t s0 = t * kTile;
     const int n = static_cast<int>(std::min<int64_t>(kTile, count - s0));
-    if (transposed) {
-      ConvertTileTransposed<kType>(keys, head, s0, n, tile);
-    } else {
-      ConvertTile<kType>(keys, head, s0, n, plan.row_bytes, tile);
-    }
+    ConvertTileTransposed<kType>(keys, head, s0, n, tile);
     if (t + 1 < tile_end) {
       PrefetchTile(keys, head, s0 + kTile,
                    static_cast<int>(std::min<int64_t>(kTile, count - s0 - kTile)), plan.row_bytes);
     }
-    const int row_block = transposed ? kRowBlockT : kRowBlock;
-    for (int64_t m0 = 0; m0 < rows; m0 += row_block) {
-      const int strip = static_cast<int>(std::min<int64_t>(row_block, rows - m0));
+    for (int64_t m0 = 0; m0 < rows; m0 += kRowBlockT) {
+      const int strip = static_cast<int>(std::min<int64_t>(kRowBlockT, rows - m0));
       const float* q = queries + m0 * dim;
-      if (transposed) {
-        switch (strip) {
-          case 6:
-            DotStripT<6>(q, tile, n, dim, logits);
-            break;
-          case 5:
-            DotStripT<5>(q, tile, n, dim, logits);
-            break;
-          case 4:
-            DotStripT<4>(q, tile, n, dim, logits);
-            break;
-          case 3:
-            DotStripT<3>(q, tile, n, dim, logits);
-            break;
-          case 2:
-            DotStripT<2>(q, tile, n, dim, logits);
-            break;
-          default:
-            DotStripT<1>(q, tile, n, dim, logits);
-            break;
-        }
-      } else {
-        switch (strip) {
-          case 4:
-            DotStrip<4>(q, tile, n, dim, logits);
-            break;
-          case 3:
-            DotStrip<3>(q, tile, n, dim, logits);
-            break;
-          case 2:
-            DotStrip<2>(q, tile, n, dim, logits);
-            break;
-          default:
-            DotStrip<1>(q, tile, n, dim, logits);
-            break;
-        }
+      switch (strip) {
+        case 6:
+          DotStripT<6>(q, tile, n, dim, logits);
+          break;
+        case 5:
+          DotStripT<5>(q, tile, n, dim, logits);
+          break;
+        case 4:
+          DotStripT<4>(q, tile, n, dim, logits);
+          break;
+        case 3:
+          DotStripT<3>(q, tile, n, dim, logits);
+          break;
+        case 2:
+          DotStripT<2>(q, tile, n, dim, logits);
+          break;
+        default:
+          DotStripT<1>(q, tile, n, dim, logits);
+          break;
       }
       for (int r = 0; r < strip; ++r) {
         const int64_t m = m0 + r;
         const int64_t row = head * rows + m;
         SoftmaxTileRow(logits + r * kLogitStride, key_positions + s0,
                        job.query_positions[m % job.num_queries], job.scale, n,
-                       job.probs + row * count + s0, &records.max[records.At(row, t)],
-                       &records.sum[records.At(row, t)]);
+                       job.probs + row * count + s0, &running_max[m],
+                       &records.max[records.At(row, t)], &records.sum[records.At(row, t)]);
       }
     }
   }
@@ -530,19 +616,22 @@ Records SplitRecords(const JobPlan& plan) {
                  0, plan.tiles};
 }
 
-void RunTask(const JobPlan& plan, const Records& records, int64_t head, int64_t tile_begin,
-             int64_t tile_end, bool avx2) {
+void RunTask(const JobPlan& plan, const Records& records, int64_t head_begin, int64_t head_end,
+             int64_t tile_begin, int64_t tile_end, bool avx2) {
   if (avx2) {
     switch (plan.job->keys.dtype) {
       case DType::kFloat16:
-        return Avx2Task<DType::kFloat16>(plan, records, head, tile_begin, tile_end);
+        return Avx2Task<DType::kFloat16>(plan, records, head_begin, head_end, tile_begin, tile_end);
       case DType::kBFloat16:
-        return Avx2Task<DType::kBFloat16>(plan, records, head, tile_begin, tile_end);
+        return Avx2Task<DType::kBFloat16>(plan, records, head_begin, head_end, tile_begin,
+                                          tile_end);
       case DType::kFloat32:
-        return Avx2Task<DType::kFloat32>(plan, records, head, tile_begin, tile_end);
+        return Avx2Task<DType::kFloat32>(plan, records, head_begin, head_end, tile_begin, tile_end);
     }
   }
-  ScalarTask(plan, records, head, tile_begin, tile_end);
+  for (int64_t head = head_begin; head < head_end; ++head) {
+    ScalarTask(plan, records, head, tile_begin, tile_end);
+  }
 }
 
 }  // namespace
@@ -586,22 +675,30 @@ absl::Status ValidatePagedLayerView(const PagedLayerView& v, std::string_view co
 absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, ThreadPool& pool,
                                       bool allow_avx2) {
   // Validate everything first so that a failed call writes nothing.
+  // A task covers one kv head of a job in the window kernel, every kv head of it in the decode
+  // kernel (fewer than 8 rows per head; see DecodeTiles), and a chunk of its tiles when the
+  // (job, heads) units are too few.
+  auto heads_per_task = [](const AttentionJob& job) -> int64_t {
+    const int64_t group_rows =
+        static_cast<int64_t>(job.num_q_heads / job.keys.num_kv_heads) * job.num_queries;
+    return group_rows < 8 ? job.keys.num_kv_heads : 1;
+  };
   uint64_t macs = 0;
-  int64_t heads = 0;
+  int64_t units = 0;
   for (size_t i = 0; i < jobs.size(); ++i) {
     if (auto status = ValidateAttentionJob(jobs[i], i); !status.ok()) return status;
     const AttentionJob& job = jobs[i];
     if (job.keys.count == 0) continue;
     macs += static_cast<uint64_t>(job.num_q_heads) * job.num_queries * job.keys.count *
             job.keys.head_dim;
-    heads += job.keys.num_kv_heads;
+    units += job.keys.num_kv_heads / heads_per_task(job);
   }
-  if (heads == 0) return absl::OkStatus();
+  if (units == 0) return absl::OkStatus();
   const bool parallel = macs >= kParallelMinMacs && pool.num_threads() > 1;
-  // Aim at >= 4 tasks per thread so that the dynamic schedule balances uneven jobs; a (job, head)
-  // is split into chunks of tiles only when the heads alone are too few.
+  // Aim at >= 4 tasks per thread so that the dynamic schedule balances uneven jobs; a unit is
+  // split into chunks of tiles only when the units alone are too few.
   const int64_t want_tasks = parallel ? 4 * pool.num_threads() : 1;
-  const int64_t split = std::max<int64_t>(1, (want_tasks + heads - 1) / heads);
+  const int64_t split = std::max<int64_t>(1, (want_tasks + units - 1) / units);
 
   std::vector<JobPlan> plans;
   plans.reserve(jobs.size());
@@ -614,6 +711,7 @@ absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, Threa
     plan.group_rows = plan.group * job.num_queries;
     plan.tiles = (static_cast<int64_t>(job.keys.count) + kTile - 1) / kTile;
     const int64_t max_chunks = std::max<int64_t>(1, plan.tiles / kMinChunkTiles);
+    plan.heads_per_task = heads_per_task(job);
     plan.chunks = std::min(split, max_chunks);
     plan.chunk_tiles = (plan.tiles + plan.chunks - 1) / plan.chunks;
     plan.chunks = (plan.tiles + plan.chunk_tiles - 1) / plan.chunk_tiles;
@@ -624,7 +722,7 @@ absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, Threa
       plan.tile_max.resize(job_rows * plan.tiles);
       plan.tile_sum.resize(job_rows * plan.tiles);
     }
-    tasks += plan.chunks * job.keys.num_kv_heads;
+    tasks += plan.chunks * (job.keys.num_kv_heads / plan.heads_per_task);
     plans.push_back(std::move(plan));
   }
   const bool avx2 = allow_avx2 && CpuSupportsAvx2();
@@ -638,25 +736,27 @@ absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, Threa
       [&](int64_t task) {
         const JobPlan& plan = *plan_of(task);
         const int64_t local = task - plan.first_task;
-        const int64_t head = local / plan.chunks;
+        const int64_t head_begin = local / plan.chunks * plan.heads_per_task;
+        const int64_t head_end = head_begin + plan.heads_per_task;
         const int64_t chunk = local % plan.chunks;
         const int64_t begin = chunk * plan.chunk_tiles;
         const int64_t end = std::min(plan.tiles, begin + plan.chunk_tiles);
         const bool use_avx2 = avx2 && plan.job->keys.head_dim % 8 == 0;
         if (plan.chunks > 1) {
-          RunTask(plan, SplitRecords(plan), head, begin, end, use_avx2);
+          RunTask(plan, SplitRecords(plan), head_begin, head_end, begin, end, use_avx2);
           return;
         }
         // The task sees every slot of its rows: its records live in a reused per-thread buffer
         // (no page faults on fresh allocations), and the rows are normalised right away, while
         // they are still in the last-level cache, instead of in a second sweep.
+        const int64_t task_rows = plan.heads_per_task * plan.group_rows;
         thread_local std::vector<float> buffer;
-        buffer.resize(2 * plan.group_rows * plan.tiles);
-        const Records records{buffer.data(), buffer.data() + plan.group_rows * plan.tiles,
-                              head * plan.group_rows, plan.tiles};
-        RunTask(plan, records, head, begin, end, use_avx2);
-        for (int64_t m = 0; m < plan.group_rows; ++m) {
-          NormalizeRow(plan, records, head * plan.group_rows + m, use_avx2);
+        buffer.resize(2 * task_rows * plan.tiles);
+        const Records records{buffer.data(), buffer.data() + task_rows * plan.tiles,
+                              head_begin * plan.group_rows, plan.tiles};
+        RunTask(plan, records, head_begin, head_end, begin, end, use_avx2);
+        for (int64_t m = 0; m < task_rows; ++m) {
+          NormalizeRow(plan, records, head_begin * plan.group_rows + m, use_avx2);
         }
       },
       parallel ? 0 : 1);

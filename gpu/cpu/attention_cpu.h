@@ -1,11 +1,13 @@
 // Attention probabilities on the host (Backend::AttentionProbs semantics, gpu/backend.h), exposed
 // for the CPU backend and its tests. The hot loop is the q·k dot products of a GQA group's window
-// queries against each key row (a small GEMM per 48-slot tile of keys, converted to fp32 once), in
-// fp32 with AVX2/FMA when the CPU has it, and an online per-tile softmax folded per row at the end.
-// Also the paged-row helpers the other CPU kernels (CAOTE, nearest keys) share.
+// queries against each key row: with 8+ rows per kv head (windows) a small GEMM per 48-slot tile
+// of keys converted to fp32 once; with fewer (decode) the keys are converted in registers as they
+// stream from the arena, every kv head of a job per tile (block order). fp32 with AVX2/FMA when the
+// CPU has it, and an online per-tile softmax folded per row at the end. Also the paged-row helpers
+// the other CPU kernels (CAOTE, nearest keys) share.
 //
-// Threading: RunAttentionProbs spreads (job, kv head[, chunk of slots]) tasks over `pool`; it
-// may be called concurrently from several threads. The helpers are pure.
+// Threading: RunAttentionProbs spreads (job, kv head or all kv heads[, chunk of slots]) tasks over
+// `pool`; it may be called concurrently from several threads. The helpers are pure.
 #ifndef KVSIDECAR_GPU_CPU_ATTENTION_CPU_H_
 #define KVSIDECAR_GPU_CPU_ATTENTION_CPU_H_
 
@@ -38,6 +40,22 @@ inline const uint8_t* PagedRow(const PagedLayerView& view, int64_t head, int64_t
          ((static_cast<uint64_t>(view.kv_index) * view.num_kv_heads + head) * view.block_tokens +
           slot % view.block_tokens) *
              row_bytes;
+}
+
+// The rows of slots [s0, s0 + n) of one head into rows[0, n): rows of one block are contiguous,
+// so only the first row of each run within a block costs a block-table lookup and a division.
+inline void PagedRows(const PagedLayerView& view, int64_t head, int64_t s0, int n,
+                      const uint8_t** rows) {
+  const uint64_t row_bytes = static_cast<uint64_t>(view.head_dim) * DTypeBytes(view.dtype);
+  int j = 0;
+  while (j < n) {
+    const int64_t s = s0 + j;
+    const int64_t left_in_block = view.block_tokens - s % view.block_tokens;
+    const int run = static_cast<int>(left_in_block < n - j ? left_in_block : n - j);
+    const uint8_t* first = PagedRow(view, head, s);
+    for (int k = 0; k < run; ++k) rows[j + k] = first + k * row_bytes;
+    j += run;
+  }
 }
 
 // INVALID_ARGUMENT "<context>: <field>.<member> ..." unless the view's shape, dtype, kv_index and

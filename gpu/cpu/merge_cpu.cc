@@ -122,7 +122,21 @@ void NearestKeysOfJobScalar(const NearestKeyJob& job) {
 // Candidates are visited in index order per query and fed to Better() exactly like the scalar
 // path, so the tie rule (lowest position) and NaN handling are unchanged.
 
-#define KVS_MERGE_AVX2 __attribute__((target("avx2,fma")))
+#define KVS_MERGE_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// Eight elements of a row from `d` on, as fp32 (exact in every dtype).
+template <DType kType>
+KVS_MERGE_AVX2 inline __m256 Load8(const uint8_t* row, int d) {
+  if constexpr (kType == DType::kFloat16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * d)));
+  } else if constexpr (kType == DType::kBFloat16) {
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * d)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + d);
+  }
+}
 
 constexpr int kPanel = 16;             // candidates per packed panel (two ymm)
 constexpr int kRows = 6;               // queries per micro-kernel: 12 accumulators + 2 + 1 ymm
@@ -138,16 +152,101 @@ struct PackedCandidates {
   int panels = 0;
 };
 
-void PackCandidates(const NearestKeyJob& job, PackedCandidates& out) {
+// r[i] <- (r[0][i], r[1][i], ..., r[7][i]): an 8 x 8 transpose in registers.
+KVS_MERGE_AVX2 inline void Transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// Bit-identical to normalising every candidate with LoadKey (the scalar path's numbers), 16
+// candidates at a time: each lane of a panel holds one candidate, so the per-candidate sum of
+// squares runs sequentially over d exactly like LoadKey's (a rounded product, then a rounded add;
+// never fused), and sqrt, the floor and the division are the same IEEE operations.
+template <DType kType>
+KVS_MERGE_AVX2 void PackCandidatesAvx2(const NearestKeyJob& job, PackedCandidates& out) {
   const PagedLayerView& v = job.keys;
   const int dim = v.head_dim;
+  const int vec = dim & ~7;
   out.panels = (job.num_candidates + kPanel - 1) / kPanel;
-  out.data.assign(static_cast<size_t>(out.panels) * dim * kPanel, 0.0f);
-  std::vector<float> row(dim);
-  for (int32_t c = 0; c < job.num_candidates; ++c) {
-    const float norm = LoadKey(v, job.head, job.candidate_slots[c], row.data());
-    float* panel = out.data.data() + static_cast<size_t>(c / kPanel) * dim * kPanel + c % kPanel;
-    for (int d = 0; d < dim; ++d) panel[static_cast<size_t>(d) * kPanel] = row[d] / norm;
+  // Every element is written below (padding lanes as zeros): no clearing pass over the buffer,
+  // whose capacity is reused across the batches of a call.
+  out.data.resize(static_cast<size_t>(out.panels) * dim * kPanel);
+  const __m256 floor = _mm256_set1_ps(kNormFloor);
+  for (int p = 0; p < out.panels; ++p) {
+    float* panel = out.data.data() + static_cast<size_t>(p) * dim * kPanel;
+    const int lanes = std::min(kPanel, job.num_candidates - p * kPanel);
+    // Eight candidates at a time: 8 x 8 blocks converted in registers and transposed into the
+    // panel's [d][lane] order; missing candidates (the last panel's padding) are zero rows.
+    for (int j0 = 0; j0 < kPanel; j0 += 8) {
+      const uint8_t* src[8];
+      for (int j = 0; j < 8; ++j) {
+        src[j] = j0 + j < lanes ? PagedRow(v, job.head, job.candidate_slots[p * kPanel + j0 + j])
+                                : nullptr;
+      }
+      for (int d = 0; d < vec; d += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) {
+          r[j] = src[j] != nullptr ? Load8<kType>(src[j], d) : _mm256_setzero_ps();
+        }
+        Transpose8(r);
+        for (int i = 0; i < 8; ++i) {
+          _mm256_storeu_ps(panel + static_cast<size_t>(d + i) * kPanel + j0, r[i]);
+        }
+      }
+      for (int d = vec; d < dim; ++d) {
+        for (int j = 0; j < 8; ++j) {
+          panel[static_cast<size_t>(d) * kPanel + j0 + j] =
+              src[j] != nullptr ? LoadAsFloat(src[j], kType, d) : 0.0f;
+        }
+      }
+    }
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    for (int d = 0; d < dim; ++d) {
+      const __m256 x0 = _mm256_loadu_ps(panel + static_cast<size_t>(d) * kPanel);
+      const __m256 x1 = _mm256_loadu_ps(panel + static_cast<size_t>(d) * kPanel + 8);
+      __m256 p0 = _mm256_mul_ps(x0, x0), p1 = _mm256_mul_ps(x1, x1);
+      // Opaque to the optimiser: the products stay rounded, never contracted into an FMA.
+      asm("" : "+x"(p0), "+x"(p1));
+      s0 = _mm256_add_ps(s0, p0);
+      s1 = _mm256_add_ps(s1, p1);
+    }
+    // max(floor, norm) returns its second operand for NaN: a NaN norm stays NaN (std::max).
+    const __m256 n0 = _mm256_max_ps(floor, _mm256_sqrt_ps(s0));
+    const __m256 n1 = _mm256_max_ps(floor, _mm256_sqrt_ps(s1));
+    for (int d = 0; d < dim; ++d) {
+      float* at = panel + static_cast<size_t>(d) * kPanel;
+      _mm256_storeu_ps(at, _mm256_div_ps(_mm256_loadu_ps(at), n0));
+      _mm256_storeu_ps(at + 8, _mm256_div_ps(_mm256_loadu_ps(at + 8), n1));
+    }
+  }
+}
+
+void PackCandidates(const NearestKeyJob& job, PackedCandidates& out) {
+  switch (job.keys.dtype) {
+    case DType::kFloat16:
+      return PackCandidatesAvx2<DType::kFloat16>(job, out);
+    case DType::kBFloat16:
+      return PackCandidatesAvx2<DType::kBFloat16>(job, out);
+    default:
+      return PackCandidatesAvx2<DType::kFloat32>(job, out);
   }
 }
 
@@ -237,6 +336,135 @@ KVS_MERGE_AVX2 void NearestChunkAvx2(const NearestKeyJob& job, const PackedCandi
   }
 }
 
+// ---- Streaming path (few queries: decode) -----------------------------------------------------
+// Decode evicts one token per (layer, head) against ~2k kept candidates: packing (converting and
+// normalising) every candidate into panels costs a write and a read of 4 * dim bytes per candidate
+// for ONE dot product. Here each query streams over the candidate rows straight from the arena
+// instead, converting in registers and computing dot(q, c) and ||c||^2 in the same pass; the
+// cosine is dot / (max(||q||, floor) * max(||c||, floor)). Four candidates go through the same
+// code at once (8 independent FMA chains hide the FMA latency); a short last group repeats its
+// last row, so every candidate's dot, norm and cosine come from the same sequence of operations
+// wherever it sits: equal rows give bit-equal cosines and exact ties stay exact. Candidates are
+// fed to Better() in index order, like the other paths (tie -> lowest position, NaN loses).
+
+// Candidates prefetched ahead of the one being read (rows hop between blocks of the table).
+constexpr int kStreamPrefetchAhead = 16;
+// Below this many streamed elements (queries x candidates x dim) a call runs on the calling
+// thread: a decode step's handful of (layer, head) jobs is tens of microseconds, less than waking
+// a worker, and several sequences may be calling at once anyway.
+constexpr uint64_t kParallelMinStreamElements = uint64_t{1} << 21;
+
+// Lane i of the result = the horizontal sum of a_i, ((0+1)+(2+3)) + ((4+5)+(6+7)) for every i.
+KVS_MERGE_AVX2 inline __m128 Sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+KVS_MERGE_AVX2 inline void PrefetchRow(const uint8_t* row, int row_bytes) {
+  for (int b = 0; b < row_bytes; b += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + b), _MM_HINT_T0);
+  }
+}
+
+// One query (fp32, `q_norm` already floored) against every candidate of `job`.
+template <DType kType>
+KVS_MERGE_AVX2 void StreamQuery(const NearestKeyJob& job, const float* q, float q_norm,
+                                float& similarity, int32_t& target) {
+  const PagedLayerView& v = job.keys;
+  const int dim = v.head_dim;
+  const int vec = dim & ~7;
+  const int row_bytes = dim * DTypeBytes(kType);
+  const int32_t n = job.num_candidates;
+  const int32_t* slots = job.candidate_slots;
+  const int32_t* positions = job.candidate_positions;
+  const __m128 q_norm4 = _mm_set1_ps(q_norm);
+  const __m128 floor4 = _mm_set1_ps(kNormFloor);
+  float best = std::numeric_limits<float>::quiet_NaN();  // NaN while unset: nothing skipped
+  int32_t best_index = -1;
+  for (int32_t c = 0; c < n; c += 4) {
+    const int lanes = std::min<int32_t>(4, n - c);
+    const uint8_t* r[4];
+    for (int j = 0; j < 4; ++j) r[j] = PagedRow(v, job.head, slots[c + std::min(j, lanes - 1)]);
+    for (int j = 0; j < 4 && c + kStreamPrefetchAhead + j < n; ++j) {
+      PrefetchRow(PagedRow(v, job.head, slots[c + kStreamPrefetchAhead + j]), row_bytes);
+    }
+    __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+    __m256 s0 = d0, s1 = d0, s2 = d0, s3 = d0;
+    for (int d = 0; d < vec; d += 8) {
+      const __m256 x = _mm256_loadu_ps(q + d);
+      const __m256 k0 = Load8<kType>(r[0], d);
+      const __m256 k1 = Load8<kType>(r[1], d);
+      const __m256 k2 = Load8<kType>(r[2], d);
+      const __m256 k3 = Load8<kType>(r[3], d);
+      d0 = _mm256_fmadd_ps(x, k0, d0);
+      s0 = _mm256_fmadd_ps(k0, k0, s0);
+      d1 = _mm256_fmadd_ps(x, k1, d1);
+      s1 = _mm256_fmadd_ps(k1, k1, s1);
+      d2 = _mm256_fmadd_ps(x, k2, d2);
+      s2 = _mm256_fmadd_ps(k2, k2, s2);
+      d3 = _mm256_fmadd_ps(x, k3, d3);
+      s3 = _mm256_fmadd_ps(k3, k3, s3);
+    }
+    __m128 dots = Sum4(d0, d1, d2, d3);
+    __m128 squares = Sum4(s0, s1, s2, s3);
+    if (vec < dim) {  // odd head_dim: the same scalar tail for every lane
+      alignas(16) float dot[4], square[4];
+      _mm_store_ps(dot, dots);
+      _mm_store_ps(square, squares);
+      for (int j = 0; j < 4; ++j) {
+        for (int d = vec; d < dim; ++d) {
+          const float k = LoadAsFloat(r[j], kType, d);
+          dot[j] += q[d] * k;
+          square[j] += k * k;
+        }
+      }
+      dots = _mm_load_ps(dot);
+      squares = _mm_load_ps(square);
+    }
+    const __m128 norms = _mm_max_ps(_mm_sqrt_ps(squares), floor4);
+    const __m128 cosines = _mm_div_ps(dots, _mm_mul_ps(q_norm4, norms));
+    // Ordered compare: false for NaN cosines and a NaN (unset) best, which take the exact path.
+    if (_mm_movemask_ps(_mm_cmplt_ps(cosines, _mm_set1_ps(best))) == 0xf) continue;
+    alignas(16) float cosine[4];
+    _mm_store_ps(cosine, cosines);
+    for (int j = 0; j < lanes; ++j) {
+      if (best_index < 0 || Better(cosine[j], positions[c + j], best, positions[best_index])) {
+        best = cosine[j];
+        best_index = c + j;
+      }
+    }
+  }
+  similarity = best;
+  target = best_index;
+}
+
+template <DType kType>
+KVS_MERGE_AVX2 void StreamJob(const NearestKeyJob& job) {
+  const PagedLayerView& v = job.keys;
+  const int dim = v.head_dim;
+  thread_local std::vector<float> query;
+  if (query.size() < static_cast<size_t>(dim)) query.resize(dim);
+  for (int32_t e = 0; e < job.num_queries; ++e) {
+    // The query's norm in the same fp32 arithmetic as LoadKey (the packed path).
+    const float q_norm = LoadKey(v, job.head, job.query_slots[e], query.data());
+    StreamQuery<kType>(job, query.data(), q_norm, job.similarity[e], job.target[e]);
+  }
+}
+
+void NearestKeysOfJobStreaming(const NearestKeyJob& job) {
+  if (job.num_queries == 0) return;
+  switch (job.keys.dtype) {
+    case DType::kFloat16:
+      return StreamJob<DType::kFloat16>(job);
+    case DType::kBFloat16:
+      return StreamJob<DType::kBFloat16>(job);
+    case DType::kFloat32:
+      return StreamJob<DType::kFloat32>(job);
+    default:
+      return NearestKeysOfJobScalar(job);  // unreachable: validated
+  }
+}
+
 absl::Status ValidateRowMergeJob(const RowMergeJob& job, size_t index) {
   auto invalid = [index](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat("row merge job ", index, ": ", parts...));
@@ -277,55 +505,92 @@ void MergeJob(const RowMergeJob& job, std::vector<float>& sum) {
 }  // namespace
 
 absl::Status RunNearestKeys(absl::Span<const NearestKeyJob> jobs, ThreadPool& pool) {
+  return RunNearestKeys(jobs, pool, NearestKeysPath::kAuto);
+}
+
+absl::Status RunNearestKeys(absl::Span<const NearestKeyJob> jobs, ThreadPool& pool,
+                            NearestKeysPath path) {
   uint64_t elements = 0;
   for (size_t i = 0; i < jobs.size(); ++i) {
     if (auto status = ValidateNearestKeyJob(jobs[i], i); !status.ok()) return status;
     elements += static_cast<uint64_t>(jobs[i].num_queries) *
                 static_cast<uint64_t>(std::max(jobs[i].num_candidates, 0)) * jobs[i].keys.head_dim;
   }
-  const int max_parallel = elements < kParallelMinNearestElements ? 1 : 0;
   if (!CpuSupportsAvx2()) {
     pool.ParallelFor(
         static_cast<int64_t>(jobs.size()), [&](int64_t i) { NearestKeysOfJobScalar(jobs[i]); },
-        max_parallel);
+        elements < kParallelMinNearestElements ? 1 : 0);
     return absl::OkStatus();
   }
+  // Jobs with few queries stream (one task per job); the rest are packed.
+  auto streams = [path](const NearestKeyJob& job) {
+    if (job.num_queries == 0) return false;
+    switch (path) {
+      case NearestKeysPath::kStreaming:
+        return true;
+      case NearestKeysPath::kPacked:
+        return false;
+      default:
+        return job.num_queries <= kNearestStreamingMaxQueries;
+    }
+  };
+  std::vector<size_t> streamed, packed_jobs;
+  uint64_t stream_elements = 0, packed_elements = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const NearestKeyJob& job = jobs[i];
+    if (job.num_queries == 0) continue;
+    const uint64_t e = static_cast<uint64_t>(job.num_queries) *
+                       static_cast<uint64_t>(job.num_candidates) * job.keys.head_dim;
+    if (streams(job)) {
+      streamed.push_back(i);
+      stream_elements += e;
+    } else {
+      packed_jobs.push_back(i);
+      packed_elements += e;
+    }
+  }
+  if (!streamed.empty()) {
+    pool.ParallelFor(
+        static_cast<int64_t>(streamed.size()),
+        [&](int64_t t) { NearestKeysOfJobStreaming(jobs[streamed[t]]); },
+        stream_elements < kParallelMinStreamElements ? 1 : 0);
+  }
+  if (packed_jobs.empty()) return absl::OkStatus();
+  const int max_parallel = packed_elements < kParallelMinNearestElements ? 1 : 0;
   // Batches of jobs whose packed candidates fit kBatchFloats: pack them (one task per job), then
   // one task per (job, chunk of kChunkRows queries) so even a single big job spreads over the
   // pool's threads.
   std::vector<PackedCandidates> packed;
-  std::vector<std::pair<size_t, int32_t>> tasks;  // (job, first query)
+  std::vector<std::pair<size_t, int32_t>> tasks;  // (index into packed_jobs, first query)
   size_t begin = 0;
-  while (begin < jobs.size()) {
+  while (begin < packed_jobs.size()) {
     size_t end = begin;
     size_t floats = 0;
-    while (end < jobs.size()) {
-      const NearestKeyJob& job = jobs[end];
-      const size_t job_floats =
-          job.num_queries == 0 ? 0
-                               : static_cast<size_t>((job.num_candidates + kPanel - 1) / kPanel) *
-                                     kPanel * job.keys.head_dim;
+    while (end < packed_jobs.size()) {
+      const NearestKeyJob& job = jobs[packed_jobs[end]];
+      const size_t job_floats = static_cast<size_t>((job.num_candidates + kPanel - 1) / kPanel) *
+                                kPanel * job.keys.head_dim;
       if (end > begin && floats + job_floats > kBatchFloats) break;
       floats += job_floats;
       ++end;
     }
-    packed.assign(end - begin, PackedCandidates{});
+    if (packed.size() < end - begin) packed.resize(end - begin);
     pool.ParallelFor(
         static_cast<int64_t>(end - begin),
-        [&](int64_t i) {
-          if (jobs[begin + i].num_queries > 0) PackCandidates(jobs[begin + i], packed[i]);
-        },
-        max_parallel);
+        [&](int64_t i) { PackCandidates(jobs[packed_jobs[begin + i]], packed[i]); }, max_parallel);
     tasks.clear();
     for (size_t i = begin; i < end; ++i) {
-      for (int32_t e = 0; e < jobs[i].num_queries; e += kChunkRows) tasks.emplace_back(i, e);
+      for (int32_t e = 0; e < jobs[packed_jobs[i]].num_queries; e += kChunkRows) {
+        tasks.emplace_back(i, e);
+      }
     }
     pool.ParallelFor(
         static_cast<int64_t>(tasks.size()),
         [&](int64_t t) {
           const auto [i, first] = tasks[t];
-          NearestChunkAvx2(jobs[i], packed[i - begin], first,
-                           std::min(kChunkRows, jobs[i].num_queries - first));
+          const NearestKeyJob& job = jobs[packed_jobs[i]];
+          NearestChunkAvx2(job, packed[i - begin], first,
+                           std::min(kChunkRows, job.num_queries - first));
         },
         max_parallel);
     begin = end;

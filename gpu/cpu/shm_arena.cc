@@ -1,6 +1,9 @@
 #include "gpu/cpu/shm_arena.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -13,6 +16,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -119,6 +124,28 @@ class ShmArena final : public Arena {
   const ArenaHandle handle_;
 };
 
+// "<prefix>-<digits>-<digits>-<8 hex>": the names CreateShmArena gives, and nothing else.
+bool IsArenaFileName(const std::string& name, const std::string& prefix) {
+  if (name.size() <= prefix.size() + 1 || name.compare(0, prefix.size(), prefix) != 0 ||
+      name[prefix.size()] != '-') {
+    return false;
+  }
+  const std::string rest = name.substr(prefix.size() + 1);
+  size_t at = 0;
+  for (int field = 0; field < 2; ++field) {
+    const size_t begin = at;
+    while (at < rest.size() && rest[at] >= '0' && rest[at] <= '9') ++at;
+    if (at == begin || at >= rest.size() || rest[at] != '-') return false;
+    ++at;
+  }
+  if (rest.size() - at != 8) return false;
+  for (; at < rest.size(); ++at) {
+    const char c = rest[at];
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
 // Reserves the file's storage. fallocate(2) is one call on tmpfs/ext4/xfs; posix_fallocate falls
 // back to glibc's page-by-page emulation where the filesystem lacks it.
 int ReserveStorage(int fd, uint64_t bytes) {
@@ -130,6 +157,34 @@ int ReserveStorage(int fd, uint64_t bytes) {
 }
 
 }  // namespace
+
+int RemoveStaleShmArenas(const ArenaOptions& options) {
+  DIR* directory = opendir(options.shm_directory.c_str());
+  if (directory == nullptr) return 0;
+  int removed = 0;
+  while (const dirent* entry = readdir(directory)) {
+    const std::string name = entry->d_name;
+    if (!IsArenaFileName(name, options.name_prefix)) continue;
+    // Its creator must be gone from this PID namespace, and (below) hold no lock: the pid alone
+    // could belong to another namespace sharing the directory, and the lock alone is not yet
+    // taken in the instant between a live sidecar's open and its flock.
+    const long pid = std::strtol(name.c_str() + options.name_prefix.size() + 1, nullptr, 10);
+    if (pid <= 0 || pid > INT_MAX || kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) {
+      continue;
+    }
+    const int fd = openat(dirfd(directory), name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) continue;
+    struct stat st;
+    // A live sidecar holds the lock; the kernel dropped a dead one's with its descriptors.
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
+        flock(fd, LOCK_EX | LOCK_NB) == 0) {
+      if (unlinkat(dirfd(directory), name.c_str(), 0) == 0) ++removed;
+    }
+    close(fd);
+  }
+  closedir(directory);
+  return removed;
+}
 
 absl::StatusOr<std::unique_ptr<Arena>> CreateShmArena(uint64_t bytes, const ArenaOptions& options) {
   if (bytes == 0) return absl::InvalidArgumentError("arena size must be > 0 bytes");
@@ -145,6 +200,17 @@ absl::StatusOr<std::unique_ptr<Arena>> CreateShmArena(uint64_t bytes, const Aren
   char resolved[PATH_MAX];
   if (realpath(directory.c_str(), resolved) == nullptr) {
     return SystemError(errno, "cannot resolve the shared-memory directory", directory);
+  }
+
+  {
+    static std::mutex swept_mutex;
+    static auto* swept = new std::set<std::pair<std::string, std::string>>;
+    std::lock_guard<std::mutex> lock(swept_mutex);
+    if (swept->emplace(resolved, options.name_prefix).second) {
+      ArenaOptions sweep = options;
+      sweep.shm_directory = resolved;
+      RemoveStaleShmArenas(sweep);
+    }
   }
 
   const uint64_t generation = g_next_generation.fetch_add(1, std::memory_order_relaxed);
@@ -168,6 +234,8 @@ absl::StatusOr<std::unique_ptr<Arena>> CreateShmArena(uint64_t bytes, const Aren
     return SystemError(error, absl::StrCat(what, " arena file ", path, " (", bytes, " bytes)"),
                        directory);
   };
+  // Held until the arena is destroyed (the descriptor stays open): RemoveStaleShmArenas.
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) return fail(errno, "cannot lock");
   // The process umask may have cleared bits but never adds any; fchmod pins exactly 0600.
   if (fchmod(fd, 0600) != 0) return fail(errno, "cannot chmod");
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) return fail(errno, "cannot size");

@@ -1,6 +1,8 @@
 // ShmArena: the CPU backend's Arena, a shared-memory file (default under /dev/shm) that the
 // sidecar maps and a worker process maps again by path (ArenaHandle::shm_path). The object owns
-// the mapping, the descriptor and the file: destruction unmaps, closes and unlinks.
+// the mapping, the descriptor and the file: destruction unmaps, closes and unlinks. While it
+// lives, the sidecar holds an exclusive flock(2) on the file, so that a later sidecar tells a
+// live arena from one a killed process left behind even across PID namespaces.
 //
 // Threading: immutable after creation; Read/Write on disjoint ranges may run concurrently.
 #ifndef KVSIDECAR_GPU_CPU_SHM_ARENA_H_
@@ -19,7 +21,15 @@ namespace kvs {
 // with its storage reserved up front (a full tmpfs fails here with RESOURCE_EXHAUSTED instead of
 // raising SIGBUS on a later write). INVALID_ARGUMENT for bytes == 0, RESOURCE_EXHAUSTED when the
 // space or address space cannot be had, INTERNAL for other system errors.
+// The first call per (directory, prefix) in a process first removes stale arena files there
+// (RemoveStaleShmArenas).
 absl::StatusOr<std::unique_ptr<Arena>> CreateShmArena(uint64_t bytes, const ArenaOptions& options);
+
+// Unlinks the arena files "<name_prefix>-<pid>-<generation>-<8 hex>" in options.shm_directory
+// that belong to this user, whose pid is not a live process and whose flock no process holds
+// (their sidecar died without cleaning up, e.g. SIGKILL or OOM). Returns how many it removed; files
+// it cannot inspect are left alone. A worker that still maps such a file keeps its mapping.
+int RemoveStaleShmArenas(const ArenaOptions& options);
 
 }  // namespace kvs
 

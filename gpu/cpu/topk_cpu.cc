@@ -51,6 +51,8 @@ inline uint32_t ScoreKey(float score) {
 // Digits of the radix select, most significant first: 11 + 11 + 10 bits.
 constexpr int kDigitShift[3] = {21, 10, 0};
 constexpr uint32_t kDigitMask[3] = {0x7ff, 0x7ff, 0x3ff};
+// Up to this many dropped candidates per row, the drop list replaces the radix select.
+constexpr int32_t kFewDropped = 8;
 
 }  // namespace
 
@@ -79,6 +81,49 @@ void TopKRow(const TopKJob& job, int32_t row, TopKScratch& scratch) {
   // Keep every candidate whose key is above `threshold`, plus those whose key equals it and
   // whose position is at most `tie_position_limit`.
   const bool keep_all = wanted >= num_candidates;
+  const int32_t drop = num_candidates - wanted;
+  if (!keep_all && wanted > 0 && drop <= kFewDropped) {
+    // A decode step drops one token or a few: find the `drop` worst candidates (lowest key,
+    // then highest position) in one pass over a tiny sorted list, and keep everything else.
+    struct Worst {
+      uint32_t key;
+      int32_t position;
+      int32_t slot;
+    };
+    // a is dropped before b: lower key, or the same key and a higher position.
+    auto worse = [](const Worst& a, const Worst& b) {
+      return a.key < b.key || (a.key == b.key && a.position > b.position);
+    };
+    Worst worst[kFewDropped];
+    int32_t found = 0;
+    for (int32_t s = 0; s < n; ++s) {
+      if (forced != nullptr && forced[s] != 0) continue;
+      const Worst candidate{keys[s], positions[s], s};
+      if (found == drop && !worse(candidate, worst[found - 1])) continue;
+      int32_t at = found < drop ? found++ : drop - 1;
+      while (at > 0 && worse(candidate, worst[at - 1])) {
+        worst[at] = worst[at - 1];
+        --at;
+      }
+      worst[at] = candidate;
+    }
+    for (int32_t i = 1; i < found; ++i) {  // by slot, for the walk below
+      const Worst item = worst[i];
+      int32_t at = i;
+      for (; at > 0 && worst[at - 1].slot > item.slot; --at) worst[at] = worst[at - 1];
+      worst[at] = item;
+    }
+    int32_t written = 0;
+    int32_t next_dropped = 0;
+    for (int32_t s = 0; s < n; ++s) {
+      if (next_dropped < found && worst[next_dropped].slot == s) {
+        ++next_dropped;
+        continue;
+      }
+      kept[written++] = s;
+    }
+    return;
+  }
   uint32_t threshold = 0;
   int32_t tie_position_limit = std::numeric_limits<int32_t>::max();
   if (!keep_all && wanted > 0) {

@@ -991,5 +991,115 @@ TEST(PoolPipelineTest, EveryPolicyRunsThePipelineEndToEnd) {
   }
 }
 
+// DecodeStep runs the sequences of a batch side by side: every policy must give, on any number of
+// threads, exactly what one thread gives (results, slots, positions and bytes), with several
+// sequences of one session allocating and freeing blocks at once.
+TEST(PoolPipelineTest, DecodeStepOnManyThreadsEqualsOneThread) {
+  ModelLayout layout = testing_util::MakeLayout(3, 2, 8, DType::kFloat16, 4);
+  layout.num_q_heads = 4;
+  constexpr int kSequences = 6;
+  for (const std::string& name : KnownPolicyNames()) {
+    PolicyConfig config;
+    config.name = name;
+    if (!ResolvePolicyConfig(config).ok()) continue;  // not in this build
+    SCOPED_TRACE(name);
+    struct Run {
+      std::vector<std::vector<DecodeResult>> steps;
+      std::vector<SequenceLayout> layouts;
+      std::vector<std::vector<uint8_t>> exports;
+    };
+    auto run = [&](int32_t threads) {
+      Run out;
+      PoolOptions options = TestPool::DefaultOptions();
+      options.decode_threads = threads;
+      TestPool pool(options);
+      std::mt19937 rng(17);
+      std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+      auto queries = [&](int32_t w) {
+        AttentionInput input;
+        input.num_queries = w;
+        input.softmax_scale = 0.35f;
+        input.queries.resize(static_cast<size_t>(layout.num_layers) * layout.num_q_heads * w *
+                             layout.head_dim);
+        for (float& q : input.queries) q = uniform(rng);
+        return input;
+      };
+      const std::string session = pool.Attach(layout, 512);
+      std::vector<std::string> ids;
+      for (int b = 0; b < kSequences; ++b) {
+        ids.push_back(pool.Create(session, config, Budget(10 + b)));
+        auto reservation = pool.pool.Reserve(session, ids[b], 20 + b, {}, {});
+        EXPECT_TRUE(reservation.ok()) << reservation.status();
+        if (!reservation.ok()) return out;
+        // Each sequence its own values, so that their choices differ.
+        auto values = [b](int layer, int kv, int head, int32_t position, int d) {
+          return HashValue(layer, kv, head, position + 37 * b, d);
+        };
+        const auto payload =
+            BuildPayload(layout, ReservedLayers(*reservation), reservation->positions, values);
+        EXPECT_TRUE(
+            pool.pool.WriteReserved(session, ids[b], reservation->reservation_id, 0, payload).ok());
+        const AttentionInput attention = queries(20 + b);
+        auto commit =
+            pool.pool.Commit(session, ids[b], reservation->reservation_id, true, &attention);
+        EXPECT_TRUE(commit.ok()) << commit.status();
+      }
+      for (int32_t step = 0; step < 4; ++step) {
+        std::vector<DecodeItem> items;
+        for (int b = 0; b < kSequences; ++b) {
+          DecodeItem item = InlineItem(layout, session, ids[b], 20 + b + step);
+          item.attention = queries(1);
+          items.push_back(std::move(item));
+        }
+        auto results = pool.pool.DecodeStep(items);
+        EXPECT_TRUE(results.ok()) << results.status();
+        if (!results.ok()) return out;
+        out.steps.push_back(*std::move(results));
+      }
+      for (int b = 0; b < kSequences; ++b) {
+        auto view = pool.pool.GetLayout(session, ids[b], {}, true);
+        EXPECT_TRUE(view.ok()) << view.status();
+        if (!view.ok()) return out;
+        uint64_t total = 0;
+        for (const LayerLayoutView& l : view->layers) {
+          total += 2ull * layout.num_kv_heads * l.count * layout.row_bytes();
+        }
+        std::vector<uint8_t> bytes(total);
+        EXPECT_TRUE(
+            pool.pool.ReadExport(session, ids[b], {}, view->version, 0, absl::MakeSpan(bytes))
+                .ok());
+        for (LayerLayoutView& l : view->layers) l.block_table.clear();  // ids depend on timing
+        out.layouts.push_back(*std::move(view));
+        out.exports.push_back(std::move(bytes));
+      }
+      return out;
+    };
+    const Run one = run(1);
+    const Run many = run(4);
+    ASSERT_EQ(one.steps.size(), 4u);
+    ASSERT_EQ(many.steps.size(), one.steps.size());
+    for (size_t step = 0; step < one.steps.size(); ++step) {
+      for (int b = 0; b < kSequences; ++b) {
+        const DecodeResult& a = one.steps[step][b];
+        const DecodeResult& c = many.steps[step][b];
+        EXPECT_EQ(a.counts, c.counts) << "step " << step << " item " << b;
+        EXPECT_EQ(a.evicted_positions, c.evicted_positions) << "step " << step << " item " << b;
+        EXPECT_EQ(a.position, c.position) << "step " << step << " item " << b;
+        EXPECT_EQ(a.merged, c.merged) << "step " << step << " item " << b;
+      }
+    }
+    ASSERT_EQ(many.layouts.size(), one.layouts.size());
+    for (int b = 0; b < kSequences; ++b) {
+      ASSERT_EQ(one.layouts[b].layers.size(), many.layouts[b].layers.size());
+      for (size_t l = 0; l < one.layouts[b].layers.size(); ++l) {
+        EXPECT_EQ(one.layouts[b].layers[l].count, many.layouts[b].layers[l].count);
+        EXPECT_EQ(one.layouts[b].layers[l].positions, many.layouts[b].layers[l].positions)
+            << "sequence " << b << " layer " << l;
+      }
+      EXPECT_TRUE(one.exports[b] == many.exports[b]) << "sequence " << b << " bytes differ";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvs

@@ -3,6 +3,7 @@
 // layer allocator is tested elsewhere: keep is given explicitly.
 #include "cache/policy/d2o.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
@@ -318,6 +319,48 @@ TEST(D2oTest, NothingEvictedNothingMerged) {
   EXPECT_TRUE(layer.state.threshold.empty());
   EXPECT_EQ(backend.nearest_calls, 0);
   for (int32_t p = 0; p < 8; ++p) ExpectRow(layer, 0, p, kTv4Keys.at(p), 0.0);
+}
+
+// Merge reads kept slots ascending (as Select writes them) on a fast path; any other order of
+// the same slots must merge exactly the same, and a repeated or out-of-range slot is refused.
+TEST(D2oTest, MergeDoesNotDependOnKeptOrder) {
+  auto policy = MakeD2o(D2oConfigFor());
+  TestBackend backend;
+  TestLayer ascending = Tv4Prompt(*policy, backend);
+  std::vector<int32_t> kept;
+  const LayerSelection selection = ascending.Selection(0, 1, 5, kept);
+  ASSERT_TRUE(policy->Select(backend, Phase::kPrefill, {&selection, 1}).ok());
+  ASSERT_TRUE(std::is_sorted(kept.begin(), kept.end()));
+  const std::vector<int32_t> selected = kept;
+  std::vector<int32_t> merged(1);
+  ASSERT_TRUE(
+      policy->Merge(backend, Phase::kPrefill, {&selection, 1}, absl::MakeSpan(merged)).ok());
+  EXPECT_EQ(merged[0], 2);  // TV4: 1 and 4 merge into 0
+
+  TestLayer shuffled = Tv4Prompt(*policy, backend);
+  std::vector<int32_t> kept2;
+  const LayerSelection selection2 = shuffled.Selection(0, 1, 5, kept2);
+  kept2.assign(selected.rbegin(), selected.rend());
+  std::vector<int32_t> merged2(1);
+  ASSERT_TRUE(
+      policy->Merge(backend, Phase::kPrefill, {&selection2, 1}, absl::MakeSpan(merged2)).ok());
+  EXPECT_EQ(merged2, merged);
+  EXPECT_EQ(shuffled.state.threshold, ascending.state.threshold);
+  for (int32_t kv = 0; kv < 2; ++kv) {
+    for (int32_t s = 0; s < 8; ++s) EXPECT_EQ(shuffled.Get(kv, 0, s), ascending.Get(kv, 0, s));
+  }
+
+  for (const std::vector<int32_t>& bad :
+       {std::vector<int32_t>{0, 2, 2, 5, 6}, std::vector<int32_t>{0, 2, 3, 5, 8}}) {
+    TestLayer layer = Tv4Prompt(*policy, backend);
+    std::vector<int32_t> kept3;
+    const LayerSelection selection3 = layer.Selection(0, 1, 5, kept3);
+    kept3 = bad;
+    EXPECT_EQ(
+        policy->Merge(backend, Phase::kPrefill, {&selection3, 1}, absl::MakeSpan(merged)).code(),
+        absl::StatusCode::kInternal);
+    EXPECT_TRUE(layer.state.threshold.empty());
+  }
 }
 
 TEST(D2oTest, ScoresWithoutAttentionNameTheField) {

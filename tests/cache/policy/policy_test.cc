@@ -1,6 +1,10 @@
 // The policy factory and the shared selector (scores + protected positions -> Backend::TopK).
 #include "cache/policy/policy.h"
 
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <tuple>
 #include <vector>
 
 #include "cache/policy/streaming_llm.h"
@@ -132,6 +136,80 @@ TEST(ScoredPolicyTest, MalformedSelectionIsInternal) {
   layer.keep = 1;  // kept has room for 2
   EXPECT_EQ((*policy)->Select(*backend, Phase::kPrefill, {&layer, 1}).code(),
             absl::StatusCode::kInternal);
+}
+
+// LayerPolicyState keeps its slot-aligned arrays ([rows][count], rows a multiple of the kv
+// heads) aligned with the rows the sequence moves: checked against a plain gather for
+// hole-filling plans (the in-place path) and for arbitrary ones (the copying path).
+TEST(LayerPolicyStateTest, CompactGathersEveryArrayLikeTheSequenceMovesRows) {
+  std::mt19937 rng(21);
+  const int32_t heads = 2;
+  for (const int32_t rows_per_head : {1, 4}) {
+    for (const int32_t count : {1, 5, 64}) {
+      for (int32_t keep = 0; keep <= count; keep += std::max(1, count / 4)) {
+        for (const bool hole_filling : {true, false}) {
+          std::vector<std::vector<int32_t>> sources(heads);
+          for (std::vector<int32_t>& source : sources) {
+            std::vector<int32_t> slots(count);
+            std::iota(slots.begin(), slots.end(), 0);
+            std::shuffle(slots.begin(), slots.end(), rng);
+            slots.resize(keep);
+            if (hole_filling) {
+              // Kept slots below keep stay; the others fill the holes in order.
+              std::sort(slots.begin(), slots.end());
+              source.assign(keep, -1);
+              std::vector<int32_t> movers;
+              for (int32_t slot : slots) {
+                if (slot < keep) {
+                  source[slot] = slot;
+                } else {
+                  movers.push_back(slot);
+                }
+              }
+              size_t next = 0;
+              for (int32_t& entry : source) {
+                if (entry < 0) entry = movers[next++];
+              }
+            } else {
+              source = slots;  // any order, sources below keep included
+            }
+          }
+          const int32_t rows = heads * rows_per_head;
+          LayerPolicyState state;
+          state.accumulated.resize(rows * count);
+          for (float& v : state.accumulated) v = static_cast<float>(rng() % 1000);
+          state.indicator.resize(heads * count);
+          for (float& v : state.indicator) v = static_cast<float>(rng() % 1000);
+          const LayerPolicyState before = state;
+          state.Compact(heads, count, sources);
+          for (const auto& [array, original, array_rows] :
+               {std::make_tuple(&state.accumulated, &before.accumulated, rows),
+                std::make_tuple(&state.indicator, &before.indicator, heads)}) {
+            ASSERT_EQ(array->size(), static_cast<size_t>(array_rows * keep));
+            const int32_t per_head = array_rows / heads;
+            for (int32_t r = 0; r < array_rows; ++r) {
+              for (int32_t t = 0; t < keep; ++t) {
+                ASSERT_EQ((*array)[r * keep + t], (*original)[r * count + sources[r / per_head][t]])
+                    << "row " << r << " slot " << t << " count " << count << " keep " << keep
+                    << " hole filling " << hole_filling;
+              }
+            }
+          }
+          EXPECT_TRUE(state.step_scores.empty());
+        }
+      }
+    }
+  }
+}
+
+TEST(LayerPolicyStateTest, ExtendAppendsZeroedSlotsToEveryRow) {
+  LayerPolicyState state;
+  state.accumulated = {1, 2, 3, 4, 5, 6};  // 3 rows x 2 slots
+  state.step_scores = {7, 8};              // 1 row x 2 slots
+  state.Extend(1, 2, 2);
+  EXPECT_THAT(state.accumulated, ElementsAre(1, 2, 0, 0, 3, 4, 0, 0, 5, 6, 0, 0));
+  EXPECT_THAT(state.step_scores, ElementsAre(7, 8, 0, 0));
+  EXPECT_TRUE(state.indicator.empty());  // empty arrays stay empty
 }
 
 }  // namespace

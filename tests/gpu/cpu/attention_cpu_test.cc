@@ -145,7 +145,8 @@ struct Problem {
     return out;
   }
 
-  void ExpectMatchesReference(double tolerance = 1e-5) const {
+  // expected_masked_rows < 0: one per query head (query 0 precedes every key).
+  void ExpectMatchesReference(double tolerance = 1e-5, int expected_masked_rows = -1) const {
     const std::vector<double> expected = Reference();
     const int count = job.keys.count;
     int masked_rows = 0;
@@ -166,7 +167,7 @@ struct Problem {
       }
     }
     // Query 0 of every head precedes all keys.
-    EXPECT_EQ(masked_rows, job.num_q_heads);
+    EXPECT_EQ(masked_rows, expected_masked_rows < 0 ? job.num_q_heads : expected_masked_rows);
   }
 };
 
@@ -208,6 +209,30 @@ TEST(AttentionCpu, ChunkedAndMultiJobMatchReference) {
     a.ExpectMatchesReference();
     b.ExpectMatchesReference();
     c.ExpectMatchesReference();
+  }
+}
+
+// Decode shapes (one query, fewer than 8 rows per kv head: the fused decode kernel, which walks
+// every kv head of a job per tile): model-sized rows, every dtype, GQA groups that fill one
+// 4-row strip, part of one or one and a half; the query after every key, then in the middle of
+// the positions (part masked); a 1-thread pool (whole jobs) and a 4-thread one (a single job
+// split into chunks of tiles).
+TEST(AttentionCpu, DecodeShapesMatchReference) {
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+    for (int group : {1, 3, 4, 6}) {
+      for (int threads : {1, 4}) {
+        for (bool middle : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << " group=" << group
+                                            << " threads=" << threads << " middle=" << middle);
+          ThreadPool pool(threads);
+          Problem p(/*heads=*/8, group, /*window=*/1, /*count=*/1000, /*dim=*/128, dtype,
+                    /*block_tokens=*/16, static_cast<uint32_t>(group * 10 + threads));
+          p.query_positions[0] = middle ? 500 : 5000;
+          ASSERT_TRUE(RunAttentionProbsWithIsa({&p.job, 1}, pool, /*allow_avx2=*/true).ok());
+          p.ExpectMatchesReference(1e-5, /*expected_masked_rows=*/0);
+        }
+      }
+    }
   }
 }
 

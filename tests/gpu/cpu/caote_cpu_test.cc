@@ -71,7 +71,7 @@ struct PagedValues {
 };
 
 std::vector<float> Scores(const PagedValues& values, const std::vector<float>& alpha, int rows,
-                          bool fast, int threads = 2) {
+                          bool fast, int threads = 2, bool avx2 = true) {
   ThreadPool pool(threads);
   std::vector<float> scores(alpha.size(), -5.0f);
   CaoteJob job;
@@ -80,7 +80,7 @@ std::vector<float> Scores(const PagedValues& values, const std::vector<float>& a
   job.rows = rows;
   job.fast = fast;
   job.scores = scores.data();
-  const absl::Status status = RunCaoteScores({&job, 1}, pool);
+  const absl::Status status = RunCaoteScoresWithIsa({&job, 1}, pool, avx2);
   EXPECT_TRUE(status.ok()) << status;
   return scores;
 }
@@ -176,6 +176,112 @@ TEST(CaoteCpu, RandomMatchesDoubleReference) {
       for (int i = 0; i < rows * count; ++i) {
         if (alpha[i] == 0) {
           EXPECT_EQ(scores[i], 0.0f);
+        }
+      }
+    }
+  }
+}
+
+// TV1 and TV6 with the rows zero-padded to d = 8 (same distances): the vector kernels, both with
+// one row per head read in place and with several rows per head sharing converted rows.
+TEST(CaoteCpu, TestVectorsOnTheVectorPath) {
+  auto pad = [](std::vector<std::vector<float>> rows) {
+    for (auto& row : rows) row.resize(8, 0.0f);
+    return std::vector<std::vector<std::vector<float>>>{rows};
+  };
+  const std::vector<float> alpha = {.1f, .2f, .4f, .1f, .2f};
+  const std::vector<double> exact = {0.067586, 0.246221, 0.274874, 0.120185, 0.313249};
+  const std::vector<double> fast = {0.049690, 0.25, 0.421637, 0.099381, 0.316228};
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    PagedValues v(pad({{1, 0}, {0, 1}, {1, 1}, {0, 0}, {2, 0}}), dtype, 2);
+    ExpectNear(Scores(v, alpha, 1, false), exact, 1e-6);
+    ExpectNear(Scores(v, alpha, 1, true), fast, 1e-6);
+    // Two identical rows over the one head.
+    std::vector<float> twice = alpha;
+    twice.insert(twice.end(), alpha.begin(), alpha.end());
+    std::vector<double> exact2 = exact, fast2 = fast;
+    exact2.insert(exact2.end(), exact.begin(), exact.end());
+    fast2.insert(fast2.end(), fast.begin(), fast.end());
+    ExpectNear(Scores(v, twice, 2, false), exact2, 1e-6);
+    ExpectNear(Scores(v, twice, 2, true), fast2, 1e-6);
+  }
+  PagedValues v(pad({{1, 0}, {0, 1}, {1, 1}}), DType::kFloat16, 2);
+  for (bool fast_mode : {false, true}) {
+    const std::vector<float> scores = Scores(v, {1.0f, 0.0f, 0.0f}, 1, fast_mode);
+    EXPECT_EQ(scores[0], kInf);
+    EXPECT_EQ(scores[1], 0.0f);
+    EXPECT_EQ(scores[2], 0.0f);
+  }
+}
+
+// Model-sized rows (head_dim 128, the vector kernels) over many blocks and a partial last group
+// of 8 slots, one or four rows per kv head, both kernels: against a double reference. Some
+// weights are 0 (exactly 0), one row puts almost all its mass on one slot (+inf).
+TEST(CaoteCpu, VectorKernelsMatchDoubleReference) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  const int heads = 2, count = 203, dim = 128;
+  std::vector<std::vector<std::vector<float>>> values(
+      heads, std::vector<std::vector<float>>(count, std::vector<float>(dim)));
+  for (auto& h : values) {
+    for (auto& row : h) {
+      for (float& x : row) x = normal(rng);
+    }
+  }
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+    PagedValues v(values, dtype, 16);
+    for (int group : {1, 4}) {
+      const int rows = heads * group;
+      std::vector<float> alpha(rows * count);
+      for (int r = 0; r < rows; ++r) {
+        float sum = 0;
+        for (int s = 0; s < count; ++s) {
+          sum += alpha[r * count + s] = uniform(rng) < .2f ? 0 : uniform(rng);
+        }
+        for (int s = 0; s < count; ++s) alpha[r * count + s] /= sum;
+      }
+      // Row 1: slot 7 holds all but 1e-8 of the mass.
+      std::fill(alpha.begin() + count, alpha.begin() + 2 * count, 0.0f);
+      alpha[count + 7] = 1.0f - 1e-8f;
+      for (bool fast : {false, true}) {
+        for (bool avx2 : {true, false}) {
+          SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << " group=" << group
+                                            << " fast=" << fast << " avx2=" << avx2);
+          std::vector<double> expected(rows * count);
+          for (int r = 0; r < rows; ++r) {
+            const int h = r / group;
+            std::vector<double> x(dim, 0.0);
+            for (int s = 0; s < count; ++s) {
+              for (int d = 0; d < dim; ++d) {
+                x[d] += (fast ? 1.0 / count : alpha[r * count + s]) *
+                        v.stored[(h * count + s) * dim + d];
+              }
+            }
+            for (int s = 0; s < count; ++s) {
+              double sq = 0;
+              for (int d = 0; d < dim; ++d) {
+                const double diff = x[d] - v.stored[(h * count + s) * dim + d];
+                sq += diff * diff;
+              }
+              const double a = alpha[r * count + s];
+              expected[r * count + s] = a == 0          ? 0
+                                        : 1 - a <= 1e-6 ? kInf
+                                                        : a / (1 - a) * std::sqrt(sq);
+            }
+          }
+          const std::vector<float> scores = Scores(v, alpha, rows, fast, 3, avx2);
+          for (int i = 0; i < rows * count; ++i) {
+            if (std::isinf(expected[i])) {
+              EXPECT_EQ(scores[i], kInf) << i;
+            } else if (expected[i] == 0) {
+              EXPECT_EQ(scores[i], 0.0f) << i;
+            } else {
+              // Relative: the distances of 128 normal dims are ~16.
+              EXPECT_NEAR(scores[i], expected[i], 1e-5 * std::max(1.0, expected[i])) << i;
+            }
+          }
         }
       }
     }

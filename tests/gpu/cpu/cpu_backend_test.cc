@@ -569,7 +569,7 @@ TEST(TopKTest, MatchesAFullSortOnRandomInputs) {
 
 // The radix select must agree with a full sort on inputs that stress every digit: scores a few
 // ulps apart (equal high bits, differences only in the last digit), both zeros, infinities and
-// NaN, with and without forced slots, for k from 1 to n.
+// NaN, with and without forced slots, for k from 1 to n (and so does the few-dropped path).
 TEST(TopKTest, RadixSelectMatchesAFullSortOnCloseScores) {
   auto backend = MakeCpuBackend(2);
   std::mt19937 rng(11);
@@ -583,7 +583,17 @@ TEST(TopKTest, RadixSelectMatchesAFullSortOnCloseScores) {
   for (const int n : {1, 7, 300, 4099}) {
     for (const bool with_forced : {false, true}) {
       const int rows = 3;
-      const int k_values[] = {1, std::max(1, n / 3), std::max(1, n - 1), n};
+      // n - 1 ... n - 8 drop so few that the drop list replaces the radix select; n - 9 and
+      // n - 12 are just past it.
+      const int k_values[] = {1,
+                              std::max(1, n / 3),
+                              std::max(1, n - 12),
+                              std::max(1, n - 9),
+                              std::max(1, n - 8),
+                              std::max(1, n - 5),
+                              std::max(1, n - 2),
+                              std::max(1, n - 1),
+                              n};
       for (const int k : k_values) {
         TopKCase c;
         c.scores.resize(rows * n);

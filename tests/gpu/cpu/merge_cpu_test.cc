@@ -92,7 +92,8 @@ struct Nearest {
 
 Nearest RunNearest(const PagedLayerView& keys, int head, const std::vector<int32_t>& query_slots,
                    const std::vector<int32_t>& candidate_slots,
-                   const std::vector<int32_t>& candidate_positions) {
+                   const std::vector<int32_t>& candidate_positions,
+                   NearestKeysPath path = NearestKeysPath::kAuto) {
   ThreadPool pool(2);
   Nearest out{std::vector<float>(query_slots.size(), -9.0f),
               std::vector<int32_t>(query_slots.size(), -9)};
@@ -106,42 +107,54 @@ Nearest RunNearest(const PagedLayerView& keys, int head, const std::vector<int32
   job.num_candidates = static_cast<int32_t>(candidate_slots.size());
   job.similarity = out.similarity.data();
   job.target = out.target.data();
-  const absl::Status status = RunNearestKeys({&job, 1}, pool);
+  const absl::Status status = RunNearestKeys({&job, 1}, pool, path);
   EXPECT_TRUE(status.ok()) << status;
   return out;
 }
 
+constexpr NearestKeysPath kPaths[] = {NearestKeysPath::kAuto, NearestKeysPath::kStreaming,
+                                      NearestKeysPath::kPacked};
+
 // TV4: evicted {1, 4, 5} against kept {0, 2, 3, 6, 7} (slot = position here).
 TEST(NearestKeysCpu, Tv4NearestWithPositionTie) {
   for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
-    SCOPED_TRACE(DTypeName(dtype));
-    PagedKv kv = Tv4(dtype, 3);
-    const Nearest n = RunNearest(kv.keys, 0, {1, 4, 5}, {0, 2, 3, 6, 7}, {0, 2, 3, 6, 7});
-    EXPECT_THAT(n.target, ElementsAre(0, 0, 2));  // 5 -> candidate 2 = position 3 (tie with 6)
-    EXPECT_NEAR(n.similarity[0], 0.970143, 1e-6);
-    EXPECT_NEAR(n.similarity[1], 1.0, 1e-6);
-    EXPECT_NEAR(n.similarity[2], 0.707107, 1e-6);
+    for (NearestKeysPath path : kPaths) {
+      SCOPED_TRACE(DTypeName(dtype));
+      SCOPED_TRACE(static_cast<int>(path));
+      PagedKv kv = Tv4(dtype, 3);
+      const Nearest n = RunNearest(kv.keys, 0, {1, 4, 5}, {0, 2, 3, 6, 7}, {0, 2, 3, 6, 7}, path);
+      EXPECT_THAT(n.target, ElementsAre(0, 0, 2));  // 5 -> candidate 2 = position 3 (tie with 6)
+      EXPECT_NEAR(n.similarity[0], 0.970143, 1e-6);
+      EXPECT_NEAR(n.similarity[1], 1.0, 1e-6);
+      EXPECT_NEAR(n.similarity[2], 0.707107, 1e-6);
+    }
   }
 }
 
 // Ties go to the lowest POSITION, not the lowest slot or candidate index.
 TEST(NearestKeysCpu, TieGoesToLowestPositionNotIndex) {
   PagedKv kv = Tv4(DType::kFloat32, 4);
-  // Candidates listed as slots {6, 3} with positions {2, 9}: slot 6 has the lower position.
-  const Nearest n = RunNearest(kv.keys, 0, {5}, {6, 3}, {2, 9});
-  EXPECT_THAT(n.target, ElementsAre(0));
-  const Nearest m = RunNearest(kv.keys, 0, {5}, {6, 3}, {9, 2});
-  EXPECT_THAT(m.target, ElementsAre(1));
+  for (NearestKeysPath path : kPaths) {
+    SCOPED_TRACE(static_cast<int>(path));
+    // Candidates listed as slots {6, 3} with positions {2, 9}: slot 6 has the lower position.
+    const Nearest n = RunNearest(kv.keys, 0, {5}, {6, 3}, {2, 9}, path);
+    EXPECT_THAT(n.target, ElementsAre(0));
+    const Nearest m = RunNearest(kv.keys, 0, {5}, {6, 3}, {9, 2}, path);
+    EXPECT_THAT(m.target, ElementsAre(1));
+  }
 }
 
 // Zero keys: norms floored at 1e-6, so the cosine is 0 rather than NaN.
 TEST(NearestKeysCpu, ZeroKeyHasZeroSimilarity) {
   PagedKv kv({{{0, 0}, {1, 0}, {-1, 0}}}, {{{0, 0}, {0, 0}, {0, 0}}}, DType::kFloat32, 2);
-  const Nearest n = RunNearest(kv.keys, 0, {0, 2}, {1, 0}, {1, 0});
-  EXPECT_EQ(n.similarity[0], 0.0f);
-  EXPECT_EQ(n.target[0], 1);  // both candidates give 0: position 0 wins
-  EXPECT_EQ(n.similarity[1], 0.0f);
-  EXPECT_EQ(n.target[1], 1);  // cos(-1,0 ; 1,0) = -1 < cos with the zero key = 0
+  for (NearestKeysPath path : kPaths) {
+    SCOPED_TRACE(static_cast<int>(path));
+    const Nearest n = RunNearest(kv.keys, 0, {0, 2}, {1, 0}, {1, 0}, path);
+    EXPECT_EQ(n.similarity[0], 0.0f);
+    EXPECT_EQ(n.target[0], 1);  // both candidates give 0: position 0 wins
+    EXPECT_EQ(n.similarity[1], 0.0f);
+    EXPECT_EQ(n.target[1], 1);  // cos(-1,0 ; 1,0) = -1 < cos with the zero key = 0
+  }
 }
 
 // Random keys, two heads, against a double reference (cosine, floored norms, tie rule).
@@ -266,6 +279,161 @@ TEST(NearestKeysCpu, LargerRandomWithDuplicatesMatchesDoubleReference) {
         }
       }
     }
+  }
+}
+
+// The streaming path (few queries: decode) and the packed path (prefill) on the same random jobs:
+// every dtype, head_dims with and without a tail past the 8-wide vectors, candidate counts that
+// are not multiples of 4 or 16, 1..5 queries per job, several jobs per call. Targets must be
+// equal exactly; similarities within kPathTolerance (the paths round differently: unit rows
+// dotted vs dot / (norm * norm)). Candidate rows repeat other rows at other positions (exact
+// ties: both paths must pick the lowest position) and copies of the queries (cosine ~1, tied
+// among the copies), one candidate is a zero key (cosine 0) and one holds a NaN (never chosen).
+TEST(NearestKeysCpu, StreamingAndPackedPathsAgree) {
+  constexpr float kPathTolerance = 2e-6f;
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+    for (int dim : {128, 20, 3}) {
+      SCOPED_TRACE(DTypeName(dtype));
+      SCOPED_TRACE(dim);
+      std::mt19937 rng(11 + dim);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      const int heads = 2, count = 330;
+      std::vector<std::vector<std::vector<float>>> k(heads, std::vector<std::vector<float>>(count));
+      for (auto& h : k) {
+        for (auto& row : h) {
+          for (int d = 0; d < dim; ++d) row.push_back(normal(rng));
+        }
+        // Queries are slots [0, 10). Slots 250.. repeat slots 200.. (ties among candidates),
+        // 320..324 copy queries 0..4 twice over (ties at cosine ~1), 325 is zero, 326 NaN.
+        for (int s = 250; s < 300; ++s) h[s] = h[s - 50];
+        for (int s = 320; s < 325; ++s) h[s] = h[s - 320];
+        for (int s = 315; s < 320; ++s) h[s] = h[s - 315];
+        h[325].assign(dim, 0.0f);
+        h[326][dim / 2] = std::numeric_limits<float>::quiet_NaN();
+      }
+      PagedKv kv(k, k, dtype, 16);
+      std::vector<int32_t> candidates(count - 10 - 100);  // slots 110..329 minus a few
+      std::iota(candidates.begin(), candidates.end(), 110);
+      candidates.erase(candidates.begin() + 7);  // 219 candidates: not a multiple of 4 or 16
+      std::vector<int32_t> positions(candidates.size());
+      std::iota(positions.begin(), positions.end(), 1000);
+      std::shuffle(positions.begin(), positions.end(), rng);
+      for (int queries = 1; queries <= 5; queries += 2) {
+        SCOPED_TRACE(queries);
+        std::vector<int32_t> query_slots(queries);
+        std::iota(query_slots.begin(), query_slots.end(), 0);
+        std::vector<Nearest> out[2];
+        for (int p = 0; p < 2; ++p) {
+          const NearestKeysPath path =
+              p == 0 ? NearestKeysPath::kStreaming : NearestKeysPath::kPacked;
+          std::vector<NearestKeyJob> jobs(heads);
+          out[p].assign(heads, Nearest{std::vector<float>(queries, -9.0f),
+                                       std::vector<int32_t>(queries, -9)});
+          for (int head = 0; head < heads; ++head) {
+            NearestKeyJob& job = jobs[head];
+            job.keys = kv.keys;
+            job.head = head;
+            job.query_slots = query_slots.data();
+            job.num_queries = queries;
+            job.candidate_slots = candidates.data();
+            job.candidate_positions = positions.data();
+            job.num_candidates = static_cast<int32_t>(candidates.size());
+            job.similarity = out[p][head].similarity.data();
+            job.target = out[p][head].target.data();
+          }
+          ThreadPool pool(2);
+          ASSERT_TRUE(RunNearestKeys(jobs, pool, path).ok());
+        }
+        int ties = 0;
+        for (int head = 0; head < heads; ++head) {
+          for (int e = 0; e < queries; ++e) {
+            const int32_t t = out[0][head].target[e];
+            EXPECT_EQ(t, out[1][head].target[e]) << head << " " << e;
+            EXPECT_NEAR(out[0][head].similarity[e], out[1][head].similarity[e], kPathTolerance);
+            ASSERT_GE(t, 0);
+            ASSERT_LT(t, static_cast<int32_t>(candidates.size()));
+            // Every row equal to the target's sits at a higher position.
+            const std::vector<float> row = kv.Read(kv.keys, head, candidates[t]);
+            for (size_t c = 0; c < candidates.size(); ++c) {
+              if (static_cast<int32_t>(c) != t && kv.Read(kv.keys, head, candidates[c]) == row) {
+                EXPECT_GT(positions[c], positions[t]) << e << " " << c;
+                ++ties;
+              }
+            }
+          }
+        }
+        EXPECT_GT(ties, 0);  // the copies of the queries were the targets
+      }
+    }
+  }
+}
+
+// The packed path's numbers, pinned exactly: every query and candidate normalised in fp32 as a
+// sequential sum of rounded squares, sqrt, floor 1e-6 and division, then one fp32 FMA chain over d
+// per (query, candidate). The prefill results must not move when the kernel changes.
+TEST(NearestKeysCpu, PackedPathMatchesExactReference) {
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+    for (int dim : {128, 20}) {
+      SCOPED_TRACE(DTypeName(dtype));
+      SCOPED_TRACE(dim);
+      std::mt19937 rng(23 + dim);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      const int count = 200;
+      std::vector<std::vector<std::vector<float>>> k(1, std::vector<std::vector<float>>(count));
+      for (auto& row : k[0]) {
+        for (int d = 0; d < dim; ++d) row.push_back(normal(rng));
+      }
+      for (int s = 190; s < count; ++s) k[0][s] = k[0][s - 10];  // exact ties
+      k[0][150].assign(dim, 0.0f);
+      PagedKv kv(k, k, dtype, 16);
+      std::vector<int32_t> queries(70), candidates(count - 70), positions(count - 70);
+      std::iota(queries.begin(), queries.end(), 0);
+      std::iota(candidates.begin(), candidates.end(), 70);
+      std::iota(positions.begin(), positions.end(), 0);
+      std::shuffle(positions.begin(), positions.end(), rng);
+      const Nearest n =
+          RunNearest(kv.keys, 0, queries, candidates, positions, NearestKeysPath::kPacked);
+      auto unit = [&](int32_t slot) {
+        std::vector<float> x = kv.Read(kv.keys, 0, slot);
+        float squared = 0.0f;
+        for (float v : x) {
+          volatile float product = v * v;  // rounded, never fused with the add
+          squared += product;
+        }
+        const float norm = std::max(std::sqrt(squared), 1e-6f);
+        for (float& v : x) v /= norm;
+        return x;
+      };
+      std::vector<std::vector<float>> rows;
+      for (int32_t c : candidates) rows.push_back(unit(c));
+      for (size_t e = 0; e < queries.size(); ++e) {
+        const std::vector<float> q = unit(queries[e]);
+        float best = 0.0f;
+        int32_t best_c = -1;
+        for (size_t c = 0; c < candidates.size(); ++c) {
+          float dot = 0.0f;
+          for (int d = 0; d < dim; ++d) dot = std::fma(q[d], rows[c][d], dot);
+          if (best_c < 0 || dot > best || (dot == best && positions[c] < positions[best_c])) {
+            best = dot;
+            best_c = static_cast<int32_t>(c);
+          }
+        }
+        EXPECT_EQ(n.similarity[e], best) << e;
+        EXPECT_EQ(n.target[e], best_c) << e;
+      }
+    }
+  }
+}
+
+// A NaN query: the paths agree (first candidate, NaN similarity) rather than skip the job.
+TEST(NearestKeysCpu, NanQueryPathsAgree) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  PagedKv kv({{{nan, 0}, {1, 0}, {-1, 0}}}, {{{0, 0}, {0, 0}, {0, 0}}}, DType::kFloat32, 2);
+  for (NearestKeysPath path : kPaths) {
+    SCOPED_TRACE(static_cast<int>(path));
+    const Nearest n = RunNearest(kv.keys, 0, {0}, {2, 1}, {5, 3}, path);
+    EXPECT_TRUE(std::isnan(n.similarity[0]));
+    EXPECT_EQ(n.target[0], 0);
   }
 }
 

@@ -1,10 +1,14 @@
 #include "gpu/cpu/shm_arena.h"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -168,6 +172,83 @@ TEST_F(ShmArenaTest, BackendCreatesArenasThroughTheSameCode) {
   auto arena = backend->CreateArena(4096, options_);
   ASSERT_TRUE(arena.ok()) << arena.status();
   EXPECT_THAT((*arena)->handle().shm_path, StartsWith(dir_ + "/unit-"));
+}
+
+// A pid that no live process has: a child that exited and was reaped.
+pid_t DeadPid() {
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  int status = 0;
+  waitpid(child, &status, 0);
+  return child;
+}
+
+std::string MakeFile(const std::string& dir, const std::string& name) {
+  const std::string path = dir + "/" + name;
+  const int fd = open(path.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  EXPECT_GE(fd, 0) << path;
+  if (fd >= 0) close(fd);
+  return path;
+}
+
+TEST_F(ShmArenaTest, ArenaOfAKilledProcessIsRemovedByTheNextSweep) {
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  const pid_t child = fork();
+  if (child == 0) {
+    // Creates an arena, reports its path and dies without running any destructor.
+    auto arena = CreateShmArena(1 << 16, options_);
+    const std::string path = arena.ok() ? (*arena)->handle().shm_path : "";
+    if (write(pipe_fds[1], path.data(), path.size()) < 0) _exit(2);
+    close(pipe_fds[1]);
+    raise(SIGKILL);
+    _exit(1);
+  }
+  close(pipe_fds[1]);
+  char buffer[PATH_MAX] = {};
+  const ssize_t got = read(pipe_fds[0], buffer, sizeof(buffer) - 1);
+  close(pipe_fds[0]);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status));
+  ASSERT_GT(got, 0);
+  const std::string path(buffer, static_cast<size_t>(got));
+  ASSERT_TRUE(FileExists(path)) << "the killed child's arena should be left behind";
+
+  // Look-alike names stay.
+  const std::string other = MakeFile(dir_, "unit-x1-2-0000abcd");
+  const std::string foreign = MakeFile(dir_, "other-" + std::to_string(DeadPid()) + "-1-0000abcd");
+  EXPECT_EQ(RemoveStaleShmArenas(options_), 1);
+  EXPECT_FALSE(FileExists(path));
+  EXPECT_TRUE(FileExists(other));
+  EXPECT_TRUE(FileExists(foreign));
+  // So does a live arena of this process.
+  auto live = CreateShmArena(1 << 16, options_);
+  ASSERT_TRUE(live.ok()) << live.status();
+  EXPECT_EQ(RemoveStaleShmArenas(options_), 0);
+  EXPECT_TRUE(FileExists((*live)->handle().shm_path));
+  unlink(other.c_str());
+  unlink(foreign.c_str());
+}
+
+TEST_F(ShmArenaTest, ALockedArenaIsKeptEvenWhenItsPidIsUnknown) {
+  // What a sidecar in another PID namespace looks like: a pid that is not ours, the lock held.
+  const std::string path = MakeFile(dir_, "unit-" + std::to_string(DeadPid()) + "-7-0123abcd");
+  const int holder = open(path.c_str(), O_RDONLY);
+  ASSERT_GE(holder, 0);
+  ASSERT_EQ(flock(holder, LOCK_EX | LOCK_NB), 0);
+  EXPECT_EQ(RemoveStaleShmArenas(options_), 0);
+  EXPECT_TRUE(FileExists(path));
+  close(holder);  // the "sidecar" dies: its lock goes with it
+  EXPECT_EQ(RemoveStaleShmArenas(options_), 1);
+  EXPECT_FALSE(FileExists(path));
+}
+
+TEST_F(ShmArenaTest, FirstArenaInADirectorySweepsIt) {
+  const std::string stale = MakeFile(dir_, "unit-" + std::to_string(DeadPid()) + "-3-00c0ffee");
+  auto arena = CreateShmArena(1 << 16, options_);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  EXPECT_FALSE(FileExists(stale));
 }
 
 }  // namespace
