@@ -160,6 +160,8 @@ absl::StatusOr<PoolOptions> ToPoolOptions(const SidecarConfig& config) {
   KVS_ASSIGN_OR_RETURN(options.default_policy,
                        DefaultPolicyNamed(config.default_policy, "--default_policy"));
   options.default_budget.tokens_per_layer = config.default_budget_tokens;
+  // A decode step runs its sequences on as many threads as the backend has.
+  options.decode_threads = config.threads;
   return options;
 }
 

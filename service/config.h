@@ -27,8 +27,8 @@ struct SidecarConfig {
   std::string backend = "auto";            // cpu | auto | cuda
   std::string default_policy = "keydiff";  // streaming_llm | keydiff
   int32_t default_budget_tokens = 0;       // 0 = unbounded
-  int32_t threads = 0;                     // backend threads, 0 = hardware concurrency
-  std::string log_level = "info";          // debug | info | warning | error
+  int32_t threads = 0;             // backend and DecodeStep threads, 0 = hardware concurrency
+  std::string log_level = "info";  // debug | info | warning | error
 };
 
 struct BackendChoice {

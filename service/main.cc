@@ -47,7 +47,9 @@ ABSL_FLAG(std::string, default_policy, "keydiff",
           "Policy of sequences created without one: streaming_llm or keydiff.");
 ABSL_FLAG(std::string, default_budget_tokens, "0",
           "Budget (tokens per layer) of sequences created without one; 0 = unbounded.");
-ABSL_FLAG(std::string, threads, "0", "Backend threads; 0 = hardware concurrency.");
+ABSL_FLAG(std::string, threads, "0",
+          "Backend threads, and threads running the sequences of one DecodeStep side by side; "
+          "0 = hardware concurrency.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
 
 namespace {

@@ -114,8 +114,6 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
     const int32_t count = step.keys.count;
     const int32_t nq = step.num_queries;
     const int64_t n = count;
-    rows.assign(static_cast<size_t>(hq) * n, 0.0f);
-    pooled.assign(rows.size(), 0.0f);
     eligible.assign(static_cast<size_t>(heads) * n, 0);
     if (phase == Phase::kPrefill) {
       // Step 3 over the trailing window: mean + gamma * unbiased variance, fp64 per slot.
@@ -123,6 +121,9 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
       const int32_t first_window_position = step.query_positions[nq - w];
       const bool avx2 = HasAvx2();
       const double gamma = cake_.gamma;
+      // Every slot of both is written below (the indicator rows, then the pooling).
+      rows.resize(static_cast<size_t>(hq) * n);
+      pooled.resize(rows.size());
       for (int64_t q = 0; q < hq; ++q) {
         const float* head = step.probs.data() + (q * nq + (nq - w)) * n;
         for (int64_t s0 = 0; s0 < n; s0 += kBlock) {
@@ -149,10 +150,16 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
       }
       continue;
     }
-    // Decode (step 7): the last query's row, pooled over the candidates.
-    for (int64_t q = 0; q < hq; ++q) {
-      const float* row = step.probs.data() + (q * nq + (nq - 1)) * n;
-      std::copy(row, row + n, rows.begin() + q * n);
+    // Decode (step 7): the last query's row, pooled over the candidates. With one query (the
+    // decode step itself) the probabilities are those rows already.
+    absl::Span<const float> last_rows = step.probs;
+    if (nq > 1) {
+      rows.resize(static_cast<size_t>(hq) * n);
+      for (int64_t q = 0; q < hq; ++q) {
+        const float* row = step.probs.data() + (q * nq + (nq - 1)) * n;
+        std::copy(row, row + n, rows.begin() + q * n);
+      }
+      last_rows = rows;
     }
     for (int32_t h = 0; h < heads; ++h) {
       const int32_t* positions = step.positions.data() + int64_t{h} * n;
@@ -163,9 +170,11 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
       MarkSinksAndRecent(positions, count, 0, cake_.window, scratch, bitmap, mark);
       for (int64_t s = 0; s < n; ++s) mark[s] ^= 1;
     }
-    PoolByPosition(rows, hq, heads, count, step.positions, eligible, cake_.kernel_size,
-                   Pooling::kAvg, absl::MakeSpan(pooled));
-    step.state->step_scores = pooled;  // window slots keep the unpooled probabilities
+    // Window slots keep the unpooled probabilities; PoolByPosition writes every slot.
+    std::vector<float>& scores = step.state->step_scores;
+    scores.resize(static_cast<size_t>(hq) * n);
+    PoolByPosition(last_rows, hq, heads, count, step.positions, eligible, cake_.kernel_size,
+                   Pooling::kAvg, absl::MakeSpan(scores));
   }
   return absl::OkStatus();
 }

@@ -31,7 +31,7 @@ absl::Status SnapKvPolicy::ObserveLayers(Backend&, Phase,
           " needs the last ", window, " queries of the step, got ", layer.num_queries));
     }
     const int64_t size = int64_t{layer.num_q_heads} * count;
-    sums.assign(static_cast<size_t>(size), 0.0f);
+    sums.resize(static_cast<size_t>(size));  // SumQueryRows clears what it sums into
     SumQueryRows(layer.probs, layer.num_q_heads, layer.num_queries, count, window,
                  /*accumulate=*/false, absl::MakeSpan(sums));
     // The window = each head's `window` newest positions; everything older is pooled.
@@ -48,7 +48,7 @@ absl::Status SnapKvPolicy::ObserveLayers(Backend&, Phase,
       for (int32_t s = 0; s < count; ++s) mark[s] ^= 1;
     }
     std::vector<float>& scores = layer.state->step_scores;
-    scores.assign(static_cast<size_t>(size), 0.0f);
+    scores.resize(static_cast<size_t>(size));  // PoolByPosition writes every slot
     PoolByPosition(sums, layer.num_q_heads, heads, count, layer.positions, eligible,
                    params_.kernel_size, params_.pooling, absl::MakeSpan(scores));
     layer.state->step_protected_recent = window;

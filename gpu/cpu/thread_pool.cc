@@ -8,6 +8,21 @@
 namespace kvs {
 namespace {
 
+// Set while this thread runs the body of a loop that another thread runs alongside it. A loop
+// started from there runs inline: both cores are busy already (the decode step runs sequences
+// side by side, each calling the backend), and splitting again only adds wake-ups and threads
+// fighting over the same cores.
+thread_local bool t_in_parallel_loop = false;
+
+class ParallelRegion {
+ public:
+  ParallelRegion() : outer_(t_in_parallel_loop) { t_in_parallel_loop = true; }
+  ~ParallelRegion() { t_in_parallel_loop = outer_; }
+
+ private:
+  const bool outer_;
+};
+
 // One ParallelFor call. Shared with the helper tasks so that a helper dequeued after the loop
 // finished (and after the caller returned) still touches valid memory; it then finds no index
 // left and never calls `fn`, whose lifetime ends with the caller's frame.
@@ -21,6 +36,7 @@ struct LoopState {
   std::condition_variable finished;
 
   void Work() {
+    ParallelRegion region;
     int64_t finished_here = 0;
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < total;
          i = next.fetch_add(1, std::memory_order_relaxed)) {
@@ -71,7 +87,7 @@ void ThreadPool::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn, int
   int64_t parallel = num_threads();
   if (max_parallel > 0) parallel = std::min<int64_t>(parallel, max_parallel);
   parallel = std::min(parallel, n);
-  if (parallel <= 1) {
+  if (parallel <= 1 || t_in_parallel_loop) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }

@@ -3,7 +3,9 @@
 // index is done.
 //
 // Threading: ParallelFor may be called from any number of threads at once; calls share the
-// workers (the caller always works on its own loop, so a busy pool never stalls a call).
+// workers (the caller always works on its own loop, so a busy pool never stalls a call). A
+// ParallelFor called from inside the body of a loop that runs on several threads (of any pool)
+// runs inline on the calling thread: the outer loop already occupies the threads.
 #ifndef KVSIDECAR_GPU_CPU_THREAD_POOL_H_
 #define KVSIDECAR_GPU_CPU_THREAD_POOL_H_
 
