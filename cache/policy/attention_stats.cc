@@ -203,6 +203,51 @@ void SlotsByPosition(const int32_t* positions, int32_t count, const uint8_t* eli
   }
 }
 
+namespace {
+
+// The whole-window passes of PoolByPosition over `interior` interleaved values: one pass per
+// window offset, each element added (or compared) in the same order whatever the vector width,
+// so both builds below give the same bits. Compiled once for baseline x86-64 and once with AVX2
+// (no FMA: nothing here may be contracted), picked at run time.
+__attribute__((always_inline)) inline void WindowPasses(const float* first, int64_t interior,
+                                                        int32_t group, int32_t half,
+                                                        Pooling pooling, float* pooled_max,
+                                                        double* pooled_sum) {
+  if (pooling == Pooling::kMax) {
+    for (int64_t i = 0; i < interior; ++i) pooled_max[i] = first[i];
+    for (int32_t t = 1; t <= 2 * half; ++t) {
+      const float* shifted = first + int64_t{t} * group;
+      for (int64_t i = 0; i < interior; ++i) {
+        pooled_max[i] = pooled_max[i] < shifted[i] ? shifted[i] : pooled_max[i];  // std::max
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < interior; ++i) pooled_sum[i] = first[i];
+    for (int32_t t = 1; t <= 2 * half; ++t) {
+      const float* shifted = first + int64_t{t} * group;
+      for (int64_t i = 0; i < interior; ++i) pooled_sum[i] += shifted[i];
+    }
+  }
+}
+
+__attribute__((target("avx2"))) void WindowPassesAvx2(const float* first, int64_t interior,
+                                                      int32_t group, int32_t half, Pooling pooling,
+                                                      float* pooled_max, double* pooled_sum) {
+  WindowPasses(first, interior, group, half, pooling, pooled_max, pooled_sum);
+}
+
+void WindowPassesBaseline(const float* first, int64_t interior, int32_t group, int32_t half,
+                          Pooling pooling, float* pooled_max, double* pooled_sum) {
+  WindowPasses(first, interior, group, half, pooling, pooled_max, pooled_sum);
+}
+
+bool HasAvx2() {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2;
+}
+
+}  // namespace
+
 void PoolByPosition(absl::Span<const float> in, int32_t rows, int32_t num_kv_heads, int32_t count,
                     absl::Span<const int32_t> positions, absl::Span<const uint8_t> eligible,
                     int32_t kernel_size, Pooling pooling, absl::Span<float> out) {
@@ -257,26 +302,18 @@ void PoolByPosition(absl::Span<const float> in, int32_t rows, int32_t num_kv_hea
     if (interior == 0) continue;
     const float* first = sequence.data() + int64_t{interior_begin - half} * group;
     if (pooling == Pooling::kMax) {
-      pooled_max.assign(first, first + interior);
-      for (int32_t t = 1; t <= 2 * half; ++t) {
-        const float* shifted = first + int64_t{t} * group;
-        for (int64_t i = 0; i < interior; ++i) pooled_max[i] = std::max(pooled_max[i], shifted[i]);
-      }
-      for (int32_t j = interior_begin; j < interior_end; ++j) {
-        const float* pooled = pooled_max.data() + int64_t{j - interior_begin} * group;
-        for (int32_t g = 0; g < group; ++g) dst[g * n + order[j]] = pooled[g];
-      }
+      pooled_max.resize(static_cast<size_t>(interior));
     } else {
-      pooled_sum.assign(first, first + interior);
-      for (int32_t t = 1; t <= 2 * half; ++t) {
-        const float* shifted = first + int64_t{t} * group;
-        for (int64_t i = 0; i < interior; ++i) pooled_sum[i] += shifted[i];
-      }
-      for (int32_t j = interior_begin; j < interior_end; ++j) {
-        const double* pooled = pooled_sum.data() + int64_t{j - interior_begin} * group;
-        for (int32_t g = 0; g < group; ++g) {
-          dst[g * n + order[j]] = static_cast<float>(pooled[g] / kernel_size);
-        }
+      pooled_sum.resize(static_cast<size_t>(interior));
+    }
+    (HasAvx2() ? WindowPassesAvx2 : WindowPassesBaseline)(first, interior, group, half, pooling,
+                                                          pooled_max.data(), pooled_sum.data());
+    for (int32_t j = interior_begin; j < interior_end; ++j) {
+      const int64_t at = int64_t{j - interior_begin} * group;
+      for (int32_t g = 0; g < group; ++g) {
+        dst[g * n + order[j]] = pooling == Pooling::kMax
+                                    ? pooled_max[at + g]
+                                    : static_cast<float>(pooled_sum[at + g] / kernel_size);
       }
     }
   }
