@@ -119,6 +119,7 @@ void ScalarTask(const JobPlan& plan, const Records& records, int64_t head, int64
 
 using avx2::HorizontalSum;
 using avx2::Load8;
+using avx2::Transpose8x8;
 
 // exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2 and a degree-5 polynomial, ~2 ulp).
 // Returns exactly 0 below -87.3 (where expf underflows) and for -inf, the masked slots.
@@ -210,9 +211,7 @@ KVS_AVX2 inline void FusedDotKernel(const float* q, const uint8_t* const* k,
     const __m256 a1 = kKeys > 1 ? acc[r][kKeys > 1 ? 1 : 0] : zero;
     const __m256 a2 = kKeys > 2 ? acc[r][kKeys > 2 ? 2 : 0] : zero;
     const __m256 a3 = kKeys > 3 ? acc[r][kKeys > 3 ? 3 : 0] : zero;
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    _mm_storeu_ps(out + r * out_stride, sums);
+    _mm_storeu_ps(out + r * out_stride, avx2::HorizontalSum4(a0, a1, a2, a3));
   }
 }
 
@@ -301,26 +300,7 @@ KVS_AVX2 inline void SoftmaxTileRow(const float* logits, const int32_t* key_posi
 // so that a 6-row x 16-key block of logits accumulates in 12 registers from 2 key loads and 6
 // query broadcasts per dimension, with no horizontal reductions. The transpose costs a few
 // percent of the tile's multiply-adds when 8+ rows share it; for decode (G rows, often 4) the
-// untransposed DotKernel is used instead.
-
-KVS_AVX2 inline void Transpose8x8(__m256 r[8]) {
-  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
-  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
-  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
-  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
-  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
+// untransposed FusedDotKernel is used instead.
 
 // Slots [s0, s0 + n) as fp32 columns of tile[dim][kTile]; columns up to the next multiple of 16
 // past n are zero (the 16-wide kernel reads them; their logits are masked).

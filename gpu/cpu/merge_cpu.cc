@@ -14,6 +14,7 @@
 #include "gpu/base/checked_math.h"
 #include "gpu/base/dtype.h"
 #include "gpu/cpu/attention_cpu.h"
+#include "gpu/cpu/avx2_util.h"
 #include "gpu/cpu/keydiff_cpu.h"
 
 namespace kvs {
@@ -122,21 +123,7 @@ void NearestKeysOfJobScalar(const NearestKeyJob& job) {
 // Candidates are visited in index order per query and fed to Better() exactly like the scalar
 // path, so the tie rule (lowest position) and NaN handling are unchanged.
 
-#define KVS_MERGE_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-// Eight elements of a row from `d` on, as fp32 (exact in every dtype).
-template <DType kType>
-KVS_MERGE_AVX2 inline __m256 Load8(const uint8_t* row, int d) {
-  if constexpr (kType == DType::kFloat16) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * d)));
-  } else if constexpr (kType == DType::kBFloat16) {
-    const __m256i wide =
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * d)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  } else {
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + d);
-  }
-}
+using avx2::Transpose8x8;
 
 constexpr int kPanel = 16;             // candidates per packed panel (two ymm)
 constexpr int kRows = 6;               // queries per micro-kernel: 12 accumulators + 2 + 1 ymm
@@ -152,36 +139,12 @@ struct PackedCandidates {
   int panels = 0;
 };
 
-// r[i] <- (r[0][i], r[1][i], ..., r[7][i]): an 8 x 8 transpose in registers.
-KVS_MERGE_AVX2 inline void Transpose8(__m256 r[8]) {
-  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-
 // Bit-identical to normalising every candidate with LoadKey (the scalar path's numbers), 16
 // candidates at a time: each lane of a panel holds one candidate, so the per-candidate sum of
 // squares runs sequentially over d exactly like LoadKey's (a rounded product, then a rounded add;
 // never fused), and sqrt, the floor and the division are the same IEEE operations.
 template <DType kType>
-KVS_MERGE_AVX2 void PackCandidatesAvx2(const NearestKeyJob& job, PackedCandidates& out) {
+KVS_AVX2 void PackCandidatesAvx2(const NearestKeyJob& job, PackedCandidates& out) {
   const PagedLayerView& v = job.keys;
   const int dim = v.head_dim;
   const int vec = dim & ~7;
@@ -204,9 +167,10 @@ KVS_MERGE_AVX2 void PackCandidatesAvx2(const NearestKeyJob& job, PackedCandidate
       for (int d = 0; d < vec; d += 8) {
         __m256 r[8];
         for (int j = 0; j < 8; ++j) {
-          r[j] = src[j] != nullptr ? Load8<kType>(src[j], d) : _mm256_setzero_ps();
+          r[j] = src[j] != nullptr ? avx2::Load8<kType>(src[j] + d * DTypeBytes(kType))
+                                   : _mm256_setzero_ps();
         }
-        Transpose8(r);
+        Transpose8x8(r);
         for (int i = 0; i < 8; ++i) {
           _mm256_storeu_ps(panel + static_cast<size_t>(d + i) * kPanel + j0, r[i]);
         }
@@ -254,8 +218,8 @@ void PackCandidates(const NearestKeyJob& job, PackedCandidates& out) {
 // false (out untouched beyond scratch) when no lane of any row can beat that row's best: every
 // dot is a number below best[r] (best[r] NaN or an unset best never skips).
 template <int kR>
-KVS_MERGE_AVX2 inline bool PanelDots(const float* q, int dim, const float* panel, const float* best,
-                                     float (*out)[kPanel]) {
+KVS_AVX2 inline bool PanelDots(const float* q, int dim, const float* panel, const float* best,
+                               float (*out)[kPanel]) {
   __m256 acc[kR][2];
 #pragma GCC unroll 6
   for (int r = 0; r < kR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -288,8 +252,8 @@ KVS_MERGE_AVX2 inline bool PanelDots(const float* q, int dim, const float* panel
 }
 
 // Queries [first, first + rows) of `job` (rows <= kChunkRows) against all packed candidates.
-KVS_MERGE_AVX2 void NearestChunkAvx2(const NearestKeyJob& job, const PackedCandidates& packed,
-                                     int32_t first, int rows) {
+KVS_AVX2 void NearestChunkAvx2(const NearestKeyJob& job, const PackedCandidates& packed,
+                               int32_t first, int rows) {
   const PagedLayerView& v = job.keys;
   const int dim = v.head_dim;
   thread_local std::vector<float> queries;
@@ -354,13 +318,7 @@ constexpr int kStreamPrefetchAhead = 16;
 // a worker, and several sequences may be calling at once anyway.
 constexpr uint64_t kParallelMinStreamElements = uint64_t{1} << 21;
 
-// Lane i of the result = the horizontal sum of a_i, ((0+1)+(2+3)) + ((4+5)+(6+7)) for every i.
-KVS_MERGE_AVX2 inline __m128 Sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-KVS_MERGE_AVX2 inline void PrefetchRow(const uint8_t* row, int row_bytes) {
+KVS_AVX2 inline void PrefetchRow(const uint8_t* row, int row_bytes) {
   for (int b = 0; b < row_bytes; b += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(row + b), _MM_HINT_T0);
   }
@@ -368,8 +326,8 @@ KVS_MERGE_AVX2 inline void PrefetchRow(const uint8_t* row, int row_bytes) {
 
 // One query (fp32, `q_norm` already floored) against every candidate of `job`.
 template <DType kType>
-KVS_MERGE_AVX2 void StreamQuery(const NearestKeyJob& job, const float* q, float q_norm,
-                                float& similarity, int32_t& target) {
+KVS_AVX2 void StreamQuery(const NearestKeyJob& job, const float* q, float q_norm, float& similarity,
+                          int32_t& target) {
   const PagedLayerView& v = job.keys;
   const int dim = v.head_dim;
   const int vec = dim & ~7;
@@ -392,10 +350,10 @@ KVS_MERGE_AVX2 void StreamQuery(const NearestKeyJob& job, const float* q, float 
     __m256 s0 = d0, s1 = d0, s2 = d0, s3 = d0;
     for (int d = 0; d < vec; d += 8) {
       const __m256 x = _mm256_loadu_ps(q + d);
-      const __m256 k0 = Load8<kType>(r[0], d);
-      const __m256 k1 = Load8<kType>(r[1], d);
-      const __m256 k2 = Load8<kType>(r[2], d);
-      const __m256 k3 = Load8<kType>(r[3], d);
+      const __m256 k0 = avx2::Load8<kType>(r[0] + d * DTypeBytes(kType));
+      const __m256 k1 = avx2::Load8<kType>(r[1] + d * DTypeBytes(kType));
+      const __m256 k2 = avx2::Load8<kType>(r[2] + d * DTypeBytes(kType));
+      const __m256 k3 = avx2::Load8<kType>(r[3] + d * DTypeBytes(kType));
       d0 = _mm256_fmadd_ps(x, k0, d0);
       s0 = _mm256_fmadd_ps(k0, k0, s0);
       d1 = _mm256_fmadd_ps(x, k1, d1);
@@ -405,8 +363,8 @@ KVS_MERGE_AVX2 void StreamQuery(const NearestKeyJob& job, const float* q, float 
       d3 = _mm256_fmadd_ps(x, k3, d3);
       s3 = _mm256_fmadd_ps(k3, k3, s3);
     }
-    __m128 dots = Sum4(d0, d1, d2, d3);
-    __m128 squares = Sum4(s0, s1, s2, s3);
+    __m128 dots = avx2::HorizontalSum4(d0, d1, d2, d3);
+    __m128 squares = avx2::HorizontalSum4(s0, s1, s2, s3);
     if (vec < dim) {  // odd head_dim: the same scalar tail for every lane
       alignas(16) float dot[4], square[4];
       _mm_store_ps(dot, dots);
@@ -439,7 +397,7 @@ KVS_MERGE_AVX2 void StreamQuery(const NearestKeyJob& job, const float* q, float 
 }
 
 template <DType kType>
-KVS_MERGE_AVX2 void StreamJob(const NearestKeyJob& job) {
+KVS_AVX2 void StreamJob(const NearestKeyJob& job) {
   const PagedLayerView& v = job.keys;
   const int dim = v.head_dim;
   thread_local std::vector<float> query;
