@@ -933,6 +933,18 @@ TEST(PoolPipelineTest, PerLayerBudgetsAreValidatedAndUsed) {
   EXPECT_EQ((*results)[0].counts, (std::vector<int32_t>{3, 5}));
 }
 
+// `w` queries per layer and query head, uniform in [-1, 1), drawn from `rng`.
+AttentionInput RandomQueries(const ModelLayout& layout, int32_t w, std::mt19937& rng) {
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  AttentionInput input;
+  input.num_queries = w;
+  input.softmax_scale = 0.35f;
+  input.queries.resize(static_cast<size_t>(layout.num_layers) * layout.num_q_heads * w *
+                       layout.head_dim);
+  for (float& q : input.queries) q = uniform(rng);
+  return input;
+}
+
 // Every registered policy through the pool: prompt commits with their queries, compression, then
 // decode steps with inline K/V and the new token's query. A smoke test of the seams (the policies
 // have their own tests): every call succeeds, every layer ends at or under the budget, rows intact.
@@ -940,16 +952,7 @@ TEST(PoolPipelineTest, EveryPolicyRunsThePipelineEndToEnd) {
   ModelLayout layout = testing_util::MakeLayout(3, 2, 8, DType::kFloat16, 4);
   layout.num_q_heads = 4;
   std::mt19937 rng(11);
-  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
-  auto queries = [&](int32_t w) {
-    AttentionInput input;
-    input.num_queries = w;
-    input.softmax_scale = 0.35f;
-    input.queries.resize(static_cast<size_t>(layout.num_layers) * layout.num_q_heads * w *
-                         layout.head_dim);
-    for (float& q : input.queries) q = uniform(rng);
-    return input;
-  };
+  auto queries = [&](int32_t w) { return RandomQueries(layout, w, rng); };
   for (const std::string& name : KnownPolicyNames()) {
     PolicyConfig config;
     config.name = name;
@@ -1014,16 +1017,7 @@ TEST(PoolPipelineTest, DecodeStepOnManyThreadsEqualsOneThread) {
       options.decode_threads = threads;
       TestPool pool(options);
       std::mt19937 rng(17);
-      std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
-      auto queries = [&](int32_t w) {
-        AttentionInput input;
-        input.num_queries = w;
-        input.softmax_scale = 0.35f;
-        input.queries.resize(static_cast<size_t>(layout.num_layers) * layout.num_q_heads * w *
-                             layout.head_dim);
-        for (float& q : input.queries) q = uniform(rng);
-        return input;
-      };
+      auto queries = [&](int32_t w) { return RandomQueries(layout, w, rng); };
       const std::string session = pool.Attach(layout, 512);
       std::vector<std::string> ids;
       for (int b = 0; b < kSequences; ++b) {

@@ -105,14 +105,17 @@ TEST(CaoteCpu, Tv1ExactAndFast) {
 }
 
 // TV6: a token holding all the mass scores +inf; zero-weight tokens exactly 0.
-TEST(CaoteCpu, Tv6InfiniteAndZero) {
-  PagedValues v({{{1, 0}, {0, 1}, {1, 1}}}, DType::kFloat16, 2);
+void ExpectTv6(const PagedValues& v) {
   for (bool fast : {false, true}) {
     const std::vector<float> scores = Scores(v, {1.0f, 0.0f, 0.0f}, 1, fast);
     EXPECT_EQ(scores[0], kInf);
     EXPECT_EQ(scores[1], 0.0f);
     EXPECT_EQ(scores[2], 0.0f);
   }
+}
+
+TEST(CaoteCpu, Tv6InfiniteAndZero) {
+  ExpectTv6(PagedValues({{{1, 0}, {0, 1}, {1, 1}}}, DType::kFloat16, 2));
 }
 
 // TV5 (rss): two query-head rows (G = 2) over one kv head; per-row scores combined as
@@ -206,13 +209,7 @@ TEST(CaoteCpu, TestVectorsOnTheVectorPath) {
     ExpectNear(Scores(v, twice, 2, false), exact2, 1e-6);
     ExpectNear(Scores(v, twice, 2, true), fast2, 1e-6);
   }
-  PagedValues v(pad({{1, 0}, {0, 1}, {1, 1}}), DType::kFloat16, 2);
-  for (bool fast_mode : {false, true}) {
-    const std::vector<float> scores = Scores(v, {1.0f, 0.0f, 0.0f}, 1, fast_mode);
-    EXPECT_EQ(scores[0], kInf);
-    EXPECT_EQ(scores[1], 0.0f);
-    EXPECT_EQ(scores[2], 0.0f);
-  }
+  ExpectTv6(PagedValues(pad({{1, 0}, {0, 1}, {1, 1}}), DType::kFloat16, 2));
 }
 
 // Model-sized rows (head_dim 128, the vector kernels) over many blocks and a partial last group
