@@ -20,6 +20,7 @@
 #include "absl/types/span.h"
 #include "cache/policy/policy.h"
 #include "cache/policy/policy_config.h"
+#include "gpu/cpu/avx2_util.h"
 
 namespace kvs {
 namespace {
@@ -632,11 +633,6 @@ KVS_CAKE_AVX2 void MeasureBlockAvx2(const float* head, int64_t stride, int32_t r
   }
 }
 
-bool HasAvx2() {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2;
-}
-
 }  // namespace
 
 CakeMeasure CakeLayerMeasure(absl::Span<const float> probs, int32_t num_q_heads,
@@ -651,7 +647,7 @@ CakeMeasure CakeLayerMeasure(absl::Span<const float> probs, int32_t num_q_heads,
     return measure;
   }
   const int32_t group = num_q_heads / num_kv_heads;
-  const bool avx2 = HasAvx2();
+  const bool avx2 = CpuSupportsAvx2();
   auto block = std::make_unique<MeasureBlock>();
   // Entropy terms summed per slot in float over the rows, then in fp64; squares as defined.
   double plogp = 0.0;

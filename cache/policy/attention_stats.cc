@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "gpu/cpu/avx2_util.h"
 
 namespace kvs {
 
@@ -241,11 +242,6 @@ void WindowPassesBaseline(const float* first, int64_t interior, int32_t group, i
   WindowPasses(first, interior, group, half, pooling, pooled_max, pooled_sum);
 }
 
-bool HasAvx2() {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2;
-}
-
 }  // namespace
 
 void PoolByPosition(absl::Span<const float> in, int32_t rows, int32_t num_kv_heads, int32_t count,
@@ -306,8 +302,8 @@ void PoolByPosition(absl::Span<const float> in, int32_t rows, int32_t num_kv_hea
     } else {
       pooled_sum.resize(static_cast<size_t>(interior));
     }
-    (HasAvx2() ? WindowPassesAvx2 : WindowPassesBaseline)(first, interior, group, half, pooling,
-                                                          pooled_max.data(), pooled_sum.data());
+    (CpuSupportsAvx2() ? WindowPassesAvx2 : WindowPassesBaseline)(
+        first, interior, group, half, pooling, pooled_max.data(), pooled_sum.data());
     for (int32_t j = interior_begin; j < interior_end; ++j) {
       const int64_t at = int64_t{j - interior_begin} * group;
       for (int32_t g = 0; g < group; ++g) {

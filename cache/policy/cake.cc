@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "cache/policy/attention_stats.h"
 #include "gpu/base/status_macros.h"
+#include "gpu/cpu/avx2_util.h"
 
 namespace kvs {
 namespace {
@@ -87,11 +88,6 @@ KVS_CAKE_AVX2 void MeanVarianceAvx2(const float* head, int64_t stride, int32_t r
   }
 }
 
-bool HasAvx2() {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2;
-}
-
 }  // namespace
 
 AttentionRequirement CakePolicy::ScorerAttention(Phase phase) const {
@@ -119,7 +115,7 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
       // Step 3 over the trailing window: mean + gamma * unbiased variance, fp64 per slot.
       const int32_t w = std::min(cake_.window, nq);
       const int32_t first_window_position = step.query_positions[nq - w];
-      const bool avx2 = HasAvx2();
+      const bool avx2 = CpuSupportsAvx2();
       const double gamma = cake_.gamma;
       // Every slot of both is written below (the indicator rows, then the pooling).
       rows.resize(static_cast<size_t>(hq) * n);

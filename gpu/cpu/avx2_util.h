@@ -15,6 +15,17 @@
 
 #define KVS_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+namespace kvs {
+
+// True when this CPU runs KVS_AVX2 code (AVX2, FMA and F16C); asked once per process.
+inline bool CpuSupportsAvx2() {
+  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                                __builtin_cpu_supports("f16c");
+  return supported;
+}
+
+}  // namespace kvs
+
 namespace kvs::avx2 {
 
 // Eight consecutive elements of dtype kType at `p`, as fp32.

@@ -349,12 +349,6 @@ bool Avx2Covers(const KeyDiffScoreJob& job) {
 
 }  // namespace
 
-bool CpuSupportsAvx2() {
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                                __builtin_cpu_supports("f16c");
-  return supported;
-}
-
 absl::Status ValidateKeyDiffJob(const KeyDiffScoreJob& job, size_t index) {
   const PagedLayerView& v = job.keys;
   auto invalid = [index](auto&&... parts) {

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "gpu/backend.h"
+#include "gpu/cpu/avx2_util.h"  // CpuSupportsAvx2: whether kAvx2 runs here
 
 namespace kvs {
 
@@ -14,9 +15,6 @@ enum class KeyDiffIsa {
   kScalar,  // portable reference, every anchor/metric/dtype
   kAvx2,    // AVX2+FMA+F16C: cosine with the mean_normalized or mean_raw anchor, head_dim % 8 == 0
 };
-
-// True when this CPU runs the kAvx2 kernels.
-bool CpuSupportsAvx2();
 
 // INVALID_ARGUMENT when the job's pointers, shape or block table cannot be scored safely.
 // `index` names the job in the message.
