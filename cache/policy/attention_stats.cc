@@ -146,6 +146,14 @@ void MarkSinksAndRecent(const int32_t* positions, int32_t n, int32_t sinks, int3
     std::fill(forced, forced + n, uint8_t{1});
     return;
   }
+  if (sinks == 0 && recent == 1) {
+    // A decode step's window (SnapKV): the newest position alone, one pass.
+    const int32_t newest =
+        static_cast<int32_t>(std::max_element(positions, positions + n) - positions);
+    std::fill(forced, forced + n, uint8_t{0});
+    forced[newest] = 1;
+    return;
+  }
   // Positions are distinct, so "at or below the sinks-th smallest" is exactly `sinks` slots.
   int64_t sink_limit = -1;
   int64_t recent_limit = 0;
@@ -251,8 +259,8 @@ void PoolByPosition(absl::Span<const float> in, int32_t rows, int32_t num_kv_hea
   const int32_t heads = std::max(1, num_kv_heads);
   const int32_t rows_per_head = std::max(1, rows / heads);
   const int32_t half = kernel_size / 2;
-  std::copy(in.begin(), in.begin() + int64_t{rows} * n, out.begin());
-  std::vector<int32_t> order;  // eligible slots of the head, by position
+  std::vector<int32_t> order;       // eligible slots of the head, by position
+  std::vector<int32_t> kept_as_is;  // the head's other slots, which keep their input value
   std::vector<int32_t> by_offset;
   // The rows of one head share its position order: they are gathered interleaved ([m][group]),
   // so every window pass below is one contiguous, vectorisable loop over all of them.
@@ -268,6 +276,18 @@ void PoolByPosition(absl::Span<const float> in, int32_t rows, int32_t num_kv_hea
     const int32_t m = static_cast<int32_t>(order.size());
     const float* src = in.data() + int64_t{first_row} * n;
     float* dst = out.data() + int64_t{first_row} * n;
+    // Every eligible slot is written below; the rest (a decode step's window: a few slots) are
+    // copied one by one rather than copying whole rows first.
+    if (!eligible.empty()) {
+      kept_as_is.clear();
+      const uint8_t* head_eligible = eligible.data() + int64_t{head} * n;
+      for (int32_t s = 0; s < count; ++s) {
+        if (head_eligible[s] == 0) kept_as_is.push_back(s);
+      }
+      for (int32_t g = 0; g < group; ++g) {
+        for (int32_t s : kept_as_is) dst[g * n + s] = src[g * n + s];
+      }
+    }
     sequence.resize(static_cast<size_t>(m) * group);
     for (int32_t j = 0; j < m; ++j) {
       for (int32_t g = 0; g < group; ++g) sequence[int64_t{j} * group + g] = src[g * n + order[j]];

@@ -175,8 +175,8 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
   return absl::OkStatus();
 }
 
-absl::StatusOr<int32_t> CakePolicy::RawScores(Backend&, Phase phase, const LayerSelection& layer,
-                                              std::vector<float>& raw) const {
+absl::StatusOr<AttentionScoredPolicy::RawRows> CakePolicy::RawScores(
+    Backend&, Phase phase, const LayerSelection& layer, std::vector<float>& raw) const {
   const int64_t heads = layer.keys.num_kv_heads;
   const int64_t count = layer.keys.count;
   if (phase == Phase::kPrefill) {
@@ -202,7 +202,7 @@ absl::StatusOr<int32_t> CakePolicy::RawScores(Backend&, Phase phase, const Layer
         if (!std::isfinite(row[s])) row[s] = best;
       }
     }
-    return static_cast<int32_t>(heads);
+    return RawRows{raw, static_cast<int32_t>(heads)};
   }
   const std::vector<float>& scores = layer.state->step_scores;
   if (scores.empty()) {
@@ -214,8 +214,7 @@ absl::StatusOr<int32_t> CakePolicy::RawScores(Backend&, Phase phase, const Layer
     return absl::InternalError(absl::StrCat("layer ", layer.layer, " holds ", scores.size(),
                                             " step scores for ", heads, " x ", count));
   }
-  raw = scores;
-  return static_cast<int32_t>(rows);
+  return RawRows{scores, static_cast<int32_t>(rows)};
 }
 
 ScoredPolicy::Protection CakePolicy::Protect(Phase, const LayerSelection& layer) const {

@@ -41,8 +41,8 @@ class CakePolicy final : public AttentionScoredPolicy {
   // Prefill: the indicator [H][count], window slots (+inf in the state) given the row's largest
   // finite indicator so that the scores stay finite (they are protected either way). Decode: the
   // step scores [Hq][count].
-  absl::StatusOr<int32_t> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,
-                                    std::vector<float>& raw) const override;
+  absl::StatusOr<RawRows> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,
+                                    std::vector<float>& storage) const override;
 
  protected:
   AttentionRequirement ScorerAttention(Phase phase) const override;

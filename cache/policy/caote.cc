@@ -65,7 +65,7 @@ void Normalise(const float* reduced, int64_t rows, int64_t n, std::vector<float>
 // Index of the first raw score that is NaN or negative, or -1. The scan is a branch-free
 // reduction (it runs over every raw score of every layer of every step); the index is only looked
 // for when one is bad.
-int64_t FirstInvalidRaw(const std::vector<float>& raw) {
+int64_t FirstInvalidRaw(absl::Span<const float> raw) {
   bool bad = false;
   for (const float x : raw) bad |= !(x >= 0.0f);
   if (!bad) return -1;
@@ -132,7 +132,7 @@ absl::Status CaotePolicy::Score(Backend& backend, Phase phase,
   // allocations, and no fresh pages to fault in, per step.
   thread_local std::vector<Work> work;
   thread_local std::vector<CaoteJob> jobs;
-  thread_local std::vector<float> raw;
+  thread_local std::vector<float> raw_storage;
   thread_local std::vector<float> reduced;
   if (work.size() < layers.size()) work.resize(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) work[i].batched = false;
@@ -141,7 +141,10 @@ absl::Status CaotePolicy::Score(Backend& backend, Phase phase,
     const LayerSelection& layer = layers[i];
     const int64_t heads = layer.keys.num_kv_heads;
     const int64_t count = layer.keys.count;
-    KVS_ASSIGN_OR_RETURN(const int32_t rows, base_->RawScores(backend, phase, layer, raw));
+    KVS_ASSIGN_OR_RETURN(const AttentionScoredPolicy::RawRows base_raw,
+                         base_->RawScores(backend, phase, layer, raw_storage));
+    const absl::Span<const float> raw = base_raw.values;
+    const int32_t rows = base_raw.rows;
     if (rows < heads || rows % heads != 0 ||
         raw.size() != static_cast<size_t>(rows) * static_cast<size_t>(count)) {
       return absl::InternalError(absl::StrCat("policy caote: the base gave ", raw.size(),

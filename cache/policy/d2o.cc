@@ -91,8 +91,9 @@ bool FiniteMean(absl::Span<const float> values, double& mean) {
 
 }  // namespace
 
-absl::StatusOr<int32_t> D2oPolicy::RawScores(Backend&, Phase, const LayerSelection& layer,
-                                             std::vector<float>& raw) const {
+absl::StatusOr<AttentionScoredPolicy::RawRows> D2oPolicy::RawScores(Backend&, Phase,
+                                                                    const LayerSelection& layer,
+                                                                    std::vector<float>& raw) const {
   const std::vector<float>& accumulated = layer.state->accumulated;
   const int64_t count = layer.keys.count;
   if (accumulated.empty()) {
@@ -113,7 +114,7 @@ absl::StatusOr<int32_t> D2oPolicy::RawScores(Backend&, Phase, const LayerSelecti
   raw.resize(static_cast<size_t>(heads) * count);
   GqaMean(accumulated, static_cast<int32_t>(rows), static_cast<int32_t>(heads),
           static_cast<int32_t>(count), absl::MakeSpan(raw));
-  return static_cast<int32_t>(heads);
+  return RawRows{raw, static_cast<int32_t>(heads)};
 }
 
 ScoredPolicy::Protection D2oPolicy::Protect(Phase, const LayerSelection& layer) const {

@@ -40,8 +40,8 @@ class D2oPolicy final : public AttentionScoredPolicy {
                      absl::Span<int32_t> merged) const override;
 
   // The GQA mean of the layer's accumulated attention, [H][count] (returns H).
-  absl::StatusOr<int32_t> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,
-                                    std::vector<float>& raw) const override;
+  absl::StatusOr<RawRows> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,
+                                    std::vector<float>& storage) const override;
 
  protected:
   AttentionRequirement ScorerAttention(Phase) const override { return {true, 0}; }

@@ -12,8 +12,9 @@ namespace kvs {
 H2oPolicy::H2oPolicy(const PolicyConfig& config, const H2oConfig& params)
     : AttentionScoredPolicy(config, MakeLayerAllocator(config)), params_(params) {}
 
-absl::StatusOr<int32_t> H2oPolicy::RawScores(Backend&, Phase, const LayerSelection& layer,
-                                             std::vector<float>& raw) const {
+absl::StatusOr<AttentionScoredPolicy::RawRows> H2oPolicy::RawScores(Backend&, Phase,
+                                                                    const LayerSelection& layer,
+                                                                    std::vector<float>&) const {
   const std::vector<float>& accumulated = layer.state->accumulated;
   const int64_t count = layer.keys.count;
   if (accumulated.empty()) {
@@ -26,8 +27,7 @@ absl::StatusOr<int32_t> H2oPolicy::RawScores(Backend&, Phase, const LayerSelecti
                                             layer.layer, " holds ", accumulated.size(),
                                             " values for ", count, " slots"));
   }
-  raw = accumulated;
-  return static_cast<int32_t>(accumulated.size() / count);
+  return RawRows{accumulated, static_cast<int32_t>(accumulated.size() / count)};
 }
 
 ScoredPolicy::Protection H2oPolicy::Protect(Phase, const LayerSelection& layer) const {

@@ -27,8 +27,8 @@ class H2oPolicy final : public AttentionScoredPolicy {
   // Explicit parameters (CAOTE's base takes its n_sink / n_recent from config.caote).
   H2oPolicy(const PolicyConfig& config, const H2oConfig& params);
 
-  absl::StatusOr<int32_t> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,
-                                    std::vector<float>& raw) const override;
+  absl::StatusOr<RawRows> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,
+                                    std::vector<float>& storage) const override;
 
  protected:
   AttentionRequirement ScorerAttention(Phase) const override { return {true, 0}; }

@@ -119,8 +119,13 @@ void LayerPolicyState::Compact(int32_t num_kv_heads, int32_t old_count,
       filled[h].push_back(t);
     }
   }
+  // The step's scores were read by the selection this compaction carries out, and nothing reads
+  // them after it: dropped rather than moved, which for SnapKV and CAKE is a [Hq][count] pass
+  // per layer and decode step.
+  step_scores.clear();
+  step_protected_recent = 0;
   std::vector<float> original;
-  for (std::vector<float>* array : {&accumulated, &indicator, &step_scores}) {
+  for (std::vector<float>* array : {&accumulated, &indicator}) {
     if (array->empty()) continue;
     if (old_count == 0) continue;
     const int64_t rows = static_cast<int64_t>(array->size()) / old_count;
@@ -290,19 +295,21 @@ absl::Status ScoredPolicy::Select(Backend& backend, Phase phase,
 absl::Status AttentionScoredPolicy::Score(Backend& backend, Phase phase,
                                           absl::Span<const LayerSelection> layers,
                                           absl::Span<float* const> scores) const {
-  std::vector<float> raw;
+  std::vector<float> storage;
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerSelection& layer = layers[i];
     const int32_t heads = layer.keys.num_kv_heads;
     const int32_t count = layer.keys.count;
-    KVS_ASSIGN_OR_RETURN(const int32_t rows, RawScores(backend, phase, layer, raw));
+    KVS_ASSIGN_OR_RETURN(const RawRows raw, RawScores(backend, phase, layer, storage));
+    const int32_t rows = raw.rows;
     if (rows < heads || rows % heads != 0 ||
-        raw.size() != static_cast<size_t>(rows) * static_cast<size_t>(count)) {
-      return absl::InternalError(absl::StrCat("policy ", config().name, " gave ", raw.size(),
+        raw.values.size() != static_cast<size_t>(rows) * static_cast<size_t>(count)) {
+      return absl::InternalError(absl::StrCat("policy ", config().name, " gave ", raw.values.size(),
                                               " raw scores in ", rows, " rows for layer ",
                                               layer.layer, " of ", heads, " x ", count));
     }
-    GqaMean(raw, rows, heads, count, absl::MakeSpan(scores[i], static_cast<size_t>(heads) * count));
+    GqaMean(raw.values, rows, heads, count,
+            absl::MakeSpan(scores[i], static_cast<size_t>(heads) * count));
   }
   return absl::OkStatus();
 }

@@ -58,8 +58,8 @@ struct LayerPolicyState {
   // cascade re-selects from it as later layers arrive.
   std::vector<float> indicator;
   // Transient: scores this step's attention gave ([Hq][count] or [H][count], as the policy chose),
-  // written by Observe and read by Select/Merge of the same call; the sequence clears it at the
-  // end of every call.
+  // written by Observe and read by Select/Merge of the same call; Compact drops them and the
+  // sequence clears them at the end of every call.
   std::vector<float> step_scores;
   // Transient, with step_scores: newest positions this step protects (SnapKV's window w').
   int32_t step_protected_recent = 0;
@@ -228,11 +228,18 @@ class AttentionScoredPolicy : public ScoredPolicy {
   Protection BaseProtect(Phase phase, const LayerSelection& layer) const {
     return Protect(phase, layer);
   }
-  // Fills `raw` with [rows][count] non-negative scores of `layer` and returns rows: num_q_heads
-  // (per query head) or num_kv_heads (already reduced per kv head).
-  virtual absl::StatusOr<int32_t> RawScores(Backend& backend, Phase phase,
+  // [rows][count] non-negative scores of `layer`; rows is num_q_heads (per query head) or
+  // num_kv_heads (already reduced per kv head).
+  struct RawRows {
+    absl::Span<const float> values;
+    int32_t rows = 0;
+  };
+  // The scores of `layer`, viewed where they already live (the layer's state) or computed into
+  // `storage`: a decode step reads them once, so a copy of every layer's [Hq][count] scores
+  // would be a pass of its own. The view lives until the state or `storage` changes.
+  virtual absl::StatusOr<RawRows> RawScores(Backend& backend, Phase phase,
                                             const LayerSelection& layer,
-                                            std::vector<float>& raw) const = 0;
+                                            std::vector<float>& storage) const = 0;
 
  protected:
   using ScoredPolicy::ScoredPolicy;

@@ -31,9 +31,14 @@ absl::Status SnapKvPolicy::ObserveLayers(Backend&, Phase,
           " needs the last ", window, " queries of the step, got ", layer.num_queries));
     }
     const int64_t size = int64_t{layer.num_q_heads} * count;
-    sums.resize(static_cast<size_t>(size));  // SumQueryRows clears what it sums into
-    SumQueryRows(layer.probs, layer.num_q_heads, layer.num_queries, count, window,
-                 /*accumulate=*/false, absl::MakeSpan(sums));
+    // A decode step's one query: its probabilities are the window sums already.
+    absl::Span<const float> window_sums = layer.probs;
+    if (window != 1 || layer.num_queries != 1) {
+      sums.resize(static_cast<size_t>(size));  // SumQueryRows clears what it sums into
+      SumQueryRows(layer.probs, layer.num_q_heads, layer.num_queries, count, window,
+                   /*accumulate=*/false, absl::MakeSpan(sums));
+      window_sums = sums;
+    }
     // The window = each head's `window` newest positions; everything older is pooled.
     eligible.assign(static_cast<size_t>(int64_t{heads} * count), 1);
     for (int32_t h = 0; h < heads; ++h) {
@@ -49,15 +54,16 @@ absl::Status SnapKvPolicy::ObserveLayers(Backend&, Phase,
     }
     std::vector<float>& scores = layer.state->step_scores;
     scores.resize(static_cast<size_t>(size));  // PoolByPosition writes every slot
-    PoolByPosition(sums, layer.num_q_heads, heads, count, layer.positions, eligible,
+    PoolByPosition(window_sums, layer.num_q_heads, heads, count, layer.positions, eligible,
                    params_.kernel_size, params_.pooling, absl::MakeSpan(scores));
     layer.state->step_protected_recent = window;
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<int32_t> SnapKvPolicy::RawScores(Backend&, Phase, const LayerSelection& layer,
-                                                std::vector<float>& raw) const {
+absl::StatusOr<AttentionScoredPolicy::RawRows> SnapKvPolicy::RawScores(Backend&, Phase,
+                                                                       const LayerSelection& layer,
+                                                                       std::vector<float>&) const {
   const std::vector<float>& scores = layer.state->step_scores;
   const int64_t count = layer.keys.count;
   if (scores.empty()) {
@@ -70,8 +76,7 @@ absl::StatusOr<int32_t> SnapKvPolicy::RawScores(Backend&, Phase, const LayerSele
                                             layer.layer, " hold ", scores.size(), " values for ",
                                             count, " slots"));
   }
-  raw = scores;
-  return static_cast<int32_t>(scores.size() / count);
+  return RawRows{scores, static_cast<int32_t>(scores.size() / count)};
 }
 
 ScoredPolicy::Protection SnapKvPolicy::Protect(Phase, const LayerSelection& layer) const {

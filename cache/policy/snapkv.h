@@ -30,8 +30,8 @@ class SnapKvPolicy final : public AttentionScoredPolicy {
   // kernel >= 1).
   SnapKvPolicy(const PolicyConfig& config, const SnapKvConfig& params);
 
-  absl::StatusOr<int32_t> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,
-                                    std::vector<float>& raw) const override;
+  absl::StatusOr<RawRows> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,
+                                    std::vector<float>& storage) const override;
 
  protected:
   AttentionRequirement ScorerAttention(Phase) const override { return {true, params_.window}; }

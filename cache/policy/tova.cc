@@ -24,8 +24,8 @@ absl::Status TovaPolicy::ObserveLayers(Backend&, Phase, absl::Span<const LayerSt
   return absl::OkStatus();
 }
 
-absl::StatusOr<int32_t> TovaPolicy::RawScores(Backend&, Phase, const LayerSelection& layer,
-                                              std::vector<float>& raw) const {
+absl::StatusOr<AttentionScoredPolicy::RawRows> TovaPolicy::RawScores(
+    Backend&, Phase, const LayerSelection& layer, std::vector<float>& raw) const {
   const std::vector<float>& scores = layer.state->step_scores;
   const int64_t count = layer.keys.count;
   const int64_t heads = layer.keys.num_kv_heads;
@@ -41,10 +41,7 @@ absl::StatusOr<int32_t> TovaPolicy::RawScores(Backend&, Phase, const LayerSelect
                                             heads, " x ", count, " slots"));
   }
   const int64_t rows = static_cast<int64_t>(scores.size()) / count;
-  if (!params_.all_heads) {
-    raw = scores;
-    return static_cast<int32_t>(rows);
-  }
+  if (!params_.all_heads) return RawRows{scores, static_cast<int32_t>(rows)};
   // One score per TOKEN over every query head of the layer. Heads may hold different positions
   // in a given slot (compaction is per head), so the mean is taken by position, over the query
   // heads whose kv head still holds the token.
@@ -66,7 +63,7 @@ absl::StatusOr<int32_t> TovaPolicy::RawScores(Backend&, Phase, const LayerSelect
       raw[h * count + s] = static_cast<float>(sum / n);
     }
   }
-  return static_cast<int32_t>(heads);
+  return RawRows{raw, static_cast<int32_t>(heads)};
 }
 
 absl::Status ResolveTovaConfig(PolicyConfig&) { return absl::OkStatus(); }

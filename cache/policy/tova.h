@@ -25,8 +25,8 @@ class TovaPolicy final : public AttentionScoredPolicy {
   TovaPolicy(const PolicyConfig& config, const TovaConfig& params);
 
   // Rows: num_q_heads, or num_kv_heads with all_heads (the layer mean replicated per kv head).
-  absl::StatusOr<int32_t> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,
-                                    std::vector<float>& raw) const override;
+  absl::StatusOr<RawRows> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,
+                                    std::vector<float>& storage) const override;
 
  protected:
   AttentionRequirement ScorerAttention(Phase) const override { return {true, 1}; }

@@ -61,6 +61,21 @@ TEST(MarkSinksAndRecentTest, MatchesASortOnDenseAndSparsePositions) {
   }
 }
 
+TEST(MarkSinksAndRecentTest, NewestAloneMatchesASort) {
+  // recent = 1 without sinks (a decode step's SnapKV window) has a path of its own.
+  std::mt19937 rng(9);
+  std::vector<int32_t> scratch;
+  std::vector<uint64_t> bitmap;
+  for (const int64_t span_factor : {1, 1000}) {
+    for (const int32_t n : {2, 3, 64, 700}) {
+      const std::vector<int32_t> positions = RandomPositions(rng, n, span_factor, -7);
+      std::vector<uint8_t> forced(n, 7);
+      MarkSinksAndRecent(positions.data(), n, 0, 1, scratch, bitmap, forced.data());
+      EXPECT_EQ(forced, ReferenceProtected(positions, 0, 1)) << "n " << n;
+    }
+  }
+}
+
 TEST(MarkSinksAndRecentTest, ExtremePositionsDoNotOverflowTheSpan) {
   const std::vector<int32_t> positions = {INT32_MAX, INT32_MIN, 0, 17};
   std::vector<int32_t> scratch;

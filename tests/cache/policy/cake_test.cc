@@ -117,8 +117,9 @@ TEST_P(CakeTv1Test, IndicatorsAndKeptSets) {
   std::vector<float> raw;
   auto rows = policy->RawScores(backend, Phase::kPrefill, selections[0], raw);
   ASSERT_TRUE(rows.ok());
-  EXPECT_EQ(*rows, 1);
-  for (float x : raw) EXPECT_TRUE(std::isfinite(x) && x >= 0.0f);
+  EXPECT_EQ(rows->rows, 1);
+  EXPECT_EQ(rows->values.size(), 8u);
+  for (float x : rows->values) EXPECT_TRUE(std::isfinite(x) && x >= 0.0f);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, CakeTv1Test,
@@ -218,7 +219,8 @@ TEST_P(CakeTv6Test, DecodeEvictsOne) {
   std::vector<float> raw;
   auto rows = policy->RawScores(backend, Phase::kDecode, selection, raw);
   ASSERT_TRUE(rows.ok());
-  EXPECT_EQ(*rows, 2);
+  EXPECT_EQ(rows->rows, 2);
+  EXPECT_EQ(rows->values.size(), 10u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, CakeTv6Test,

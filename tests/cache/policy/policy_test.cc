@@ -180,6 +180,8 @@ TEST(LayerPolicyStateTest, CompactGathersEveryArrayLikeTheSequenceMovesRows) {
           for (float& v : state.accumulated) v = static_cast<float>(rng() % 1000);
           state.indicator.resize(heads * count);
           for (float& v : state.indicator) v = static_cast<float>(rng() % 1000);
+          state.step_scores.assign(static_cast<size_t>(rows) * count, 1.0f);
+          state.step_protected_recent = 2;
           const LayerPolicyState before = state;
           state.Compact(heads, count, sources);
           for (const auto& [array, original, array_rows] :
@@ -195,7 +197,9 @@ TEST(LayerPolicyStateTest, CompactGathersEveryArrayLikeTheSequenceMovesRows) {
               }
             }
           }
+          // The step's scores are consumed by the selection that compacts: dropped.
           EXPECT_TRUE(state.step_scores.empty());
+          EXPECT_EQ(state.step_protected_recent, 0);
         }
       }
     }
