@@ -52,6 +52,7 @@ class Session {
   SessionView View() const {
     SessionView view;
     view.session_id = id;
+    view.tenant = tenant;
     view.layout = layout;
     view.arena = arena->handle();
     view.num_blocks = num_blocks;
@@ -80,6 +81,9 @@ class Session {
   absl::Mutex mu;
   BlockAllocator allocator ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences ABSL_GUARDED_BY(mu);
+  // Sequences spilled out of the arena (KvPool::Spill) -> their tier. Their bytes live in
+  // PoolOptions::tiers under {tenant, id, sequence id}; they still count as the session's.
+  absl::flat_hash_map<std::string, StorageTier> spilled ABSL_GUARDED_BY(mu);
   bool dead ABSL_GUARDED_BY(mu) = false;  // detached or reclaimed; holders of a stale pointer
   uint64_t next_reservation_id ABSL_GUARDED_BY(mu) = 1;
 };
@@ -142,8 +146,13 @@ absl::Status SessionGone(std::string_view session_id) {
   return absl::NotFoundError(absl::StrCat("session ", Sv(session_id), " not found"));
 }
 
+// Brings spilled sequence `sequence_id` of `session` back into its arena (KvPool::Restore).
+absl::Status RestoreSpilledLocked(Session& session, std::string_view sequence_id, Backend& backend,
+                                  const PoolOptions& options)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+
 // Runs fn(sequence, env) under the session lock, or NOT_FOUND for a dead session or an unknown
-// sequence. `clock` stamps the sequence's last use.
+// sequence; a spilled sequence is restored first. `clock` stamps the sequence's last use.
 template <typename Fn>
 auto WithSequence(Session& session, std::string_view sequence_id, Backend& backend,
                   const Clock& clock, const PoolOptions& options,
@@ -153,6 +162,13 @@ auto WithSequence(Session& session, std::string_view sequence_id, Backend& backe
   absl::MutexLock lock(&session.mu);
   if (session.dead) return SessionGone(session.id);
   auto it = session.sequences.find(Sv(sequence_id));
+  if (it == session.sequences.end() && session.spilled.contains(Sv(sequence_id))) {
+    if (absl::Status restored = RestoreSpilledLocked(session, sequence_id, backend, options);
+        !restored.ok()) {
+      return restored;
+    }
+    it = session.sequences.find(Sv(sequence_id));
+  }
   if (it == session.sequences.end()) {
     return absl::NotFoundError(
         absl::StrCat("sequence ", Sv(sequence_id), " not found in session ", session.id));
@@ -179,7 +195,11 @@ KvPool::KvPool(Backend* backend, const Clock* clock, PoolOptions options)
     : backend_(backend),
       clock_(clock),
       options_(std::move(options)),
-      decode_pool_(std::make_unique<ThreadPool>(DecodeThreads(options_.decode_threads))) {}
+      decode_pool_(std::make_unique<ThreadPool>(DecodeThreads(options_.decode_threads))) {
+  absl::MutexLock lock(&quota_mu_);
+  live_default_policy_ = options_.default_policy;
+  live_default_budget_ = options_.default_budget;
+}
 
 KvPool::~KvPool() {
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions;
@@ -217,8 +237,22 @@ ReleaseCounts KvPool::DestroySession(std::shared_ptr<Session> session) {
   for (auto& [id, sequence] : session->sequences) {
     counts.blocks += sequence->Release(env);
     ++counts.sequences;
+    RetireTotals(*sequence);
   }
   session->sequences.clear();
+  // Host copies die with the session; disk copies stay, adoptable by another session of the
+  // tenant (KvPool::Restore with from_session_id). The tiers may have demoted a host copy to
+  // disk since: ask them where it is.
+  for (const auto& [id, tier] : session->spilled) {
+    if (options_.tiers != nullptr) {
+      const SpillKey key{session->tenant, session->id, id};
+      std::optional<SpilledInfo> info = options_.tiers->Find(key);
+      if (info && info->tier == StorageTier::kHost) (void)options_.tiers->Erase(key);
+    }
+    ++counts.sequences;
+  }
+  session->spilled.clear();
+  RemoveTenantSequences(session->tenant, counts.sequences);
   return counts;
 }
 
@@ -382,9 +416,9 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
         "retain_evicted needs the host tier, which this build does not have");
   }
   KVS_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy,
-                       MakePolicy(params.policy.value_or(options_.default_policy)));
+                       MakePolicy(params.policy.value_or(default_policy())));
 
-  BudgetConfig budget = params.budget.value_or(options_.default_budget);
+  BudgetConfig budget = params.budget.value_or(default_budget());
   const int64_t per_layer_capacity =
       int64_t{session->num_blocks / session->layout.num_layers} * session->layout.block_tokens;
   if (budget.tokens_per_layer < 0) {
@@ -435,7 +469,8 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
 
   absl::MutexLock lock(&session->mu);
   if (session->dead) return SessionGone(session_id);
-  if (!params.sequence_id.empty() && session->sequences.contains(params.sequence_id)) {
+  if (!params.sequence_id.empty() && (session->sequences.contains(params.sequence_id) ||
+                                      session->spilled.contains(params.sequence_id))) {
     return absl::AlreadyExistsError(absl::StrCat("sequence_id ", params.sequence_id,
                                                  " already exists in session ", Sv(session_id)));
   }
@@ -446,6 +481,7 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
                                                      session->sequences.size(),
                                                      " sequences, the most it may"));
   }
+  KVS_RETURN_IF_ERROR(AddTenantSequence(session->tenant));
   std::string id = params.sequence_id;
   while (id.empty() || session->sequences.contains(id)) id = RandomHex(16);
   SequenceCreated created;
@@ -463,6 +499,16 @@ absl::StatusOr<ReleaseCounts> KvPool::ReleaseSequence(std::string_view session_i
   absl::MutexLock lock(&session->mu);
   if (session->dead) return SessionGone(session_id);
   auto it = session->sequences.find(Sv(sequence_id));
+  if (it == session->sequences.end() && session->spilled.contains(Sv(sequence_id))) {
+    // A spilled sequence: drop its copy in the tiers; it held no blocks.
+    if (options_.tiers != nullptr) {
+      KVS_RETURN_IF_ERROR(
+          options_.tiers->Erase(SpillKey{session->tenant, session->id, std::string(sequence_id)}));
+    }
+    session->spilled.erase(Sv(sequence_id));
+    RemoveTenantSequences(session->tenant, 1);
+    return ReleaseCounts{1, 0};
+  }
   if (it == session->sequences.end()) {
     return absl::NotFoundError(
         absl::StrCat("sequence ", Sv(sequence_id), " not found in session ", Sv(session_id)));
@@ -472,7 +518,9 @@ absl::StatusOr<ReleaseCounts> KvPool::ReleaseSequence(std::string_view session_i
   ReleaseCounts counts;
   counts.sequences = 1;
   counts.blocks = it->second->Release(env);
+  RetireTotals(*it->second);
   session->sequences.erase(it);
+  RemoveTenantSequences(session->tenant, 1);
   return counts;
 }
 
@@ -481,15 +529,44 @@ absl::StatusOr<Reservation> KvPool::Reserve(std::string_view session_id,
                                             absl::Span<const int32_t> positions,
                                             absl::Span<const int32_t> layers) {
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  KVS_RETURN_IF_ERROR(CheckArenaQuota(session->tenant));
   return WithSequence(
       *session, sequence_id, *backend_, *clock_, options_, &tokens_appended_, &tokens_evicted_,
-      [&](Sequence& sequence, const SequenceEnv& env, Session& s)
-          ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) -> absl::StatusOr<Reservation> {
-            absl::StatusOr<Reservation> reservation =
-                sequence.Reserve(env, s.next_reservation_id, num_tokens, positions, layers);
-            if (reservation.ok()) ++s.next_reservation_id;
-            return reservation;
-          });
+      [&](Sequence& sequence, const SequenceEnv& env,
+          Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) -> absl::StatusOr<Reservation> {
+        absl::StatusOr<Reservation> reservation =
+            sequence.Reserve(env, s.next_reservation_id, num_tokens, positions, layers);
+        // Arena full: demote the session's least recently used other sequences to the host
+        // tier, one at a time, until the reservation fits (PoolOptions::spill_on_pressure).
+        while (!reservation.ok() &&
+               reservation.status().code() == absl::StatusCode::kResourceExhausted &&
+               options_.spill_on_pressure && options_.tiers != nullptr) {
+          Sequence* victim = nullptr;
+          for (auto& [id, other] : s.sequences) {
+            if (other.get() == &sequence || other->has_pending() || other->blocks_held() == 0) {
+              continue;
+            }
+            if (victim == nullptr || other->last_used() < victim->last_used()) {
+              victim = other.get();
+            }
+          }
+          if (victim == nullptr) break;
+          absl::StatusOr<SpilledSequence> data = victim->Spill(env);
+          if (!data.ok()) break;
+          const SpillKey key{s.tenant, s.id, victim->id()};
+          if (!CheckTierQuota(s.tenant, /*host=*/true, data->bytes()).ok() ||
+              !options_.tiers->Put(StorageTier::kHost, key, *std::move(data)).ok()) {
+            break;
+          }
+          victim->Release(env);
+          s.spilled[key.sequence_id] = StorageTier::kHost;
+          s.sequences.erase(key.sequence_id);
+          ++spilled_on_pressure_;
+          reservation = sequence.Reserve(env, s.next_reservation_id, num_tokens, positions, layers);
+        }
+        if (reservation.ok()) ++s.next_reservation_id;
+        return reservation;
+      });
 }
 
 absl::Status KvPool::CancelReservation(std::string_view session_id, std::string_view sequence_id,
@@ -583,6 +660,7 @@ PoolStats KvPool::GetStats() const {
   }
   stats.tokens_appended = tokens_appended_.load();
   stats.tokens_evicted = tokens_evicted_.load();
+  stats.spilled_on_pressure = spilled_on_pressure_.load();
   return stats;
 }
 
@@ -645,6 +723,23 @@ std::vector<SequenceInfo> KvPool::ListSequences(std::string_view session_id) con
       info.last_used = sequence->last_used();
       result.push_back(std::move(info));
     }
+    for (const auto& [id, tier] : session->spilled) {
+      SequenceInfo info;
+      info.session_id = session->id;
+      info.sequence_id = id;
+      info.tenant = session->tenant;
+      info.tier = tier;
+      if (options_.tiers != nullptr) {
+        if (std::optional<SpilledInfo> spilled =
+                options_.tiers->Find(SpillKey{session->tenant, session->id, id})) {
+          info.tier = spilled->tier;  // the tiers may have demoted it since
+          (spilled->tier == StorageTier::kHost ? info.host_bytes : info.disk_bytes) =
+              spilled->bytes;
+          info.created = info.last_used = spilled->spilled;
+        }
+      }
+      result.push_back(std::move(info));
+    }
   }
   std::sort(result.begin(), result.end(), [](const SequenceInfo& a, const SequenceInfo& b) {
     return std::tie(a.session_id, a.sequence_id) < std::tie(b.session_id, b.sequence_id);
@@ -671,6 +766,13 @@ absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const De
     session_of[i] = static_cast<size_t>(it - sessions.begin());
     if (it == sessions.end()) sessions.push_back(*std::move(session));
   }
+  // Tenant arena quotas, before any lock: a tenant at its quota may not grow.
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (items[i].inline_kv.empty()) continue;  // commits of reservations already counted
+    if (absl::Status quota = CheckArenaQuota(sessions[session_of[i]]->tenant); !quota.ok()) {
+      return absl::Status(quota.code(), absl::StrCat("items[", i, "]: ", quota.message()));
+    }
+  }
   std::vector<size_t> lock_order(sessions.size());
   for (size_t k = 0; k < lock_order.size(); ++k) lock_order[k] = k;
   std::sort(lock_order.begin(), lock_order.end(),
@@ -696,7 +798,13 @@ absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const De
     Session& session = *sessions[session_of[i]];
     session.mu.AssertHeld();
     absl::Status status;
-    if (session.dead) {
+    if (!session.dead && !session.sequences.contains(Sv(items[i].sequence_id)) &&
+        session.spilled.contains(Sv(items[i].sequence_id))) {
+      status = RestoreSpilledLocked(session, items[i].sequence_id, *backend_, options_);
+    }
+    if (!status.ok()) {
+      // The spilled sequence could not be restored: its error, below.
+    } else if (session.dead) {
       status = SessionGone(session.id);
     } else if (auto it = session.sequences.find(Sv(items[i].sequence_id));
                it == session.sequences.end()) {
@@ -767,6 +875,421 @@ absl::StatusOr<std::vector<LayerScores>> KvPool::Score(std::string_view session_
                       [&](Sequence& sequence, const SequenceEnv& env, Session&) {
                         return sequence.Score(env, params);
                       });
+}
+
+// Live defaults, quotas, re-budget (Admin).
+
+void KvPool::SetDefaults(std::optional<PolicyConfig> policy, std::optional<BudgetConfig> budget) {
+  absl::MutexLock lock(&quota_mu_);
+  if (policy) live_default_policy_ = *std::move(policy);
+  if (budget) live_default_budget_ = *std::move(budget);
+}
+
+PolicyConfig KvPool::default_policy() const {
+  absl::MutexLock lock(&quota_mu_);
+  return live_default_policy_;
+}
+
+BudgetConfig KvPool::default_budget() const {
+  absl::MutexLock lock(&quota_mu_);
+  return live_default_budget_;
+}
+
+void KvPool::SetTenantQuota(const std::string& tenant, const TenantQuota& quota) {
+  absl::MutexLock lock(&quota_mu_);
+  if (quota.unlimited()) {
+    quotas_.erase(tenant);
+  } else {
+    quotas_[tenant] = quota;
+  }
+}
+
+TenantQuota KvPool::GetTenantQuota(std::string_view tenant) const {
+  absl::MutexLock lock(&quota_mu_);
+  auto it = quotas_.find(Sv(tenant));
+  return it == quotas_.end() ? TenantQuota{} : it->second;
+}
+
+std::vector<std::pair<std::string, TenantQuota>> KvPool::TenantQuotas() const {
+  std::vector<std::pair<std::string, TenantQuota>> result;
+  {
+    absl::MutexLock lock(&quota_mu_);
+    result.assign(quotas_.begin(), quotas_.end());
+  }
+  std::sort(result.begin(), result.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  return result;
+}
+
+void KvPool::SetTierUsageFn(std::function<uint64_t(std::string_view tenant, bool host)> fn) {
+  absl::MutexLock lock(&quota_mu_);
+  tier_usage_fn_ = std::move(fn);
+}
+
+std::vector<std::pair<std::string, TenantUsage>> KvPool::AllTenantUsage() const {
+  absl::flat_hash_map<std::string, TenantUsage> usage;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (const auto& [id, session] : sessions_) {
+      TenantUsage& u = usage[session->tenant];
+      ++u.sessions;
+      u.arena_bytes_reserved += session->charged_bytes();
+      // The hint is refreshed at the end of every call: no session lock, no waiting.
+      const int32_t used = session->num_blocks - session->free_blocks_hint.load();
+      u.arena_bytes += static_cast<uint64_t>(std::max(used, 0)) * session->block_bytes;
+    }
+  }
+  std::function<uint64_t(std::string_view, bool)> tier_usage;
+  {
+    absl::MutexLock lock(&quota_mu_);
+    for (const auto& [tenant, count] : tenant_sequences_) {
+      if (count > 0) usage[tenant].sequences = count;
+    }
+    tier_usage = tier_usage_fn_;
+  }
+  std::vector<std::pair<std::string, TenantUsage>> result(usage.begin(), usage.end());
+  for (auto& [tenant, u] : result) {
+    if (tier_usage) {
+      u.host_bytes = tier_usage(tenant, true);
+      u.disk_bytes = tier_usage(tenant, false);
+    }
+  }
+  std::sort(result.begin(), result.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  return result;
+}
+
+TenantUsage KvPool::GetTenantUsage(std::string_view tenant) const {
+  for (auto& [name, usage] : AllTenantUsage()) {
+    if (name == tenant) return usage;
+  }
+  TenantUsage none;
+  std::function<uint64_t(std::string_view, bool)> tier_usage;
+  {
+    absl::MutexLock lock(&quota_mu_);
+    tier_usage = tier_usage_fn_;
+  }
+  if (tier_usage) {
+    none.host_bytes = tier_usage(tenant, true);
+    none.disk_bytes = tier_usage(tenant, false);
+  }
+  return none;
+}
+
+absl::Status KvPool::CheckArenaQuota(const std::string& tenant) const {
+  uint64_t limit = 0;
+  {
+    absl::MutexLock lock(&quota_mu_);
+    auto it = quotas_.find(tenant);
+    if (it == quotas_.end() || it->second.arena_bytes == 0) return absl::OkStatus();
+    limit = it->second.arena_bytes;
+  }
+  uint64_t used = 0;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (const auto& [id, session] : sessions_) {
+      if (session->tenant != tenant) continue;
+      const int32_t blocks = session->num_blocks - session->free_blocks_hint.load();
+      used += static_cast<uint64_t>(std::max(blocks, 0)) * session->block_bytes;
+    }
+  }
+  if (used < limit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat("tenant ", tenant, " uses ", used,
+                                                   " arena bytes, its quota arena_bytes is ", limit,
+                                                   " (release or compress sequences first)"));
+}
+
+absl::Status KvPool::CheckTierQuota(std::string_view tenant, bool host,
+                                    uint64_t extra_bytes) const {
+  uint64_t limit = 0;
+  std::function<uint64_t(std::string_view, bool)> tier_usage;
+  {
+    absl::MutexLock lock(&quota_mu_);
+    auto it = quotas_.find(Sv(tenant));
+    if (it == quotas_.end()) return absl::OkStatus();
+    limit = host ? it->second.host_bytes : it->second.disk_bytes;
+    tier_usage = tier_usage_fn_;
+  }
+  if (limit == 0) return absl::OkStatus();
+  // Outside quota_mu_: the hook takes the tier manager's own lock.
+  const uint64_t used = tier_usage ? tier_usage(tenant, host) : 0;
+  if (used + extra_bytes <= limit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat("tenant ", Sv(tenant), " holds ", used, " ",
+                                                   host ? "host" : "disk", " tier bytes, ",
+                                                   extra_bytes, " more would exceed its quota ",
+                                                   host ? "host_bytes" : "disk_bytes", " ", limit));
+}
+
+absl::Status KvPool::AddTenantSequence(const std::string& tenant) {
+  absl::MutexLock lock(&quota_mu_);
+  int32_t& count = tenant_sequences_[tenant];
+  auto it = quotas_.find(tenant);
+  if (it != quotas_.end() && it->second.sequences > 0 && count >= it->second.sequences) {
+    const int32_t held = count;
+    if (held == 0) tenant_sequences_.erase(tenant);
+    return absl::ResourceExhaustedError(absl::StrCat("tenant ", tenant, " holds ", held,
+                                                     " sequences, its quota sequences is ",
+                                                     it->second.sequences));
+  }
+  ++count;
+  return absl::OkStatus();
+}
+
+void KvPool::RemoveTenantSequences(const std::string& tenant, int32_t count) {
+  if (count <= 0) return;
+  absl::MutexLock lock(&quota_mu_);
+  auto it = tenant_sequences_.find(tenant);
+  if (it == tenant_sequences_.end()) return;
+  it->second -= count;
+  if (it->second <= 0) tenant_sequences_.erase(it);
+}
+
+RebudgetResult KvPool::RebudgetTenant(std::string_view tenant, int32_t tokens_per_layer) {
+  std::vector<std::shared_ptr<Session>> sessions;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (const auto& [id, session] : sessions_) {
+      if (tenant == "*" || session->tenant == tenant) sessions.push_back(session);
+    }
+  }
+  std::sort(sessions.begin(), sessions.end(),
+            [](const auto& a, const auto& b) { return a->id < b->id; });
+  RebudgetResult result;
+  for (const std::shared_ptr<Session>& session : sessions) {
+    absl::MutexLock lock(&session->mu);
+    if (session->dead) continue;
+    const int64_t per_layer_capacity =
+        int64_t{session->num_blocks / session->layout.num_layers} * session->layout.block_tokens;
+    const SequenceEnv env{session->layout,   *session->arena, session->allocator,
+                          *backend_,         session->id,     options_.max_tokens_per_call,
+                          &tokens_appended_, &tokens_evicted_};
+    std::vector<std::string> ids;
+    for (const auto& [id, sequence] : session->sequences) ids.push_back(id);
+    std::sort(ids.begin(), ids.end());
+    for (const std::string& id : ids) {
+      Sequence& sequence = *session->sequences.at(id);
+      const std::string name = absl::StrCat(session->id, "/", id, ": ");
+      BudgetConfig budget = sequence.budget();
+      budget.tokens_per_layer = tokens_per_layer;
+      budget.per_layer_tokens.clear();
+      const int64_t needed = budget.strict ? int64_t{tokens_per_layer} + budget.prefill_block_tokens
+                                           : int64_t{tokens_per_layer};
+      if (needed > per_layer_capacity) {
+        result.skipped.push_back(absl::StrCat(name, "the session's arena holds ",
+                                              per_layer_capacity, " tokens per layer, the budget ",
+                                              "needs ", needed));
+        continue;
+      }
+      if (sequence.has_pending()) {
+        result.skipped.push_back(absl::StrCat(name, "a reservation is pending"));
+        continue;
+      }
+      const BudgetConfig old = sequence.budget();
+      sequence.set_budget(budget);
+      absl::StatusOr<CompressResult> compressed = sequence.Compress(env, CompressParams{});
+      if (!compressed.ok()) {
+        // Attention policies over budget: they keep the new budget and compress at their next
+        // step (Commit/DecodeStep bring the queries); anything else is rolled back.
+        // (INVALID_ARGUMENT names the missing attention; the sequence is unchanged by it).
+        if (compressed.status().code() != absl::StatusCode::kInvalidArgument) {
+          sequence.set_budget(old);
+        }
+        result.skipped.push_back(absl::StrCat(name, compressed.status().message()));
+        continue;
+      }
+      ++result.rebudgeted;
+    }
+    session->free_blocks_hint = session->allocator.free_blocks();
+  }
+  return result;
+}
+
+}  // namespace kvs
+
+// Tiers: Spill, Restore, automatic restore.
+
+namespace kvs {
+namespace {
+
+absl::Status NoTiers() {
+  return absl::UnimplementedError(
+      "Spill and Restore need storage tiers, which this pool was built without");
+}
+
+SequenceEnv EnvOf(Session& session, Backend& backend, const PoolOptions& options)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu) {
+  return SequenceEnv{session.layout, *session.arena, session.allocator,
+                     backend,        session.id,     options.max_tokens_per_call};
+}
+
+// Restores `key`'s copy into `session` as sequence `sequence_id`; the copy is deleted once the
+// sequence is in the arena (a failed deletion only leaves a stale copy a later Restore would
+// refuse as ALREADY_EXISTS, never a wrong sequence).
+absl::Status RestoreKeyLocked(Session& session, const SpillKey& key, Backend& backend,
+                              const PoolOptions& options)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu) {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<const SpilledSequence> data, options.tiers->Get(key));
+  const SequenceEnv env = EnvOf(session, backend, options);
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> sequence, Sequence::Restore(env, *data));
+  if (sequence->id() != key.sequence_id) {
+    sequence->Release(env);
+    return absl::DataLossError(absl::StrCat("the spilled copy of sequence ", key.sequence_id,
+                                            " holds sequence ", sequence->id()));
+  }
+  session.sequences.emplace(key.sequence_id, std::move(sequence));
+  session.free_blocks_hint = session.allocator.free_blocks();
+  (void)options.tiers->Erase(key);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+namespace {
+absl::Status RestoreSpilledLocked(Session& session, std::string_view sequence_id, Backend& backend,
+                                  const PoolOptions& options) {
+  if (options.tiers == nullptr) return NoTiers();
+  const SpillKey key{session.tenant, session.id, std::string(sequence_id)};
+  KVS_RETURN_IF_ERROR(RestoreKeyLocked(session, key, backend, options));
+  session.spilled.erase(Sv(sequence_id));
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::StatusOr<SpillResult> KvPool::Spill(std::string_view session_id, std::string_view sequence_id,
+                                          StorageTier target) {
+  if (options_.tiers == nullptr) return NoTiers();
+  if (target != StorageTier::kHost && target != StorageTier::kDisk) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target must be TIER_HOST or TIER_DISK, got ", static_cast<int>(target)));
+  }
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  absl::MutexLock lock(&session->mu);
+  if (session->dead) return SessionGone(session_id);
+  const SpillKey key{session->tenant, session->id, std::string(sequence_id)};
+  if (auto spilled = session->spilled.find(Sv(sequence_id)); spilled != session->spilled.end()) {
+    // Already spilled: move it between the tiers (Put replaces the other tier's copy).
+    KVS_ASSIGN_OR_RETURN(std::shared_ptr<const SpilledSequence> data, options_.tiers->Get(key));
+    const uint64_t bytes = data->bytes();
+    if (spilled->second != target) {
+      KVS_RETURN_IF_ERROR(CheckTierQuota(session->tenant, target == StorageTier::kHost, bytes));
+      KVS_RETURN_IF_ERROR(options_.tiers->Put(target, key, SpilledSequence(*data)));
+      spilled->second = target;
+    }
+    return SpillResult{target, bytes};
+  }
+  auto it = session->sequences.find(Sv(sequence_id));
+  if (it == session->sequences.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("sequence ", Sv(sequence_id), " not found in session ", session->id));
+  }
+  const SequenceEnv env = EnvOf(*session, *backend_, options_);
+  KVS_ASSIGN_OR_RETURN(SpilledSequence data, it->second->Spill(env));
+  const uint64_t bytes = data.bytes();
+  KVS_RETURN_IF_ERROR(CheckTierQuota(session->tenant, target == StorageTier::kHost, bytes));
+  KVS_RETURN_IF_ERROR(options_.tiers->Put(target, key, std::move(data)));
+  it->second->Release(env);
+  session->sequences.erase(it);
+  session->spilled[key.sequence_id] = target;
+  session->free_blocks_hint = session->allocator.free_blocks();
+  return SpillResult{target, bytes};
+}
+
+absl::StatusOr<SpillResult> KvPool::Restore(std::string_view session_id,
+                                            std::string_view sequence_id,
+                                            std::string_view from_session_id) {
+  if (options_.tiers == nullptr) return NoTiers();
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  const bool adopt = !from_session_id.empty() && from_session_id != session_id;
+  if (adopt) {
+    absl::ReaderMutexLock lock(&mu_);
+    if (sessions_.contains(Sv(from_session_id))) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session ", Sv(from_session_id),
+                       " is still attached: restore its sequences through it "
+                       "(from_session_id is for sequences whose session ended)"));
+    }
+  }
+  const SpillKey key{session->tenant, std::string(adopt ? from_session_id : session_id),
+                     std::string(sequence_id)};
+  absl::MutexLock lock(&session->mu);
+  if (session->dead) return SessionGone(session_id);
+  if (!adopt) {
+    if (session->sequences.contains(Sv(sequence_id))) return SpillResult{StorageTier::kArena, 0};
+    auto spilled = session->spilled.find(Sv(sequence_id));
+    if (spilled == session->spilled.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("sequence ", Sv(sequence_id), " not found in session ", session->id));
+    }
+    const std::optional<SpilledInfo> info = options_.tiers->Find(key);
+    const SpillResult result{info ? info->tier : spilled->second, info ? info->bytes : 0};
+    KVS_RETURN_IF_ERROR(RestoreSpilledLocked(*session, sequence_id, *backend_, options_));
+    return result;
+  }
+  const std::optional<SpilledInfo> info = options_.tiers->Find(key);
+  if (!info) {
+    return absl::NotFoundError(absl::StrCat("no spilled copy of sequence ", Sv(sequence_id),
+                                            " of session ", Sv(from_session_id), " for tenant ",
+                                            session->tenant));
+  }
+  if (session->sequences.contains(Sv(sequence_id)) || session->spilled.contains(Sv(sequence_id))) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("sequence_id ", Sv(sequence_id), " already exists in session ", session->id));
+  }
+  KVS_RETURN_IF_ERROR(AddTenantSequence(session->tenant));
+  if (absl::Status status = RestoreKeyLocked(*session, key, *backend_, options_); !status.ok()) {
+    RemoveTenantSequences(session->tenant, 1);
+    return status;
+  }
+  return SpillResult{info->tier, info->bytes};
+}
+
+std::vector<SpilledInfo> KvPool::ListSpilled() const {
+  if (options_.tiers == nullptr) return {};
+  return options_.tiers->List();
+}
+
+void KvPool::RetireTotals(const Sequence& sequence) {
+  const Sequence::Totals& totals = sequence.totals();
+  absl::MutexLock lock(&quota_mu_);
+  PolicyTokenTotals& retired = retired_[sequence.policy_config().name];
+  retired.appended += totals.appended;
+  retired.evicted += totals.evicted;
+  retired.merged += totals.merged;
+}
+
+std::vector<PolicyTokenTotals> KvPool::PolicyTotals() const {
+  absl::flat_hash_map<std::string, PolicyTokenTotals> by_policy;
+  {
+    absl::MutexLock lock(&quota_mu_);
+    by_policy = retired_;
+  }
+  std::vector<std::shared_ptr<Session>> sessions;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (const auto& [id, session] : sessions_) sessions.push_back(session);
+  }
+  for (const std::shared_ptr<Session>& session : sessions) {
+    absl::MutexLock lock(&session->mu);
+    if (session->dead) continue;
+    for (const auto& [id, sequence] : session->sequences) {
+      PolicyTokenTotals& t = by_policy[sequence->policy_config().name];
+      const Sequence::Totals& totals = sequence->totals();
+      t.appended += totals.appended;
+      t.evicted += totals.evicted;
+      t.merged += totals.merged;
+      for (int32_t count : sequence->counts()) t.kept += count;
+      ++t.sequences;
+      t.budgets.push_back(sequence->budget().tokens_per_layer);
+    }
+  }
+  std::vector<PolicyTokenTotals> result;
+  for (auto& [name, totals] : by_policy) {
+    totals.policy = name;
+    result.push_back(std::move(totals));
+  }
+  std::sort(result.begin(), result.end(),
+            [](const auto& a, const auto& b) { return a.policy < b.policy; });
+  return result;
 }
 
 }  // namespace kvs

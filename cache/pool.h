@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,6 +31,7 @@
 #include "absl/types/span.h"
 #include "cache/clock.h"
 #include "cache/policy/policy_config.h"
+#include "cache/tier.h"
 #include "gpu/arena.h"
 #include "gpu/backend.h"
 #include "gpu/base/layout.h"
@@ -55,6 +57,13 @@ struct PoolOptions {
   int32_t decode_threads = 0;
   ArenaOptions arena_options;
   PolicyConfig default_policy;  // for sequences created without a policy
+  // Where Spill puts sequences (storage/tier_manager.h); must outlive the pool. Null = Spill and
+  // Restore answer UNIMPLEMENTED.
+  SequenceTiers* tiers = nullptr;
+  // Device -> host demotion: when a Reserve finds its session's arena full, spill the session's
+  // least recently used other sequences (none with a pending reservation) to the host tier (which
+  // moves its oldest copies to disk when full) until the Reserve fits. Needs `tiers`.
+  bool spill_on_pressure = false;
   BudgetConfig default_budget;  // tokens_per_layer 0 = unbounded
 };
 
@@ -68,6 +77,7 @@ struct AttachParams {
 
 struct SessionView {
   std::string session_id;
+  std::string tenant;  // owner (authorization checks)
   ModelLayout layout;
   ArenaHandle arena;
   int32_t num_blocks = 0;
@@ -229,6 +239,17 @@ struct SequenceInfo {
   uint64_t arena_bytes = 0;
   absl::Time created;
   absl::Time last_used;
+  // A spilled sequence (KvPool::Spill) is listed with its tier and bytes there; its policy,
+  // budget and tokens_per_layer are then left empty (they are inside the spilled copy).
+  StorageTier tier = StorageTier::kArena;
+  uint64_t host_bytes = 0;
+  uint64_t disk_bytes = 0;
+};
+
+// Spill / Restore: where the sequence is now (Spill) or came from (Restore), and the bytes moved.
+struct SpillResult {
+  StorageTier tier = StorageTier::kArena;
+  uint64_t bytes = 0;
 };
 
 struct PoolStats {
@@ -239,10 +260,53 @@ struct PoolStats {
   uint64_t arena_bytes_used = 0;      // blocks in use * block bytes
   int64_t tokens_appended = 0;
   int64_t tokens_evicted = 0;
-  int64_t sessions_reclaimed = 0;  // by lease expiry or Reclaim()
+  int64_t sessions_reclaimed = 0;   // by lease expiry or Reclaim()
+  int64_t spilled_on_pressure = 0;  // sequences PoolOptions::spill_on_pressure moved out
+};
+
+// A tenant's limits (Admin.SetQuota); 0 = unlimited. arena_bytes bounds the arena blocks in use
+// by the tenant's sequences (checked before every Reserve and DecodeStep: a tenant at or above
+// it may not grow); sequences bounds CreateSequence; host_bytes and disk_bytes bound the spill
+// tiers (checked through CheckTierQuota by whoever spills).
+struct TenantQuota {
+  uint64_t arena_bytes = 0;
+  uint64_t host_bytes = 0;
+  uint64_t disk_bytes = 0;
+  int32_t sequences = 0;
+  bool unlimited() const {
+    return arena_bytes == 0 && host_bytes == 0 && disk_bytes == 0 && sequences == 0;
+  }
+};
+
+// What a tenant uses now. host_bytes/disk_bytes come from the tier-usage hook (0 without one).
+struct TenantUsage {
+  uint64_t arena_bytes = 0;           // blocks in use x block bytes
+  uint64_t arena_bytes_reserved = 0;  // its sessions' arenas
+  uint64_t host_bytes = 0;
+  uint64_t disk_bytes = 0;
+  int32_t sequences = 0;
+  int32_t sessions = 0;
+};
+
+// Layer-token totals of one policy over the pool's lifetime (live + released sequences), and
+// what its live sequences hold now.
+struct PolicyTokenTotals {
+  std::string policy;
+  int64_t appended = 0;
+  int64_t evicted = 0;
+  int64_t merged = 0;
+  int64_t kept = 0;              // layer-tokens held now
+  int32_t sequences = 0;         // live
+  std::vector<int32_t> budgets;  // per live sequence: its budget tokens per layer (0 = unbounded)
+};
+
+struct RebudgetResult {
+  int32_t rebudgeted = 0;            // sequences that got the budget (compressed when needed)
+  std::vector<std::string> skipped;  // "session/sequence: reason"
 };
 
 class Session;     // defined in cache/pool.cc
+class Sequence;    // cache/sequence.h
 class ThreadPool;  // gpu/cpu/thread_pool.h
 
 class KvPool {
@@ -328,10 +392,60 @@ class KvPool {
                           absl::Span<const int32_t> layers, uint64_t version,
                           uint64_t payload_offset, absl::Span<uint8_t> out) const;
 
+  // Tiers (PoolOptions::tiers; UNIMPLEMENTED without). Spill moves a sequence out of the arena to
+  // kHost or kDisk (its blocks are freed; a spilled sequence can move between the two tiers);
+  // FAILED_PRECONDITION with a pending reservation or when the disk tier is unavailable,
+  // RESOURCE_EXHAUSTED when the tier or the tenant's tier quota is full. Every data-plane call
+  // on a spilled sequence (Reserve, Commit, Append, Compress, DecodeStep, Score, GetLayout,
+  // Export) restores it first, with Restore's errors.
+  absl::StatusOr<SpillResult> Spill(std::string_view session_id, std::string_view sequence_id,
+                                    StorageTier target);
+  // Brings a spilled sequence back into the session's arena (new block table; K/V, positions and
+  // policy state bit-identical) and deletes the spilled copy. Already in the arena: OK, tier
+  // kArena. `from_session_id` (empty = `session_id`) adopts a disk copy left by a session that
+  // ended (detached, reclaimed, or the sidecar restarted): same tenant and model layout required,
+  // FAILED_PRECONDITION while that session is still attached. RESOURCE_EXHAUSTED when the arena
+  // lacks blocks (the spilled copy stays); DATA_LOSS when the copy fails its checksum.
+  absl::StatusOr<SpillResult> Restore(std::string_view session_id, std::string_view sequence_id,
+                                      std::string_view from_session_id = {});
+  // Every spilled copy the tiers hold (those of ended sessions and earlier runs included, lost
+  // ones with their error), ordered by key. Empty without tiers.
+  std::vector<SpilledInfo> ListSpilled() const;
+
   // Introspection (Admin).
   PoolStats GetStats() const;
   std::vector<SessionInfo> ListSessions() const;
   std::vector<SequenceInfo> ListSequences(std::string_view session_id) const;  // empty = all
+
+  // Live defaults (Admin.SetDefaults): what CreateSequence uses for a sequence created without a
+  // policy / budget. Start as options().default_policy / default_budget; a change applies to the
+  // next CreateSequence. Callers validate (MakePolicy, budget range) before setting.
+  void SetDefaults(std::optional<PolicyConfig> policy, std::optional<BudgetConfig> budget);
+  PolicyConfig default_policy() const;
+  BudgetConfig default_budget() const;
+
+  // Tenant quotas (Admin.SetQuota). An unlimited quota removes the entry. Sequences over a
+  // lowered quota stay; only growth is refused (RESOURCE_EXHAUSTED naming tenant and quota).
+  void SetTenantQuota(const std::string& tenant, const TenantQuota& quota);
+  TenantQuota GetTenantQuota(std::string_view tenant) const;              // unlimited if none
+  std::vector<std::pair<std::string, TenantQuota>> TenantQuotas() const;  // sorted by tenant
+  TenantUsage GetTenantUsage(std::string_view tenant) const;
+  // Every tenant that has a session, with its usage, sorted by tenant.
+  std::vector<std::pair<std::string, TenantUsage>> AllTenantUsage() const;
+  // RESOURCE_EXHAUSTED if storing `extra_bytes` more in the host (host=true) or disk tier would
+  // take `tenant` over its host_bytes / disk_bytes quota; for the spill path.
+  absl::Status CheckTierQuota(std::string_view tenant, bool host, uint64_t extra_bytes) const;
+  // Tier usage hook: (tenant, host) -> bytes the tenant holds in that tier. Set once at start by
+  // whoever owns the tiers; null = 0.
+  void SetTierUsageFn(std::function<uint64_t(std::string_view tenant, bool host)> fn);
+  // Gives every sequence of `tenant` ("*" = every tenant) the budget `tokens_per_layer` (explicit
+  // per-layer budgets cleared; strictness and prefill block kept) and compresses it to that
+  // budget with its own policy. A sequence that cannot take it (capacity, a pending reservation,
+  // an attention policy over budget without queries) is listed in `skipped`, unchanged except
+  // that an attention policy keeps the new budget for its next Commit/DecodeStep.
+  RebudgetResult RebudgetTenant(std::string_view tenant, int32_t tokens_per_layer);
+  // Per policy, sorted by name (metrics).
+  std::vector<PolicyTokenTotals> PolicyTotals() const;
 
   const PoolOptions& options() const { return options_; }
   Backend* backend() const { return backend_; }
@@ -352,9 +466,27 @@ class KvPool {
   uint64_t arena_bytes_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t sessions_reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
   int32_t sessions_pending_ ABSL_GUARDED_BY(mu_) = 0;  // admitted, arena being created
+  // The tenant's arena quota: RESOURCE_EXHAUSTED when its blocks in use reach it.
+  absl::Status CheckArenaQuota(const std::string& tenant) const;
+  // Bumps the tenant's sequence count if below its quota (RESOURCE_EXHAUSTED otherwise).
+  absl::Status AddTenantSequence(const std::string& tenant);
+  void RemoveTenantSequences(const std::string& tenant, int32_t count);
+  // Adds a released sequence's totals to its policy's.
+  void RetireTotals(const Sequence& sequence);
+
+  // Leaf lock (nothing else is taken while it is held): live defaults, quotas, sequence counts.
+  mutable absl::Mutex quota_mu_;
+  PolicyConfig live_default_policy_ ABSL_GUARDED_BY(quota_mu_);
+  BudgetConfig live_default_budget_ ABSL_GUARDED_BY(quota_mu_);
+  absl::flat_hash_map<std::string, TenantQuota> quotas_ ABSL_GUARDED_BY(quota_mu_);
+  absl::flat_hash_map<std::string, int32_t> tenant_sequences_ ABSL_GUARDED_BY(quota_mu_);
+  std::function<uint64_t(std::string_view, bool)> tier_usage_fn_ ABSL_GUARDED_BY(quota_mu_);
+  absl::flat_hash_map<std::string, PolicyTokenTotals> retired_ ABSL_GUARDED_BY(quota_mu_);
+
   // Lifetime totals for PoolStats (layer-tokens), bumped by sessions without taking mu_.
   std::atomic<int64_t> tokens_appended_{0};
   std::atomic<int64_t> tokens_evicted_{0};
+  std::atomic<int64_t> spilled_on_pressure_{0};
 };
 
 }  // namespace kvs

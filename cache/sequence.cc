@@ -416,6 +416,7 @@ void Sequence::CommitPending(const SequenceEnv& env) {
   next_position_ = int64_t{pending.positions.back()} + 1;
   last_committed_ = pending.id;
   ++version_;
+  totals_.appended += int64_t{pending.num_tokens} * static_cast<int64_t>(pending.layers.size());
   if (env.tokens_appended != nullptr) {
     *env.tokens_appended +=
         int64_t{pending.num_tokens} * static_cast<int64_t>(pending.layers.size());
@@ -1099,7 +1100,10 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
   // 3. Merge evicted rows into kept ones (D2O) while every row is still in place.
   std::vector<int32_t> merged(victims.size(), 0);
   KVS_RETURN_IF_ERROR(policy.Merge(env.backend, phase, selections, absl::MakeSpan(merged)));
-  for (size_t i = 0; i < victims.size(); ++i) eviction.merged[victims[i]] = merged[i];
+  for (size_t i = 0; i < victims.size(); ++i) {
+    eviction.merged[victims[i]] = merged[i];
+    totals_.merged += merged[i];
+  }
 
   // 4. Move rows, then publish the new tables, permute the policy state the same way and give
   // the tail blocks back.
@@ -1128,6 +1132,7 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
   }
   eviction.blocks_freed = static_cast<int32_t>(to_free.size());
   ++version_;
+  totals_.evicted += evicted_total;
   if (env.tokens_evicted != nullptr) *env.tokens_evicted += evicted_total;
   // The blocks were this sequence's, so a failure here is a bookkeeping bug.
   KVS_RETURN_IF_ERROR(env.allocator.Free(to_free));

@@ -36,6 +36,7 @@
 #include "cache/block_allocator.h"
 #include "cache/policy/policy.h"
 #include "cache/pool.h"
+#include "cache/tier.h"
 #include "gpu/arena.h"
 #include "gpu/backend.h"
 #include "gpu/base/layout.h"
@@ -72,6 +73,15 @@ class Sequence {
   const std::string& id() const { return id_; }
   const PolicyConfig& policy_config() const { return policy_->config(); }
   const BudgetConfig& budget() const { return budget_; }
+  // Admin re-budget: the caller validated `budget` against the session and compresses after.
+  void set_budget(const BudgetConfig& budget) { budget_ = budget; }
+  // Lifetime layer-token totals of this sequence (metrics per policy).
+  struct Totals {
+    int64_t appended = 0;
+    int64_t evicted = 0;
+    int64_t merged = 0;
+  };
+  const Totals& totals() const { return totals_; }
   uint64_t version() const { return version_; }
   absl::Time created() const { return created_; }
   absl::Time last_used() const { return last_used_; }
@@ -115,6 +125,16 @@ class Sequence {
   // OK if `reservation_id` is the pending reservation; NOT_FOUND or FAILED_PRECONDITION (already
   // committed or cancelled) otherwise.
   absl::Status CheckPending(uint64_t reservation_id) const;
+
+  // Spill (cache/sequence_snapshot.cc): the sequence's full state (EncodeSnapshot) and the bytes
+  // of every layer's blocks. FAILED_PRECONDITION while a reservation is pending. Changes nothing.
+  absl::StatusOr<SpilledSequence> Spill(const SequenceEnv& env) const;
+  // A sequence rebuilt from what Spill produced, in fresh blocks of env.allocator: bit-identical
+  // K/V, positions and policy state. RESOURCE_EXHAUSTED (nothing allocated) when the arena lacks
+  // the blocks; DATA_LOSS when `data` is malformed; FAILED_PRECONDITION when it was spilled from
+  // a different model layout.
+  static absl::StatusOr<std::unique_ptr<Sequence>> Restore(const SequenceEnv& env,
+                                                           const SpilledSequence& data);
 
  private:
   struct LayerState {
@@ -209,7 +229,8 @@ class Sequence {
   const std::string id_;
   const ModelLayout layout_;
   const std::unique_ptr<Policy> policy_;
-  const BudgetConfig budget_;
+  BudgetConfig budget_;  // changed only by set_budget (Admin re-budget), under the session lock
+  Totals totals_;
   const absl::Time created_;
   absl::Time last_used_;
 

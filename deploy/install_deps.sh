@@ -7,7 +7,14 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev librocksdb-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libyaml-cpp-dev libcpp-httplib-dev openssl
 )
+# tests/deploy: a venv for kubernetes-validate, and kubectl to render the Kubernetes manifests. Any
+# kubectl will do; Debian's kubernetes-client only when none is installed (another kubectl package
+# would conflict with it).
+# python3-venv is also what deploy/python_env.sh needs for the Python client's venv (build/pyenv).
+packages+=(python3-venv)
+command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -21,7 +21,10 @@ run_suite() {  # run_suite BUILD_DIR [cmake args...]
 }
 
 mkdir -p "$root/build"
-run_suite "$root/build" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+# The Python client (clients/python) in a venv under the build dir, for its pytest suites (PyPI).
+echo "== python venv $root/build/pyenv"
+kvs_python=$("$root/deploy/python_env.sh" "$root/build/pyenv")
+run_suite "$root/build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVS_PYTHON="$kvs_python"
 
 for sanitizer in ${KVS_SANITIZE:-}; do
   mkdir -p "$root/build-$sanitizer"

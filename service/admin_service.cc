@@ -1,8 +1,11 @@
 #include "service/admin_service.h"
 
+#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "cache/policy/policy.h"
 #include "gpu/base/status_macros.h"
 #include "service/convert.h"
 #include "service/log.h"
@@ -12,19 +15,94 @@ namespace kvs {
 
 namespace v1 = ::kvsidecar::v1;
 
+namespace {
+
+void QuotaToProto(const TenantQuota& quota, v1::Quota* out) {
+  out->set_arena_bytes(quota.arena_bytes);
+  out->set_host_bytes(quota.host_bytes);
+  out->set_disk_bytes(quota.disk_bytes);
+  out->set_sequences(quota.sequences);
+}
+
+void UsageToProto(const TenantUsage& usage, v1::TenantUsage* out) {
+  out->set_arena_bytes(usage.arena_bytes);
+  out->set_host_bytes(usage.host_bytes);
+  out->set_disk_bytes(usage.disk_bytes);
+  out->set_sequences(usage.sequences);
+  out->set_sessions(usage.sessions);
+  out->set_arena_bytes_reserved(usage.arena_bytes_reserved);
+}
+
+// The first limit of `quota` that `usage` exceeds, as "quota.<field> N is below the M ... tenant
+// uses"; "" if none.
+std::string FirstExceeded(absl::string_view tenant, const TenantQuota& quota,
+                          const TenantUsage& usage) {
+  auto below = [&](absl::string_view field, uint64_t limit, uint64_t used,
+                   absl::string_view unit) -> std::string {
+    if (limit == 0 || used <= limit) return "";
+    return absl::StrCat("quota.", field, " ", limit, " is below the ", used, " ", unit, " tenant ",
+                        tenant, " uses now");
+  };
+  for (std::string reason :
+       {below("arena_bytes", quota.arena_bytes, usage.arena_bytes, "arena bytes"),
+        below("host_bytes", quota.host_bytes, usage.host_bytes, "host-tier bytes"),
+        below("disk_bytes", quota.disk_bytes, usage.disk_bytes, "disk bytes"),
+        below("sequences", static_cast<uint64_t>(quota.sequences),
+              static_cast<uint64_t>(usage.sequences), "sequences")}) {
+    if (!reason.empty()) return reason;
+  }
+  return "";
+}
+
+}  // namespace
+
 AdminService::AdminService(KvPool* pool, SidecarService* sidecar, AdminInfo info,
                            std::function<void()> on_drain)
     : pool_(pool), sidecar_(sidecar), info_(std::move(info)), on_drain_(std::move(on_drain)) {}
+
+absl::Status AdminService::CheckAdmin(const grpc::CallbackServerContext& context) const {
+  if (info_.authenticator == nullptr) return absl::OkStatus();
+  return info_.authenticator->CheckAdmin(context);
+}
+
+void AdminService::FillTenants(absl::string_view tenant,
+                               google::protobuf::RepeatedPtrField<v1::TenantQuota>* out) const {
+  std::map<std::string, std::pair<TenantQuota, TenantUsage>> tenants;
+  for (auto& [name, quota] : pool_->TenantQuotas()) {
+    tenants[name].first = quota;
+    tenants[name].second = pool_->GetTenantUsage(name);
+  }
+  for (auto& [name, usage] : pool_->AllTenantUsage()) tenants[name].second = usage;
+  for (const auto& [name, entry] : tenants) {
+    if (!tenant.empty() && name != tenant) continue;
+    v1::TenantQuota* item = out->Add();
+    item->set_tenant(name);
+    QuotaToProto(entry.first, item->mutable_quota());
+    UsageToProto(entry.second, item->mutable_usage());
+  }
+}
 
 grpc::ServerUnaryReactor* AdminService::GetConfig(grpc::CallbackServerContext* context,
                                                   const v1::GetConfigRequest* request,
                                                   v1::GetConfigResponse* response) {
   return RunUnary(context, "Admin.GetConfig", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(CheckAdmin(*context));
     response->set_effective_config_yaml(info_.effective_config_yaml);
-    PolicyToProto(pool_->options().default_policy, response->mutable_default_policy());
-    BudgetToProto(pool_->options().default_budget, response->mutable_default_budget());
+    PolicyToProto(pool_->default_policy(), response->mutable_default_policy());
+    BudgetToProto(pool_->default_budget(), response->mutable_default_budget());
     response->set_backend(info_.backend);
     response->set_backend_reason(info_.backend_reason);
+    for (const auto& [tenant, quota] : pool_->TenantQuotas()) {
+      v1::TenantQuota* item = response->add_quotas();
+      item->set_tenant(tenant);
+      QuotaToProto(quota, item->mutable_quota());
+      UsageToProto(pool_->GetTenantUsage(tenant), item->mutable_usage());
+    }
+    response->set_metrics_address(info_.metrics_address);
+    response->set_tls(info_.tls);
+    response->set_mtls(info_.mtls);
+    response->set_data_auth(info_.authenticator != nullptr && info_.authenticator->data_auth());
+    response->set_admin_auth(info_.authenticator != nullptr && info_.authenticator->admin_auth());
     return absl::OkStatus();
   });
 }
@@ -32,19 +110,139 @@ grpc::ServerUnaryReactor* AdminService::GetConfig(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* AdminService::SetDefaults(grpc::CallbackServerContext* context,
                                                     const v1::SetDefaultsRequest* request,
                                                     v1::SetDefaultsResponse* response) {
-  return RunUnary(context, "Admin.SetDefaults", [] {
-    return absl::UnimplementedError(
-        "SetDefaults is not implemented in this build: live re-configuration comes with the "
-        "operations issue; restart with --default_policy / --default_budget_tokens");
+  return RunUnary(context, "Admin.SetDefaults", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(CheckAdmin(*context));
+    if (!request->has_default_policy() && !request->has_default_budget() &&
+        request->rebudget_tenant().empty()) {
+      return absl::InvalidArgumentError(
+          "set default_policy, default_budget or rebudget_tenant: the request changes nothing");
+    }
+    std::optional<PolicyConfig> policy;
+    if (request->has_default_policy()) {
+      if (request->default_policy().name().empty()) {
+        return absl::InvalidArgumentError(
+            "default_policy.name must name a policy (e.g. keydiff, streaming_llm)");
+      }
+      KVS_ASSIGN_OR_RETURN(policy, PolicyFromProto(request->default_policy(), "default_policy."));
+      if (policy.has_value()) {
+        // Everything CreateSequence would refuse is refused now, not at the next attach.
+        absl::StatusOr<std::unique_ptr<Policy>> made = MakePolicy(*policy);
+        if (!made.ok()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("default_policy: ", made.status().message()));
+        }
+        *policy = (*made)->config();
+      }
+    }
+    std::optional<BudgetConfig> budget;
+    if (request->has_default_budget()) {
+      const v1::Budget& b = request->default_budget();
+      if (b.tokens_per_layer() <= 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("default_budget.tokens_per_layer must be >= 1, got ", b.tokens_per_layer(),
+                         " (a default budget of 0 would make new sequences unbounded)"));
+      }
+      if (b.per_layer_tokens_size() > 0) {
+        return absl::InvalidArgumentError(
+            "default_budget.per_layer_tokens cannot be a default: it depends on each model's "
+            "layer count (set it per sequence)");
+      }
+      KVS_ASSIGN_OR_RETURN(
+          budget, BudgetFromProto(b, pool_->options().max_tokens_per_call, "default_budget."));
+    }
+    if (!request->rebudget_tenant().empty()) {
+      if (request->rebudget_tenant() != "*") {
+        KVS_RETURN_IF_ERROR(ValidateName(request->rebudget_tenant(), "rebudget_tenant", true));
+      }
+      const BudgetConfig target = budget.has_value() ? *budget : pool_->default_budget();
+      if (target.tokens_per_layer <= 0) {
+        return absl::FailedPreconditionError(
+            "rebudget_tenant needs a bounded default budget: set default_budget.tokens_per_layer");
+      }
+    }
+    pool_->SetDefaults(policy, budget);
+    if (!request->rebudget_tenant().empty()) {
+      const RebudgetResult result = pool_->RebudgetTenant(request->rebudget_tenant(),
+                                                          pool_->default_budget().tokens_per_layer);
+      response->set_sequences_rebudgeted(result.rebudgeted);
+      for (const std::string& skipped : result.skipped) response->add_rebudget_skipped(skipped);
+    }
+    PolicyToProto(pool_->default_policy(), response->mutable_default_policy());
+    BudgetToProto(pool_->default_budget(), response->mutable_default_budget());
+    KVS_LOG(kInfo, "admin_set_defaults")
+    ("policy", pool_->default_policy().name)("budget_tokens",
+                                             pool_->default_budget().tokens_per_layer)(
+        "rebudget_tenant", request->rebudget_tenant())("rebudgeted",
+                                                       response->sequences_rebudgeted());
+    return absl::OkStatus();
   });
 }
 
 grpc::ServerUnaryReactor* AdminService::SetQuota(grpc::CallbackServerContext* context,
                                                  const v1::SetQuotaRequest* request,
                                                  v1::SetQuotaResponse* response) {
-  return RunUnary(context, "Admin.SetQuota", [] {
-    return absl::UnimplementedError(
-        "SetQuota is not implemented in this build: tenant quotas come with the operations issue");
+  return RunUnary(context, "Admin.SetQuota", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(CheckAdmin(*context));
+    KVS_RETURN_IF_ERROR(ValidateName(request->tenant(), "tenant", true));
+    const v1::Quota& q = request->quota();
+    if (q.sequences() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("quota.sequences must be >= 0 (0 = unlimited), got ", q.sequences()));
+    }
+    if (request->rebudget_tokens_per_layer() < 0 ||
+        request->rebudget_tokens_per_layer() > kMaxBudgetTokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rebudget_tokens_per_layer must be in [0, ", kMaxBudgetTokens,
+                       "] (0 = the default budget), got ", request->rebudget_tokens_per_layer()));
+    }
+    TenantQuota quota;
+    quota.arena_bytes = q.arena_bytes();
+    quota.host_bytes = q.host_bytes();
+    quota.disk_bytes = q.disk_bytes();
+    quota.sequences = q.sequences();
+    const std::string& tenant = request->tenant();
+    const std::string exceeded = FirstExceeded(tenant, quota, pool_->GetTenantUsage(tenant));
+    int32_t tokens = 0;
+    if (!exceeded.empty()) {
+      if (!request->rebudget()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            exceeded, "; set rebudget to compress its sequences, or release some first"));
+      }
+      tokens = request->rebudget_tokens_per_layer() > 0 ? request->rebudget_tokens_per_layer()
+                                                        : pool_->default_budget().tokens_per_layer;
+      if (tokens <= 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(exceeded,
+                         "; rebudget needs a budget: set rebudget_tokens_per_layer or a bounded "
+                         "default budget (SetDefaults)"));
+      }
+    }
+    pool_->SetTenantQuota(tenant, quota);
+    if (tokens > 0) {
+      const RebudgetResult result = pool_->RebudgetTenant(tenant, tokens);
+      response->set_sequences_rebudgeted(result.rebudgeted);
+      for (const std::string& skipped : result.skipped) response->add_rebudget_skipped(skipped);
+    }
+    const TenantUsage usage = pool_->GetTenantUsage(tenant);
+    QuotaToProto(quota, response->mutable_quota());
+    UsageToProto(usage, response->mutable_usage());
+    response->set_over_quota(!FirstExceeded(tenant, quota, usage).empty());
+    KVS_LOG(kInfo, "admin_set_quota")
+    ("tenant", tenant)("arena_bytes", quota.arena_bytes)("host_bytes", quota.host_bytes)(
+        "disk_bytes", quota.disk_bytes)("sequences", quota.sequences)(
+        "rebudgeted", response->sequences_rebudgeted())("over_quota", response->over_quota());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* AdminService::GetQuotas(grpc::CallbackServerContext* context,
+                                                  const v1::GetQuotasRequest* request,
+                                                  v1::GetQuotasResponse* response) {
+  return RunUnary(context, "Admin.GetQuotas", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(CheckAdmin(*context));
+    KVS_RETURN_IF_ERROR(ValidateName(request->tenant(), "tenant", false));
+    FillTenants(request->tenant(), response->mutable_tenants());
+    return absl::OkStatus();
   });
 }
 
@@ -52,6 +250,7 @@ grpc::ServerUnaryReactor* AdminService::ListSessions(grpc::CallbackServerContext
                                                      const v1::ListSessionsRequest* request,
                                                      v1::ListSessionsResponse* response) {
   return RunUnary(context, "Admin.ListSessions", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(CheckAdmin(*context));
     for (const SessionInfo& info : pool_->ListSessions()) {
       if (!request->tenant().empty() && info.tenant != request->tenant()) continue;
       SessionInfoToProto(info, response->add_sessions());
@@ -64,10 +263,21 @@ grpc::ServerUnaryReactor* AdminService::ListSequences(grpc::CallbackServerContex
                                                       const v1::ListSequencesRequest* request,
                                                       v1::ListSequencesResponse* response) {
   return RunUnary(context, "Admin.ListSequences", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(CheckAdmin(*context));
+    std::map<std::string, uint64_t> block_bytes;  // per session
+    for (const SessionInfo& session : pool_->ListSessions()) {
+      block_bytes[session.session_id] = session.layout.block_bytes();
+    }
+    const absl::Time now = absl::Now();
     for (const SequenceInfo& info : pool_->ListSequences(request->session_id())) {
       if (!request->session_id().empty() && info.session_id != request->session_id()) continue;
       if (!request->tenant().empty() && info.tenant != request->tenant()) continue;
-      SequenceInfoToProto(info, response->add_sequences());
+      v1::SequenceInfo* out = response->add_sequences();
+      SequenceInfoToProto(info, out);
+      out->set_age_ms(absl::ToInt64Milliseconds(now - info.created));
+      out->set_idle_ms(absl::ToInt64Milliseconds(now - info.last_used));
+      const uint64_t bytes = block_bytes[info.session_id];
+      out->set_blocks(bytes == 0 ? 0 : static_cast<int32_t>(info.arena_bytes / bytes));
     }
     return absl::OkStatus();
   });
@@ -77,19 +287,37 @@ grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* co
                                                  const v1::GetStatsRequest* request,
                                                  v1::GetStatsResponse* response) {
   return RunUnary(context, "Admin.GetStats", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(CheckAdmin(*context));
     const PoolStats stats = pool_->GetStats();
     response->set_sessions(stats.sessions);
     response->set_sequences(stats.sequences);
     response->set_arena_bytes_capacity(stats.arena_bytes_capacity);
     response->set_arena_bytes_used(stats.arena_bytes_used);
-    response->set_host_bytes_used(0);
-    response->set_disk_bytes_used(0);
+    response->set_arena_bytes_reserved(stats.arena_bytes_reserved);
+    uint64_t host = 0, disk = 0;
+    for (const auto& [tenant, usage] : pool_->AllTenantUsage()) {
+      host += usage.host_bytes;
+      disk += usage.disk_bytes;
+    }
+    response->set_host_bytes_used(host);
+    response->set_host_bytes_capacity(info_.host_bytes_capacity);
+    response->set_disk_bytes_capacity(info_.disk_bytes_capacity);
+    response->set_disk_bytes_used(disk);
     response->set_tokens_appended(stats.tokens_appended);
     response->set_tokens_evicted(stats.tokens_evicted);
-    response->set_tokens_merged(0);
+    int64_t merged = 0, kept = 0;
+    for (const PolicyTokenTotals& totals : pool_->PolicyTotals()) {
+      merged += totals.merged;
+      kept += totals.kept;
+    }
+    response->set_tokens_merged(merged);
+    response->set_tokens_kept(kept);
     response->set_sessions_reclaimed(stats.sessions_reclaimed);
     response->set_draining(sidecar_->draining());
     response->set_backend(info_.backend);
+    response->set_backend_healthy(true);
+    response->set_uptime_ms(absl::ToInt64Milliseconds(absl::Now() - started_));
+    FillTenants("", response->mutable_tenants());
     return absl::OkStatus();
   });
 }
@@ -98,14 +326,16 @@ grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* conte
                                               const v1::DrainRequest* request,
                                               v1::DrainResponse* response) {
   return RunUnary(context, "Admin.Drain", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(CheckAdmin(*context));
     sidecar_->StartDraining();
     std::call_once(drain_once_, [&] {
       if (on_drain_) on_drain_();
     });
-    const int32_t remaining = pool_->GetStats().sessions;
-    response->set_sessions_remaining(remaining);
-    response->set_empty(remaining == 0);
-    KVS_LOG(kInfo, "drain")("sessions_remaining", remaining)("peer", context->peer());
+    const PoolStats stats = pool_->GetStats();
+    response->set_sessions_remaining(stats.sessions);
+    response->set_sequences_remaining(stats.sequences);
+    response->set_empty(stats.sessions == 0);
+    KVS_LOG(kInfo, "drain")("sessions_remaining", stats.sessions)("peer", context->peer());
     return absl::OkStatus();
   });
 }
@@ -114,6 +344,7 @@ grpc::ServerUnaryReactor* AdminService::ForceRelease(grpc::CallbackServerContext
                                                      const v1::ForceReleaseRequest* request,
                                                      v1::ForceReleaseResponse* response) {
   return RunUnary(context, "Admin.ForceRelease", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(CheckAdmin(*context));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", false));
     if (!request->sequence_id().empty()) {

@@ -1,28 +1,39 @@
 // AdminService: the operator API (kvsidecar.v1.Admin) on the gRPC callback API: effective
-// configuration, sessions, sequences, stats, drain and force-release. SetDefaults and SetQuota
-// answer UNIMPLEMENTED in this build (live re-configuration and quotas come with the operations
-// issue).
+// configuration, live defaults (policy, budget) with an optional re-budget of a tenant's
+// sequences, tenant quotas, sessions, sequences, stats, drain and force-release. Every call needs
+// the admin token when one is configured (UNAUTHENTICATED otherwise).
 //
 // Threading: handlers run concurrently on gRPC's callback threads; everything they touch (pool,
-// SidecarService hooks) is thread-safe, the rest is immutable after construction.
+// SidecarService hooks, the authenticator) is thread-safe, the rest is immutable after
+// construction.
 #ifndef KVSIDECAR_SERVICE_ADMIN_SERVICE_H_
 #define KVSIDECAR_SERVICE_ADMIN_SERVICE_H_
 
+#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <string>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "cache/pool.h"
 #include "grpcpp/grpcpp.h"
 #include "kvsidecar/v1/admin.grpc.pb.h"
+#include "service/auth.h"
 #include "service/sidecar_service.h"
 
 namespace kvs {
 
 struct AdminInfo {
   std::string effective_config_yaml;
-  std::string backend;         // "cpu"
-  std::string backend_reason;  // why that backend
+  std::string backend;               // "cpu"
+  std::string backend_reason;        // why that backend
+  std::string metrics_address;       // "" = no /metrics endpoint
+  uint64_t host_bytes_capacity = 0;  // spill tiers (0 = none / unlimited)
+  uint64_t disk_bytes_capacity = 0;
+  bool tls = false;
+  bool mtls = false;
+  const Authenticator* authenticator = nullptr;  // null = open; must outlive the service
 };
 
 class AdminService final : public ::kvsidecar::v1::Admin::CallbackService {
@@ -60,9 +71,18 @@ class AdminService final : public ::kvsidecar::v1::Admin::CallbackService {
   grpc::ServerUnaryReactor* ForceRelease(grpc::CallbackServerContext* context,
                                          const ::kvsidecar::v1::ForceReleaseRequest* request,
                                          ::kvsidecar::v1::ForceReleaseResponse* response) override;
+  grpc::ServerUnaryReactor* GetQuotas(grpc::CallbackServerContext* context,
+                                      const ::kvsidecar::v1::GetQuotasRequest* request,
+                                      ::kvsidecar::v1::GetQuotasResponse* response) override;
 
  private:
+  absl::Status CheckAdmin(const grpc::CallbackServerContext& context) const;
+  // Every tenant with a quota or a session (or only `tenant`), sorted.
+  void FillTenants(absl::string_view tenant,
+                   google::protobuf::RepeatedPtrField<::kvsidecar::v1::TenantQuota>* out) const;
+
   KvPool* const pool_;
+  const absl::Time started_ = absl::Now();
   SidecarService* const sidecar_;
   const AdminInfo info_;
   const std::function<void()> on_drain_;

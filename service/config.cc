@@ -2,10 +2,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <system_error>
 #include <utility>
 
@@ -14,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "gpu/base/status_macros.h"
 #include "service/convert.h"
+#include "yaml-cpp/yaml.h"
 
 namespace kvs {
 namespace {
@@ -134,6 +138,27 @@ absl::Status ValidateConfig(const SidecarConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat("--log_level must be debug, info, warning or error, got '", level, "'"));
   }
+  if (!config.metrics_listen.empty()) {
+    KVS_RETURN_IF_ERROR(ValidateListenAddress(config.metrics_listen, "--metrics_listen"));
+  }
+  if (config.tls_cert_file.empty() != config.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "tls.cert_file (--tls_cert_file) and tls.key_file (--tls_key_file) must be set together");
+  }
+  if (!config.tls_client_ca_file.empty() && config.tls_cert_file.empty()) {
+    return absl::InvalidArgumentError(
+        "tls.client_ca_file (--tls_client_ca_file) needs tls.cert_file and tls.key_file: mutual "
+        "TLS is TLS with client certificates");
+  }
+  for (const auto& [tenant, quota] : config.quotas) {
+    if (tenant.empty() || tenant.size() > 256) {
+      return absl::InvalidArgumentError("quotas: a tenant name must have 1 to 256 bytes");
+    }
+    if (quota.sequences < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "quotas.", tenant, ".sequences must be >= 0 (0 = unlimited), got ", quota.sequences));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -201,6 +226,8 @@ std::string ConfigToYaml(const SidecarConfig& config, const BackendChoice& backe
   absl::StrAppend(&out, "shm_dir: ", YamlQuote(config.shm_dir), "\n");
   absl::StrAppend(&out, "arena_capacity_bytes: ", config.arena_capacity_bytes, "\n");
   absl::StrAppend(&out, "default_session_bytes: ", config.default_session_bytes, "\n");
+  absl::StrAppend(&out, "host_tier_bytes: ", config.host_tier_bytes, "\n");
+  absl::StrAppend(&out, "disk_tier_bytes: ", config.disk_tier_bytes, "\n");
   absl::StrAppend(&out, "lease_ms: ", config.lease_ms, "\n");
   absl::StrAppend(&out, "backend: ", YamlQuote(backend.name), "\n");
   absl::StrAppend(&out, "backend_flag: ", YamlQuote(config.backend), "\n");
@@ -209,7 +236,281 @@ std::string ConfigToYaml(const SidecarConfig& config, const BackendChoice& backe
   absl::StrAppend(&out, "default_budget_tokens: ", config.default_budget_tokens, "\n");
   absl::StrAppend(&out, "threads: ", config.threads, "\n");
   absl::StrAppend(&out, "log_level: ", YamlQuote(config.log_level), "\n");
+  absl::StrAppend(&out, "metrics_listen: ", YamlQuote(config.metrics_listen), "\n");
+  absl::StrAppend(&out, "tls:\n  cert_file: ", YamlQuote(config.tls_cert_file), "\n");
+  absl::StrAppend(&out, "  key_file: ", YamlQuote(config.tls_key_file), "\n");
+  absl::StrAppend(&out, "  client_ca_file: ", YamlQuote(config.tls_client_ca_file), "\n");
+  absl::StrAppend(&out, "auth:\n  admin_token_file: ", YamlQuote(config.admin_token_file), "\n");
+  absl::StrAppend(&out, "  tenant_tokens_file: ", YamlQuote(config.tenant_tokens_file), "\n");
+  absl::StrAppend(&out, "quotas:", config.quotas.empty() ? " {}" : "", "\n");
+  for (const auto& [tenant, quota] : config.quotas) {
+    absl::StrAppend(&out, "  ", YamlQuote(tenant), ": {arena_bytes: ", quota.arena_bytes,
+                    ", host_bytes: ", quota.host_bytes, ", disk_bytes: ", quota.disk_bytes,
+                    ", sequences: ", quota.sequences, "}\n");
+  }
+  absl::StrAppend(&out, "config_file: ", YamlQuote(config.config_file), "\n");
   return out;
+}
+
+// ---- Configuration sources: keys, YAML file, flags. ----
+
+const std::vector<ConfigKey>& ConfigKeys() {
+  static const std::vector<ConfigKey>* keys = new std::vector<ConfigKey>{
+      {"listen", "listen"},
+      {"admin_listen", "admin_listen"},
+      {"metrics_listen", "metrics_listen"},
+      {"data_dir", "data_dir"},
+      {"shm_dir", "shm_dir"},
+      {"arena_capacity_bytes", "arena_capacity_bytes"},
+      {"default_session_bytes", "default_session_bytes"},
+      {"host_tier_bytes", "host_tier_bytes"},
+      {"disk_tier_bytes", "disk_tier_bytes"},
+      {"lease_ms", "lease_ms"},
+      {"backend", "backend"},
+      {"default_policy", "default_policy"},
+      {"default_budget_tokens", "default_budget_tokens"},
+      {"threads", "threads"},
+      {"log_level", "log_level"},
+      {"tls.cert_file", "tls_cert_file"},
+      {"tls.key_file", "tls_key_file"},
+      {"tls.client_ca_file", "tls_client_ca_file"},
+      {"auth.admin_token_file", "admin_token_file"},
+      {"auth.tenant_tokens_file", "tenant_tokens_file"},
+  };
+  return *keys;
+}
+
+namespace {
+
+// Out-of-range values are clamped to one ValidateConfig refuses with its message.
+absl::Status SetInt32(int32_t* out, absl::string_view value, absl::string_view name) {
+  KVS_ASSIGN_OR_RETURN(int64_t parsed, ParseInteger(value, name));
+  *out = static_cast<int32_t>(std::clamp<int64_t>(parsed, -1, INT32_MAX));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status SetConfigValue(SidecarConfig* config, absl::string_view key, absl::string_view value,
+                            absl::string_view name) {
+  const ConfigKey* found = nullptr;
+  for (const ConfigKey& k : ConfigKeys()) {
+    if (key == k.yaml || key == k.flag) found = &k;
+  }
+  if (found == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": unknown key"));
+  }
+  const absl::string_view flag = found->flag;
+  const std::string text(value);
+  if (flag == "listen") {
+    config->listen = text;
+  } else if (flag == "admin_listen") {
+    config->admin_listen = text;
+  } else if (flag == "metrics_listen") {
+    config->metrics_listen = text == "off" ? "" : text;
+  } else if (flag == "data_dir") {
+    config->data_dir = text;
+  } else if (flag == "shm_dir") {
+    config->shm_dir = text;
+  } else if (flag == "arena_capacity_bytes") {
+    KVS_ASSIGN_OR_RETURN(config->arena_capacity_bytes, ParseByteSize(value, name));
+  } else if (flag == "default_session_bytes") {
+    KVS_ASSIGN_OR_RETURN(config->default_session_bytes, ParseByteSize(value, name));
+  } else if (flag == "host_tier_bytes") {
+    KVS_ASSIGN_OR_RETURN(config->host_tier_bytes, ParseByteSize(value, name));
+  } else if (flag == "disk_tier_bytes") {
+    KVS_ASSIGN_OR_RETURN(config->disk_tier_bytes, ParseByteSize(value, name));
+  } else if (flag == "lease_ms") {
+    KVS_ASSIGN_OR_RETURN(config->lease_ms, ParseInteger(value, name));
+  } else if (flag == "backend") {
+    config->backend = text;
+  } else if (flag == "default_policy") {
+    config->default_policy = text;
+  } else if (flag == "default_budget_tokens") {
+    KVS_RETURN_IF_ERROR(SetInt32(&config->default_budget_tokens, value, name));
+  } else if (flag == "threads") {
+    KVS_RETURN_IF_ERROR(SetInt32(&config->threads, value, name));
+  } else if (flag == "log_level") {
+    config->log_level = text;
+  } else if (flag == "tls_cert_file") {
+    config->tls_cert_file = text;
+  } else if (flag == "tls_key_file") {
+    config->tls_key_file = text;
+  } else if (flag == "tls_client_ca_file") {
+    config->tls_client_ca_file = text;
+  } else if (flag == "admin_token_file") {
+    config->admin_token_file = text;
+  } else if (flag == "tenant_tokens_file") {
+    config->tenant_tokens_file = text;
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status ApplyQuotas(const YAML::Node& node, absl::string_view source, SidecarConfig* config) {
+  if (node.IsNull()) return absl::OkStatus();
+  if (!node.IsMap()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source,
+                     ": quotas: must be a map tenant -> {arena_bytes, host_bytes, "
+                     "disk_bytes, sequences}"));
+  }
+  for (const auto& entry : node) {
+    const std::string tenant = entry.first.as<std::string>();
+    const std::string prefix = absl::StrCat(source, ": quotas.", tenant);
+    if (!entry.second.IsMap()) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, ": must be a map"));
+    }
+    TenantQuota quota;
+    for (const auto& field : entry.second) {
+      const std::string name = field.first.as<std::string>();
+      const std::string where = absl::StrCat(prefix, ".", name);
+      if (!field.second.IsScalar()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": must be a scalar"));
+      }
+      const std::string value = field.second.Scalar();
+      if (name == "arena_bytes") {
+        KVS_ASSIGN_OR_RETURN(quota.arena_bytes, ParseByteSize(value, where));
+      } else if (name == "host_bytes") {
+        KVS_ASSIGN_OR_RETURN(quota.host_bytes, ParseByteSize(value, where));
+      } else if (name == "disk_bytes") {
+        KVS_ASSIGN_OR_RETURN(quota.disk_bytes, ParseByteSize(value, where));
+      } else if (name == "sequences") {
+        KVS_RETURN_IF_ERROR(SetInt32(&quota.sequences, value, where));
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": unknown key (use arena_bytes, host_bytes, disk_bytes, sequences)"));
+      }
+    }
+    config->quotas[tenant] = quota;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ApplyConfigYaml(absl::string_view yaml, absl::string_view source,
+                             SidecarConfig* config) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(yaml));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": YAML syntax error: ", e.what()));
+  }
+  if (root.IsNull()) return absl::OkStatus();  // an empty file changes nothing
+  if (!root.IsMap()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": the document must be a map of keys"));
+  }
+  try {
+    for (const auto& entry : root) {
+      const std::string key = entry.first.as<std::string>();
+      const YAML::Node& value = entry.second;
+      if (key == "quotas") {
+        KVS_RETURN_IF_ERROR(ApplyQuotas(value, source, config));
+        continue;
+      }
+      if (key == "tls" || key == "auth") {
+        if (value.IsNull()) continue;
+        if (!value.IsMap()) {
+          return absl::InvalidArgumentError(absl::StrCat(source, ": ", key, ": must be a map"));
+        }
+        for (const auto& sub : value) {
+          const std::string path = absl::StrCat(key, ".", sub.first.as<std::string>());
+          bool known = false;
+          for (const ConfigKey& k : ConfigKeys()) known |= path == k.yaml;
+          if (!known) {
+            return absl::InvalidArgumentError(absl::StrCat(source, ": ", path, ": unknown key"));
+          }
+          if (!sub.second.IsScalar() && !sub.second.IsNull()) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(source, ": ", path, ": must be a scalar"));
+          }
+          const std::string text = sub.second.IsNull() ? "" : sub.second.Scalar();
+          KVS_RETURN_IF_ERROR(SetConfigValue(config, path, text, absl::StrCat(source, ": ", path)));
+        }
+        continue;
+      }
+      bool known = false;
+      for (const ConfigKey& k : ConfigKeys()) known |= key == k.yaml;
+      if (!known) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            source, ": ", key, ": unknown key (see deploy/kvsidecar.example.yaml for the keys)"));
+      }
+      if (!value.IsScalar() && !value.IsNull()) {
+        return absl::InvalidArgumentError(absl::StrCat(source, ": ", key, ": must be a scalar"));
+      }
+      const std::string text = value.IsNull() ? "" : value.Scalar();
+      KVS_RETURN_IF_ERROR(SetConfigValue(config, key, text, absl::StrCat(source, ": ", key)));
+    }
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LoadConfigFile(const std::string& path, SidecarConfig* config) {
+  std::ifstream file(path);
+  if (!file) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--config=", path, ": cannot read the file: ", std::strerror(errno)));
+  }
+  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  KVS_RETURN_IF_ERROR(ApplyConfigYaml(text, path, config));
+  config->config_file = path;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadSecretFile(const std::string& path, absl::string_view key) {
+  std::ifstream file(path);
+  if (!file) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(key, "=", path, ": cannot read the file: ", std::strerror(errno)));
+  }
+  std::string line;
+  std::getline(file, line);
+  const std::string secret(absl::StripAsciiWhitespace(line));
+  if (secret.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(key, "=", path, ": the first line (the secret) is empty"));
+  }
+  return secret;
+}
+
+absl::StatusOr<std::map<std::string, std::string>> ReadTenantTokens(const std::string& path) {
+  constexpr absl::string_view kKey = "auth.tenant_tokens_file";
+  std::ifstream file(path);
+  if (!file) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(kKey, "=", path, ": cannot read the file: ", std::strerror(errno)));
+  }
+  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  std::map<std::string, std::string> tokens;
+  try {
+    const YAML::Node root = YAML::Load(text);
+    if (!root.IsMap() || root.size() == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kKey, "=", path, ": must be a non-empty YAML map tenant: token"));
+    }
+    std::map<std::string, std::string> seen;  // token -> tenant
+    for (const auto& entry : root) {
+      const std::string tenant = entry.first.as<std::string>();
+      if (!entry.second.IsScalar() || entry.second.Scalar().empty() || tenant.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(kKey, "=", path, ": tenant '", tenant, "' must map to a non-empty token"));
+      }
+      const std::string token = entry.second.Scalar();
+      if (!seen.emplace(token, tenant).second) {
+        return absl::InvalidArgumentError(absl::StrCat(kKey, "=", path, ": tenants '", seen[token],
+                                                       "' and '", tenant,
+                                                       "' share a token; tokens must be distinct"));
+      }
+      tokens[tenant] = token;
+    }
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(kKey, "=", path, ": ", e.what()));
+  }
+  return tokens;
 }
 
 }  // namespace kvs

@@ -1,13 +1,16 @@
-// SidecarConfig: the sidecar's command-line configuration as plain values, its validation
-// (messages name the flag: "--lease_ms must be ..."), and what is derived from it: the pool
-// options, the backend choice and the effective-config text Admin.GetConfig shows.
-// main.cc fills it from absl flags; tests build it directly. Value type, pure functions, except
-// PrepareDirectory which touches the file system.
+// SidecarConfig: the sidecar's configuration as plain values, its sources (one YAML file, then
+// command-line flags given explicitly, which win), its validation (messages name the key or
+// flag: "--lease_ms must be ...", "kvsidecar.yaml: tls.cert_file: ..."), and what is derived
+// from it: the pool options, the backend choice and the effective-config text Admin.GetConfig
+// shows. main.cc fills it; tests build it directly. Value type, pure functions, except
+// PrepareDirectory / LoadConfigFile / ReadSecretFile which touch the file system.
 #ifndef KVSIDECAR_SERVICE_CONFIG_H_
 #define KVSIDECAR_SERVICE_CONFIG_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -23,13 +26,51 @@ struct SidecarConfig {
   std::string shm_dir = "/dev/shm";
   uint64_t arena_capacity_bytes = uint64_t{1} << 30;
   uint64_t default_session_bytes = uint64_t{256} << 20;
+  // Storage tiers (issue 4): host memory for spilled sequences; the RocksDB tier in
+  // <data_dir>/rocksdb, 0 = unlimited.
+  uint64_t host_tier_bytes = uint64_t{1} << 30;
+  uint64_t disk_tier_bytes = 0;
   int64_t lease_ms = 10000;
   std::string backend = "auto";            // cpu | auto | cuda
   std::string default_policy = "keydiff";  // streaming_llm | keydiff
   int32_t default_budget_tokens = 0;       // 0 = unbounded
   int32_t threads = 0;             // backend and DecodeStep threads, 0 = hardware concurrency
   std::string log_level = "info";  // debug | info | warning | error
+  // Added with the operations issue.
+  std::string metrics_listen;      // host:port of the Prometheus /metrics endpoint; "" = off
+  std::string tls_cert_file;       // PEM server certificate chain; "" = plaintext
+  std::string tls_key_file;        // PEM private key of tls_cert_file
+  std::string tls_client_ca_file;  // PEM CA bundle; set = mutual TLS (client certificate required)
+  std::string admin_token_file;  // file holding the admin bearer token; "" = Admin unauthenticated
+  // YAML map tenant -> bearer token for the data plane; "" = data plane unauthenticated.
+  std::string tenant_tokens_file;
+  std::map<std::string, TenantQuota> quotas;  // initial tenant quotas (Admin.SetQuota changes them)
+  std::string config_file;  // where the YAML came from ("" = flags only), for the log
 };
+
+// One scalar setting: its YAML path ("tls.cert_file") and flag name ("tls_cert_file").
+struct ConfigKey {
+  const char* yaml;
+  const char* flag;
+};
+// Every scalar setting, in the order the effective config lists them.
+const std::vector<ConfigKey>& ConfigKeys();
+// Parses `value` for the setting whose YAML path or flag name is `key` into `config`. `name`
+// (e.g. "--lease_ms" or "kvsidecar.yaml: lease_ms") starts every error message.
+absl::Status SetConfigValue(SidecarConfig* config, absl::string_view key, absl::string_view value,
+                            absl::string_view name);
+// Applies a YAML document (a map of the keys above, plus `quotas: {tenant: {arena_bytes,
+// host_bytes, disk_bytes, sequences}}`) to `config`. Errors: INVALID_ARGUMENT "<source>: <key>:
+// <reason>" for an unknown key, a non-scalar value or a bad value; "<source>: YAML syntax error
+// ..." otherwise.
+absl::Status ApplyConfigYaml(absl::string_view yaml, absl::string_view source,
+                             SidecarConfig* config);
+// Reads `path` and applies it (FAILED_PRECONDITION naming the file if it cannot be read).
+absl::Status LoadConfigFile(const std::string& path, SidecarConfig* config);
+// The first line of a secret file, whitespace stripped; non-empty. `key` names it in errors.
+absl::StatusOr<std::string> ReadSecretFile(const std::string& path, absl::string_view key);
+// tenant_tokens_file: a YAML map tenant -> token (distinct, non-empty tokens).
+absl::StatusOr<std::map<std::string, std::string>> ReadTenantTokens(const std::string& path);
 
 struct BackendChoice {
   std::string name;    // "cpu"
@@ -54,7 +95,7 @@ absl::StatusOr<PoolOptions> ToPoolOptions(const SidecarConfig& config);
 // Creates `path` (and parents) if missing and checks that it is a writable directory by
 // creating and removing a probe file. `flag` names it in errors.
 absl::Status PrepareDirectory(const std::string& path, absl::string_view flag, bool create);
-// YAML text of the configuration in force (no secrets exist yet to redact).
+// YAML text of the configuration in force. Secrets live in files and only the paths appear.
 std::string ConfigToYaml(const SidecarConfig& config, const BackendChoice& backend);
 
 }  // namespace kvs

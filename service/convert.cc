@@ -1075,9 +1075,9 @@ void SequenceInfoToProto(const SequenceInfo& info, v1::SequenceInfo* out) {
   BudgetToProto(info.budget, out->mutable_budget());
   out->mutable_tokens_per_layer()->Add(info.tokens_per_layer.begin(), info.tokens_per_layer.end());
   out->set_arena_bytes(info.arena_bytes);
-  out->set_host_bytes(0);
-  out->set_disk_bytes(0);
-  out->set_tier(v1::TIER_ARENA);
+  out->set_host_bytes(info.host_bytes);
+  out->set_disk_bytes(info.disk_bytes);
+  out->set_tier(static_cast<v1::Tier>(info.tier));  // StorageTier values match v1::Tier
   out->set_created_unix_ms(UnixMillisOf(info.created));
   out->set_last_used_unix_ms(UnixMillisOf(info.last_used));
 }

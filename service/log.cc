@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/time/clock.h"
@@ -97,8 +98,19 @@ LogLine::LogLine(LogLevel level, absl::string_view event)
                        " ", LogLevelName(level), " ", QuoteLogValue(event));
 }
 
+namespace {
+thread_local std::string t_request_id;
+}  // namespace
+
+ScopedRequestId::ScopedRequestId(std::string id) : previous_(std::move(t_request_id)) {
+  t_request_id = std::move(id);
+}
+ScopedRequestId::~ScopedRequestId() { t_request_id = std::move(previous_); }
+const std::string& CurrentRequestId() { return t_request_id; }
+
 LogLine::~LogLine() {
   if (!enabled_) return;
+  if (!t_request_id.empty()) AddField("request_id", t_request_id);
   line_ += '\n';
   std::fwrite(line_.data(), 1, line_.size(), stderr);
 }

@@ -23,6 +23,20 @@ LogLevel GetLogLevel();
 bool ParseLogLevel(absl::string_view text, LogLevel* level);
 absl::string_view LogLevelName(LogLevel level);
 
+// The request id of the call this thread is serving (x-request-id metadata), added to every line
+// logged while it is set as request_id=...; "" = none. Set by RunUnary around a unary handler.
+class ScopedRequestId {
+ public:
+  explicit ScopedRequestId(std::string id);
+  ~ScopedRequestId();
+  ScopedRequestId(const ScopedRequestId&) = delete;
+  ScopedRequestId& operator=(const ScopedRequestId&) = delete;
+
+ private:
+  std::string previous_;
+};
+const std::string& CurrentRequestId();
+
 // `value` as it appears after "key=": bare when safe, else double-quoted with \" \\ \n \t \xNN.
 std::string QuoteLogValue(absl::string_view value);
 

@@ -1,7 +1,8 @@
-// kvsidecar: the sidecar binary. Parses and validates flags (a bad value: a message naming the
-// flag, exit 2), prepares the data directory, builds the backend, the pool and the servers,
-// prints one machine-readable line with the bound addresses, and serves until SIGINT/SIGTERM,
-// then shuts down gracefully and exits 0.
+// kvsidecar: the sidecar binary. Reads the YAML configuration (--config), lets flags given
+// explicitly override it, validates the result (a bad value: a message naming the key or flag,
+// exit 2), logs the effective configuration once, prepares the data directory, builds the backend,
+// the pool and the servers, prints one machine-readable line with the bound addresses, and serves
+// until SIGINT/SIGTERM, then shuts down gracefully and exits 0.
 #include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
@@ -12,8 +13,10 @@
 #include <cstring>
 #include <iostream>
 #include <memory>
+#include <set>
 #include <string>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -29,6 +32,7 @@
 #include "service/config.h"
 #include "service/log.h"
 #include "service/server.h"
+#include "storage/tier_manager.h"
 
 // Numbers are taken as text so that a malformed value gets our message and exit code 2.
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "Data-plane address host:port (port 0 = any).");
@@ -41,6 +45,10 @@ ABSL_FLAG(std::string, arena_capacity_bytes, "1G",
           "Total bytes of all session arenas (e.g. 1073741824, 1G, 512MiB).");
 ABSL_FLAG(std::string, default_session_bytes, "256M",
           "Arena bytes of a session that asks for 0 blocks.");
+ABSL_FLAG(std::string, host_tier_bytes, "1G",
+          "Host-memory tier capacity for spilled sequences (Spill to TIER_HOST).");
+ABSL_FLAG(std::string, disk_tier_bytes, "0",
+          "Disk (RocksDB, <data_dir>/rocksdb) tier capacity for spilled sequences; 0 = unlimited.");
 ABSL_FLAG(std::string, lease_ms, "10000", "Default session lease in milliseconds.");
 ABSL_FLAG(std::string, backend, "auto", "Compute backend: cpu, auto (cpu in this build) or cuda.");
 ABSL_FLAG(std::string, default_policy, "keydiff",
@@ -51,6 +59,20 @@ ABSL_FLAG(std::string, threads, "0",
           "Backend threads, and threads running the sequences of one DecodeStep side by side; "
           "0 = hardware concurrency.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
+ABSL_FLAG(std::string, config, "",
+          "YAML configuration file (see deploy/kvsidecar.example.yaml); flags given explicitly "
+          "override its values.");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "Prometheus /metrics HTTP address host:port (port 0 = any); empty or 'off' = disabled.");
+ABSL_FLAG(std::string, tls_cert_file, "", "PEM server certificate chain: TLS on both gRPC ports.");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA bundle: require client certificates signed by it (mutual TLS).");
+ABSL_FLAG(std::string, admin_token_file, "",
+          "File whose first line is the admin bearer token; empty = Admin unauthenticated.");
+ABSL_FLAG(std::string, tenant_tokens_file, "",
+          "YAML map tenant: token of data-plane bearer tokens; empty = data plane "
+          "unauthenticated.");
 
 namespace {
 
@@ -63,6 +85,22 @@ int Fail(absl::string_view message, int code) {
 
 // absl exits with status 1 on an unknown flag; look for one first so that every flag mistake
 // exits 2. Returns the first unknown flag name, or "".
+// The flags given on the command line (this Abseil keeps IsSpecifiedOnCommandLine private).
+// --flagfile contents are not seen: flags set there do not override the YAML file.
+std::set<std::string> ExplicitFlags(int argc, char** argv) {
+  std::set<std::string> names;
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") break;
+    if (!absl::ConsumePrefix(&arg, "--") && !absl::ConsumePrefix(&arg, "-")) continue;
+    const absl::string_view name = arg.substr(0, arg.find('='));
+    if (absl::FindCommandLineFlag(name) == nullptr) continue;
+    names.insert(std::string(name));
+    if (arg.find('=') == absl::string_view::npos) ++i;  // "--flag value"
+  }
+  return names;
+}
+
 std::string FirstUnknownFlag(int argc, char** argv) {
   static constexpr absl::string_view kBuiltins[] = {
       "help",    "helpfull",        "helpshort", "helppackage", "helpon",     "helpmatch",
@@ -85,16 +123,6 @@ std::string FirstUnknownFlag(int argc, char** argv) {
   return "";
 }
 
-template <typename T>
-bool Assign(absl::StatusOr<T> parsed, T* out, std::string* error) {
-  if (!parsed.ok()) {
-    *error = std::string(parsed.status().message());
-    return false;
-  }
-  *out = *parsed;
-  return true;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -110,37 +138,39 @@ int main(int argc, char** argv) {
   if (std::string unknown = FirstUnknownFlag(argc, argv); !unknown.empty()) {
     return Fail(absl::StrCat("unknown flag --", unknown, " (see --help)"), kExitBadFlags);
   }
+  const std::set<std::string> explicit_flags = ExplicitFlags(argc, argv);
   absl::ParseCommandLine(argc, argv);
 
   kvs::SidecarConfig config;
-  config.listen = absl::GetFlag(FLAGS_listen);
-  config.admin_listen = absl::GetFlag(FLAGS_admin_listen);
-  config.data_dir = absl::GetFlag(FLAGS_data_dir);
-  config.shm_dir = absl::GetFlag(FLAGS_shm_dir);
-  config.backend = absl::GetFlag(FLAGS_backend);
-  config.default_policy = absl::GetFlag(FLAGS_default_policy);
-  config.log_level = absl::GetFlag(FLAGS_log_level);
-  std::string error;
-  int64_t lease_ms = 0, budget = 0, threads = 0;
-  if (!Assign(
-          kvs::ParseByteSize(absl::GetFlag(FLAGS_arena_capacity_bytes), "--arena_capacity_bytes"),
-          &config.arena_capacity_bytes, &error) ||
-      !Assign(
-          kvs::ParseByteSize(absl::GetFlag(FLAGS_default_session_bytes), "--default_session_bytes"),
-          &config.default_session_bytes, &error) ||
-      !Assign(kvs::ParseInteger(absl::GetFlag(FLAGS_lease_ms), "--lease_ms"), &lease_ms, &error) ||
-      !Assign(
-          kvs::ParseInteger(absl::GetFlag(FLAGS_default_budget_tokens), "--default_budget_tokens"),
-          &budget, &error) ||
-      !Assign(kvs::ParseInteger(absl::GetFlag(FLAGS_threads), "--threads"), &threads, &error)) {
-    return Fail(error, kExitBadFlags);
+  if (const std::string path = absl::GetFlag(FLAGS_config); !path.empty()) {
+    if (absl::Status status = kvs::LoadConfigFile(path, &config); !status.ok()) {
+      return Fail(status.message(), kExitBadFlags);
+    }
   }
-  // Out-of-int32 values are clamped to a value ValidateConfig refuses, naming the flag.
-  config.lease_ms = lease_ms;
-  config.default_budget_tokens = static_cast<int32_t>(std::clamp<int64_t>(budget, -1, INT32_MAX));
-  config.threads = static_cast<int32_t>(std::clamp<int64_t>(threads, -1, INT32_MAX));
+  // A flag given explicitly wins over the file; one left out keeps the file's (or the default)
+  // value.
+  for (const kvs::ConfigKey& key : kvs::ConfigKeys()) {
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(key.flag);
+    if (flag == nullptr || !explicit_flags.contains(key.flag)) continue;
+    if (absl::Status status = kvs::SetConfigValue(&config, key.flag, flag->CurrentValue(),
+                                                  absl::StrCat("--", key.flag));
+        !status.ok()) {
+      return Fail(status.message(), kExitBadFlags);
+    }
+  }
   if (absl::Status status = kvs::ValidateConfig(config); !status.ok()) {
     return Fail(status.message(), kExitBadFlags);
+  }
+  kvs::AuthConfig auth;
+  if (!config.admin_token_file.empty()) {
+    auto token = kvs::ReadSecretFile(config.admin_token_file, "auth.admin_token_file");
+    if (!token.ok()) return Fail(token.status().message(), kExitBadFlags);
+    auth.admin_token = *std::move(token);
+  }
+  if (!config.tenant_tokens_file.empty()) {
+    auto tokens = kvs::ReadTenantTokens(config.tenant_tokens_file);
+    if (!tokens.ok()) return Fail(tokens.status().message(), kExitBadFlags);
+    auth.tenant_tokens = *std::move(tokens);
   }
   kvs::LogLevel level = kvs::LogLevel::kInfo;
   kvs::ParseLogLevel(config.log_level, &level);
@@ -149,6 +179,10 @@ int main(int argc, char** argv) {
   auto backend_choice = kvs::ChooseBackend(config.backend);
   if (!backend_choice.ok()) return Fail(backend_choice.status().message(), kExitBadFlags);
   KVS_LOG(kInfo, "backend")("name", backend_choice->name)("reason", backend_choice->reason);
+  const std::string effective_yaml = kvs::ConfigToYaml(config, *backend_choice);
+  KVS_LOG(kInfo, "config")
+  ("source", config.config_file.empty() ? "flags" : config.config_file)("effective",
+                                                                        effective_yaml);
   if (absl::Status status = kvs::PrepareDirectory(config.data_dir, "--data_dir", true);
       !status.ok()) {
     return Fail(status.message(), kExitBadFlags);
@@ -159,6 +193,18 @@ int main(int argc, char** argv) {
   }
   auto pool_options = kvs::ToPoolOptions(config);
   if (!pool_options.ok()) return Fail(pool_options.status().message(), kExitBadFlags);
+  // Storage tiers. A disk tier that cannot be opened does not stop the sidecar: Spill to disk
+  // then answers FAILED_PRECONDITION with the reason, everything else keeps serving.
+  std::unique_ptr<kvs::storage::TierManager> tiers = kvs::storage::TierManager::Open(
+      {config.host_tier_bytes, config.data_dir + "/rocksdb", config.disk_tier_bytes});
+  if (!tiers->disk_status().ok()) {
+    KVS_LOG(kWarning, "disk_tier_unavailable")("reason", tiers->disk_status().message());
+  } else {
+    KVS_LOG(kInfo, "disk_tier")
+    ("path", config.data_dir + "/rocksdb")("spilled_sequences", tiers->List().size())(
+        "unfinished_spills_removed", tiers->disk()->orphans_removed());
+  }
+  pool_options->tiers = tiers.get();
 
   // Block the stop signals before any thread starts, so that every thread inherits the mask
   // and only sigwait below sees them.
@@ -175,6 +221,9 @@ int main(int argc, char** argv) {
   std::unique_ptr<kvs::Backend> backend = kvs::MakeCpuBackend(config.threads);
   kvs::RealClock clock;
   kvs::KvPool pool(backend.get(), &clock, *pool_options);
+  pool.SetTierUsageFn([tiers = tiers.get()](std::string_view tenant, bool host) {
+    return tiers->TenantBytes(std::string(tenant), host);
+  });
   // Arenas a killed sidecar left in the shared-memory directory hold memory until removed.
   if (const int removed = kvs::RemoveStaleShmArenas(pool_options->arena_options); removed > 0) {
     KVS_LOG(kWarning, "stale_arenas_removed")
@@ -184,11 +233,22 @@ int main(int argc, char** argv) {
   kvs::ServerOptions server_options;
   server_options.listen = config.listen;
   server_options.admin_listen = config.admin_listen;
-  server_options.admin_info.effective_config_yaml = kvs::ConfigToYaml(config, *backend_choice);
+  server_options.admin_info.effective_config_yaml = effective_yaml;
+  server_options.metrics_listen = config.metrics_listen;
+  server_options.admin_info.host_bytes_capacity = config.host_tier_bytes;
+  server_options.admin_info.disk_bytes_capacity = config.disk_tier_bytes;
+  server_options.tls = {config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file};
+  server_options.auth = std::move(auth);
+  for (const auto& [tenant, quota] : config.quotas) pool.SetTenantQuota(tenant, quota);
   server_options.admin_info.backend = std::string(backend->name());
   server_options.admin_info.backend_reason = backend_choice->reason;
   auto server = kvs::SidecarServer::Start(&pool, server_options);
-  if (!server.ok()) return Fail(server.status().message(), 1);
+  if (!server.ok()) {
+    // Unreadable certificate files are configuration errors.
+    return Fail(
+        server.status().message(),
+        server.status().code() == absl::StatusCode::kFailedPrecondition ? kExitBadFlags : 1);
+  }
 
   std::cout << (*server)->ListeningLine() << std::endl;  // endl flushes: tests wait for it
 

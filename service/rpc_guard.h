@@ -4,7 +4,9 @@
 #ifndef KVSIDECAR_SERVICE_RPC_GUARD_H_
 #define KVSIDECAR_SERVICE_RPC_GUARD_H_
 
+#include <algorithm>
 #include <exception>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -58,10 +60,20 @@ absl::Status Guarded(absl::string_view rpc, Fn&& fn) {
   return status;
 }
 
-// A unary handler: runs `fn` guarded and finishes the call with its status.
+// The client's `x-request-id` metadata (at most 128 bytes kept), or "".
+inline std::string RequestIdOf(const grpc::CallbackServerContext& context) {
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find("x-request-id");
+  if (it == metadata.end()) return "";
+  return std::string(it->second.data(), std::min<size_t>(it->second.size(), 128));
+}
+
+// A unary handler: runs `fn` guarded (log lines carry the call's request id) and finishes the
+// call with its status.
 template <typename Fn>
 grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* context, absl::string_view rpc,
                                    Fn&& fn) {
+  ScopedRequestId request_id(RequestIdOf(*context));
   const absl::Status status = Guarded(rpc, std::forward<Fn>(fn));
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));

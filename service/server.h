@@ -3,6 +3,9 @@
 // is not 0), standard
 // health checking and server reflection on each, and a reaper thread that reclaims sessions
 // whose lease lapsed. Port 0 binds a free port; the ports actually bound are reported.
+// Operations: TLS / mTLS credentials and bearer-token checks on both gRPC ports (service/auth.h),
+// RPC metrics by method and code for every call (a gRPC server interceptor), and the Prometheus
+// /metrics HTTP endpoint on its own port (service/metrics.h) when `metrics_listen` is set.
 //
 // Threading: Start/Shutdown from one controlling thread; the accessors are immutable after
 // Start. Lifetime: the pool must outlive the server; Shutdown (or the destructor) finishes watch
@@ -21,6 +24,8 @@
 #include "cache/pool.h"
 #include "grpcpp/grpcpp.h"
 #include "service/admin_service.h"
+#include "service/auth.h"
+#include "service/metrics.h"
 #include "service/sidecar_service.h"
 
 namespace kvs {
@@ -30,6 +35,9 @@ struct ServerOptions {
   std::string admin_listen = "127.0.0.1:50052";
   absl::Duration reap_interval = absl::Milliseconds(200);
   AdminInfo admin_info;  // what Admin.GetConfig reports; admin_info.backend also goes to Attach
+  TlsFiles tls;          // both gRPC ports; empty cert_file = plaintext
+  AuthConfig auth;       // tenant tokens (data plane) and the admin token
+  std::string metrics_listen;  // host:port of /metrics; "" = no metrics endpoint
 };
 
 class SidecarServer {
@@ -48,9 +56,12 @@ class SidecarServer {
   int admin_port() const { return admin_port_; }
   // The single machine-readable start line:
   //   kvsidecar listening data=127.0.0.1:PORT admin=127.0.0.1:PORT
+  //   ... metrics=127.0.0.1:PORT   (when the metrics endpoint is on)
   std::string ListeningLine() const;
+  const std::string& metrics_address() const { return metrics_address_; }  // "" = off
 
   SidecarService* sidecar() { return sidecar_.get(); }
+  MetricsRegistry* metrics() { return &metrics_; }
 
   // Graceful stop: watch streams end with OK, in-flight calls get until `grace` to finish and
   // are cancelled after. Idempotent.
@@ -60,7 +71,16 @@ class SidecarServer {
   explicit SidecarServer(KvPool* pool) : pool_(pool) {}
   void ReaperLoop(absl::Duration interval);
 
+  // Scrape-time gauges from the pool (bytes per tier, sessions, tokens per policy, budgets).
+  void CollectPoolMetrics();
+
   KvPool* const pool_;
+  MetricsRegistry metrics_;
+  std::unique_ptr<Authenticator> auth_;
+  std::unique_ptr<MetricsHttpServer> metrics_server_;
+  std::string metrics_address_;
+  uint64_t host_capacity_ = 0;
+  uint64_t disk_capacity_ = 0;
   std::unique_ptr<SidecarService> sidecar_;
   std::unique_ptr<AdminService> admin_;
   std::unique_ptr<grpc::Server> data_server_;

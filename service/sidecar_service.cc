@@ -271,8 +271,9 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::SessionEvent> {
 // segment whose stream fails or is cancelled has its reservation cancelled.
 class AppendReactor final : public grpc::ServerReadReactor<v1::AppendChunk> {
  public:
-  AppendReactor(KvPool* pool, grpc::CallbackServerContext* context, v1::AppendResponse* response)
-      : pool_(pool), context_(context), response_(response) {
+  AppendReactor(KvPool* pool, grpc::CallbackServerContext* context, v1::AppendResponse* response,
+                std::optional<std::string> caller_tenant = std::nullopt)
+      : pool_(pool), context_(context), response_(response), caller_(std::move(caller_tenant)) {
     StartRead(&chunk_);
   }
 
@@ -345,6 +346,12 @@ class AppendReactor final : public grpc::ServerReadReactor<v1::AppendChunk> {
                        " segments per Append stream; send the rest on a new stream"));
     }
     KVS_RETURN_IF_ERROR(ValidateName(header.session_id(), "header.session_id", true));
+    if (caller_.has_value()) {  // tenant isolation (service/auth.h)
+      absl::StatusOr<SessionView> owner = pool_->GetSession(header.session_id());
+      KVS_RETURN_IF_ERROR(Authenticator::CheckOwner(
+          caller_, owner.ok() ? absl::StatusOr<std::string>(owner->tenant) : owner.status(),
+          header.session_id()));
+    }
     KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(header.session_id()));
     KVS_RETURN_IF_ERROR(ValidateAppendHeader(header, session.layout,
                                              pool_->options().max_tokens_per_call, "header."));
@@ -416,6 +423,7 @@ class AppendReactor final : public grpc::ServerReadReactor<v1::AppendChunk> {
   KvPool* const pool_;
   grpc::CallbackServerContext* const context_;
   v1::AppendResponse* const response_;
+  const std::optional<std::string> caller_;  // tenant of the caller's token; nullopt = open
   v1::AppendChunk chunk_;
   std::optional<Segment> segment_;
   int committed_ = 0;
@@ -637,11 +645,17 @@ grpc::ServerUnaryReactor* SidecarService::Attach(grpc::CallbackServerContext* co
                                                  const v1::AttachRequest* request,
                                                  v1::AttachResponse* response) {
   return RunUnary(context, "Attach", [&]() -> absl::Status {
+    std::optional<std::string> caller;  // the token's tenant; nullopt = data plane open
+    if (auth_ != nullptr) {
+      KVS_ASSIGN_OR_RETURN(caller, auth_->DataTenant(*context));
+    }
     if (draining()) {
       return absl::UnavailableError(
           "the sidecar is draining and accepts no new sessions; attach to another instance");
     }
     KVS_ASSIGN_OR_RETURN(AttachParams params, AttachFromProto(*request, pool_->options()));
+    // The tenant of the token wins over the request's tenant field.
+    if (caller.has_value()) params.tenant = *caller;
     KVS_ASSIGN_OR_RETURN(SessionView session, pool_->Attach(params));
     response->set_session_id(session.session_id);
     ArenaHandleToProto(session, response->mutable_arena());
@@ -660,6 +674,7 @@ grpc::ServerUnaryReactor* SidecarService::Heartbeat(grpc::CallbackServerContext*
                                                     const v1::HeartbeatRequest* request,
                                                     v1::HeartbeatResponse* response) {
   return RunUnary(context, "Heartbeat", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
     KVS_ASSIGN_OR_RETURN(HeartbeatResult beat, pool_->Heartbeat(request->session_id()));
     response->set_lease_expires_unix_ms(UnixMillisOf(beat.lease_expires));
@@ -672,6 +687,7 @@ grpc::ServerWriteReactor<v1::SessionEvent>* SidecarService::Watch(
     grpc::CallbackServerContext* context, const v1::WatchRequest* request) {
   std::shared_ptr<WatchReactor> reactor;
   const absl::Status status = Guarded("Watch", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
     KVS_RETURN_IF_ERROR(pool_->GetSession(request->session_id()).status());
     absl::MutexLock lock(&mu_);
@@ -700,6 +716,7 @@ grpc::ServerUnaryReactor* SidecarService::Detach(grpc::CallbackServerContext* co
                                                  const v1::DetachRequest* request,
                                                  v1::DetachResponse* response) {
   return RunUnary(context, "Detach", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
     KVS_ASSIGN_OR_RETURN(ReleaseCounts released, pool_->Detach(request->session_id()));
     response->set_sequences_released(released.sequences);
@@ -715,6 +732,7 @@ grpc::ServerUnaryReactor* SidecarService::CreateSequence(grpc::CallbackServerCon
                                                          const v1::CreateSequenceRequest* request,
                                                          v1::CreateSequenceResponse* response) {
   return RunUnary(context, "CreateSequence", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     // budget.per_layer_tokens must give one budget per layer of the session.
     int32_t num_layers = -1;
     if (request->budget().per_layer_tokens_size() > 0) {
@@ -738,6 +756,7 @@ grpc::ServerUnaryReactor* SidecarService::ReleaseSequence(grpc::CallbackServerCo
                                                           const v1::ReleaseSequenceRequest* request,
                                                           v1::ReleaseSequenceResponse* response) {
   return RunUnary(context, "ReleaseSequence", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", true));
     KVS_ASSIGN_OR_RETURN(ReleaseCounts released,
@@ -751,6 +770,7 @@ grpc::ServerUnaryReactor* SidecarService::Reserve(grpc::CallbackServerContext* c
                                                   const v1::ReserveRequest* request,
                                                   v1::ReserveResponse* response) {
   return RunUnary(context, "Reserve", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateReserveRequest(*request, pool_->options().max_tokens_per_call));
     if (!request->layers().empty()) {
       KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
@@ -769,6 +789,7 @@ grpc::ServerUnaryReactor* SidecarService::Commit(grpc::CallbackServerContext* co
                                                  const v1::CommitRequest* request,
                                                  v1::CommitResponse* response) {
   return RunUnary(context, "Commit", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateCommitRequest(*request));
     std::optional<AttentionInput> attention;
     if (request->has_attention()) {
@@ -789,6 +810,7 @@ grpc::ServerUnaryReactor* SidecarService::CancelReservation(
     grpc::CallbackServerContext* context, const v1::CancelReservationRequest* request,
     v1::CancelReservationResponse* response) {
   return RunUnary(context, "CancelReservation", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateCancelReservationRequest(*request));
     return pool_->CancelReservation(request->session_id(), request->sequence_id(),
                                     request->reservation_id());
@@ -827,6 +849,7 @@ grpc::ServerUnaryReactor* SidecarService::BatchReserve(grpc::CallbackServerConte
                                                        const v1::BatchReserveRequest* request,
                                                        v1::BatchReserveResponse* response) {
   return RunUnary(context, "BatchReserve", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     const int n = request->requests_size();
     KVS_RETURN_IF_ERROR(CheckBatchSize(n));
     absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
@@ -871,6 +894,7 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
                                                       const v1::BatchCommitRequest* request,
                                                       v1::BatchCommitResponse* response) {
   return RunUnary(context, "BatchCommit", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     const int n = request->requests_size();
     KVS_RETURN_IF_ERROR(CheckBatchSize(n));
     absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
@@ -914,8 +938,17 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
 
 grpc::ServerReadReactor<v1::AppendChunk>* SidecarService::Append(
     grpc::CallbackServerContext* context, v1::AppendResponse* response) {
+  std::optional<std::string> caller;  // the caller's tenant when the data plane needs tokens
+  if (auth_ != nullptr && auth_->data_auth()) {
+    absl::StatusOr<std::optional<std::string>> tenant = auth_->DataTenant(*context);
+    if (!tenant.ok()) {
+      LogRpcFailure("Append", tenant.status());
+      return new FailedReadReactor<v1::AppendChunk>(tenant.status());
+    }
+    caller = *std::move(tenant);
+  }
   try {
-    return new AppendReactor(pool_, context, response);
+    return new AppendReactor(pool_, context, response, std::move(caller));
   } catch (...) {  // allocation failure: refuse the call rather than let it escape
     return new FailedReadReactor<v1::AppendChunk>(absl::InternalError("Append: out of memory"));
   }
@@ -923,6 +956,10 @@ grpc::ServerReadReactor<v1::AppendChunk>* SidecarService::Append(
 
 grpc::ServerWriteReactor<v1::ExportChunk>* SidecarService::Export(
     grpc::CallbackServerContext* context, const v1::ExportRequest* request) {
+  if (absl::Status auth = Authorize(*context, *request); !auth.ok()) {
+    LogRpcFailure("Export", auth);
+    return new FailedWriteReactor<v1::ExportChunk>(auth);
+  }
   ExportReactor* reactor = nullptr;
   try {
     reactor = new ExportReactor(pool_, *request);
@@ -937,6 +974,7 @@ grpc::ServerUnaryReactor* SidecarService::GetLayout(grpc::CallbackServerContext*
                                                     const v1::GetLayoutRequest* request,
                                                     v1::GetLayoutResponse* response) {
   return RunUnary(context, "GetLayout", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", true));
     KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
@@ -969,6 +1007,7 @@ grpc::ServerUnaryReactor* SidecarService::Compress(grpc::CallbackServerContext* 
                                                    const v1::CompressRequest* request,
                                                    v1::CompressResponse* response) {
   return RunUnary(context, "Compress", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
     KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
@@ -998,6 +1037,7 @@ grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerCont
                                                         const v1::BatchCompressRequest* request,
                                                         v1::BatchCompressResponse* response) {
   return RunUnary(context, "BatchCompress", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     const int n = request->requests_size();
     KVS_RETURN_IF_ERROR(CheckBatchSize(n));
     std::vector<CompressParams> params;
@@ -1062,6 +1102,7 @@ grpc::ServerUnaryReactor* SidecarService::DecodeStep(grpc::CallbackServerContext
                                                      const v1::DecodeStepRequest* request,
                                                      v1::DecodeStepResponse* response) {
   return RunUnary(context, "DecodeStep", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     const int n = request->items_size();
     if (n > kMaxBatchItems) {
       return absl::InvalidArgumentError(
@@ -1102,6 +1143,7 @@ grpc::ServerUnaryReactor* SidecarService::Score(grpc::CallbackServerContext* con
                                                 const v1::ScoreRequest* request,
                                                 v1::ScoreResponse* response) {
   return RunUnary(context, "Score", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
     KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
@@ -1138,19 +1180,102 @@ grpc::ServerUnaryReactor* SidecarService::Select(grpc::CallbackServerContext* co
 grpc::ServerUnaryReactor* SidecarService::Spill(grpc::CallbackServerContext* context,
                                                 const v1::SpillRequest* request,
                                                 v1::SpillResponse* response) {
-  return RunUnary(context, "Spill", [] {
-    return Unimplemented(
-        "Spill is not implemented in this build: it needs the host and disk storage tiers");
+  return RunUnary(context, "Spill", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
+    KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
+    if (request->target() != v1::TIER_HOST && request->target() != v1::TIER_DISK) {
+      return absl::InvalidArgumentError(absl::StrCat("target must be TIER_HOST or TIER_DISK, got ",
+                                                     v1::Tier_Name(request->target()).empty()
+                                                         ? absl::StrCat(request->target())
+                                                         : v1::Tier_Name(request->target())));
+    }
+    KVS_ASSIGN_OR_RETURN(
+        SpillResult result,
+        pool_->Spill(request->session_id(), request->sequence_id(),
+                     request->target() == v1::TIER_HOST ? StorageTier::kHost : StorageTier::kDisk));
+    response->set_tier(static_cast<v1::Tier>(result.tier));
+    response->set_bytes(result.bytes);
+    return absl::OkStatus();
   });
 }
 
 grpc::ServerUnaryReactor* SidecarService::Restore(grpc::CallbackServerContext* context,
                                                   const v1::RestoreRequest* request,
                                                   v1::RestoreResponse* response) {
-  return RunUnary(context, "Restore", [] {
-    return Unimplemented(
-        "Restore is not implemented in this build: it needs the host and disk storage tiers");
+  return RunUnary(context, "Restore", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
+    KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
+    KVS_RETURN_IF_ERROR(
+        ValidateName(request->from_session_id(), "from_session_id", /*required=*/false));
+    KVS_ASSIGN_OR_RETURN(
+        SpillResult result,
+        pool_->Restore(request->session_id(), request->sequence_id(), request->from_session_id()));
+    response->set_tier(static_cast<v1::Tier>(result.tier));
+    response->set_bytes(result.bytes);
+    return absl::OkStatus();
   });
+}
+
+namespace {
+
+// Every session a request names: string fields session_id, at the top level and in repeated
+// message fields (batch requests, decode items).
+void CollectSessionIds(const google::protobuf::Message& message, int depth,
+                       std::vector<std::string>* out) {
+  const google::protobuf::Descriptor* descriptor = message.GetDescriptor();
+  const google::protobuf::Reflection* reflection = message.GetReflection();
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* field = descriptor->field(i);
+    if (field->type() == google::protobuf::FieldDescriptor::TYPE_STRING && !field->is_repeated() &&
+        field->name() == "session_id") {
+      std::string value = reflection->GetString(message, field);
+      if (!value.empty()) out->push_back(std::move(value));
+    } else if (depth == 0 && field->is_repeated() &&
+               field->type() == google::protobuf::FieldDescriptor::TYPE_MESSAGE) {
+      for (int j = 0; j < reflection->FieldSize(message, field); ++j) {
+        CollectSessionIds(reflection->GetRepeatedMessage(message, field, j), depth + 1, out);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status SidecarService::Authorize(const grpc::CallbackServerContext& context,
+                                       const google::protobuf::Message& request) const {
+  if (auth_ == nullptr || !auth_->data_auth()) return absl::OkStatus();
+  KVS_ASSIGN_OR_RETURN(std::optional<std::string> caller, auth_->DataTenant(context));
+  std::vector<std::string> ids;
+  CollectSessionIds(request, 0, &ids);
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  for (const std::string& id : ids) {
+    absl::StatusOr<SessionView> session = pool_->GetSession(id);
+    KVS_RETURN_IF_ERROR(Authenticator::CheckOwner(
+        caller, session.ok() ? absl::StatusOr<std::string>(session->tenant) : session.status(),
+        id));
+  }
+  // Restore's from_session_id names an ended session of the caller's tenant (the pool looks the
+  // copies up under the caller's tenant). Another tenant's live session gets the answer a
+  // missing copy gets, so that it cannot be told apart.
+  const google::protobuf::FieldDescriptor* from =
+      request.GetDescriptor()->FindFieldByName("from_session_id");
+  const google::protobuf::FieldDescriptor* sequence =
+      request.GetDescriptor()->FindFieldByName("sequence_id");
+  if (from != nullptr && sequence != nullptr &&
+      from->type() == google::protobuf::FieldDescriptor::TYPE_STRING &&
+      sequence->type() == google::protobuf::FieldDescriptor::TYPE_STRING) {
+    const std::string from_id = request.GetReflection()->GetString(request, from);
+    absl::StatusOr<SessionView> source = pool_->GetSession(from_id);
+    if (!from_id.empty() && source.ok() && source->tenant != *caller) {
+      return absl::NotFoundError(absl::StrCat("no spilled copy of sequence ",
+                                              request.GetReflection()->GetString(request, sequence),
+                                              " of session ", from_id, " for tenant ", *caller));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvs

@@ -28,6 +28,7 @@
 #include "cache/pool.h"
 #include "grpcpp/grpcpp.h"
 #include "kvsidecar/v1/sidecar.grpc.pb.h"
+#include "service/auth.h"
 
 namespace kvs {
 
@@ -151,6 +152,17 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
                                     const ::kvsidecar::v1::RestoreRequest* request,
                                     ::kvsidecar::v1::RestoreResponse* response) override;
 
+  // Bearer-token checks (service/auth.h); null or no tenant tokens = the data plane is open.
+  // Set once before serving.
+  void set_authenticator(const Authenticator* auth) { auth_ = auth; }
+  // OK when the data plane is open. Else UNAUTHENTICATED without a valid tenant token, and
+  // PERMISSION_DENIED (same text for a missing and a foreign session) unless every session the
+  // request names (session_id, and those of repeated requests / items) belongs to the caller's
+  // tenant; Restore's from_session_id may not name another tenant's session (NOT_FOUND, as for
+  // a missing spilled copy).
+  absl::Status Authorize(const grpc::CallbackServerContext& context,
+                         const google::protobuf::Message& request) const;
+
  private:
   friend class WatchReactor;
 
@@ -171,6 +183,7 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
 
   KvPool* const pool_;
   const std::string backend_name_;
+  const Authenticator* auth_ = nullptr;
   std::atomic<bool> draining_{false};
 
   mutable absl::Mutex mu_;

@@ -435,7 +435,7 @@ TEST_F(BadInputTest, BatchCallsAreAllOrNothing) {
 }
 
 TEST_F(BadInputTest, CallsOfLaterIssuesAreUnimplemented) {
-  // DecodeStep and Score exist: a malformed item names itself; the tier calls wait for issue 4.
+  // DecodeStep and Score exist: a malformed item names itself; Select waits for OmniKV.
   v1::DecodeStepRequest decode;
   decode.add_items()->set_sequence_id("target");
   decode.mutable_items(0)->set_inline_kv("short");
@@ -443,13 +443,16 @@ TEST_F(BadInputTest, CallsOfLaterIssuesAreUnimplemented) {
   v1::SelectRequest select;
   select.add_items()->set_sequence_id("target");
   EXPECT_EQ(session_->Select(select).status().code(), absl::StatusCode::kUnimplemented);
+  // Spill/Restore exist (tests/e2e/spill_test.cc): bad inputs name their field.
   v1::SpillRequest spill;
   spill.set_sequence_id("target");
+  EXPECT_CODE(session_->Spill(spill).status(), kInvalidArgument, "target");
   spill.set_target(v1::TIER_HOST);
-  EXPECT_EQ(session_->Spill(spill).status().code(), absl::StatusCode::kUnimplemented);
+  spill.set_sequence_id("no-such-sequence");
+  EXPECT_CODE(session_->Spill(spill).status(), kNotFound, "no-such-sequence");
   v1::RestoreRequest restore;
-  restore.set_sequence_id("target");
-  EXPECT_EQ(session_->Restore(restore).status().code(), absl::StatusCode::kUnimplemented);
+  restore.set_sequence_id(std::string(300, 'x'));
+  EXPECT_CODE(session_->Restore(restore).status(), kInvalidArgument, "sequence_id");
 }
 
 }  // namespace

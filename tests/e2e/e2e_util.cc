@@ -169,6 +169,7 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(const Option
   }
   server->data_target_ = FieldOf(line, "data");
   server->admin_target_ = FieldOf(line, "admin");
+  server->metrics_target_ = FieldOf(line, "metrics");
   if (server->data_target_.empty() || server->admin_target_.empty()) {
     return absl::InternalError("cannot parse the listening line: " + line);
   }

@@ -73,6 +73,8 @@ class ServerProcess {
 
   const std::string& data_target() const { return data_target_; }
   const std::string& admin_target() const { return admin_target_; }
+  // host:port of the /metrics endpoint ("" unless started with --metrics_listen).
+  const std::string& metrics_target() const { return metrics_target_; }
   // The server's temporary directory (removed with it): a place for helper processes' logs.
   const std::string& dir() const { return dir_; }
   ChildProcess& process() { return *process_; }
@@ -88,6 +90,7 @@ class ServerProcess {
   std::string dir_;
   std::string data_target_;
   std::string admin_target_;
+  std::string metrics_target_;
 };
 
 kvsidecar::ClientOptions TestClientOptions();

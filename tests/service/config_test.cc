@@ -171,5 +171,135 @@ TEST(ConfigTest, YamlShowsEveryValue) {
   EXPECT_THAT(yaml, HasSubstr("threads: 0\n"));
 }
 
+TEST(ConfigTest, YamlFileSetsEveryKey) {
+  SidecarConfig config;
+  const absl::Status status = ApplyConfigYaml(
+      "listen: 0.0.0.0:6000\n"
+      "admin_listen: 127.0.0.1:6001\n"
+      "metrics_listen: 127.0.0.1:9464\n"
+      "data_dir: /tmp/d\n"
+      "shm_dir: /tmp/s\n"
+      "arena_capacity_bytes: 2G\n"
+      "default_session_bytes: 64MiB\n"
+      "lease_ms: 3000\n"
+      "backend: cpu\n"
+      "default_policy: streaming_llm\n"
+      "default_budget_tokens: 256\n"
+      "threads: 3\n"
+      "log_level: debug\n"
+      "tls:\n  cert_file: /c.pem\n  key_file: /k.pem\n  client_ca_file: /ca.pem\n"
+      "auth:\n  admin_token_file: /a\n  tenant_tokens_file: /t.yaml\n"
+      "quotas:\n  team-a: {arena_bytes: 1G, host_bytes: 2G, disk_bytes: 3G, sequences: 9}\n",
+      "test.yaml", &config);
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(config.listen, "0.0.0.0:6000");
+  EXPECT_EQ(config.admin_listen, "127.0.0.1:6001");
+  EXPECT_EQ(config.metrics_listen, "127.0.0.1:9464");
+  EXPECT_EQ(config.data_dir, "/tmp/d");
+  EXPECT_EQ(config.shm_dir, "/tmp/s");
+  EXPECT_EQ(config.arena_capacity_bytes, uint64_t{2} << 30);
+  EXPECT_EQ(config.default_session_bytes, uint64_t{64} << 20);
+  EXPECT_EQ(config.lease_ms, 3000);
+  EXPECT_EQ(config.backend, "cpu");
+  EXPECT_EQ(config.default_policy, "streaming_llm");
+  EXPECT_EQ(config.default_budget_tokens, 256);
+  EXPECT_EQ(config.threads, 3);
+  EXPECT_EQ(config.log_level, "debug");
+  EXPECT_EQ(config.tls_cert_file, "/c.pem");
+  EXPECT_EQ(config.tls_key_file, "/k.pem");
+  EXPECT_EQ(config.tls_client_ca_file, "/ca.pem");
+  EXPECT_EQ(config.admin_token_file, "/a");
+  EXPECT_EQ(config.tenant_tokens_file, "/t.yaml");
+  ASSERT_EQ(config.quotas.count("team-a"), 1u);
+  EXPECT_EQ(config.quotas["team-a"].arena_bytes, uint64_t{1} << 30);
+  EXPECT_EQ(config.quotas["team-a"].host_bytes, uint64_t{2} << 30);
+  EXPECT_EQ(config.quotas["team-a"].disk_bytes, uint64_t{3} << 30);
+  EXPECT_EQ(config.quotas["team-a"].sequences, 9);
+  EXPECT_TRUE(ValidateConfig(config).ok()) << ValidateConfig(config);
+  const std::string yaml = ConfigToYaml(config, BackendChoice{"cpu", "x"});
+  EXPECT_THAT(yaml, HasSubstr("  client_ca_file: \"/ca.pem\"\n"));
+  EXPECT_THAT(yaml, HasSubstr("  \"team-a\": {arena_bytes: 1073741824, host_bytes: 2147483648, "
+                              "disk_bytes: 3221225472, sequences: 9}\n"));
+  EXPECT_THAT(yaml, HasSubstr("metrics_listen: \"127.0.0.1:9464\"\n"));
+}
+
+TEST(ConfigTest, YamlErrorsNameTheKey) {
+  SidecarConfig config;
+  EXPECT_STATUS(ApplyConfigYaml("lease_msec: 5\n", "f.yaml", &config), kInvalidArgument,
+                "f.yaml: lease_msec: unknown key");
+  EXPECT_STATUS(ApplyConfigYaml("tls:\n  cert: x\n", "f.yaml", &config), kInvalidArgument,
+                "f.yaml: tls.cert: unknown key");
+  EXPECT_STATUS(ApplyConfigYaml("lease_ms: [1]\n", "f.yaml", &config), kInvalidArgument,
+                "f.yaml: lease_ms: must be a scalar");
+  EXPECT_STATUS(ApplyConfigYaml("lease_ms: soon\n", "f.yaml", &config), kInvalidArgument,
+                "f.yaml: lease_ms must be an integer");
+  EXPECT_STATUS(ApplyConfigYaml("arena_capacity_bytes: 1X\n", "f.yaml", &config), kInvalidArgument,
+                "f.yaml: arena_capacity_bytes has an unknown size suffix");
+  EXPECT_STATUS(ApplyConfigYaml("quotas:\n  t: {seqs: 1}\n", "f.yaml", &config), kInvalidArgument,
+                "f.yaml: quotas.t.seqs: unknown key");
+  EXPECT_STATUS(ApplyConfigYaml("quotas: 3\n", "f.yaml", &config), kInvalidArgument,
+                "f.yaml: quotas: must be a map");
+  EXPECT_STATUS(ApplyConfigYaml("- a\n- b\n", "f.yaml", &config), kInvalidArgument,
+                "f.yaml: the document must be a map");
+  EXPECT_STATUS(ApplyConfigYaml("a: [\n", "f.yaml", &config), kInvalidArgument,
+                "f.yaml: YAML syntax error");
+  EXPECT_TRUE(ApplyConfigYaml("", "empty.yaml", &config).ok());
+  EXPECT_STATUS(LoadConfigFile("/nonexistent/k.yaml", &config), kFailedPrecondition,
+                "--config=/nonexistent/k.yaml: cannot read");
+}
+
+TEST(ConfigTest, FlagsOverrideTheFileThroughTheSameParsers) {
+  SidecarConfig config;
+  ASSERT_TRUE(ApplyConfigYaml("lease_ms: 3000\nthreads: 2\n", "f.yaml", &config).ok());
+  ASSERT_TRUE(SetConfigValue(&config, "lease_ms", "4000", "--lease_ms").ok());
+  EXPECT_EQ(config.lease_ms, 4000);
+  EXPECT_EQ(config.threads, 2);
+  ASSERT_TRUE(SetConfigValue(&config, "tls_cert_file", "/x.pem", "--tls_cert_file").ok());
+  EXPECT_EQ(config.tls_cert_file, "/x.pem");
+  ASSERT_TRUE(SetConfigValue(&config, "metrics_listen", "off", "--metrics_listen").ok());
+  EXPECT_EQ(config.metrics_listen, "");
+  EXPECT_STATUS(SetConfigValue(&config, "threads", "many", "--threads"), kInvalidArgument,
+                "--threads must be an integer");
+  EXPECT_STATUS(SetConfigValue(&config, "nope", "1", "--nope"), kInvalidArgument,
+                "--nope: unknown key");
+}
+
+TEST(ConfigTest, ValidatesTlsMetricsAndQuotas) {
+  SidecarConfig config;
+  config.tls_cert_file = "/c.pem";
+  EXPECT_STATUS(ValidateConfig(config), kInvalidArgument, "tls.key_file");
+  config.tls_key_file = "/k.pem";
+  EXPECT_TRUE(ValidateConfig(config).ok());
+  config.tls_cert_file = config.tls_key_file = "";
+  config.tls_client_ca_file = "/ca.pem";
+  EXPECT_STATUS(ValidateConfig(config), kInvalidArgument, "tls.client_ca_file");
+  config.tls_client_ca_file = "";
+  config.metrics_listen = "nowhere";
+  EXPECT_STATUS(ValidateConfig(config), kInvalidArgument, "--metrics_listen");
+  config.metrics_listen = "";
+  config.quotas["t"].sequences = -1;
+  EXPECT_STATUS(ValidateConfig(config), kInvalidArgument, "quotas.t.sequences");
+}
+
+TEST(ConfigTest, SecretFiles) {
+  const std::string dir = ::testing::TempDir();
+  const std::string token = dir + "/admin.token";
+  std::ofstream(token) << "  s3cret \nignored\n";
+  EXPECT_EQ(*ReadSecretFile(token, "auth.admin_token_file"), "s3cret");
+  const std::string empty = dir + "/empty.token";
+  std::ofstream(empty) << "\n";
+  EXPECT_STATUS(ReadSecretFile(empty, "auth.admin_token_file").status(), kFailedPrecondition,
+                "auth.admin_token_file=" + empty + ": the first line (the secret) is empty");
+  const std::string tokens = dir + "/tokens.yaml";
+  std::ofstream(tokens) << "a: t1\nb: t2\n";
+  auto parsed = ReadTenantTokens(tokens);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->at("a"), "t1");
+  EXPECT_EQ(parsed->at("b"), "t2");
+  const std::string shared = dir + "/shared.yaml";
+  std::ofstream(shared) << "a: same\nb: same\n";
+  EXPECT_STATUS(ReadTenantTokens(shared).status(), kInvalidArgument, "share a token");
+}
+
 }  // namespace
 }  // namespace kvs

@@ -112,7 +112,9 @@ class SidecarServiceTest : public ::testing::Test {
     server_options.listen = "127.0.0.1:0";
     server_options.admin_listen = "127.0.0.1:0";
     server_options.reap_interval = absl::Milliseconds(20);
-    server_options.admin_info = {"listen: \"127.0.0.1:0\"\n", "cpu", "test backend"};
+    server_options.admin_info.effective_config_yaml = "listen: \"127.0.0.1:0\"\n";
+    server_options.admin_info.backend = "cpu";
+    server_options.admin_info.backend_reason = "test backend";
     auto server = SidecarServer::Start(pool_.get(), server_options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -1535,15 +1537,30 @@ TEST_F(SidecarServiceTest, OversizedResponsesAreRefusedBeforeTheyAreBuilt) {
 TEST_F(SidecarServiceTest, LaterCallsAreUnimplemented) {
   v1::SelectResponse select;
   EXPECT_GRPC_ERROR(stub_->Select(Context().get(), {}, &select), UNIMPLEMENTED, "OmniKV");
+  // This pool has no storage tiers (PoolOptions::tiers); the binary has them (e2e spill_test).
+  v1::SpillRequest spill_request;
+  spill_request.set_session_id("s");
+  spill_request.set_sequence_id("q");
+  spill_request.set_target(v1::TIER_HOST);
   v1::SpillResponse spill;
-  EXPECT_GRPC_ERROR(stub_->Spill(Context().get(), {}, &spill), UNIMPLEMENTED, "tiers");
+  EXPECT_GRPC_ERROR(stub_->Spill(Context().get(), spill_request, &spill), UNIMPLEMENTED, "tiers");
+  v1::RestoreRequest restore_request;
+  restore_request.set_session_id("s");
+  restore_request.set_sequence_id("q");
   v1::RestoreResponse restore;
-  EXPECT_GRPC_ERROR(stub_->Restore(Context().get(), {}, &restore), UNIMPLEMENTED, "tiers");
+  EXPECT_GRPC_ERROR(stub_->Restore(Context().get(), restore_request, &restore), UNIMPLEMENTED,
+                    "tiers");
+  EXPECT_GRPC_ERROR(stub_->Spill(Context().get(), {}, &spill), INVALID_ARGUMENT, "session_id");
+}
+
+// Admin's live changes are covered end to end in tests/e2e/admin_test.cc; here: an empty change
+// is refused, naming what is missing.
+TEST_F(SidecarServiceTest, AdminRefusesEmptyChanges) {
   v1::SetDefaultsResponse defaults;
-  EXPECT_GRPC_ERROR(admin_->SetDefaults(Context().get(), {}, &defaults), UNIMPLEMENTED,
-                    "SetDefaults");
+  EXPECT_GRPC_ERROR(admin_->SetDefaults(Context().get(), {}, &defaults), INVALID_ARGUMENT,
+                    "default_policy, default_budget or rebudget_tenant");
   v1::SetQuotaResponse quota;
-  EXPECT_GRPC_ERROR(admin_->SetQuota(Context().get(), {}, &quota), UNIMPLEMENTED, "SetQuota");
+  EXPECT_GRPC_ERROR(admin_->SetQuota(Context().get(), {}, &quota), INVALID_ARGUMENT, "tenant");
 }
 
 // ---- Attention inputs, DecodeStep, Score

@@ -1,0 +1,153 @@
+// Spill and restore of one 256 MiB sequence (L=32, H=8, D=128, fp16, 2048 tokens) through KvPool
+// to the host tier and to the RocksDB tier, next to the raw limits measured in the same run and
+// the same place: memcpy of 256 MiB (host), and a sequential write + fdatasync of 256 MiB in the
+// RocksDB directory's file system (disk). Figures: bytes_per_second of each; the ratios go to
+// bench/README.md. Run: build/bench/storage_bench --benchmark_min_time=... (a few iterations).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "benchmark/benchmark.h"
+#include "cache/clock.h"
+#include "cache/pool.h"
+#include "gpu/backend.h"
+#include "storage/tier_manager.h"
+
+namespace kvs {
+namespace {
+
+constexpr uint64_t kBytes = uint64_t{256} << 20;
+
+std::string BenchDir() {
+  static const std::string dir = [] {
+    std::string pattern = (std::filesystem::temp_directory_path() / "kvs-storage-bench-XXXXXX");
+    return std::string(mkdtemp(pattern.data()));
+  }();
+  return dir;
+}
+
+// One pool with tiers and one 256 MiB sequence, built once.
+struct Fixture {
+  Fixture() {
+    std::filesystem::remove_all(BenchDir() + "/rocksdb");
+    tiers = storage::TierManager::Open({uint64_t{1} << 30, BenchDir() + "/rocksdb", 0});
+    backend = MakeCpuBackend(2);
+    PoolOptions options;
+    options.arena_capacity_bytes = uint64_t{1} << 30;
+    options.arena_options.name_prefix = "kvs-storage-bench";
+    options.tiers = tiers.get();
+    pool = std::make_unique<KvPool>(backend.get(), &clock, options);
+    AttachParams attach;
+    attach.layout.num_layers = 32;
+    attach.layout.num_kv_heads = 8;
+    attach.layout.num_q_heads = 8;
+    attach.layout.head_dim = 128;
+    attach.layout.dtype = DType::kFloat16;
+    attach.layout.block_tokens = 16;
+    const uint64_t block_bytes = attach.layout.block_bytes();
+    attach.num_blocks = static_cast<int32_t>(kBytes / block_bytes + 64);
+    session = pool->Attach(attach)->session_id;
+    SequenceParams params;
+    PolicyConfig policy;
+    policy.name = kPolicyStreamingLlm;
+    params.policy = policy;
+    params.sequence_id = "big";
+    sequence = pool->CreateSequence(session, params)->sequence_id;
+    const int32_t tokens = static_cast<int32_t>(kBytes / (attach.layout.token_bytes() * 32));
+    for (int32_t done = 0; done < tokens; done += 256) {
+      Reservation r = *pool->Reserve(session, sequence, 256, {}, {});
+      std::vector<uint8_t> payload(r.payload_bytes);
+      for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 131 + done);
+      (void)pool->WriteReserved(session, sequence, r.reservation_id, 0, payload);
+      (void)pool->Commit(session, sequence, r.reservation_id, false);
+    }
+  }
+  FakeClock clock;
+  std::unique_ptr<storage::TierManager> tiers;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<KvPool> pool;
+  std::string session, sequence;
+};
+
+std::unique_ptr<Fixture>& SharedSlot() {
+  static std::unique_ptr<Fixture> fixture;
+  return fixture;
+}
+
+Fixture& Shared() {
+  if (!SharedSlot()) SharedSlot() = std::make_unique<Fixture>();
+  return *SharedSlot();
+}
+
+void BM_Memcpy256MiB(benchmark::State& state) {
+  std::vector<uint8_t> from(kBytes, 1), to(kBytes, 0);
+  for (auto _ : state) {
+    std::memcpy(to.data(), from.data(), kBytes);
+    benchmark::DoNotOptimize(to.data());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kBytes));
+}
+
+void BM_WriteFdatasync256MiB(benchmark::State& state) {
+  std::vector<uint8_t> data(kBytes, 7);
+  const std::string path = BenchDir() + "/raw.bin";
+  for (auto _ : state) {
+    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    for (uint64_t off = 0; off < kBytes; off += 4 << 20) {
+      if (write(fd, data.data() + off, 4 << 20) != (4 << 20)) state.SkipWithError("write failed");
+    }
+    fdatasync(fd);
+    close(fd);
+    state.PauseTiming();
+    unlink(path.c_str());
+    state.ResumeTiming();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kBytes));
+}
+
+void SpillRestore(benchmark::State& state, StorageTier tier, bool measure_spill) {
+  Fixture& f = Shared();
+  for (auto _ : state) {
+    if (!measure_spill) state.PauseTiming();
+    absl::StatusOr<SpillResult> spilled = f.pool->Spill(f.session, f.sequence, tier);
+    if (!spilled.ok()) state.SkipWithError(std::string(spilled.status().message()).c_str());
+    if (measure_spill)
+      state.PauseTiming();
+    else
+      state.ResumeTiming();
+    absl::StatusOr<SpillResult> restored = f.pool->Restore(f.session, f.sequence);
+    if (!restored.ok()) state.SkipWithError(std::string(restored.status().message()).c_str());
+    if (measure_spill) state.ResumeTiming();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kBytes));
+}
+
+void BM_SpillHost(benchmark::State& state) { SpillRestore(state, StorageTier::kHost, true); }
+void BM_RestoreHost(benchmark::State& state) { SpillRestore(state, StorageTier::kHost, false); }
+void BM_SpillDisk(benchmark::State& state) { SpillRestore(state, StorageTier::kDisk, true); }
+void BM_RestoreDisk(benchmark::State& state) { SpillRestore(state, StorageTier::kDisk, false); }
+
+BENCHMARK(BM_Memcpy256MiB)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
+BENCHMARK(BM_WriteFdatasync256MiB)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
+BENCHMARK(BM_SpillHost)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
+BENCHMARK(BM_RestoreHost)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
+BENCHMARK(BM_SpillDisk)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
+BENCHMARK(BM_RestoreDisk)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
+
+}  // namespace
+}  // namespace kvs
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  kvs::SharedSlot().reset();  // the pool removes its shared-memory arena
+  std::filesystem::remove_all(kvs::BenchDir());
+  return 0;
+}

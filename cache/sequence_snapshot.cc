@@ -1,0 +1,404 @@
+#include "cache/sequence_snapshot.h"
+
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "cache/sequence.h"
+#include "gpu/base/status_macros.h"
+
+namespace kvs {
+namespace {
+
+constexpr char kMagic[] = "KVSSNAP1";
+constexpr size_t kMagicBytes = 8;
+
+class Writer {
+ public:
+  template <typename T>
+  void Put(T value) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    if constexpr (std::is_enum_v<T>) {
+      Put(static_cast<int32_t>(value));
+    } else if constexpr (std::is_same_v<T, bool>) {
+      Put(static_cast<uint8_t>(value ? 1 : 0));
+    } else {
+      char raw[sizeof(T)];
+      std::memcpy(raw, &value, sizeof(T));
+      out_.append(raw, sizeof(T));
+    }
+  }
+  void PutString(std::string_view s) {
+    Put(static_cast<uint64_t>(s.size()));
+    out_.append(s.data(), s.size());
+  }
+  template <typename T>
+  void PutVector(const std::vector<T>& v) {
+    Put(static_cast<uint64_t>(v.size()));
+    if (!v.empty()) out_.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+  }
+  std::string Take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::string_view bytes) : bytes_(bytes) {}
+
+  template <typename T>
+  bool Get(T* value) {
+    if constexpr (std::is_enum_v<T>) {
+      int32_t raw = 0;
+      if (!Get(&raw)) return false;
+      *value = static_cast<T>(raw);
+      return true;
+    } else if constexpr (std::is_same_v<T, bool>) {
+      uint8_t raw = 0;
+      if (!Get(&raw) || raw > 1) return false;
+      *value = raw != 0;
+      return true;
+    } else {
+      if (bytes_.size() - pos_ < sizeof(T)) return false;
+      std::memcpy(value, bytes_.data() + pos_, sizeof(T));
+      pos_ += sizeof(T);
+      return true;
+    }
+  }
+  bool GetString(std::string* s) {
+    uint64_t n = 0;
+    if (!Get(&n) || n > bytes_.size() - pos_) return false;
+    s->assign(bytes_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  template <typename T>
+  bool GetVector(std::vector<T>* v) {
+    uint64_t n = 0;
+    if (!Get(&n) || n > (bytes_.size() - pos_) / sizeof(T)) return false;
+    v->resize(n);
+    if (n > 0) std::memcpy(v->data(), bytes_.data() + pos_, n * sizeof(T));
+    pos_ += n * sizeof(T);
+    return true;
+  }
+  bool done() const { return pos_ == bytes_.size(); }
+
+ private:
+  std::string_view bytes_;
+  size_t pos_ = 0;
+};
+
+void PutSnapKv(Writer& w, const SnapKvConfig& c) {
+  w.Put(c.window);
+  w.Put(c.kernel_size);
+  w.Put(c.pooling);
+}
+bool GetSnapKv(Reader& r, SnapKvConfig* c) {
+  return r.Get(&c->window) && r.Get(&c->kernel_size) && r.Get(&c->pooling);
+}
+void PutCake(Writer& w, const CakeConfig& c) {
+  w.Put(c.window);
+  w.Put(c.tau1);
+  w.Put(c.tau2);
+  w.Put(c.gamma);
+  w.Put(c.kernel_size);
+  w.Put(c.non_cascading);
+}
+bool GetCake(Reader& r, CakeConfig* c) {
+  return r.Get(&c->window) && r.Get(&c->tau1) && r.Get(&c->tau2) && r.Get(&c->gamma) &&
+         r.Get(&c->kernel_size) && r.Get(&c->non_cascading);
+}
+
+void PutPolicy(Writer& w, const PolicyConfig& p) {
+  w.PutString(p.name);
+  w.Put(p.streaming_llm.n_sink);
+  w.Put(p.keydiff.anchor);
+  w.Put(p.keydiff.metric);
+  w.Put(p.keydiff.recent_fraction);
+  w.Put(p.h2o.n_sink);
+  w.Put(p.h2o.n_recent);
+  w.Put(p.tova.all_heads);
+  PutSnapKv(w, p.snapkv);
+  PutCake(w, p.cake);
+  const D2oConfig& d = p.d2o;
+  w.Put(d.rho);
+  w.Put(d.recent_frac);
+  w.Put(d.n_sink);
+  w.Put(d.beta);
+  w.Put(d.density_mode);
+  w.Put(d.min_ratio);
+  w.Put(d.max_ratio);
+  w.PutVector(d.full_cache_layers);
+  w.Put(d.merge_weighting);
+  w.Put(d.threshold_scope);
+  const CaoteConfig& c = p.caote;
+  w.Put(c.base);
+  w.Put(c.variant);
+  w.Put(c.gqa_reduce);
+  w.Put(c.eps);
+  w.Put(c.n_sink);
+  w.Put(c.n_recent);
+  w.Put(c.greedy);
+  PutSnapKv(w, c.snapkv);
+  PutCake(w, c.cake);
+  w.Put(p.allocator.kind);
+  w.Put(p.allocator.min_layer_tokens);
+  w.Put(p.allocator.pyramid_beta);
+}
+
+bool GetPolicy(Reader& r, PolicyConfig* p) {
+  D2oConfig& d = p->d2o;
+  CaoteConfig& c = p->caote;
+  return r.GetString(&p->name) && r.Get(&p->streaming_llm.n_sink) && r.Get(&p->keydiff.anchor) &&
+         r.Get(&p->keydiff.metric) && r.Get(&p->keydiff.recent_fraction) && r.Get(&p->h2o.n_sink) &&
+         r.Get(&p->h2o.n_recent) && r.Get(&p->tova.all_heads) && GetSnapKv(r, &p->snapkv) &&
+         GetCake(r, &p->cake) && r.Get(&d.rho) && r.Get(&d.recent_frac) && r.Get(&d.n_sink) &&
+         r.Get(&d.beta) && r.Get(&d.density_mode) && r.Get(&d.min_ratio) && r.Get(&d.max_ratio) &&
+         r.GetVector(&d.full_cache_layers) && r.Get(&d.merge_weighting) &&
+         r.Get(&d.threshold_scope) && r.Get(&c.base) && r.Get(&c.variant) && r.Get(&c.gqa_reduce) &&
+         r.Get(&c.eps) && r.Get(&c.n_sink) && r.Get(&c.n_recent) && r.Get(&c.greedy) &&
+         GetSnapKv(r, &c.snapkv) && GetCake(r, &c.cake) && r.Get(&p->allocator.kind) &&
+         r.Get(&p->allocator.min_layer_tokens) && r.Get(&p->allocator.pyramid_beta);
+}
+
+absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+absl::Status Malformed(absl::string_view what) {
+  return absl::DataLossError(absl::StrCat("spilled sequence metadata is malformed: ", what));
+}
+
+}  // namespace
+
+std::string EncodeSnapshot(const SequenceSnapshot& s) {
+  Writer w;
+  std::string magic(kMagic, kMagicBytes);
+  for (char c : magic) w.Put(c);
+  w.PutString(s.id);
+  w.Put(s.layout.num_layers);
+  w.Put(s.layout.num_kv_heads);
+  w.Put(s.layout.num_q_heads);
+  w.Put(s.layout.head_dim);
+  w.Put(static_cast<int32_t>(s.layout.dtype));
+  w.Put(s.layout.block_tokens);
+  PutPolicy(w, s.policy);
+  w.Put(s.budget.tokens_per_layer);
+  w.Put(s.budget.strict);
+  w.Put(s.budget.prefill_block_tokens);
+  w.PutVector(s.budget.per_layer_tokens);
+  w.Put(absl::ToUnixNanos(s.created));
+  w.Put(absl::ToUnixNanos(s.last_used));
+  w.Put(s.next_position);
+  w.Put(s.version);
+  w.Put(s.last_committed);
+  w.Put(s.last_cancelled);
+  w.Put(static_cast<uint64_t>(s.layers.size()));
+  for (const SequenceSnapshot::Layer& layer : s.layers) {
+    w.Put(layer.count);
+    w.Put(layer.appended);
+    w.Put(static_cast<uint64_t>(layer.positions.size()));
+    for (const std::vector<int32_t>& head : layer.positions) w.PutVector(head);
+    w.Put(layer.allocated);
+    const LayerPolicyState& st = layer.state;
+    w.PutVector(st.accumulated);
+    w.PutVector(st.indicator);
+    w.PutVector(st.threshold);
+    w.Put(st.preference);
+    w.Put(st.measured);
+    w.Put(st.frozen_budget);
+    w.Put(st.frozen_for);
+  }
+  return w.Take();
+}
+
+absl::StatusOr<SequenceSnapshot> DecodeSnapshot(std::string_view bytes) {
+  if (bytes.size() < kMagicBytes || bytes.substr(0, kMagicBytes) != std::string_view(kMagic)) {
+    return Malformed("bad magic");
+  }
+  Reader r(bytes.substr(kMagicBytes));
+  SequenceSnapshot s;
+  int32_t dtype = 0;
+  int64_t created_ns = 0, last_used_ns = 0;
+  uint64_t num_layers = 0;
+  if (!(r.GetString(&s.id) && r.Get(&s.layout.num_layers) && r.Get(&s.layout.num_kv_heads) &&
+        r.Get(&s.layout.num_q_heads) && r.Get(&s.layout.head_dim) && r.Get(&dtype) &&
+        r.Get(&s.layout.block_tokens) && GetPolicy(r, &s.policy) &&
+        r.Get(&s.budget.tokens_per_layer) && r.Get(&s.budget.strict) &&
+        r.Get(&s.budget.prefill_block_tokens) && r.GetVector(&s.budget.per_layer_tokens) &&
+        r.Get(&created_ns) && r.Get(&last_used_ns) && r.Get(&s.next_position) &&
+        r.Get(&s.version) && r.Get(&s.last_committed) && r.Get(&s.last_cancelled) &&
+        r.Get(&num_layers))) {
+    return Malformed("truncated header");
+  }
+  if (dtype < 1 || dtype > 3) return Malformed(absl::StrCat("dtype ", dtype));
+  s.layout.dtype = static_cast<DType>(dtype);
+  if (absl::Status status = s.layout.Validate("layout."); !status.ok()) {
+    return Malformed(status.message());
+  }
+  if (num_layers != static_cast<uint64_t>(s.layout.num_layers)) {
+    return Malformed(
+        absl::StrCat(num_layers, " layer records for ", s.layout.num_layers, " layers"));
+  }
+  s.created = absl::FromUnixNanos(created_ns);
+  s.last_used = absl::FromUnixNanos(last_used_ns);
+  s.layers.resize(num_layers);
+  for (uint64_t l = 0; l < num_layers; ++l) {
+    SequenceSnapshot::Layer& layer = s.layers[l];
+    uint64_t heads = 0;
+    if (!(r.Get(&layer.count) && r.Get(&layer.appended) && r.Get(&heads))) {
+      return Malformed(absl::StrCat("truncated layer ", l));
+    }
+    if (layer.count < 0 || (heads != 0 && heads != static_cast<uint64_t>(s.layout.num_kv_heads))) {
+      return Malformed(absl::StrCat("layer ", l, " count ", layer.count, " heads ", heads));
+    }
+    layer.positions.resize(heads);
+    for (std::vector<int32_t>& head : layer.positions) {
+      if (!r.GetVector(&head) || head.size() != static_cast<size_t>(layer.count)) {
+        return Malformed(absl::StrCat("positions of layer ", l));
+      }
+    }
+    if (heads == 0 && layer.count != 0) {
+      return Malformed(absl::StrCat("layer ", l, " holds tokens without positions"));
+    }
+    LayerPolicyState& st = layer.state;
+    if (!(r.Get(&layer.allocated) && r.GetVector(&st.accumulated) && r.GetVector(&st.indicator) &&
+          r.GetVector(&st.threshold) && r.Get(&st.preference) && r.Get(&st.measured) &&
+          r.Get(&st.frozen_budget) && r.Get(&st.frozen_for))) {
+      return Malformed(absl::StrCat("policy state of layer ", l));
+    }
+    // Slot-aligned arrays must be whole rows of `count` slots.
+    for (const std::vector<float>* v : {&st.accumulated, &st.indicator}) {
+      if (!v->empty() && (layer.count == 0 || v->size() % layer.count != 0)) {
+        return Malformed(absl::StrCat("policy state of layer ", l, " is not slot-aligned"));
+      }
+    }
+  }
+  if (!r.done()) return Malformed("trailing bytes");
+  return s;
+}
+
+absl::StatusOr<SpilledSequence> Sequence::Spill(const SequenceEnv& env) const {
+  if (pending_.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", id_,
+                                                      " has a pending reservation (", pending_->id,
+                                                      "); commit or cancel it before spilling"));
+  }
+  SequenceSnapshot snapshot;
+  snapshot.id = id_;
+  snapshot.layout = layout_;
+  snapshot.policy = policy_->config();
+  snapshot.budget = budget_;
+  snapshot.created = created_;
+  snapshot.last_used = last_used_;
+  snapshot.next_position = next_position_;
+  snapshot.version = version_;
+  snapshot.last_committed = last_committed_;
+  snapshot.last_cancelled = last_cancelled_;
+  snapshot.layers.resize(layers_.size());
+  SpilledSequence out;
+  out.layers.resize(layers_.size());
+  const uint64_t block_bytes = layout_.block_bytes();
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    SequenceSnapshot::Layer& layer = snapshot.layers[l];
+    layer.count = layers_[l].count;
+    layer.appended = layers_[l].appended;
+    layer.positions = layers_[l].positions;
+    layer.allocated = allocated_[l];
+    layer.state = states_[l];
+    layer.state.step_scores.clear();
+    layer.state.step_protected_recent = 0;
+    const int64_t blocks = snapshot.LayerBlocks(l);
+    if (blocks > static_cast<int64_t>(layers_[l].blocks.size())) {
+      return absl::InternalError(absl::StrCat("sequence ", id_, " layer ", l, " holds ",
+                                              layers_[l].count, " tokens in ",
+                                              layers_[l].blocks.size(), " blocks"));
+    }
+    std::string& bytes = out.layers[l];
+    bytes.resize(static_cast<size_t>(blocks) * block_bytes);
+    for (int64_t b = 0; b < blocks; ++b) {
+      KVS_RETURN_IF_ERROR(env.arena.Read(static_cast<uint64_t>(layers_[l].blocks[b]) * block_bytes,
+                                         bytes.data() + b * block_bytes, block_bytes));
+    }
+  }
+  out.meta = EncodeSnapshot(snapshot);
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Restore(const SequenceEnv& env,
+                                                            const SpilledSequence& data) {
+  KVS_ASSIGN_OR_RETURN(SequenceSnapshot snapshot, DecodeSnapshot(data.meta));
+  const ModelLayout& have = snapshot.layout;
+  const ModelLayout& want = env.layout;
+  if (have.num_layers != want.num_layers || have.num_kv_heads != want.num_kv_heads ||
+      have.num_q_heads != want.num_q_heads || have.head_dim != want.head_dim ||
+      have.dtype != want.dtype || have.block_tokens != want.block_tokens) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", snapshot.id, " was spilled from a session with layout L=", have.num_layers,
+        " H=", have.num_kv_heads, " Hq=", have.num_q_heads, " D=", have.head_dim, " dtype=",
+        static_cast<int>(have.dtype), " B=", have.block_tokens, "; session ", Sv(env.session_id),
+        " has L=", want.num_layers, " H=", want.num_kv_heads, " Hq=", want.num_q_heads,
+        " D=", want.head_dim, " dtype=", static_cast<int>(want.dtype), " B=", want.block_tokens));
+  }
+  if (data.layers.size() != snapshot.layers.size()) {
+    return absl::DataLossError(absl::StrCat("spilled sequence ", snapshot.id, " has ",
+                                            data.layers.size(), " layer records for ",
+                                            snapshot.layers.size(), " layers"));
+  }
+  const uint64_t block_bytes = want.block_bytes();
+  int64_t total_blocks = 0;
+  for (size_t l = 0; l < snapshot.layers.size(); ++l) {
+    const int64_t blocks = snapshot.LayerBlocks(l);
+    if (data.layers[l].size() != static_cast<uint64_t>(blocks) * block_bytes) {
+      return absl::DataLossError(absl::StrCat("spilled sequence ", snapshot.id, " layer ", l,
+                                              " has ", data.layers[l].size(), " bytes, expected ",
+                                              static_cast<uint64_t>(blocks) * block_bytes));
+    }
+    total_blocks += blocks;
+  }
+  if (total_blocks > env.allocator.num_blocks()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("sequence ", snapshot.id, " needs ", total_blocks, " blocks, the arena of ",
+                     "session ", Sv(env.session_id), " has ", env.allocator.num_blocks()));
+  }
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, MakePolicy(snapshot.policy));
+  std::vector<int32_t> blocks;
+  if (absl::Status status = env.allocator.Allocate(static_cast<int32_t>(total_blocks), &blocks);
+      !status.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "restoring sequence ", snapshot.id, " needs ", total_blocks, " free blocks; session ",
+        Sv(env.session_id), " has ", env.allocator.free_blocks(), " (", status.message(), ")"));
+  }
+  auto sequence = std::make_unique<Sequence>(snapshot.id, want, std::move(policy), snapshot.budget,
+                                             snapshot.created);
+  size_t next = 0;
+  for (size_t l = 0; l < snapshot.layers.size(); ++l) {
+    SequenceSnapshot::Layer& from = snapshot.layers[l];
+    LayerState& to = sequence->layers_[l];
+    const int64_t n = snapshot.LayerBlocks(l);
+    to.blocks.assign(blocks.begin() + next, blocks.begin() + next + n);
+    next += n;
+    to.count = from.count;
+    to.appended = from.appended;
+    to.positions = std::move(from.positions);
+    for (int64_t b = 0; b < n; ++b) {
+      absl::Status status = env.arena.Write(static_cast<uint64_t>(to.blocks[b]) * block_bytes,
+                                            data.layers[l].data() + b * block_bytes, block_bytes);
+      if (!status.ok()) {
+        (void)env.allocator.Free(blocks);
+        return status;
+      }
+    }
+    sequence->states_[l] = std::move(from.state);
+    sequence->allocated_[l] = from.allocated;
+  }
+  sequence->last_used_ = snapshot.last_used;
+  sequence->next_position_ = snapshot.next_position;
+  // The block tables changed: a worker holding the old layout must see a new version.
+  sequence->version_ = snapshot.version + 1;
+  sequence->last_committed_ = snapshot.last_committed;
+  sequence->last_cancelled_ = snapshot.last_cancelled;
+  return sequence;
+}
+
+}  // namespace kvs

@@ -1,0 +1,61 @@
+// Sequence snapshots: the complete state of a Sequence (layout, resolved policy configuration,
+// budget, per-layer counts, positions, append totals, every LayerPolicyState, allocations,
+// next position, version) as plain values, and its binary encoding (the `meta` of a
+// SpilledSequence, cache/tier.h). Sequence::Spill / Sequence::Restore (cache/sequence.h,
+// implemented in sequence_snapshot.cc) capture and rebuild a sequence from it, so that a restored
+// sequence is bit-identical and behaves exactly as before.
+//
+// Encoding: "KVSSNAP1", then little-endian fixed-width fields in the order of the struct below
+// (vectors as a u64 length then the elements). Decoding checks every length against the bytes
+// left and every value range it relies on: malformed bytes are DATA_LOSS, never a crash.
+//
+// Threading: pure functions of their arguments.
+#ifndef KVSIDECAR_CACHE_SEQUENCE_SNAPSHOT_H_
+#define KVSIDECAR_CACHE_SEQUENCE_SNAPSHOT_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cache/policy/policy.h"
+#include "cache/policy/policy_config.h"
+#include "gpu/base/layout.h"
+
+namespace kvs {
+
+struct SequenceSnapshot {
+  struct Layer {
+    int32_t count = 0;
+    int64_t appended = 0;
+    std::vector<std::vector<int32_t>> positions;  // [H][count] or empty (never used)
+    int32_t allocated = 0;
+    LayerPolicyState state;  // the transient step fields are always empty between calls
+  };
+  std::string id;
+  ModelLayout layout;
+  PolicyConfig policy;  // resolved
+  BudgetConfig budget;
+  absl::Time created;
+  absl::Time last_used;
+  int64_t next_position = 0;
+  uint64_t version = 0;
+  uint64_t last_committed = 0;
+  uint64_t last_cancelled = 0;
+  std::vector<Layer> layers;
+
+  // Blocks layer `l` holds: ceil(count / block_tokens).
+  int64_t LayerBlocks(size_t l) const {
+    return (int64_t{layers[l].count} + layout.block_tokens - 1) / layout.block_tokens;
+  }
+};
+
+std::string EncodeSnapshot(const SequenceSnapshot& snapshot);
+// DATA_LOSS (naming what is wrong) for bytes that are not an encoded snapshot.
+absl::StatusOr<SequenceSnapshot> DecodeSnapshot(std::string_view bytes);
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_CACHE_SEQUENCE_SNAPSHOT_H_

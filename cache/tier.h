@@ -1,0 +1,109 @@
+// SequenceTiers: the interface through which the cache core (KvPool) moves a whole sequence out
+// of its session's arena and back: to the host memory tier or to the disk tier. storage/
+// implements it (storage/tier_manager.h); cache/ sees only this header, so it never depends on
+// RocksDB or on the storage library.
+//
+// A spilled sequence is an opaque metadata blob (cache/sequence_snapshot.h encodes it) plus the
+// K/V bytes of each layer (its blocks, whole, in block-table order). It is addressed by
+// (tenant, session that spilled it, sequence id): sessions die with their worker or with a
+// restart, so the disk tier keeps the session id only as part of the name.
+//
+// Threading: implementations are thread-safe. Data handed to Put is owned by the tier afterwards;
+// what Get returns is immutable and shared.
+#ifndef KVSIDECAR_CACHE_TIER_H_
+#define KVSIDECAR_CACHE_TIER_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace kvs {
+
+// Where a sequence's bytes live. The values match kvsidecar.v1.Tier.
+enum class StorageTier { kArena = 1, kHost = 2, kDisk = 3 };
+
+const char* StorageTierName(StorageTier tier);
+
+struct SpillKey {
+  std::string tenant;
+  std::string session_id;  // the session that spilled the sequence
+  std::string sequence_id;
+
+  friend bool operator==(const SpillKey& a, const SpillKey& b) {
+    return std::tie(a.tenant, a.session_id, a.sequence_id) ==
+           std::tie(b.tenant, b.session_id, b.sequence_id);
+  }
+  friend bool operator<(const SpillKey& a, const SpillKey& b) {
+    return std::tie(a.tenant, a.session_id, a.sequence_id) <
+           std::tie(b.tenant, b.session_id, b.sequence_id);
+  }
+  template <typename H>
+  friend H AbslHashValue(H h, const SpillKey& key) {
+    return H::combine(std::move(h), key.tenant, key.session_id, key.sequence_id);
+  }
+};
+
+// The bytes of one spilled sequence.
+struct SpilledSequence {
+  std::string meta;                 // EncodeSnapshot(...) of the sequence's full state
+  std::vector<std::string> layers;  // per layer: its blocks' bytes, whole, in table order
+
+  uint64_t bytes() const {
+    uint64_t total = meta.size();
+    for (const std::string& layer : layers) total += layer.size();
+    return total;
+  }
+};
+
+// One entry of SequenceTiers::List.
+struct SpilledInfo {
+  SpillKey key;
+  StorageTier tier = StorageTier::kHost;
+  uint64_t bytes = 0;
+  absl::Time spilled;
+  // Set for a disk record that failed its checksum (or could not be parsed) when the tier was
+  // opened: the sequence is lost; Get answers DATA_LOSS with this message.
+  std::string lost;
+};
+
+class SequenceTiers {
+ public:
+  virtual ~SequenceTiers() = default;
+
+  // Stores `data` under `key` in `tier` (kHost or kDisk), replacing any copy under that key in
+  // either tier. RESOURCE_EXHAUSTED when the tier is full, FAILED_PRECONDITION when the tier is
+  // unavailable (the disk tier could not be opened), INVALID_ARGUMENT for kArena. A failed Put
+  // leaves the previous copy (if any) as it was.
+  virtual absl::Status Put(StorageTier tier, const SpillKey& key, SpilledSequence data) = 0;
+  // The stored copy: NOT_FOUND when there is none, DATA_LOSS when it fails its checksum.
+  virtual absl::StatusOr<std::shared_ptr<const SpilledSequence>> Get(const SpillKey& key) = 0;
+  // Deletes the copy (a no-op when there is none).
+  virtual absl::Status Erase(const SpillKey& key) = 0;
+  // The entry of `key`, if any.
+  virtual std::optional<SpilledInfo> Find(const SpillKey& key) const = 0;
+  // Every stored sequence (lost ones included), ordered by key.
+  virtual std::vector<SpilledInfo> List() const = 0;
+};
+
+inline const char* StorageTierName(StorageTier tier) {
+  switch (tier) {
+    case StorageTier::kArena:
+      return "arena";
+    case StorageTier::kHost:
+      return "host";
+    case StorageTier::kDisk:
+      return "disk";
+  }
+  return "unknown";
+}
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_CACHE_TIER_H_

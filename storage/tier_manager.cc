@@ -1,0 +1,199 @@
+#include "storage/tier_manager.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "gpu/base/status_macros.h"
+
+namespace kvs::storage {
+namespace {
+constexpr size_t kMaxDeletedKeys = 4096;
+}  // namespace
+
+std::unique_ptr<TierManager> TierManager::Open(const TierOptions& options) {
+  std::unique_ptr<RocksTier> disk;
+  absl::Status status = absl::FailedPreconditionError("no disk tier is configured");
+  if (!options.disk_path.empty()) {
+    absl::StatusOr<std::unique_ptr<RocksTier>> opened =
+        RocksTier::Open({options.disk_path, options.disk_capacity_bytes});
+    if (opened.ok()) {
+      disk = *std::move(opened);
+      status = absl::OkStatus();
+    } else {
+      status = absl::FailedPreconditionError(
+          absl::StrCat("the disk tier is unavailable (", opened.status().message(),
+                       "); fix --data_dir and restart the sidecar"));
+    }
+  }
+  return std::unique_ptr<TierManager>(new TierManager(options, std::move(disk), status));
+}
+
+TierManager::TierManager(const TierOptions& options, std::unique_ptr<RocksTier> disk,
+                         absl::Status disk_status)
+    : demote_(options.demote),
+      host_(options.host_capacity_bytes),
+      disk_(std::move(disk)),
+      disk_status_(std::move(disk_status)) {
+  if (!disk_) return;
+  // Copies from earlier runs, oldest first.
+  std::vector<SpilledInfo> found = disk_->List();
+  std::stable_sort(found.begin(), found.end(), [](const SpilledInfo& a, const SpilledInfo& b) {
+    return a.spilled < b.spilled;
+  });
+  absl::MutexLock lock(&mu_);
+  for (const SpilledInfo& info : found) stored_at_[info.key] = ++clock_;
+}
+
+std::optional<SpillKey> TierManager::OldestLocked(StorageTier tier, const SpillKey& except) const {
+  std::optional<SpillKey> oldest;
+  uint64_t oldest_at = 0;
+  for (const SpilledInfo& info : tier == StorageTier::kHost ? host_.List() : disk_->List()) {
+    if (info.key == except) continue;
+    auto it = stored_at_.find(info.key);
+    const uint64_t at = it == stored_at_.end() ? 0 : it->second;
+    if (!oldest || at < oldest_at) {
+      oldest = info.key;
+      oldest_at = at;
+    }
+  }
+  return oldest;
+}
+
+absl::Status TierManager::PutDiskLocked(const SpillKey& key, const SpilledSequence& data) {
+  if (!disk_) return disk_status_;
+  const uint64_t capacity = disk_->capacity_bytes();
+  if (capacity != 0 && data.bytes() > capacity) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("sequence ", key.sequence_id, " needs ", data.bytes(),
+                     " bytes, more than the disk tier holds (--disk_tier_bytes ", capacity, ")"));
+  }
+  while (true) {
+    absl::Status status = disk_->Put(key, data, absl::Now());
+    if (status.ok()) {
+      deleted_.erase(key);
+      return status;
+    }
+    // Over the configured capacity (not a full disk): delete the oldest copy and retry.
+    const uint64_t replaced = disk_->Find(key) ? disk_->Find(key)->bytes : 0;
+    const bool over_capacity = capacity != 0 &&
+                               status.code() == absl::StatusCode::kResourceExhausted &&
+                               disk_->used_bytes() - replaced + data.bytes() > capacity;
+    if (!demote_ || !over_capacity) return status;
+    std::optional<SpillKey> victim = OldestLocked(StorageTier::kDisk, key);
+    if (!victim) return status;
+    KVS_RETURN_IF_ERROR(disk_->Erase(*victim));
+    stored_at_.erase(*victim);
+    if (deleted_.size() >= kMaxDeletedKeys) deleted_.clear();
+    deleted_.insert(*victim);
+    ++deleted_from_disk_;
+  }
+}
+
+absl::Status TierManager::PutHostLocked(const SpillKey& key,
+                                        std::shared_ptr<const SpilledSequence> data) {
+  if (data->bytes() > host_.capacity_bytes()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sequence ", key.sequence_id, " needs ", data->bytes(),
+        " bytes, more than the host tier holds (--host_tier_bytes ", host_.capacity_bytes(), ")"));
+  }
+  while (true) {
+    absl::Status status = host_.Put(key, data, absl::Now());
+    if (status.ok() || !demote_ || !disk_ ||
+        status.code() != absl::StatusCode::kResourceExhausted) {
+      return status;
+    }
+    // Make room: the least recently stored host copy goes to disk.
+    std::optional<SpillKey> victim = OldestLocked(StorageTier::kHost, key);
+    if (!victim) return status;
+    std::shared_ptr<const SpilledSequence> moved = host_.Get(*victim);
+    if (absl::Status demoted = PutDiskLocked(*victim, *moved); !demoted.ok()) {
+      return absl::Status(status.code(), absl::StrCat(status.message(), "; moving the oldest host ",
+                                                      "copy to disk failed: ", demoted.message()));
+    }
+    host_.Erase(*victim);
+    ++demoted_to_disk_;
+  }
+}
+
+absl::Status TierManager::Put(StorageTier tier, const SpillKey& key, SpilledSequence data) {
+  absl::MutexLock lock(&mu_);
+  switch (tier) {
+    case StorageTier::kHost:
+      KVS_RETURN_IF_ERROR(
+          PutHostLocked(key, std::make_shared<const SpilledSequence>(std::move(data))));
+      if (disk_) KVS_RETURN_IF_ERROR(disk_->Erase(key));
+      break;
+    case StorageTier::kDisk:
+      KVS_RETURN_IF_ERROR(PutDiskLocked(key, data));
+      host_.Erase(key);
+      break;
+    case StorageTier::kArena:
+      return absl::InvalidArgumentError("a spill target must be the host or the disk tier");
+  }
+  stored_at_[key] = ++clock_;
+  deleted_.erase(key);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const SpilledSequence>> TierManager::Get(const SpillKey& key) {
+  absl::MutexLock lock(&mu_);
+  if (std::shared_ptr<const SpilledSequence> data = host_.Get(key)) return data;
+  if (deleted_.contains(key)) {
+    return absl::NotFoundError(
+        absl::StrCat("the spilled copy of sequence ", key.sequence_id,
+                     " was deleted, oldest first, to keep the disk tier within --disk_tier_bytes"));
+  }
+  if (!disk_) {
+    return absl::NotFoundError(absl::StrCat("sequence ", key.sequence_id, " has no spilled copy"));
+  }
+  return disk_->Get(key);
+}
+
+absl::Status TierManager::Erase(const SpillKey& key) {
+  absl::MutexLock lock(&mu_);
+  host_.Erase(key);
+  stored_at_.erase(key);
+  deleted_.erase(key);
+  if (disk_) return disk_->Erase(key);
+  return absl::OkStatus();
+}
+
+std::optional<SpilledInfo> TierManager::Find(const SpillKey& key) const {
+  if (std::optional<SpilledInfo> info = host_.Find(key)) return info;
+  if (disk_) return disk_->Find(key);
+  return std::nullopt;
+}
+
+std::vector<SpilledInfo> TierManager::List() const {
+  std::vector<SpilledInfo> result = host_.List();
+  if (disk_) {
+    std::vector<SpilledInfo> disk = disk_->List();
+    result.insert(result.end(), disk.begin(), disk.end());
+  }
+  std::sort(result.begin(), result.end(),
+            [](const SpilledInfo& a, const SpilledInfo& b) { return a.key < b.key; });
+  return result;
+}
+
+uint64_t TierManager::TenantBytes(const std::string& tenant, bool host) const {
+  if (host) return host_.TenantBytes(tenant);
+  return disk_ ? disk_->TenantBytes(tenant) : 0;
+}
+
+TierStats TierManager::GetStats() const {
+  TierStats stats;
+  stats.host_bytes_used = host_.used_bytes();
+  stats.host_bytes_capacity = host_.capacity_bytes();
+  stats.disk_available = disk_ != nullptr;
+  if (disk_) {
+    stats.disk_bytes_used = disk_->used_bytes();
+    stats.disk_bytes_capacity = disk_->capacity_bytes();
+  }
+  absl::MutexLock lock(&mu_);
+  stats.demoted_to_disk = demoted_to_disk_;
+  stats.deleted_from_disk = deleted_from_disk_;
+  return stats;
+}
+
+}  // namespace kvs::storage

@@ -1,0 +1,180 @@
+"""Checks a rendered kvsidecar overlay for what the pod must have, beyond schema validity.
+
+    check_manifests.py OVERLAY RENDERED.yaml DEPLOY_DIR
+
+OVERLAY is "cpu" or "gpu" (other overlays get the common checks). Prints every problem found and
+exits 1 if there is any.
+"""
+import os
+import sys
+
+import yaml
+
+problems = []
+
+
+def check(condition, message):
+    if not condition:
+        problems.append(message)
+    return condition
+
+
+def containers_by_name(pod):
+    return {c["name"]: c for c in pod.get("containers", [])}
+
+
+def mounts(container):
+    return {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+
+
+def env(container):
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def example_keys(deploy_dir):
+    """Dotted keys of deploy/kvsidecar.example.yaml, or None if it does not exist yet."""
+    path = os.path.join(deploy_dir, "kvsidecar.example.yaml")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        doc = yaml.safe_load(f) or {}
+    keys = set()
+
+    def walk(prefix, node):
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            if isinstance(value, dict) and key != "quotas":
+                walk(dotted + ".", value)
+            else:
+                keys.add(dotted)
+
+    walk("", doc)
+    return keys
+
+
+def main():
+    overlay, rendered, deploy_dir = sys.argv[1:4]
+    with open(rendered) as f:
+        objects = [o for o in yaml.safe_load_all(f) if o]
+    by_kind = {}
+    for o in objects:
+        by_kind.setdefault(o["kind"], []).append(o)
+    for kind in ("Deployment", "ConfigMap", "Secret", "NetworkPolicy", "ServiceAccount"):
+        check(kind in by_kind, f"no {kind} rendered")
+    if problems:
+        return
+    deployment = by_kind["Deployment"][0]
+    template = deployment["spec"]["template"]
+    pod = template["spec"]
+    annotations = template["metadata"].get("annotations", {})
+    check(annotations.get("prometheus.io/scrape") == "true", "no prometheus.io/scrape annotation")
+    check(annotations.get("prometheus.io/path") == "/metrics", "prometheus.io/path is not /metrics")
+
+    containers = containers_by_name(pod)
+    check(set(containers) == {"model-worker", "kvsidecar"},
+          f"containers are {sorted(containers)}, expected model-worker and kvsidecar")
+    sidecar = containers.get("kvsidecar", {})
+    worker = containers.get("model-worker", {})
+    metrics_port = annotations.get("prometheus.io/port")
+    check(any(str(p["containerPort"]) == metrics_port for p in sidecar.get("ports", [])),
+          f"prometheus.io/port {metrics_port} is not a port of the sidecar")
+
+    # Security: non-root, no privilege, read-only root file systems.
+    pod_security = pod.get("securityContext", {})
+    check(pod_security.get("runAsNonRoot") is True, "pod securityContext.runAsNonRoot is not true")
+    check(pod_security.get("runAsUser", 0) != 0, "pod runs as uid 0")
+    check(not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC"),
+          "pod uses a host namespace")
+    for name, container in containers.items():
+        security = container.get("securityContext", {})
+        check(security.get("privileged") is not True, f"{name} is privileged")
+        check(security.get("allowPrivilegeEscalation") is False,
+              f"{name} allows privilege escalation")
+        check("ALL" in security.get("capabilities", {}).get("drop", []),
+              f"{name} does not drop all capabilities")
+        check(security.get("readOnlyRootFilesystem") is True,
+              f"{name} has a writable root file system")
+        resources = container.get("resources", {})
+        for part in ("requests", "limits"):
+            for resource in ("cpu", "memory"):
+                check(resource in resources.get(part, {}), f"{name} has no {part}.{resource}")
+
+    # gRPC probes on the data port; readiness on the Sidecar service (NOT_SERVING when draining).
+    data_port = 50051
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        grpc = sidecar.get(probe, {}).get("grpc")
+        if check(grpc is not None, f"kvsidecar {probe} is not a gRPC probe"):
+            check(grpc.get("port") == data_port, f"kvsidecar {probe} is not on port {data_port}")
+    check(sidecar.get("readinessProbe", {}).get("grpc", {}).get("service") ==
+          "kvsidecar.v1.Sidecar", "readiness does not check the kvsidecar.v1.Sidecar service")
+    pre_stop = sidecar.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    check("drain" in pre_stop, "the sidecar's preStop does not drain it")
+
+    # Shared memory: one Memory emptyDir at /dev/shm in both containers.
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    shm_names = {mounts(c).get("/dev/shm") for c in (sidecar, worker)}
+    check(len(shm_names) == 1 and None not in shm_names,
+          "the two containers do not share one /dev/shm volume")
+    shm = volumes.get(next(iter(shm_names)), {}) if len(shm_names) == 1 else {}
+    check(shm.get("emptyDir", {}).get("medium") == "Memory",
+          "/dev/shm is not an emptyDir with medium Memory")
+
+    # Configuration from the ConfigMap, secrets from the Secret.
+    config_maps = {c["metadata"]["name"]: c for c in by_kind["ConfigMap"]}
+    config_volume = volumes.get(mounts(sidecar).get("/etc/kvsidecar/kvsidecar.yaml"), {})
+    config_map = config_maps.get(config_volume.get("configMap", {}).get("name"))
+    if check(config_map is not None, "the sidecar's config volume names no rendered ConfigMap"):
+        config = yaml.safe_load(config_map["data"]["kvsidecar.yaml"])
+        check("--config=/etc/kvsidecar/kvsidecar.yaml" in sidecar.get("args", []),
+              "the sidecar is not started with --config")
+        check(config.get("listen", "").endswith(f":{data_port}"),
+              f"config listen is not on the probed port {data_port}")
+        check(config.get("metrics_listen", "").endswith(f":{metrics_port}"),
+              "config metrics_listen is not the scraped port")
+        expected_backend = {"cpu": "cpu", "gpu": "cuda"}.get(overlay)
+        if expected_backend:
+            check(config.get("backend") == expected_backend,
+                  f"config backend is {config.get('backend')}, expected {expected_backend}")
+        if overlay == "cpu":
+            check(config.get("shm_dir") == "/dev/shm", "the CPU arena is not in /dev/shm")
+        known = example_keys(deploy_dir)
+        if known is not None:
+            flat = set()
+            for key, value in config.items():
+                if isinstance(value, dict) and key != "quotas":
+                    flat.update(f"{key}.{k}" for k in value)
+                else:
+                    flat.add(key)
+            unknown = sorted(flat - known)
+            check(not unknown, f"config keys not in deploy/kvsidecar.example.yaml: {unknown}")
+        for key in ("admin_token_file", "tenant_tokens_file"):
+            path = config.get("auth", {}).get(key, "")
+            check(path.startswith("/etc/kvsidecar/secrets/"),
+                  f"auth.{key} is not read from the mounted Secret")
+    secret_names = {s["metadata"]["name"] for s in by_kind["Secret"]}
+    secrets_volume = volumes.get(mounts(sidecar).get("/etc/kvsidecar/secrets"), {})
+    check(secrets_volume.get("secret", {}).get("secretName") in secret_names,
+          "the sidecar's secrets volume names no rendered Secret")
+    tls_volume = volumes.get(mounts(sidecar).get("/etc/kvsidecar/tls"), {})
+    check(tls_volume.get("secret", {}).get("optional") is True,
+          "no optional TLS Secret volume at /etc/kvsidecar/tls")
+
+    gpu_holders = [name for name, c in containers.items()
+                   if "nvidia.com/gpu" in c.get("resources", {}).get("limits", {})]
+    if overlay == "gpu":
+        check(pod.get("shareProcessNamespace") is True, "GPU pod without shareProcessNamespace")
+        check(gpu_holders == ["kvsidecar"],
+              f"nvidia.com/gpu is requested by {gpu_holders}, expected by kvsidecar alone")
+        check(str(sidecar["resources"]["limits"].get("nvidia.com/gpu")) == "1",
+              "the sidecar does not request exactly one GPU")
+        check(env(worker).get("NVIDIA_VISIBLE_DEVICES", {}).get("value") is not None,
+              "the worker does not see the GPU (NVIDIA_VISIBLE_DEVICES)")
+    else:
+        check(not gpu_holders, f"{overlay} overlay requests a GPU")
+
+
+if __name__ == "__main__":
+    main()
+    for problem in problems:
+        print(f"  problem: {problem}", file=sys.stderr)
+    sys.exit(1 if problems else 0)

@@ -1,0 +1,281 @@
+// End to end: TLS, mutual TLS and bearer tokens on the real kvsidecar binary, with certificates
+// made at test time by openssl. Calls without valid credentials get UNAUTHENTICATED; a tenant
+// touching another tenant's session gets PERMISSION_DENIED, worded exactly as for a session that
+// does not exist; Admin wants its own token.
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/security/credentials.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvsidecar/v1/admin.grpc.pb.h"
+#include "kvsidecar/v1/sidecar.grpc.pb.h"
+#include "tests/e2e/e2e_util.h"
+
+namespace kvs_e2e {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream file(path);
+  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
+
+void Write(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+
+// A CA, a server certificate for localhost / 127.0.0.1 and a client certificate, all signed by
+// the CA (P-256 keys: fast to make).
+bool MakeCertificates(const std::string& dir) {
+  Write(dir + "/server.ext", "subjectAltName=DNS:localhost,IP:127.0.0.1\n");
+  const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+  const std::string cmd = absl::StrCat(
+      "cd '", dir, "' && ", "openssl req -x509 ", ec,
+      " -keyout ca.key -out ca.pem -days 2 -subj /CN=kvs-test-ca && ", "openssl req ", ec,
+      " -keyout server.key -out server.csr -subj /CN=localhost && ",
+      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 ",
+      "-extfile server.ext -out server.pem && ", "openssl req ", ec,
+      " -keyout client.key -out client.csr -subj /CN=kvs-test-client && ",
+      "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 ",
+      "-out client.pem", " > openssl.log 2>&1");
+  return std::system(cmd.c_str()) == 0;
+}
+
+class AuthE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = MakeTempDir("kvs-auth-e2e-");
+    ASSERT_TRUE(MakeCertificates(dir_)) << ReadAll(dir_ + "/openssl.log");
+    Write(dir_ + "/tokens.yaml", "team-a: token-aaaa\nteam-b: token-bbbb\n");
+    Write(dir_ + "/admin.token", "admin-secret-1\n");
+  }
+
+  std::unique_ptr<ServerProcess> StartServer(bool mtls) {
+    ServerProcess::Options options;
+    options.extra_args = {"--tls_cert_file=" + dir_ + "/server.pem",
+                          "--tls_key_file=" + dir_ + "/server.key",
+                          "--tenant_tokens_file=" + dir_ + "/tokens.yaml",
+                          "--admin_token_file=" + dir_ + "/admin.token"};
+    if (mtls) options.extra_args.push_back("--tls_client_ca_file=" + dir_ + "/ca.pem");
+    auto server = ServerProcess::Start(options);
+    EXPECT_TRUE(server.ok()) << server.status();
+    return server.ok() ? std::move(*server) : nullptr;
+  }
+
+  std::shared_ptr<grpc::Channel> TlsChannel(const std::string& target, bool client_cert) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = ReadAll(dir_ + "/ca.pem");
+    if (client_cert) {
+      ssl.pem_private_key = ReadAll(dir_ + "/client.key");
+      ssl.pem_cert_chain = ReadAll(dir_ + "/client.pem");
+    }
+    grpc::ChannelArguments args;
+    args.SetSslTargetNameOverride("localhost");
+    return grpc::CreateCustomChannel(target, grpc::SslCredentials(ssl), args);
+  }
+
+  static void Prepare(grpc::ClientContext* context, const std::string& token) {
+    context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    if (!token.empty()) context->AddMetadata("authorization", "Bearer " + token);
+  }
+
+  grpc::Status Attach(v1::Sidecar::Stub& stub, const std::string& token, const std::string& tenant,
+                      std::string* session_id) {
+    grpc::ClientContext context;
+    Prepare(&context, token);
+    v1::AttachRequest request;
+    *request.mutable_layout() = MakeLayout(2, 2, 4, 16, v1::DTYPE_FLOAT16, 4);
+    request.set_num_blocks(16);
+    request.set_tenant(tenant);
+    v1::AttachResponse response;
+    grpc::Status status = stub.Attach(&context, request, &response);
+    if (session_id != nullptr) *session_id = response.session_id();
+    return status;
+  }
+
+  grpc::Status Heartbeat(v1::Sidecar::Stub& stub, const std::string& token,
+                         const std::string& session_id) {
+    grpc::ClientContext context;
+    Prepare(&context, token);
+    v1::HeartbeatRequest request;
+    request.set_session_id(session_id);
+    v1::HeartbeatResponse response;
+    return stub.Heartbeat(&context, request, &response);
+  }
+
+  std::string dir_;
+};
+
+TEST_F(AuthE2eTest, TlsWithTenantTokensAndAdminToken) {
+  auto server = StartServer(/*mtls=*/false);
+  ASSERT_NE(server, nullptr);
+  auto data = v1::Sidecar::NewStub(TlsChannel(server->data_target(), false));
+  auto admin = v1::Admin::NewStub(TlsChannel(server->admin_target(), false));
+
+  // No token, a wrong token, another scheme: UNAUTHENTICATED.
+  EXPECT_EQ(Attach(*data, "", "", nullptr).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(Attach(*data, "token-zzzz", "", nullptr).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Basic token-aaaa");
+    v1::HeartbeatRequest request;
+    request.set_session_id("x");
+    v1::HeartbeatResponse response;
+    EXPECT_EQ(data->Heartbeat(&context, request, &response).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+
+  // Team A attaches; the token's tenant wins over the request's tenant field.
+  std::string session_a;
+  const grpc::Status attached = Attach(*data, "token-aaaa", "team-b", &session_a);
+  ASSERT_TRUE(attached.ok()) << attached.error_message();
+  EXPECT_TRUE(Heartbeat(*data, "token-aaaa", session_a).ok());
+
+  // Team B on team A's session, and on a session that does not exist: the same refusal.
+  const grpc::Status foreign = Heartbeat(*data, "token-bbbb", session_a);
+  EXPECT_EQ(foreign.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  const std::string missing_id(session_a.size(), '0');
+  const grpc::Status missing = Heartbeat(*data, "token-bbbb", missing_id);
+  EXPECT_EQ(missing.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(absl::StrReplaceAll(foreign.error_message(), {{session_a, "ID"}}),
+            absl::StrReplaceAll(missing.error_message(), {{missing_id, "ID"}}));
+  {
+    grpc::ClientContext context;
+    Prepare(&context, "token-bbbb");
+    v1::CreateSequenceRequest request;
+    request.set_session_id(session_a);
+    v1::CreateSequenceResponse response;
+    EXPECT_EQ(data->CreateSequence(&context, request, &response).error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext context;
+    Prepare(&context, "token-bbbb");
+    v1::DetachRequest request;
+    request.set_session_id(session_a);
+    v1::DetachResponse response;
+    EXPECT_EQ(data->Detach(&context, request, &response).error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+  }
+  // Streams and batches: the same refusal.
+  {
+    grpc::ClientContext context;
+    Prepare(&context, "token-bbbb");
+    v1::AppendResponse response;
+    auto writer = data->Append(&context, &response);
+    v1::AppendChunk chunk;
+    chunk.mutable_header()->set_session_id(session_a);
+    chunk.mutable_header()->set_sequence_id("s");
+    chunk.mutable_header()->set_num_tokens(1);
+    writer->Write(chunk);
+    writer->WritesDone();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext context;
+    Prepare(&context, "token-bbbb");
+    v1::ExportRequest request;
+    request.set_session_id(session_a);
+    request.set_sequence_id("s");
+    auto reader = data->Export(&context, request);
+    v1::ExportChunk chunk;
+    while (reader->Read(&chunk)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext context;
+    Prepare(&context, "token-bbbb");
+    v1::DecodeStepRequest request;
+    request.add_items()->set_session_id(session_a);
+    v1::DecodeStepResponse response;
+    EXPECT_EQ(data->DecodeStep(&context, request, &response).error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+  }
+  // Team A's own calls go through.
+  {
+    grpc::ClientContext context;
+    Prepare(&context, "token-aaaa");
+    v1::CreateSequenceRequest request;
+    request.set_session_id(session_a);
+    request.set_sequence_id("s");
+    v1::CreateSequenceResponse response;
+    const grpc::Status status = data->CreateSequence(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+  }
+
+  // Admin: tenant tokens are not admin credentials.
+  auto list = [&](const std::string& token, v1::ListSessionsResponse* response) {
+    grpc::ClientContext context;
+    Prepare(&context, token);
+    return admin->ListSessions(&context, v1::ListSessionsRequest(), response);
+  };
+  v1::ListSessionsResponse sessions;
+  EXPECT_EQ(list("", &sessions).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(list("token-aaaa", &sessions).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  const grpc::Status listed = list("admin-secret-1", &sessions);
+  ASSERT_TRUE(listed.ok()) << listed.error_message();
+  ASSERT_EQ(sessions.sessions_size(), 1);
+  EXPECT_EQ(sessions.sessions(0).tenant(), "team-a");
+  {
+    grpc::ClientContext context;
+    Prepare(&context, "admin-secret-1");
+    v1::GetConfigResponse config;
+    ASSERT_TRUE(admin->GetConfig(&context, v1::GetConfigRequest(), &config).ok());
+    EXPECT_TRUE(config.tls());
+    EXPECT_FALSE(config.mtls());
+    EXPECT_TRUE(config.data_auth());
+    EXPECT_TRUE(config.admin_auth());
+    EXPECT_THAT(config.effective_config_yaml(), ::testing::Not(HasSubstr("token-aaaa")));
+    EXPECT_THAT(config.effective_config_yaml(), ::testing::Not(HasSubstr("admin-secret-1")));
+  }
+
+  // A plaintext client cannot talk to the TLS port.
+  auto plain = v1::Sidecar::NewStub(
+      grpc::CreateChannel(server->data_target(), grpc::InsecureChannelCredentials()));
+  EXPECT_EQ(Attach(*plain, "token-aaaa", "", nullptr).error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(AuthE2eTest, MutualTlsRefusesClientsWithoutACertificate) {
+  auto server = StartServer(/*mtls=*/true);
+  ASSERT_NE(server, nullptr);
+  auto without = v1::Sidecar::NewStub(TlsChannel(server->data_target(), false));
+  EXPECT_EQ(Attach(*without, "token-aaaa", "", nullptr).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  auto with = v1::Sidecar::NewStub(TlsChannel(server->data_target(), true));
+  const grpc::Status status = Attach(*with, "token-aaaa", "", nullptr);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  auto admin = v1::Admin::NewStub(TlsChannel(server->admin_target(), true));
+  grpc::ClientContext context;
+  Prepare(&context, "admin-secret-1");
+  v1::GetConfigResponse config;
+  ASSERT_TRUE(admin->GetConfig(&context, v1::GetConfigRequest(), &config).ok());
+  EXPECT_TRUE(config.mtls());
+}
+
+TEST_F(AuthE2eTest, UnreadableCertificateExits2NamingTheKey) {
+  std::vector<std::string> argv = {BuildDir() + "/service/kvsidecar",
+                                   "--listen=127.0.0.1:0",
+                                   "--admin_listen=127.0.0.1:0",
+                                   "--data_dir=" + dir_ + "/data",
+                                   "--tls_cert_file=" + dir_ + "/nope.pem",
+                                   "--tls_key_file=" + dir_ + "/server.key"};
+  auto process = ChildProcess::Spawn(argv, dir_, "kvsidecar");
+  ASSERT_TRUE(process.ok()) << process.status();
+  const int status = (*process)->Wait(kStartTimeout);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  EXPECT_THAT((*process)->Stderr(), HasSubstr("tls.cert_file"));
+}
+
+}  // namespace
+}  // namespace kvs_e2e

@@ -1,0 +1,228 @@
+// The RocksDB tier against a real database in a temporary directory: round trips, reopening,
+// corruption injected through RocksDB itself, unfinished spills, capacity, open failures.
+#include "storage/rocksdb_tier.h"
+
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "rocksdb/db.h"
+#include "tests/storage/storage_test_util.h"
+
+namespace kvs::storage {
+namespace {
+
+using testing_util::RandomSequence;
+using testing_util::TempDir;
+
+std::unique_ptr<RocksTier> OpenTier(const std::string& path, uint64_t capacity = 0) {
+  absl::StatusOr<std::unique_ptr<RocksTier>> tier = RocksTier::Open({path, capacity});
+  EXPECT_TRUE(tier.ok()) << tier.status();
+  return tier.ok() ? *std::move(tier) : nullptr;
+}
+
+void ExpectEqual(const SpilledSequence& a, const SpilledSequence& b) {
+  EXPECT_TRUE(a.meta == b.meta);
+  ASSERT_EQ(a.layers.size(), b.layers.size());
+  for (size_t l = 0; l < a.layers.size(); ++l) EXPECT_TRUE(a.layers[l] == b.layers[l]) << l;
+}
+
+// Applies `edit` to every record whose key starts with `prefix`, through RocksDB directly (the
+// tier must be closed).
+template <typename Edit>
+int EditRecords(const std::string& path, char prefix, Edit edit) {
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Options options;
+  options.enable_blob_files = true;
+  EXPECT_TRUE(rocksdb::DB::Open(options, path, &raw).ok());
+  std::unique_ptr<rocksdb::DB> db(raw);
+  std::map<std::string, std::string> records;
+  std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    if (it->key()[0] == prefix) records[it->key().ToString()] = it->value().ToString();
+  }
+  it.reset();
+  int edited = 0;
+  for (auto& [key, value] : records) {
+    if (edit(key, value)) {
+      EXPECT_TRUE(db->Put(rocksdb::WriteOptions(), key, value).ok());
+      ++edited;
+    }
+  }
+  EXPECT_TRUE(db->Close().ok());
+  return edited;
+}
+
+TEST(RocksTierTest, RoundTripsReplaceEraseAndReopen) {
+  TempDir dir;
+  std::mt19937 gen(42);
+  std::map<SpillKey, SpilledSequence> expected;
+  {
+    std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+    ASSERT_NE(tier, nullptr);
+    for (int i = 0; i < 12; ++i) {
+      const SpillKey key{i % 2 ? "tenant-a" : "tenant-b", "session", "seq" + std::to_string(i)};
+      // Small values stay in the LSM tree, large ones (>= 64 KiB) go to blob files.
+      SpilledSequence data = RandomSequence(gen, 1 + gen() % 5, i % 3 == 0 ? (1 << 20) : 2000);
+      ASSERT_TRUE(tier->Put(key, data, absl::FromUnixSeconds(i)).ok());
+      expected[key] = std::move(data);
+    }
+    // Replace one (a new generation), erase another.
+    const SpillKey replaced{"tenant-a", "session", "seq1"};
+    expected[replaced] = RandomSequence(gen, 3, 100000);
+    ASSERT_TRUE(tier->Put(replaced, expected[replaced], absl::FromUnixSeconds(50)).ok());
+    const SpillKey erased{"tenant-b", "session", "seq2"};
+    ASSERT_TRUE(tier->Erase(erased).ok());
+    expected.erase(erased);
+    ASSERT_TRUE(tier->Erase(erased).ok()) << "erasing nothing is fine";
+    for (const auto& [key, data] : expected) {
+      absl::StatusOr<std::shared_ptr<const SpilledSequence>> got = tier->Get(key);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ExpectEqual(**got, data);
+    }
+    EXPECT_EQ(tier->Get(erased).status().code(), absl::StatusCode::kNotFound);
+  }
+  std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+  ASSERT_NE(tier, nullptr);
+  EXPECT_EQ(tier->orphans_removed(), 0);
+  const std::vector<SpilledInfo> listed = tier->List();
+  ASSERT_EQ(listed.size(), expected.size());
+  uint64_t total = 0, tenant_a = 0;
+  auto want = expected.begin();
+  for (const SpilledInfo& info : listed) {
+    EXPECT_EQ(info.key, want->first);
+    EXPECT_EQ(info.bytes, want->second.bytes());
+    EXPECT_TRUE(info.lost.empty());
+    total += info.bytes;
+    if (info.key.tenant == "tenant-a") tenant_a += info.bytes;
+    absl::StatusOr<std::shared_ptr<const SpilledSequence>> got = tier->Get(info.key);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectEqual(**got, want->second);
+    ++want;
+  }
+  EXPECT_EQ(tier->used_bytes(), total);
+  EXPECT_EQ(tier->TenantBytes("tenant-a"), tenant_a);
+  EXPECT_EQ(tier->Find({"tenant-a", "session", "seq1"})->spilled, absl::FromUnixSeconds(50));
+}
+
+TEST(RocksTierTest, CorruptedDataRecordIsDataLossAndNeverServed) {
+  TempDir dir;
+  std::mt19937 gen(1);
+  const SpillKey good{"t", "s", "good"}, bad{"t", "s", "bad"};
+  const SpilledSequence good_data = RandomSequence(gen, 3, 200000);
+  SpilledSequence bad_data;
+  bad_data.meta = "meta";
+  bad_data.layers = {std::string(5000, 'a'), std::string(300000, 'b')};
+  {
+    std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+    ASSERT_TRUE(tier->Put(good, good_data, absl::Now()).ok());
+    ASSERT_TRUE(tier->Put(bad, bad_data, absl::Now()).ok());
+  }
+  // Flip one byte in the middle of layer 1 of `bad` (a blob-file value).
+  const std::string target = RocksTier::DataKey(bad, 2, 1);
+  EXPECT_EQ(1, EditRecords(dir.path(), 'D', [&](const std::string& key, std::string& value) {
+              if (key != target) return false;
+              value[value.size() / 2] ^= 0x01;
+              return true;
+            }));
+  std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+  absl::Status status = tier->Get(bad).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_NE(status.message().find("layer 1"), std::string::npos) << status;
+  absl::StatusOr<std::shared_ptr<const SpilledSequence>> other = tier->Get(good);
+  ASSERT_TRUE(other.ok()) << other.status();
+  ExpectEqual(**other, good_data);
+  // The lost copy can be erased, or replaced by a fresh spill.
+  ASSERT_TRUE(tier->Put(bad, bad_data, absl::Now()).ok());
+  ASSERT_TRUE(tier->Get(bad).ok());
+  ASSERT_TRUE(tier->Erase(bad).ok());
+  EXPECT_FALSE(tier->Find(bad).has_value());
+}
+
+TEST(RocksTierTest, CorruptedMetadataIsReportedLostAtOpen) {
+  TempDir dir;
+  std::mt19937 gen(2);
+  const SpillKey key{"t", "s", "x"}, other{"t", "s", "y"};
+  {
+    std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+    ASSERT_TRUE(tier->Put(key, RandomSequence(gen, 2, 1000), absl::Now()).ok());
+    ASSERT_TRUE(tier->Put(other, RandomSequence(gen, 2, 1000), absl::Now()).ok());
+  }
+  const std::string target = RocksTier::MetaKey(key);
+  EXPECT_EQ(1, EditRecords(dir.path(), 'M', [&](const std::string& k, std::string& value) {
+              if (k != target) return false;
+              value[value.size() - 1] ^= 0x80;
+              return true;
+            }));
+  std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+  std::optional<SpilledInfo> info = tier->Find(key);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_NE(info->lost.find("checksum"), std::string::npos) << info->lost;
+  EXPECT_EQ(tier->Get(key).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_TRUE(tier->Get(other).ok());
+  EXPECT_EQ(tier->used_bytes(), tier->Find(other)->bytes) << "lost copies count for nothing";
+  ASSERT_TRUE(tier->Erase(key).ok());
+  EXPECT_EQ(tier->List().size(), 1u);
+}
+
+TEST(RocksTierTest, UnfinishedSpillsAreRemovedAtOpen) {
+  TempDir dir;
+  std::mt19937 gen(3);
+  const SpillKey kept{"t", "s", "kept"};
+  const SpilledSequence data = RandomSequence(gen, 2, 5000);
+  {
+    std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+    ASSERT_TRUE(tier->Put(kept, data, absl::Now()).ok());
+  }
+  // As a crash between the data records and the metadata leaves them: data of a sequence with
+  // no metadata, and data of a newer generation of a sequence whose metadata names the old one.
+  {
+    rocksdb::DB* raw = nullptr;
+    rocksdb::Options options;
+    ASSERT_TRUE(rocksdb::DB::Open(options, dir.path(), &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    ASSERT_TRUE(
+        db->Put({}, RocksTier::DataKey({"t", "s", "never"}, 7, 0), std::string(10, 'x')).ok());
+    ASSERT_TRUE(db->Put({}, RocksTier::DataKey(kept, 9, 0), std::string(10, 'y')).ok());
+    ASSERT_TRUE(db->Close().ok());
+  }
+  std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+  EXPECT_EQ(tier->orphans_removed(), 2);
+  ASSERT_EQ(tier->List().size(), 1u);
+  absl::StatusOr<std::shared_ptr<const SpilledSequence>> got = tier->Get(kept);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectEqual(**got, data);
+  // A later Put takes a generation above every one seen.
+  ASSERT_TRUE(tier->Put(kept, data, absl::Now()).ok());
+  ASSERT_TRUE(tier->Get(kept).ok());
+}
+
+TEST(RocksTierTest, CapacityIsEnforced) {
+  TempDir dir;
+  std::unique_ptr<RocksTier> tier = OpenTier(dir.path(), 10000);
+  SpilledSequence small{"m", {std::string(6000, 'a')}};
+  SpilledSequence big{"m", {std::string(6000, 'b')}};
+  ASSERT_TRUE(tier->Put({"t", "s", "a"}, small, absl::Now()).ok());
+  absl::Status full = tier->Put({"t", "s", "b"}, big, absl::Now());
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_NE(full.message().find("--disk_tier_bytes"), std::string::npos);
+  EXPECT_FALSE(tier->Find({"t", "s", "b"}).has_value());
+  // Replacing a copy counts only the difference.
+  ASSERT_TRUE(tier->Put({"t", "s", "a"}, big, absl::Now()).ok());
+}
+
+TEST(RocksTierTest, UnopenableDirectoryIsFailedPrecondition) {
+  TempDir dir;
+  const std::string file = dir.path() + "/not-a-dir";
+  std::ofstream(file) << "x";
+  absl::StatusOr<std::unique_ptr<RocksTier>> tier = RocksTier::Open({file + "/rocksdb", 0});
+  ASSERT_FALSE(tier.ok());
+  EXPECT_EQ(tier.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(tier.status().message().find(file), std::string::npos) << tier.status();
+}
+
+}  // namespace
+}  // namespace kvs::storage
