@@ -733,8 +733,7 @@ Result Status(const CommandLine& line, Admin& admin) {
   absl::StrAppend(&t, "defaults: policy ", PolicyName(config.default_policy()), ", budget ",
                   BudgetText(config.default_budget()), "\n");
   absl::StrAppend(&t, "uptime: ", Duration(stats.uptime_ms()),
-                  "   backend healthy: ", stats.backend_healthy() ? "yes" : "no",
-                  "   rpcs: ", stats.rpcs_total(), " (", stats.rpcs_failed(), " failed)\n");
+                  "   backend healthy: ", stats.backend_healthy() ? "yes" : "no", "\n");
   absl::StrAppend(&t, "sessions: ", stats.sessions(), "   sequences: ", stats.sequences(),
                   "   reclaimed: ", stats.sessions_reclaimed(),
                   "   arena reserved: ", HumanBytes(stats.arena_bytes_reserved()), "\n");
