@@ -10,6 +10,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "cache/block_allocator.h"
+#include "cache/policy/omnikv.h"
 #include "cache/policy/policy.h"
 #include "cache/sequence.h"
 #include "gpu/base/checked_math.h"
@@ -84,6 +85,9 @@ class Session {
   // Sequences spilled out of the arena (KvPool::Spill) -> their tier. Their bytes live in
   // PoolOptions::tiers under {tenant, id, sequence id}; they still count as the session's.
   absl::flat_hash_map<std::string, StorageTier> spilled ABSL_GUARDED_BY(mu);
+  // Stores / drops the pinned host-tier entries of this session's sequences (OmniKV's offloaded
+  // prompt, retain_evicted chunks) under {tenant, id, ...}; empty without tiers. Set at Attach.
+  HostPin host_pin;
   bool dead ABSL_GUARDED_BY(mu) = false;  // detached or reclaimed; holders of a stale pointer
   uint64_t next_reservation_id ABSL_GUARDED_BY(mu) = 1;
 };
@@ -175,7 +179,7 @@ auto WithSequence(Session& session, std::string_view sequence_id, Backend& backe
   }
   const SequenceEnv env{session.layout,  *session.arena, session.allocator,
                         backend,         session.id,     options.max_tokens_per_call,
-                        tokens_appended, tokens_evicted};
+                        tokens_appended, tokens_evicted, &session.host_pin};
   it->second->Touch(clock.Now());
   auto result = fn(*it->second, env, session);
   session.free_blocks_hint = session.allocator.free_blocks();
@@ -235,6 +239,9 @@ ReleaseCounts KvPool::DestroySession(std::shared_ptr<Session> session) {
   const SequenceEnv env{session->layout, *session->arena, session->allocator,
                         *backend_,       session->id,     options_.max_tokens_per_call};
   for (auto& [id, sequence] : session->sequences) {
+    for (const SpillKey& pinned : sequence->pinned_host_keys()) {
+      (void)session->host_pin(pinned, nullptr);
+    }
     counts.blocks += sequence->Release(env);
     ++counts.sequences;
     RetireTotals(*sequence);
@@ -337,6 +344,16 @@ absl::StatusOr<SessionView> KvPool::Attach(const AttachParams& params) {
   auto session =
       std::make_shared<Session>(SecureRandomHex(16), resolved, *std::move(arena),
                                 static_cast<int32_t>(num_blocks), charge, lease, clock_->Now());
+  if (options_.tiers != nullptr) {
+    session->host_pin = [this, tenant = session->tenant, id = session->id](
+                            const SpillKey& key,
+                            std::shared_ptr<const SpilledSequence> data) -> absl::Status {
+      const SpillKey full{tenant, id, key.sequence_id};
+      if (data == nullptr) return options_.tiers->Erase(full);
+      KVS_RETURN_IF_ERROR(CheckTierQuota(tenant, /*host=*/true, data->bytes()));
+      return options_.tiers->PutPinnedHost(full, std::move(data));
+    };
+  }
   absl::MutexLock lock(&mu_);
   --sessions_pending_;
   if (!sessions_.emplace(session->id, session).second) {  // 2^-128; refuse rather than alias
@@ -411,14 +428,42 @@ absl::StatusOr<SessionView> KvPool::GetSession(std::string_view session_id) cons
 absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_id,
                                                        const SequenceParams& params) {
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
-  if (params.retain_evicted) {
-    return absl::UnimplementedError(
-        "retain_evicted needs the host tier, which this build does not have");
+  if (params.retain_evicted && options_.tiers == nullptr) {
+    return absl::FailedPreconditionError(
+        "retain_evicted needs the host tier, which this pool was built without");
   }
-  KVS_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy,
-                       MakePolicy(params.policy.value_or(default_policy())));
+  PolicyConfig policy_config = params.policy.value_or(default_policy());
+  const bool omnikv = policy_config.name == kPolicyOmniKv;
+  if (omnikv) {
+    if (params.retain_evicted) {
+      return absl::InvalidArgumentError(
+          "retain_evicted does not apply to policy omnikv, which never evicts");
+    }
+    // Filter layers: the policy's, else the paper's for this depth of model (omnikv.md §5).
+    if (policy_config.omnikv.filter_layers.empty()) {
+      policy_config.omnikv.filter_layers = DefaultOmniKvFilterLayers(session->layout.num_layers);
+    }
+    if (policy_config.omnikv.filter_layers.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.omnikv.filter_layers is required: no default is known for a model of ",
+          session->layout.num_layers, " layers (defaults exist for 32, 48 and 80)"));
+    }
+    KVS_RETURN_IF_ERROR(
+        PlanOmniKvLayers(policy_config.omnikv, session->layout.num_layers).status());
+    if (policy_config.omnikv.offload && options_.tiers == nullptr) {
+      return absl::FailedPreconditionError(
+          "policy.omnikv.offload needs the host tier, which this pool was built without");
+    }
+    if (params.budget.has_value() &&
+        (params.budget->tokens_per_layer != 0 || !params.budget->per_layer_tokens.empty())) {
+      return absl::InvalidArgumentError(
+          "budget must be unset for policy omnikv, which never evicts (Select bounds what the "
+          "sparse layers attend to)");
+    }
+  }
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, MakePolicy(policy_config));
 
-  BudgetConfig budget = params.budget.value_or(default_budget());
+  BudgetConfig budget = omnikv ? BudgetConfig{} : params.budget.value_or(default_budget());
   const int64_t per_layer_capacity =
       int64_t{session->num_blocks / session->layout.num_layers} * session->layout.block_tokens;
   if (budget.tokens_per_layer < 0) {
@@ -488,8 +533,10 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
   created.sequence_id = id;
   created.policy = policy->config();
   created.budget = budget;
-  session->sequences.emplace(id, std::make_unique<Sequence>(id, session->layout, std::move(policy),
-                                                            budget, clock_->Now()));
+  auto sequence =
+      std::make_unique<Sequence>(id, session->layout, std::move(policy), budget, clock_->Now());
+  sequence->set_retain_evicted(params.retain_evicted);
+  session->sequences.emplace(id, std::move(sequence));
   return created;
 }
 
@@ -517,6 +564,9 @@ absl::StatusOr<ReleaseCounts> KvPool::ReleaseSequence(std::string_view session_i
                         *backend_,       session->id,     options_.max_tokens_per_call};
   ReleaseCounts counts;
   counts.sequences = 1;
+  for (const SpillKey& pinned : it->second->pinned_host_keys()) {
+    (void)session->host_pin(pinned, nullptr);
+  }
   counts.blocks = it->second->Release(env);
   RetireTotals(*it->second);
   session->sequences.erase(it);
@@ -543,7 +593,8 @@ absl::StatusOr<Reservation> KvPool::Reserve(std::string_view session_id,
                options_.spill_on_pressure && options_.tiers != nullptr) {
           Sequence* victim = nullptr;
           for (auto& [id, other] : s.sequences) {
-            if (other.get() == &sequence || other->has_pending() || other->blocks_held() == 0) {
+            if (other.get() == &sequence || other->has_pending() || other->blocks_held() == 0 ||
+                !other->spillable()) {
               continue;
             }
             if (victim == nullptr || other->last_used() < victim->last_used()) {
@@ -719,6 +770,7 @@ std::vector<SequenceInfo> KvPool::ListSequences(std::string_view session_id) con
       info.budget = sequence->budget();
       info.tokens_per_layer = sequence->counts();
       info.arena_bytes = static_cast<uint64_t>(sequence->blocks_held()) * session->block_bytes;
+      info.host_bytes = sequence->host_bytes();
       info.created = sequence->created();
       info.last_used = sequence->last_used();
       result.push_back(std::move(info));
@@ -787,9 +839,9 @@ absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const De
     }
   };
   auto env_of = [&](Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu) {
-    return SequenceEnv{session.layout,    *session.arena,  session.allocator,
-                       *backend_,         session.id,      options_.max_tokens_per_call,
-                       &tokens_appended_, &tokens_evicted_};
+    return SequenceEnv{session.layout,    *session.arena,   session.allocator,
+                       *backend_,         session.id,       options_.max_tokens_per_call,
+                       &tokens_appended_, &tokens_evicted_, &session.host_pin};
   };
 
   // 1. Validate every item; nothing changes.
@@ -865,6 +917,56 @@ absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const De
   unlock_all();
   if (!failure.ok()) return failure;
   return results;
+}
+
+absl::StatusOr<std::vector<SelectResult>> KvPool::Select(absl::Span<const SelectItem> items) {
+  std::vector<std::shared_ptr<Session>> sessions(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    absl::StatusOr<std::shared_ptr<Session>> session = FindSession(items[i].session_id);
+    if (!session.ok()) {
+      return absl::Status(session.status().code(),
+                          absl::StrCat("items[", i, "]: ", session.status().message()));
+    }
+    sessions[i] = *std::move(session);
+  }
+  // Validation first: a bad item changes nothing.
+  for (size_t i = 0; i < items.size(); ++i) {
+    absl::Status checked =
+        WithSequence(*sessions[i], items[i].sequence_id, *backend_, *clock_, options_, nullptr,
+                     nullptr, [&](Sequence& sequence, const SequenceEnv& env, Session&) {
+                       return sequence.CheckSelect(env, items[i]);
+                     });
+    if (!checked.ok()) {
+      return absl::Status(checked.code(), absl::StrCat("items[", i, "]: ", checked.message()));
+    }
+  }
+  std::vector<SelectResult> results;
+  results.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    Session& session = *sessions[i];
+    absl::StatusOr<SelectResult> result =
+        WithSequence(session, items[i].sequence_id, *backend_, *clock_, options_, &tokens_appended_,
+                     &tokens_evicted_,
+                     [&](Sequence& sequence, const SequenceEnv& env, Session& s)
+                         ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) -> absl::StatusOr<SelectResult> {
+                           return sequence.Select(env, items[i], s.host_pin);
+                         });
+    if (!result.ok()) {
+      return absl::Status(result.status().code(),
+                          absl::StrCat("items[", i, "]: ", result.status().message()));
+    }
+    results.push_back(*std::move(result));
+  }
+  return results;
+}
+
+absl::StatusOr<std::vector<RetainedHead>> KvPool::GetRetained(std::string_view session_id,
+                                                              std::string_view sequence_id,
+                                                              absl::Span<const int32_t> layers) {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  return WithSequence(
+      *session, sequence_id, *backend_, *clock_, options_, nullptr, nullptr,
+      [&](Sequence& sequence, const SequenceEnv&, Session&) { return sequence.Retained(layers); });
 }
 
 absl::StatusOr<std::vector<LayerScores>> KvPool::Score(std::string_view session_id,
@@ -1060,9 +1162,9 @@ RebudgetResult KvPool::RebudgetTenant(std::string_view tenant, int32_t tokens_pe
     if (session->dead) continue;
     const int64_t per_layer_capacity =
         int64_t{session->num_blocks / session->layout.num_layers} * session->layout.block_tokens;
-    const SequenceEnv env{session->layout,   *session->arena, session->allocator,
-                          *backend_,         session->id,     options_.max_tokens_per_call,
-                          &tokens_appended_, &tokens_evicted_};
+    const SequenceEnv env{session->layout,   *session->arena,  session->allocator,
+                          *backend_,         session->id,      options_.max_tokens_per_call,
+                          &tokens_appended_, &tokens_evicted_, &session->host_pin};
     std::vector<std::string> ids;
     for (const auto& [id, sequence] : session->sequences) ids.push_back(id);
     std::sort(ids.begin(), ids.end());
@@ -1183,6 +1285,12 @@ absl::StatusOr<SpillResult> KvPool::Spill(std::string_view session_id, std::stri
         absl::StrCat("sequence ", Sv(sequence_id), " not found in session ", session->id));
   }
   const SequenceEnv env = EnvOf(*session, *backend_, options_);
+  if (!it->second->spillable()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", Sv(sequence_id),
+                     " is an OmniKV sequence that has selected: its cache spans "
+                     "the arena, its staging blocks and the host tier, and cannot be spilled"));
+  }
   KVS_ASSIGN_OR_RETURN(SpilledSequence data, it->second->Spill(env));
   const uint64_t bytes = data.bytes();
   KVS_RETURN_IF_ERROR(CheckTierQuota(session->tenant, target == StorageTier::kHost, bytes));
@@ -1193,6 +1301,39 @@ absl::StatusOr<SpillResult> KvPool::Spill(std::string_view session_id, std::stri
   session->free_blocks_hint = session->allocator.free_blocks();
   return SpillResult{target, bytes};
 }
+
+namespace {
+// Restoring `bytes` of `sequence_id` into the arena must keep `tenant` within its arena quota.
+absl::Status CheckRestoreQuota(const KvPool& pool, const std::string& tenant,
+                               std::string_view sequence_id, uint64_t bytes) {
+  const uint64_t limit = pool.GetTenantQuota(tenant).arena_bytes;
+  if (limit == 0) return absl::OkStatus();
+  const uint64_t used = pool.GetTenantUsage(tenant).arena_bytes;
+  if (used + bytes <= limit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("restoring sequence ", Sv(sequence_id), " needs up to ", bytes,
+                   " arena bytes; tenant ", tenant, " uses ", used, " of its quota arena_bytes ",
+                   limit, " (the spilled copy stays; release or spill sequences first)"));
+}
+
+// Releases an adoption claim (KvPool::adopting_) when the Restore that took it returns.
+class AdoptionClaim {
+ public:
+  AdoptionClaim(absl::Mutex* mu, absl::flat_hash_map<SpillKey, std::string>* claims, SpillKey key)
+      : mu_(mu), claims_(claims), key_(std::move(key)) {}
+  AdoptionClaim(const AdoptionClaim&) = delete;
+  AdoptionClaim& operator=(const AdoptionClaim&) = delete;
+  ~AdoptionClaim() {
+    absl::MutexLock lock(mu_);
+    claims_->erase(key_);
+  }
+
+ private:
+  absl::Mutex* const mu_;
+  absl::flat_hash_map<SpillKey, std::string>* const claims_;
+  const SpillKey key_;
+};
+}  // namespace
 
 absl::StatusOr<SpillResult> KvPool::Restore(std::string_view session_id,
                                             std::string_view sequence_id,
@@ -1211,6 +1352,25 @@ absl::StatusOr<SpillResult> KvPool::Restore(std::string_view session_id,
   }
   const SpillKey key{session->tenant, std::string(adopt ? from_session_id : session_id),
                      std::string(sequence_id)};
+  // The tenant's arena quota, before anything moves (and before the session lock: usage takes
+  // the pool lock): RESOURCE_EXHAUSTED naming it, the copy stays.
+  if (const std::optional<SpilledInfo> pending = options_.tiers->Find(key);
+      pending && pending->lost.empty()) {
+    KVS_RETURN_IF_ERROR(CheckRestoreQuota(*this, session->tenant, sequence_id, pending->bytes));
+  }
+  // One adoption of a copy at a time: the first claims it until its restore ends (the copy is
+  // erased then, so later ones find nothing); a concurrent one is ABORTED.
+  std::optional<AdoptionClaim> claim;
+  if (adopt) {
+    absl::MutexLock claim_lock(&adopt_mu_);
+    if (auto other = adopting_.find(key); other != adopting_.end()) {
+      return absl::AbortedError(absl::StrCat(
+          "the spilled copy of sequence ", Sv(sequence_id), " of session ", Sv(from_session_id),
+          " is being adopted by session ", other->second, "; only one session can adopt it"));
+    }
+    adopting_.emplace(key, session->id);
+    claim.emplace(&adopt_mu_, &adopting_, key);
+  }
   absl::MutexLock lock(&session->mu);
   if (session->dead) return SessionGone(session_id);
   if (!adopt) {

@@ -100,7 +100,11 @@ struct SequenceParams {
   std::optional<PolicyConfig> policy;  // nullopt = pool default
   std::optional<BudgetConfig> budget;  // nullopt = pool default
   std::string sequence_id;             // empty = generated
-  bool retain_evicted = false;         // needs the host tier (not in this build): UNIMPLEMENTED
+  // Keep every token this sequence evicts (K, V, position, selection score) in the host tier
+  // (GetRetained reads them back). Needs tiers (FAILED_PRECONDITION); not with omnikv. Such a
+  // sequence cannot be spilled. A host tier or quota too full for an eviction's tokens fails the
+  // evicting call with RESOURCE_EXHAUSTED, changing nothing.
+  bool retain_evicted = false;
 };
 
 struct SequenceCreated {
@@ -214,6 +218,49 @@ struct SequenceLayout {
   PolicyConfig policy;
   BudgetConfig budget;
   uint64_t version = 0;  // changes on every mutation of the sequence
+};
+
+// OmniKV Select (policies/omnikv.md §4, §10): one item per sequence of a decode step.
+struct SelectItem {
+  std::string session_id;
+  std::string sequence_id;
+  // Idempotency key: a filter layer already selected at this step returns the same selection.
+  int64_t step_id = 0;
+  // The listed filter layers' queries (attention.layers: filter layers of the sequence's
+  // policy, non-empty; queries only). The newest query is the current token's; uniform/exp keep
+  // a window of the last W queries per filter layer across calls.
+  AttentionInput attention;
+  // N: tokens at positions below it are the prompt (the candidates); fixed by the sequence's
+  // first Select. 0 = the sequence's next position at that call.
+  int64_t prompt_tokens = 0;
+};
+
+struct FilterSelection {
+  int32_t filter_layer = 0;
+  std::vector<int32_t> positions;      // T_f, ascending
+  std::vector<int32_t> sparse_layers;  // the layers that attend to T_f (ascending)
+};
+
+struct SelectResult {
+  std::vector<FilterSelection> filters;  // in the order attention.layers lists them
+  // One staging view per sparse layer of the listed filters, in layer order: slots
+  // [0, positions.size()) hold T_f's tokens in position order, then the layer's generated tokens
+  // (positions >= N) in position order. positions left empty (they are filters[].positions
+  // followed by the generated positions).
+  std::vector<LayerLayoutView> sparse_layers;
+  int64_t prompt_tokens = 0;  // N
+  int32_t budget_tokens = 0;  // k
+  uint64_t host_bytes = 0;    // the sequence's offloaded prompt K/V in the host tier
+};
+
+// Tokens a retain_evicted sequence evicted, per (layer, kv head), in eviction order.
+struct RetainedHead {
+  int32_t layer = 0;
+  int32_t head = 0;
+  std::vector<int32_t> positions;
+  std::vector<float> scores;  // the selection score each had when evicted (+inf: protected)
+  std::string keys;           // [n][D] in the session dtype
+  std::string values;
 };
 
 struct SessionInfo {
@@ -376,6 +423,21 @@ class KvPool {
   // have run.
   absl::StatusOr<std::vector<DecodeResult>> DecodeStep(absl::Span<const DecodeItem> items);
 
+  // OmniKV: per item, the top-k prompt tokens of each listed filter layer and their K/V gathered
+  // (host tier or arena -> staging blocks in the arena) for every sparse layer of its segment.
+  // The first Select of a sequence fixes N and k and, with offload, moves the sparse layers'
+  // prompt K/V to the host tier (freeing their blocks). Every item is validated first (a bad item:
+  // "items[i]: " and its error, nothing changed); items then run in order; one that fails while
+  // running (arena or host tier full) fails the call with its error, earlier items having run.
+  // FAILED_PRECONDITION for a sequence whose policy is not omnikv.
+  absl::StatusOr<std::vector<SelectResult>> Select(absl::Span<const SelectItem> items);
+
+  // The tokens a retain_evicted sequence evicted, per (layer in `layers` (empty = all), kv head),
+  // in eviction order. FAILED_PRECONDITION for a sequence created without retain_evicted.
+  absl::StatusOr<std::vector<RetainedHead>> GetRetained(std::string_view session_id,
+                                                        std::string_view sequence_id,
+                                                        absl::Span<const int32_t> layers);
+
   // Dry run of Compress: scores and kept sets per layer; the sequence is unchanged.
   absl::StatusOr<std::vector<LayerScores>> Score(std::string_view session_id,
                                                  std::string_view sequence_id,
@@ -404,8 +466,10 @@ class KvPool {
   // policy state bit-identical) and deletes the spilled copy. Already in the arena: OK, tier
   // kArena. `from_session_id` (empty = `session_id`) adopts a disk copy left by a session that
   // ended (detached, reclaimed, or the sidecar restarted): same tenant and model layout required,
-  // FAILED_PRECONDITION while that session is still attached. RESOURCE_EXHAUSTED when the arena
-  // lacks blocks (the spilled copy stays); DATA_LOSS when the copy fails its checksum.
+  // FAILED_PRECONDITION while that session is still attached; ABORTED while another session
+  // adopts the same copy (one adoption wins). RESOURCE_EXHAUSTED when the arena lacks blocks or
+  // the copy would take the tenant past its arena_bytes quota (the spilled copy stays); DATA_LOSS
+  // when the copy fails its checksum.
   absl::StatusOr<SpillResult> Restore(std::string_view session_id, std::string_view sequence_id,
                                       std::string_view from_session_id = {});
   // Every spilled copy the tiers hold (those of ended sessions and earlier runs included, lost
@@ -482,6 +546,11 @@ class KvPool {
   absl::flat_hash_map<std::string, int32_t> tenant_sequences_ ABSL_GUARDED_BY(quota_mu_);
   std::function<uint64_t(std::string_view, bool)> tier_usage_fn_ ABSL_GUARDED_BY(quota_mu_);
   absl::flat_hash_map<std::string, PolicyTokenTotals> retired_ ABSL_GUARDED_BY(quota_mu_);
+
+  // Leaf lock: spilled copies being adopted (Restore with from_session_id) -> the adopting
+  // session, so that two sessions never both restore one copy.
+  absl::Mutex adopt_mu_;
+  absl::flat_hash_map<SpillKey, std::string> adopting_ ABSL_GUARDED_BY(adopt_mu_);
 
   // Lifetime totals for PoolStats (layer-tokens), bumped by sessions without taking mu_.
   std::atomic<int64_t> tokens_appended_{0};

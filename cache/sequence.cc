@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache/compaction.h"
+#include "cache/omnikv.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/status_macros.h"
 
@@ -143,7 +144,7 @@ std::vector<int32_t> Sequence::counts() const {
 }
 
 int32_t Sequence::blocks_held() const {
-  int64_t blocks = 0;
+  int64_t blocks = omnikv_ != nullptr ? omnikv_->staging_blocks() : 0;
   for (const LayerState& layer : layers_) blocks += static_cast<int64_t>(layer.blocks.size());
   return static_cast<int32_t>(blocks);
 }
@@ -352,6 +353,7 @@ int32_t Sequence::LayerBudget(int32_t l) const {
 
 Sequence::StepBudget Sequence::SequenceBudget() const {
   StepBudget budget;
+  if (never_evicts()) return budget;
   budget.tokens = budget_.tokens_per_layer;
   budget.per_layer = budget_.per_layer_tokens;
   return budget;
@@ -786,6 +788,17 @@ absl::StatusOr<CommitResult> Sequence::Commit(const SequenceEnv& env, uint64_t r
 
 absl::StatusOr<CompressResult> Sequence::Compress(const SequenceEnv& env,
                                                   const CompressParams& params) {
+  if (never_evicts()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", id_,
+                     " uses policy omnikv, which never evicts: Compress does not apply (Select "
+                     "chooses the tokens each decode step attends to)"));
+  }
+  if (params.policy.has_value() && params.policy->name == kPolicyOmniKv) {
+    return absl::InvalidArgumentError(
+        "policy: omnikv is chosen when a sequence is created; it cannot stand in for another "
+        "policy in Compress");
+  }
   if (params.budget_tokens < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("budget_tokens must be >= 0, got ", params.budget_tokens));
@@ -974,6 +987,17 @@ absl::StatusOr<DecodeResult> Sequence::Decode(const SequenceEnv& env, const Deco
 
 absl::StatusOr<std::vector<LayerScores>> Sequence::Score(const SequenceEnv& env,
                                                          const ScoreParams& params) const {
+  if (never_evicts()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", id_,
+                     " uses policy omnikv, which never evicts: Score does not apply (Select "
+                     "chooses the tokens each decode step attends to)"));
+  }
+  if (params.policy.has_value() && params.policy->name == kPolicyOmniKv) {
+    return absl::InvalidArgumentError(
+        "policy: omnikv is chosen when a sequence is created; it cannot stand in for another "
+        "policy in Score");
+  }
   if (params.budget_tokens < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("budget_tokens must be >= 0, got ", params.budget_tokens));
@@ -1058,6 +1082,7 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
   // 1. Choose (no mutation).
   std::vector<std::vector<int32_t>> flat_positions(victims.size());
   std::vector<std::vector<int32_t>> kept(victims.size());
+  std::vector<std::vector<float>> scores(retain_evicted_ ? victims.size() : 0);
   std::vector<LayerSelection> selections(victims.size());
   for (size_t i = 0; i < victims.size(); ++i) {
     const int32_t l = victims[i];
@@ -1072,8 +1097,14 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
     selection.num_q_heads = layout_.num_q_heads;
     selection.state = &states_[l];
     selection.writable_arena = env.arena.data();
+    if (retain_evicted_) {
+      scores[i].resize(static_cast<size_t>(heads) * layers_[l].count);
+      selection.scores_out = scores[i].data();
+    }
   }
   KVS_RETURN_IF_ERROR(policy.Select(env.backend, phase, selections));
+  // retain_evicted: the rows leave for the host tier before anything changes here.
+  if (retain_evicted_) KVS_RETURN_IF_ERROR(RetainEvicted(env, victims, keep, kept, scores));
 
   // 2. Plan the hole-filling moves (no mutation), and note what each head evicts.
   std::vector<CompactionPlan> plans(victims.size());
@@ -1209,6 +1240,15 @@ int32_t Sequence::Release(const SequenceEnv& env) {
   for (LayerPolicyState& state : states_) state = LayerPolicyState{};
   std::fill(allocated_.begin(), allocated_.end(), 0);
   pending_.reset();
+  if (omnikv_ != nullptr) {
+    for (const std::vector<int32_t>& staging : omnikv_->staging) {
+      to_free.insert(to_free.end(), staging.begin(), staging.end());
+    }
+    omnikv_.reset();
+  }
+  // The caller drops the pinned host entries (pinned_host_keys) first.
+  retained_.clear();
+  retained_keys_.clear();
   ++version_;
   // Every block was allocated to this sequence; Free cannot fail unless bookkeeping is broken,
   // and then keeping the ids would only leak them for good.

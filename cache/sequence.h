@@ -23,6 +23,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -43,6 +44,13 @@
 
 namespace kvs {
 
+struct OmniKvState;  // cache/omnikv.h
+
+// Stores (data non-null) or drops (null) a sequence's pinned host-tier entry; the sequence gives
+// the key's sequence_id, the caller completes the key with tenant and session.
+using HostPin =
+    std::function<absl::Status(const SpillKey& key, std::shared_ptr<const SpilledSequence> data)>;
+
 // What a sequence borrows from its session for one call.
 struct SequenceEnv {
   const ModelLayout& layout;
@@ -54,6 +62,8 @@ struct SequenceEnv {
   // Pool-wide counters in layer-tokens (a token appended to 3 layers counts 3); may be null.
   std::atomic<int64_t>* tokens_appended = nullptr;
   std::atomic<int64_t>* tokens_evicted = nullptr;
+  // Where retain_evicted sequences keep what they evict (null = such an eviction fails).
+  const HostPin* host_pin = nullptr;
 };
 
 // `layers` as a request gives them: empty = all of [0, num_layers); else each in range and
@@ -69,6 +79,7 @@ class Sequence {
 
   Sequence(const Sequence&) = delete;
   Sequence& operator=(const Sequence&) = delete;
+  ~Sequence();
 
   const std::string& id() const { return id_; }
   const PolicyConfig& policy_config() const { return policy_->config(); }
@@ -125,6 +136,30 @@ class Sequence {
   // OK if `reservation_id` is the pending reservation; NOT_FOUND or FAILED_PRECONDITION (already
   // committed or cancelled) otherwise.
   absl::Status CheckPending(uint64_t reservation_id) const;
+
+  // OmniKV (cache/omnikv.cc). An omnikv sequence never evicts: it has no budget, and Compress
+  // and Score answer FAILED_PRECONDITION.
+  bool never_evicts() const;
+  // False once an OmniKV sequence has selected (its state spans arena, staging and host tier).
+  bool spillable() const;
+  // Validates a Select item against the sequence; changes nothing.
+  absl::Status CheckSelect(const SequenceEnv& env, const SelectItem& item) const;
+  // KvPool::Select of one item. The first call fixes N and k and, with offload, moves the sparse
+  // layers' prompt K/V to the host tier through `pin`.
+  absl::StatusOr<SelectResult> Select(const SequenceEnv& env, const SelectItem& item,
+                                      const HostPin& pin);
+  // Keys (sequence_id part only) of the sequence's pinned host-tier entries: OmniKV's offloaded
+  // prompt and retain_evicted's chunks. The owner erases them when it releases the sequence.
+  std::vector<SpillKey> pinned_host_keys() const;
+  uint64_t host_bytes() const;  // bytes those entries hold
+
+  // retain_evicted: every later eviction first copies the evicted rows, their positions and
+  // selection scores into a pinned host-tier chunk (SequenceEnv::host_pin); a full host tier
+  // fails the evicting call before anything changes.
+  void set_retain_evicted(bool retain) { retain_evicted_ = retain; }
+  bool retain_evicted() const { return retain_evicted_; }
+  // The retained tokens of `layers` (empty = all), per (layer, head).
+  absl::StatusOr<std::vector<RetainedHead>> Retained(absl::Span<const int32_t> layers) const;
 
   // Spill (cache/sequence_snapshot.cc): the sequence's full state (EncodeSnapshot) and the bytes
   // of every layer's blocks. FAILED_PRECONDITION while a reservation is pending. Changes nothing.
@@ -222,6 +257,10 @@ class Sequence {
   // LayerLayoutView::budget of layer `l`: its explicit budget, its frozen allocation, its last
   // non-uniform allocation, or the sequence budget.
   int32_t LayerBudget(int32_t l) const;
+  // Slots of layer `layer` holding positions below `prompt_end` (they come first: no eviction).
+  int32_t PromptSlots(int32_t layer, int64_t prompt_end) const;
+  // The first Select: N, k, plan, and the offload of the sparse layers' prompt.
+  absl::Status StartOmniKv(const SequenceEnv& env, const SelectItem& item, const HostPin& pin);
   // Per-layer counts after the evict-then-append flush a strict budget makes before an inline
   // decode token (policies that need no attention, like Reserve); counts() otherwise.
   absl::StatusOr<std::vector<int32_t>> StrictFlushKeep() const;
@@ -246,6 +285,18 @@ class Sequence {
   uint64_t version_ = 1;
   uint64_t last_committed_ = 0;  // to tell a double commit from an unknown id
   uint64_t last_cancelled_ = 0;
+  std::unique_ptr<OmniKvState> omnikv_;  // OmniKV only, from the first Select
+  bool retain_evicted_ = false;
+  // retain_evicted chunks (meta: [n] x {layer, head, position, score}; layers[0]: [n] x {K, V}
+  // rows), each pinned in the host tier under retained_keys_[i].
+  std::vector<std::shared_ptr<const SpilledSequence>> retained_;
+  std::vector<SpillKey> retained_keys_;
+  // Copies the evicted rows of `victims` (kept[i]: [H][keep] slots; scores[i]: [H][count]) into
+  // a new pinned chunk.
+  absl::Status RetainEvicted(const SequenceEnv& env, absl::Span<const int32_t> victims,
+                             absl::Span<const int32_t> keep,
+                             absl::Span<const std::vector<int32_t>> kept,
+                             absl::Span<const std::vector<float>> scores);
 };
 
 }  // namespace kvs

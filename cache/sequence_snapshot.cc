@@ -1,11 +1,16 @@
 #include "cache/sequence_snapshot.h"
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
 #include <cstring>
 #include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "cache/sequence.h"
+#include "cache/spill_buffers.h"
 #include "gpu/base/status_macros.h"
 
 namespace kvs {
@@ -165,6 +170,43 @@ bool GetPolicy(Reader& r, PolicyConfig* p) {
 
 absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
+// memcpy with non-temporal stores for the bulk (as glibc's memcpy does for very large copies,
+// which a spill's runs of 64 KiB blocks are not): the destination is not pulled into the cache
+// first, which halves the memory traffic of a copy much larger than the cache. Call
+// StreamFence() before the bytes are handed to another thread.
+void StreamCopy(char* destination, const uint8_t* source, uint64_t bytes) {
+#if defined(__x86_64__)
+  const uint64_t head = (16 - (reinterpret_cast<uintptr_t>(destination) & 15)) & 15;
+  if (bytes < head + 64) {
+    std::memcpy(destination, source, bytes);
+    return;
+  }
+  std::memcpy(destination, source, head);
+  destination += head;
+  source += head;
+  bytes -= head;
+  auto* to = reinterpret_cast<__m128i*>(destination);
+  auto* from = reinterpret_cast<const __m128i*>(source);
+  for (; bytes >= 64; bytes -= 64, to += 4, from += 4) {
+    const __m128i a = _mm_loadu_si128(from), b = _mm_loadu_si128(from + 1);
+    const __m128i c = _mm_loadu_si128(from + 2), d = _mm_loadu_si128(from + 3);
+    _mm_stream_si128(to, a);
+    _mm_stream_si128(to + 1, b);
+    _mm_stream_si128(to + 2, c);
+    _mm_stream_si128(to + 3, d);
+  }
+  std::memcpy(to, from, bytes);
+#else
+  std::memcpy(destination, source, bytes);
+#endif
+}
+
+void StreamFence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
 absl::Status Malformed(absl::string_view what) {
   return absl::DataLossError(absl::StrCat("spilled sequence metadata is malformed: ", what));
 }
@@ -299,6 +341,9 @@ absl::StatusOr<SpilledSequence> Sequence::Spill(const SequenceEnv& env) const {
   SpilledSequence out;
   out.layers.resize(layers_.size());
   const uint64_t block_bytes = layout_.block_bytes();
+  // A shared-memory arena is host memory: copy straight from it with streaming stores (the
+  // spilled bytes are not read again soon; Arena::Read copies in small cached pieces).
+  const bool host_arena = env.arena.handle().kind == ArenaHandle::Kind::kSharedMemoryFile;
   for (size_t l = 0; l < layers_.size(); ++l) {
     SequenceSnapshot::Layer& layer = snapshot.layers[l];
     layer.count = layers_[l].count;
@@ -314,13 +359,27 @@ absl::StatusOr<SpilledSequence> Sequence::Spill(const SequenceEnv& env) const {
                                               layers_[l].count, " tokens in ",
                                               layers_[l].blocks.size(), " blocks"));
     }
+    // A recycled buffer (cache/spill_buffers.h): a fresh one costs a fault and a zero fill per
+    // page, more than the copy itself. Every byte is overwritten below.
     std::string& bytes = out.layers[l];
-    bytes.resize(static_cast<size_t>(blocks) * block_bytes);
-    for (int64_t b = 0; b < blocks; ++b) {
-      KVS_RETURN_IF_ERROR(env.arena.Read(static_cast<uint64_t>(layers_[l].blocks[b]) * block_bytes,
-                                         bytes.data() + b * block_bytes, block_bytes));
+    bytes = SpillBuffers::Default().Take(static_cast<size_t>(blocks) * block_bytes);
+    for (int64_t b = 0; b < blocks;) {
+      // Runs of blocks adjacent in the arena move as one copy.
+      const uint64_t offset = static_cast<uint64_t>(layers_[l].blocks[b]) * block_bytes;
+      int64_t run = 1;
+      while (b + run < blocks && layers_[l].blocks[b + run] == layers_[l].blocks[b] + run) ++run;
+      const uint64_t run_bytes = static_cast<uint64_t>(run) * block_bytes;
+      char* destination = bytes.data() + b * block_bytes;
+      if (host_arena && offset <= env.arena.size_bytes() &&
+          run_bytes <= env.arena.size_bytes() - offset) {
+        StreamCopy(destination, env.arena.data() + offset, run_bytes);
+      } else {
+        KVS_RETURN_IF_ERROR(env.arena.Read(offset, destination, run_bytes));
+      }
+      b += run;
     }
   }
+  if (host_arena) StreamFence();
   out.meta = EncodeSnapshot(snapshot);
   return out;
 }

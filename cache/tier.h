@@ -82,6 +82,12 @@ class SequenceTiers {
   // unavailable (the disk tier could not be opened), INVALID_ARGUMENT for kArena. A failed Put
   // leaves the previous copy (if any) as it was.
   virtual absl::Status Put(StorageTier tier, const SpillKey& key, SpilledSequence data) = 0;
+  // Host memory a live sequence keeps beside its arena (OmniKV's offloaded prompt K/V), stored in
+  // the host tier under `key`: counted in its capacity and in the tenant's host usage, never
+  // demoted to disk and not listed by List (it is not a spilled sequence). Erase removes it.
+  // RESOURCE_EXHAUSTED when the host tier cannot hold it.
+  virtual absl::Status PutPinnedHost(const SpillKey& key,
+                                     std::shared_ptr<const SpilledSequence> data) = 0;
   // The stored copy: NOT_FOUND when there is none, DATA_LOSS when it fails its checksum.
   virtual absl::StatusOr<std::shared_ptr<const SpilledSequence>> Get(const SpillKey& key) = 0;
   // Deletes the copy (a no-op when there is none).

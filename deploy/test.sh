@@ -14,6 +14,8 @@ run_suite() {  # run_suite BUILD_DIR [cmake args...]
   echo "== configure $dir"
   cmake -S "$root" -B "$dir" -G Ninja "$@" >"$dir.configure.log" 2>&1 ||
     { cat "$dir.configure.log"; return 1; }
+  # Whether the CUDA backend is compiled in this suite (on when nvcc is found; issue 5).
+  grep -h "kvsidecar: CUDA backend" "$dir.configure.log" || true
   echo "== build $dir"
   cmake --build "$dir" -j "$jobs"
   echo "== test $dir"

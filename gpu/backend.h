@@ -59,13 +59,13 @@ struct KeyDiffScoreJob {
 // (`positions`), never the lower slot. Slots with forced[row * n + s] != 0 are kept first and count
 // toward k (the caller guarantees at most k are forced). NaN scores rank lowest.
 struct TopKJob {
-  const float* scores = nullptr;     // [rows][n]
+  const float* scores = nullptr;       // [rows][n]
   const int32_t* positions = nullptr;  // [rows][n], distinct within a row
-  const uint8_t* forced = nullptr;   // optional [rows][n]
+  const uint8_t* forced = nullptr;     // optional [rows][n]
   int32_t rows = 0;
   int32_t n = 0;
-  int32_t k = 0;                     // 0 <= k <= n
-  int32_t* kept = nullptr;           // out: [rows][k] slot indices, ascending
+  int32_t k = 0;            // 0 <= k <= n
+  int32_t* kept = nullptr;  // out: [rows][k] slot indices, ascending
 };
 
 // Copies `count` rows of `row_bytes` inside one arena: row i from arena + src_offsets[i] to
@@ -76,6 +76,20 @@ struct RowCopyJob {
   const uint64_t* dst_offsets = nullptr;
   int64_t count = 0;
   uint64_t row_bytes = 0;
+};
+
+// Copies `count` rows of `row_bytes` between host memory and one arena: row i between
+// host + host_offsets[i] and arena + arena_offsets[i], in the direction `to_host` says. `host`
+// is host memory (page-locked on the CUDA backend: the OmniKV tier and spill buffers); the
+// rows of one job must not overlap each other's destinations.
+struct HostRowCopyJob {
+  uint8_t* arena = nullptr;
+  uint8_t* host = nullptr;
+  const uint64_t* arena_offsets = nullptr;
+  const uint64_t* host_offsets = nullptr;
+  int64_t count = 0;
+  uint64_t row_bytes = 0;
+  bool to_host = false;  // false: host -> arena; true: arena -> host
 };
 
 // Attention probabilities of a window of queries against one layer's cached keys, in fp32
@@ -106,7 +120,7 @@ struct CaoteJob {
   int32_t rows = 0;              // a positive multiple of values.num_kv_heads
   bool fast = false;
   float eps = 1e-6f;
-  float* scores = nullptr;       // out: [rows][values.count]
+  float* scores = nullptr;  // out: [rows][values.count]
 };
 
 // D2O nearest kept key (policies/d2o.md §4.1 step 6): for every query slot e of kv head `head`,
@@ -114,9 +128,9 @@ struct CaoteJob {
 // target[e] = the index (into candidate_slots) of the argmax; equal similarities pick the
 // candidate with the lowest position. fp32 accumulation.
 struct NearestKeyJob {
-  PagedLayerView keys;                           // kv_index 0
+  PagedLayerView keys;  // kv_index 0
   int32_t head = 0;
-  const int32_t* query_slots = nullptr;          // [num_queries]
+  const int32_t* query_slots = nullptr;  // [num_queries]
   int32_t num_queries = 0;
   const int32_t* candidate_slots = nullptr;      // [num_candidates]
   const int32_t* candidate_positions = nullptr;  // [num_candidates], distinct
@@ -161,6 +175,10 @@ class Backend {
   virtual absl::Status CopyRows(absl::Span<const RowCopyJob> jobs, Stream stream) = 0;
   // INVALID_ARGUMENT naming the job index and field for malformed jobs; nothing is written then.
   virtual absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream stream) = 0;
+  // The scaled logits AttentionProbs normalises, written to `probs`: l[q][i][s] as defined there,
+  // -inf where masked (OmniKV's "last" selector ranks raw logits across heads). Same validation.
+  virtual absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream stream) = 0;
+  virtual absl::Status CopyHostRows(absl::Span<const HostRowCopyJob> jobs, Stream stream) = 0;
   virtual absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream stream) = 0;
   virtual absl::Status NearestKeys(absl::Span<const NearestKeyJob> jobs, Stream stream) = 0;
   virtual absl::Status MergeRows(absl::Span<const RowMergeJob> jobs, Stream stream) = 0;

@@ -1,6 +1,7 @@
 #include "service/admin_service.h"
 
 #include <map>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -124,6 +125,11 @@ grpc::ServerUnaryReactor* AdminService::SetDefaults(grpc::CallbackServerContext*
             "default_policy.name must name a policy (e.g. keydiff, streaming_llm)");
       }
       KVS_ASSIGN_OR_RETURN(policy, PolicyFromProto(request->default_policy(), "default_policy."));
+      if (policy.has_value() && policy->name == kPolicyOmniKv) {
+        return absl::InvalidArgumentError(
+            "default_policy: omnikv cannot be the default policy (it never evicts and its filter "
+            "layers depend on the model); name it per sequence");
+      }
       if (policy.has_value()) {
         // Everything CreateSequence would refuse is refused now, not at the next attach.
         absl::StatusOr<std::unique_ptr<Policy>> made = MakePolicy(*policy);
@@ -278,6 +284,34 @@ grpc::ServerUnaryReactor* AdminService::ListSequences(grpc::CallbackServerContex
       out->set_idle_ms(absl::ToInt64Milliseconds(now - info.last_used));
       const uint64_t bytes = block_bytes[info.session_id];
       out->set_blocks(bytes == 0 ? 0 : static_cast<int32_t>(info.arena_bytes / bytes));
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* AdminService::ListSpilled(grpc::CallbackServerContext* context,
+                                                    const v1::ListSpilledRequest* request,
+                                                    v1::ListSpilledResponse* response) {
+  return RunUnary(context, "Admin.ListSpilled", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(CheckAdmin(*context));
+    KVS_RETURN_IF_ERROR(ValidateName(request->tenant(), "tenant", false));
+    if (request->session_id().size() > 256) {
+      return absl::InvalidArgumentError("session_id is longer than 256 bytes");
+    }
+    std::set<std::string> attached;
+    for (const SessionInfo& session : pool_->ListSessions()) attached.insert(session.session_id);
+    for (const SpilledInfo& info : pool_->ListSpilled()) {
+      if (!request->tenant().empty() && info.key.tenant != request->tenant()) continue;
+      if (!request->session_id().empty() && info.key.session_id != request->session_id()) continue;
+      v1::SpilledCopy* out = response->add_copies();
+      out->set_tenant(info.key.tenant);
+      out->set_session_id(info.key.session_id);
+      out->set_sequence_id(info.key.sequence_id);
+      out->set_tier(static_cast<v1::Tier>(info.tier));
+      out->set_bytes(info.bytes);
+      out->set_spilled_unix_ms(absl::ToUnixMillis(info.spilled));  // 0 when unreadable (lost)
+      out->set_session_attached(attached.contains(info.key.session_id));
+      out->set_lost(info.lost);
     }
     return absl::OkStatus();
   });

@@ -59,6 +59,9 @@ class AdminService final : public ::kvsidecar::v1::Admin::CallbackService {
   grpc::ServerUnaryReactor* ListSequences(
       grpc::CallbackServerContext* context, const ::kvsidecar::v1::ListSequencesRequest* request,
       ::kvsidecar::v1::ListSequencesResponse* response) override;
+  grpc::ServerUnaryReactor* ListSpilled(grpc::CallbackServerContext* context,
+                                        const ::kvsidecar::v1::ListSpilledRequest* request,
+                                        ::kvsidecar::v1::ListSpilledResponse* response) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
                                      const ::kvsidecar::v1::GetStatsRequest* request,
                                      ::kvsidecar::v1::GetStatsResponse* response) override;

@@ -15,6 +15,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "gpu/backend_factory.h"
 #include "gpu/base/status_macros.h"
 #include "service/convert.h"
 #include "yaml-cpp/yaml.h"
@@ -164,12 +165,40 @@ absl::Status ValidateConfig(const SidecarConfig& config) {
 
 absl::StatusOr<BackendChoice> ChooseBackend(absl::string_view flag_value) {
   if (flag_value == "cpu") return BackendChoice{"cpu", "--backend=cpu"};
+  // The CUDA backend's kernels (gpu/cuda) are built when nvcc is found, but the cache core still
+  // reads and writes arena memory and block tables on the host (cache/sequence.cc, the
+  // policies), so the server cannot serve with it yet: auto serves with cpu and says why, and
+  // cuda is refused with the reason, on hosts with or without a device.
+  constexpr absl::string_view kNotDeviceAware =
+      "the cache core is not yet device-aware (it reads and writes arena memory on the host)";
   if (flag_value == "auto") {
-    return BackendChoice{"cpu", "--backend=auto: this build has no CUDA backend, using cpu"};
+    if (!CudaBuilt()) {
+      return BackendChoice{"cpu", "--backend=auto: this build has no CUDA backend, using cpu"};
+    }
+    const CudaProbe& probe = ProbeCuda();
+    if (probe.devices == 0) {
+      return BackendChoice{"cpu", absl::StrCat("--backend=auto: built with CUDA but no CUDA "
+                                               "device is usable (",
+                                               probe.detail, "), using cpu")};
+    }
+    return BackendChoice{"cpu", absl::StrCat("--backend=auto: CUDA device ", probe.detail,
+                                             " present, but ", kNotDeviceAware, "; using cpu")};
   }
   if (flag_value == "cuda") {
+    if (!CudaBuilt()) {
+      return absl::FailedPreconditionError(
+          "--backend=cuda: this build has no CUDA backend (use --backend=cpu or auto)");
+    }
+    const CudaProbe& probe = ProbeCuda();
+    if (probe.devices == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--backend=cuda: no CUDA device is usable on this host (", probe.detail,
+                       "); use --backend=cpu or auto"));
+    }
     return absl::FailedPreconditionError(
-        "--backend=cuda: this build has no CUDA backend (use --backend=cpu or auto)");
+        absl::StrCat("--backend=cuda: CUDA device ", probe.detail,
+                     " is present and the CUDA kernels are built, but ", kNotDeviceAware,
+                     "; use --backend=cpu or auto"));
   }
   return absl::InvalidArgumentError(
       absl::StrCat("--backend must be cpu, auto or cuda, got '", flag_value, "'"));
@@ -187,6 +216,7 @@ absl::StatusOr<PoolOptions> ToPoolOptions(const SidecarConfig& config) {
   options.default_budget.tokens_per_layer = config.default_budget_tokens;
   // A decode step runs its sequences on as many threads as the backend has.
   options.decode_threads = config.threads;
+  options.spill_on_pressure = config.spill_on_pressure;  // needs the tiers main.cc attaches
   return options;
 }
 
@@ -228,6 +258,7 @@ std::string ConfigToYaml(const SidecarConfig& config, const BackendChoice& backe
   absl::StrAppend(&out, "default_session_bytes: ", config.default_session_bytes, "\n");
   absl::StrAppend(&out, "host_tier_bytes: ", config.host_tier_bytes, "\n");
   absl::StrAppend(&out, "disk_tier_bytes: ", config.disk_tier_bytes, "\n");
+  absl::StrAppend(&out, "spill_on_pressure: ", config.spill_on_pressure ? "true" : "false", "\n");
   absl::StrAppend(&out, "lease_ms: ", config.lease_ms, "\n");
   absl::StrAppend(&out, "backend: ", YamlQuote(backend.name), "\n");
   absl::StrAppend(&out, "backend_flag: ", YamlQuote(config.backend), "\n");
@@ -265,6 +296,7 @@ const std::vector<ConfigKey>& ConfigKeys() {
       {"default_session_bytes", "default_session_bytes"},
       {"host_tier_bytes", "host_tier_bytes"},
       {"disk_tier_bytes", "disk_tier_bytes"},
+      {"spill_on_pressure", "spill_on_pressure"},
       {"lease_ms", "lease_ms"},
       {"backend", "backend"},
       {"default_policy", "default_policy"},
@@ -320,6 +352,15 @@ absl::Status SetConfigValue(SidecarConfig* config, absl::string_view key, absl::
     KVS_ASSIGN_OR_RETURN(config->host_tier_bytes, ParseByteSize(value, name));
   } else if (flag == "disk_tier_bytes") {
     KVS_ASSIGN_OR_RETURN(config->disk_tier_bytes, ParseByteSize(value, name));
+  } else if (flag == "spill_on_pressure") {
+    if (text == "true") {
+      config->spill_on_pressure = true;
+    } else if (text == "false") {
+      config->spill_on_pressure = false;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": must be true or false, got \"", text, "\""));
+    }
   } else if (flag == "lease_ms") {
     KVS_ASSIGN_OR_RETURN(config->lease_ms, ParseInteger(value, name));
   } else if (flag == "backend") {

@@ -30,6 +30,10 @@ struct SidecarConfig {
   // <data_dir>/rocksdb, 0 = unlimited.
   uint64_t host_tier_bytes = uint64_t{1} << 30;
   uint64_t disk_tier_bytes = 0;
+  // A Reserve that finds its session's arena full spills the session's least recently used other
+  // sequences to the host tier until it fits (PoolOptions::spill_on_pressure); they come back on
+  // their next use.
+  bool spill_on_pressure = false;
   int64_t lease_ms = 10000;
   std::string backend = "auto";            // cpu | auto | cuda
   std::string default_policy = "keydiff";  // streaming_llm | keydiff
@@ -87,8 +91,10 @@ absl::StatusOr<int64_t> ParseInteger(absl::string_view text, absl::string_view f
 absl::Status ValidateListenAddress(absl::string_view address, absl::string_view flag);
 // Every value range; INVALID_ARGUMENT naming the flag. Does not touch the file system.
 absl::Status ValidateConfig(const SidecarConfig& config);
-// cpu -> cpu; auto -> cpu with the reason; cuda -> FAILED_PRECONDITION (no CUDA backend in
-// this build); anything else INVALID_ARGUMENT.
+// cpu -> cpu; auto -> cpu with the reason (no CUDA in this build, no device, or a device the
+// cache core cannot use yet); cuda -> FAILED_PRECONDITION with the same reasons (the cache core
+// is not yet device-aware, so cuda is refused even where a device is present); anything else
+// INVALID_ARGUMENT. Probes the CUDA devices once per process (gpu/backend_factory.h).
 absl::StatusOr<BackendChoice> ChooseBackend(absl::string_view flag_value);
 // Pool options for a validated config.
 absl::StatusOr<PoolOptions> ToPoolOptions(const SidecarConfig& config);

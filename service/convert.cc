@@ -366,7 +366,7 @@ void AllocatorToProto(const AllocatorConfig& config, v1::LayerAllocator* out) {
 
 }  // namespace
 
-bool IsImplementedPolicy(absl::string_view name) { return name != kPolicyOmniKv; }
+bool IsImplementedPolicy(absl::string_view name) { return !name.empty(); }
 
 // ---- Layout ----------------------------------------------------------------------------------
 
@@ -482,6 +482,31 @@ absl::StatusOr<std::optional<PolicyConfig>> PolicyFromProto(const v1::PolicySpec
     KVS_ASSIGN_OR_RETURN(out.d2o, D2oFromProto(spec.d2o(), prefix));
   } else if (name == kPolicyCaote) {
     KVS_ASSIGN_OR_RETURN(out.caote, CaoteFromProto(spec.caote(), prefix));
+  } else if (name == kPolicyOmniKv) {
+    const v1::OmniKvParams& params = spec.omnikv();
+    out.omnikv.filter_layers.assign(params.filter_layers().begin(), params.filter_layers().end());
+    out.omnikv.wait_layers = params.wait_layers();
+    out.omnikv.selected_tokens = params.selected_tokens();
+    out.omnikv.selected_fraction = params.selected_fraction();
+    switch (params.selector()) {
+      case v1::OmniKvParams::SELECTOR_UNSPECIFIED:
+      case v1::OmniKvParams::SELECTOR_LAST:
+        out.omnikv.selector = OmniKvSelector::kLast;
+        break;
+      case v1::OmniKvParams::SELECTOR_SOFTMAX_BEFORE_LAST:
+        out.omnikv.selector = OmniKvSelector::kSoftmaxBeforeLast;
+        break;
+      case v1::OmniKvParams::SELECTOR_UNIFORM:
+        out.omnikv.selector = OmniKvSelector::kUniform;
+        break;
+      case v1::OmniKvParams::SELECTOR_EXP:
+        out.omnikv.selector = OmniKvSelector::kExp;
+        break;
+      default:
+        return UnknownEnum(prefix, "omnikv.selector", static_cast<int>(params.selector()));
+    }
+    out.omnikv.window = params.window();
+    out.omnikv.offload = params.offload();
   }
   return out;
 }
@@ -500,6 +525,13 @@ absl::StatusOr<PolicyConfig> DefaultPolicyNamed(absl::string_view name, absl::st
   if (!resolved.ok()) {
     return absl::Status(resolved.status().code(),
                         absl::StrCat(field, ": ", resolved.status().message()));
+  }
+  if (resolved->name == kPolicyOmniKv) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field,
+                     ": omnikv cannot be the default policy (it never evicts, so a default "
+                     "budget cannot apply, and its filter layers depend on the model); "
+                     "name it per sequence"));
   }
   return resolved;
 }
@@ -526,6 +558,28 @@ void PolicyToProto(const PolicyConfig& policy, v1::PolicySpec* out) {
     D2oToProto(policy.d2o, out->mutable_d2o());
   } else if (policy.name == kPolicyCaote) {
     CaoteToProto(policy.caote, out->mutable_caote());
+  } else if (policy.name == kPolicyOmniKv) {
+    v1::OmniKvParams* params = out->mutable_omnikv();
+    for (int32_t layer : policy.omnikv.filter_layers) params->add_filter_layers(layer);
+    params->set_wait_layers(policy.omnikv.wait_layers);
+    params->set_selected_tokens(policy.omnikv.selected_tokens);
+    params->set_selected_fraction(policy.omnikv.selected_fraction);
+    switch (policy.omnikv.selector) {
+      case OmniKvSelector::kLast:
+        params->set_selector(v1::OmniKvParams::SELECTOR_LAST);
+        break;
+      case OmniKvSelector::kSoftmaxBeforeLast:
+        params->set_selector(v1::OmniKvParams::SELECTOR_SOFTMAX_BEFORE_LAST);
+        break;
+      case OmniKvSelector::kUniform:
+        params->set_selector(v1::OmniKvParams::SELECTOR_UNIFORM);
+        break;
+      case OmniKvSelector::kExp:
+        params->set_selector(v1::OmniKvParams::SELECTOR_EXP);
+        break;
+    }
+    params->set_window(policy.omnikv.window);
+    params->set_offload(policy.omnikv.offload);
   }
   AllocatorToProto(policy.allocator, out->mutable_allocator());
 }
@@ -797,12 +851,7 @@ absl::StatusOr<SequenceParams> SequenceParamsFromProto(const v1::CreateSequenceR
     KVS_ASSIGN_OR_RETURN(
         out.budget, BudgetFromProto(request.budget(), max_tokens_per_call, "budget.", num_layers));
   }
-  if (request.retain_evicted()) {
-    return absl::UnimplementedError(
-        "retain_evicted: keeping evicted tokens needs the host tier, which this build does not "
-        "have yet");
-  }
-  out.retain_evicted = false;
+  out.retain_evicted = request.retain_evicted();
   return out;
 }
 
@@ -1035,6 +1084,51 @@ void LayerScoresToProto(const LayerScores& scores, v1::ScoreResponse::LayerScore
   out->mutable_kept_slots()->Add(scores.kept_slots.begin(), scores.kept_slots.end());
   out->set_kept(scores.kept);
   out->mutable_positions()->Add(scores.positions.begin(), scores.positions.end());
+}
+
+absl::StatusOr<SelectItem> SelectItemFromProto(const v1::SelectRequest::Item& item,
+                                               const ModelLayout& layout,
+                                               absl::string_view prefix) {
+  KVS_RETURN_IF_ERROR(
+      ValidateName(item.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
+  KVS_RETURN_IF_ERROR(
+      ValidateName(item.sequence_id(), absl::StrCat(prefix, "sequence_id"), /*required=*/true));
+  SelectItem out;
+  out.session_id = item.session_id();
+  out.sequence_id = item.sequence_id();
+  out.step_id = item.step_id();
+  if (!item.has_attention()) {
+    return Invalid(prefix, "attention",
+                   "is required: the filter layers' queries of this decode step");
+  }
+  KVS_ASSIGN_OR_RETURN(out.attention, AttentionFromProto(item.attention(), layout,
+                                                         absl::StrCat(prefix, "attention.")));
+  if (item.prompt_tokens() < 0) {
+    return Invalid(prefix, "prompt_tokens",
+                   absl::StrCat("must be >= 0, got ", item.prompt_tokens()));
+  }
+  out.prompt_tokens = item.prompt_tokens();
+  return out;
+}
+
+void SelectResultToProto(const SelectResult& result, v1::SelectResponse::Item* out) {
+  for (const LayerLayoutView& layer : result.sparse_layers) {
+    LayerLayoutToProto(layer, out->add_sparse_layers());
+  }
+  if (!result.filters.empty()) {
+    out->mutable_selected_positions()->Add(result.filters[0].positions.begin(),
+                                           result.filters[0].positions.end());
+  }
+  for (const FilterSelection& filter : result.filters) {
+    v1::FilterSelection* selection = out->add_filters();
+    selection->set_filter_layer(filter.filter_layer);
+    selection->mutable_positions()->Add(filter.positions.begin(), filter.positions.end());
+    selection->mutable_sparse_layers()->Add(filter.sparse_layers.begin(),
+                                            filter.sparse_layers.end());
+  }
+  out->set_prompt_tokens(result.prompt_tokens);
+  out->set_budget_tokens(result.budget_tokens);
+  out->set_host_bytes(result.host_bytes);
 }
 
 void LayerLayoutToProto(const LayerLayoutView& layer, v1::LayerLayout* out) {

@@ -7,8 +7,8 @@
 // Policies are only MAPPED here (names, enums, values; zero = the spec's default): range checks
 // and defaults belong to the policies' Resolve functions on the cache side (ResolvePolicyConfig),
 // which the pool runs when it builds a policy. Parts of the contract this build does not serve
-// (the OmniKV policy, retain_evicted, the query staging area) are refused with UNIMPLEMENTED
-// naming what is missing. Sizes are computed with overflow-checked arithmetic before anything is
+// (retain_evicted, the query staging area) are refused with UNIMPLEMENTED naming what is
+// missing. Sizes are computed with overflow-checked arithmetic before anything is
 // allocated.
 //
 // Threading: pure functions, no state.
@@ -46,7 +46,7 @@ inline constexpr uint32_t kMinExportChunkBytes = 64u << 10;
 inline constexpr uint32_t kMaxExportChunkBytes = 4u << 20;
 inline constexpr uint32_t kDefaultExportChunkBytes = 1u << 20;
 
-// Every policy name of the contract, and whether this build converts it (every one but omnikv).
+// Every policy name of the contract, and whether this build converts it (all of them).
 inline constexpr absl::string_view kContractPolicyNames[] = {
     "streaming_llm", "keydiff", "h2o", "tova", "snapkv", "cake", "d2o", "caote", "omnikv"};
 bool IsImplementedPolicy(absl::string_view name);
@@ -64,7 +64,7 @@ void LayoutToProto(const ModelLayout& layout, v1::ModelLayout* out);
 // An empty spec (no name, no params, no allocator) is nullopt: the server default applies.
 // Every value is copied as given (zero stays zero: ResolvePolicyConfig fills in the spec's
 // default); unknown names and enum values are INVALID_ARGUMENT naming the field
-// ("policy.caote.base has unknown value 9"); omnikv is UNIMPLEMENTED (issue 4).
+// ("policy.caote.base has unknown value 9").
 absl::StatusOr<std::optional<PolicyConfig>> PolicyFromProto(const v1::PolicySpec& spec,
                                                             absl::string_view prefix = "policy.");
 // A policy by name with every parameter at its default, resolved (ResolvePolicyConfig), for
@@ -140,6 +140,12 @@ absl::StatusOr<CompressParams> CompressParamsFromProto(const v1::CompressRequest
 absl::StatusOr<DecodeItem> DecodeItemFromProto(const v1::DecodeStepRequest::Item& item,
                                                const ModelLayout& layout,
                                                absl::string_view prefix = "");
+// One Select item (`prefix` e.g. "items[3]."): ids; attention required (queries; the pool checks
+// the layers against the policy's filter layers); prompt_tokens >= 0.
+absl::StatusOr<SelectItem> SelectItemFromProto(const v1::SelectRequest::Item& item,
+                                               const ModelLayout& layout,
+                                               absl::string_view prefix = "");
+void SelectResultToProto(const SelectResult& result, v1::SelectResponse::Item* out);
 // Ids, budget_tokens in [0, kMaxBudgetTokens], policy, attention, layers (ValidateLayers).
 absl::StatusOr<ScoreParams> ScoreParamsFromProto(const v1::ScoreRequest& request,
                                                  const ModelLayout& layout);

@@ -38,10 +38,6 @@ class FailedReadReactor final : public grpc::ServerReadReactor<Request> {
   void OnDone() override { delete this; }
 };
 
-absl::Status Unimplemented(absl::string_view what) {
-  return absl::UnimplementedError(std::string(what));
-}
-
 // ---- Response size estimates --------------------------------------------------------------------
 // Responses whose bulk is positions ([H][count] per layer) can exceed the message limit for long
 // sequences. They are sized from the counts alone (a pool GetLayout without positions) so that
@@ -1171,9 +1167,65 @@ grpc::ServerUnaryReactor* SidecarService::Score(grpc::CallbackServerContext* con
 grpc::ServerUnaryReactor* SidecarService::Select(grpc::CallbackServerContext* context,
                                                  const v1::SelectRequest* request,
                                                  v1::SelectResponse* response) {
-  return RunUnary(context, "Select", [] {
-    return Unimplemented(
-        "Select is not implemented in this build: it needs the OmniKV policy and the host tier");
+  return RunUnary(context, "Select", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    const int n = request->items_size();
+    if (n > kMaxBatchItems) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("items has ", n, " items; at most ", kMaxBatchItems, " per call"));
+    }
+    std::vector<SelectItem> items;
+    items.reserve(n);
+    absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
+    absl::flat_hash_map<std::string, ModelLayout> layouts;  // one GetSession per session
+    for (int i = 0; i < n; ++i) {
+      const v1::SelectRequest::Item& item = request->items(i);
+      const std::string prefix = absl::StrCat("items[", i, "].");
+      KVS_RETURN_IF_ERROR(
+          ValidateName(item.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
+      auto it = layouts.find(item.session_id());
+      if (it == layouts.end()) {
+        absl::StatusOr<SessionView> session = pool_->GetSession(item.session_id());
+        KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat("items[", i, "]: "), session.status()));
+        it = layouts.emplace(item.session_id(), session->layout).first;
+      }
+      KVS_ASSIGN_OR_RETURN(SelectItem select, SelectItemFromProto(item, it->second, prefix));
+      KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i, "items"));
+      items.push_back(std::move(select));
+    }
+    KVS_ASSIGN_OR_RETURN(std::vector<SelectResult> results, pool_->Select(items));
+    for (const SelectResult& result : results) SelectResultToProto(result, response->add_items());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::GetRetained(grpc::CallbackServerContext* context,
+                                                      const v1::GetRetainedRequest* request,
+                                                      v1::GetRetainedResponse* response) {
+  return RunUnary(context, "GetRetained", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
+    KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
+    const std::vector<int32_t> layers(request->layers().begin(), request->layers().end());
+    KVS_ASSIGN_OR_RETURN(std::vector<RetainedHead> heads,
+                         pool_->GetRetained(request->session_id(), request->sequence_id(), layers));
+    uint64_t bytes = 0;
+    for (const RetainedHead& head : heads) {
+      bytes += 64 + head.keys.size() + head.values.size() + 10 * head.positions.size();
+    }
+    if (bytes > static_cast<uint64_t>(kMaxMessageBytes)) {
+      return TooLarge("the response", bytes, kMaxMessageBytes, "ask for fewer layers");
+    }
+    for (RetainedHead& head : heads) {
+      v1::GetRetainedResponse::Head* out = response->add_heads();
+      out->set_layer(head.layer);
+      out->set_head(head.head);
+      out->mutable_positions()->Add(head.positions.begin(), head.positions.end());
+      out->mutable_scores()->Add(head.scores.begin(), head.scores.end());
+      out->set_keys(std::move(head.keys));
+      out->set_values(std::move(head.values));
+    }
+    return absl::OkStatus();
   });
 }
 

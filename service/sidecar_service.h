@@ -142,6 +142,9 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* context,
                                   const ::kvsidecar::v1::ScoreRequest* request,
                                   ::kvsidecar::v1::ScoreResponse* response) override;
+  grpc::ServerUnaryReactor* GetRetained(grpc::CallbackServerContext* context,
+                                        const ::kvsidecar::v1::GetRetainedRequest* request,
+                                        ::kvsidecar::v1::GetRetainedResponse* response) override;
   grpc::ServerUnaryReactor* Select(grpc::CallbackServerContext* context,
                                    const ::kvsidecar::v1::SelectRequest* request,
                                    ::kvsidecar::v1::SelectResponse* response) override;

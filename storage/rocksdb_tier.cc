@@ -1,12 +1,19 @@
 #include "storage/rocksdb_tier.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "cache/spill_buffers.h"
 #include "gpu/base/status_macros.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
@@ -17,7 +24,7 @@
 namespace kvs::storage {
 namespace {
 
-constexpr uint32_t kMetaFormat = 1;
+constexpr uint32_t kMetaFormat = 2;
 constexpr char kMetaPrefix = 'M';
 constexpr char kDataPrefix = 'D';
 
@@ -82,9 +89,11 @@ absl::Status FromRocks(const rocksdb::Status& status, absl::string_view what) {
 }
 
 struct ParsedMeta {
+  uint32_t format = 0;
   uint64_t generation = 0;
   int64_t spilled_ns = 0;
   std::vector<uint64_t> layer_bytes;
+  std::vector<uint32_t> layer_crcs;
   std::string_view meta;
 };
 
@@ -94,47 +103,135 @@ absl::StatusOr<ParsedMeta> ParseMeta(std::string_view value) {
   if (!ReadLE(&value, &crc)) return absl::DataLossError("metadata record is truncated");
   if (Crc32c(value) != crc) return absl::DataLossError("metadata record fails its checksum");
   ParsedMeta parsed;
-  uint32_t format = 0, layers = 0;
-  if (!ReadLE(&value, &format) || format != kMetaFormat || !ReadLE(&value, &parsed.generation) ||
-      !ReadLE(&value, &parsed.spilled_ns) || !ReadLE(&value, &layers) ||
-      value.size() / 8 < layers) {
+  if (!ReadLE(&value, &parsed.format)) return absl::DataLossError("metadata record is malformed");
+  if (parsed.format != kMetaFormat) {
+    return absl::DataLossError(absl::StrCat("metadata record has format ", parsed.format,
+                                            ", this build reads format ", kMetaFormat,
+                                            " (format 1 was written by an earlier build)"));
+  }
+  uint32_t layers = 0;
+  if (!ReadLE(&value, &parsed.generation) || !ReadLE(&value, &parsed.spilled_ns) ||
+      !ReadLE(&value, &layers) || value.size() / 12 < layers || parsed.generation == 0) {
     return absl::DataLossError("metadata record is malformed");
   }
   parsed.layer_bytes.resize(layers);
-  for (uint64_t& bytes : parsed.layer_bytes) ReadLE(&value, &bytes);
+  parsed.layer_crcs.resize(layers);
+  for (uint32_t l = 0; l < layers; ++l) {
+    ReadLE(&value, &parsed.layer_bytes[l]);
+    ReadLE(&value, &parsed.layer_crcs[l]);
+  }
   parsed.meta = value;
   return parsed;
 }
 
-uint64_t EntryBytes(const ParsedMeta& parsed) {
-  uint64_t total = parsed.meta.size();
+uint64_t LayerBytes(const ParsedMeta& parsed) {
+  uint64_t total = 0;
   for (uint64_t b : parsed.layer_bytes) total += b;
   return total;
 }
+
+uint64_t EntryBytes(const ParsedMeta& parsed) { return parsed.meta.size() + LayerBytes(parsed); }
 
 rocksdb::Options DbOptions() {
   rocksdb::Options options;
   options.create_if_missing = true;
   options.compression = rocksdb::kNoCompression;
   options.bottommost_compression = rocksdb::kNoCompression;
-  // K/V blocks are large and incompressible: keep them in blob files, out of the LSM tree, so
-  // that compactions do not rewrite them.
+  // Only metadata lives in RocksDB now; blob files stay enabled so that the data records of
+  // record format 1 (large values, in blob files) can still be found and removed.
   options.enable_blob_files = true;
   options.min_blob_size = 64 << 10;
-  options.blob_file_size = uint64_t{256} << 20;
   options.blob_compression_type = rocksdb::kNoCompression;
   options.enable_blob_garbage_collection = true;
-  options.write_buffer_size = 128 << 20;
-  options.max_write_buffer_number = 4;
-  options.max_total_wal_size = uint64_t{512} << 20;
   options.max_background_jobs = 2;
   return options;
+}
+
+// errno of a failed file call -> absl: a full disk or quota is RESOURCE_EXHAUSTED, the rest
+// UNAVAILABLE (an I/O error of the tier, not of the request).
+absl::Status FromErrno(int error, absl::string_view what) {
+  const std::string message = absl::StrCat(what, ": ", std::strerror(error));
+  if (error == ENOSPC || error == EDQUOT) return absl::ResourceExhaustedError(message);
+  return absl::UnavailableError(message);
+}
+
+absl::Status WriteAll(int fd, const char* data, size_t n, absl::string_view what) {
+  while (n > 0) {
+    const ssize_t done = write(fd, data, std::min<size_t>(n, size_t{1} << 30));
+    if (done < 0) {
+      if (errno == EINTR) continue;
+      return FromErrno(errno, what);
+    }
+    data += done;
+    n -= static_cast<size_t>(done);
+  }
+  return absl::OkStatus();
+}
+
+// Reads exactly n bytes at `offset`; false on a short file.
+absl::StatusOr<bool> ReadAll(int fd, char* data, size_t n, uint64_t offset) {
+  while (n > 0) {
+    const ssize_t done = pread(fd, data, n, static_cast<off_t>(offset));
+    if (done < 0) {
+      if (errno == EINTR) continue;
+      return FromErrno(errno, "reading a layer file of the disk tier");
+    }
+    if (done == 0) return false;
+    data += done;
+    n -= static_cast<size_t>(done);
+    offset += static_cast<uint64_t>(done);
+  }
+  return true;
+}
+
+absl::Status SyncDirectory(const std::string& dir) {
+  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return FromErrno(errno, absl::StrCat("opening ", dir));
+  const int rc = fsync(fd);
+  const int error = errno;
+  close(fd);
+  if (rc != 0) return FromErrno(error, absl::StrCat("syncing ", dir));
+  return absl::OkStatus();
+}
+
+// The generation a layer file's name carries; 0 for names that are not layer files.
+uint64_t GenerationOfFile(std::string_view name) {
+  constexpr std::string_view kSuffix = ".kvl";
+  if (name.size() != 16 + kSuffix.size() || name.substr(16) != kSuffix) return 0;
+  uint64_t generation = 0;
+  for (char c : name.substr(0, 16)) {
+    int digit = 0;
+    if (c >= '0' && c <= '9') {
+      digit = c - '0';
+    } else if (c >= 'a' && c <= 'f') {
+      digit = c - 'a' + 10;
+    } else {
+      return 0;
+    }
+    generation = (generation << 4) | static_cast<uint64_t>(digit);
+  }
+  return generation;
 }
 
 }  // namespace
 
 std::string RocksTier::MetaKey(const SpillKey& key) {
-  return std::string(1, kMetaPrefix) + EncodeKey(key);
+  std::string out(1, kMetaPrefix);
+  out += EncodeKey(key);
+  return out;
+}
+
+std::string RocksTier::FilePath(uint64_t generation) const {
+  char name[32];
+  std::snprintf(name, sizeof(name), "%016llx.kvl", static_cast<unsigned long long>(generation));
+  return absl::StrCat(LayerDir(options_.path), "/", name);
+}
+
+std::string RocksTier::LayerFile(const SpillKey& key) const {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(key);
+  if (it == entries_.end() || !it->second.lost.empty()) return "";
+  return FilePath(it->second.generation);
 }
 
 std::string RocksTier::DataKey(const SpillKey& key, uint64_t generation, uint32_t layer) {
@@ -154,7 +251,7 @@ RocksTier::~RocksTier() {
 
 absl::StatusOr<std::unique_ptr<RocksTier>> RocksTier::Open(const Options& options) {
   std::error_code error;
-  std::filesystem::create_directories(options.path, error);
+  std::filesystem::create_directories(LayerDir(options.path), error);
   if (error) {
     return absl::FailedPreconditionError(absl::StrCat("cannot create the disk tier directory ",
                                                       options.path, ": ", error.message()));
@@ -187,44 +284,61 @@ absl::Status RocksTier::Load() {
         entry.bytes = EntryBytes(*parsed);
         entry.spilled = absl::FromUnixNanos(parsed->spilled_ns);
         max_generation = std::max(max_generation, entry.generation);
-        used_bytes_ += entry.bytes;
+        // One stat per copy: a file a crash or an operator cut short is reported now, not on
+        // the Restore that needs it. Its bytes are checked on every Get.
+        struct stat st;
+        const std::string file = FilePath(entry.generation);
+        if (stat(file.c_str(), &st) != 0) {
+          entry.lost = absl::StrCat("its layer file ", file, " is missing");
+        } else if (static_cast<uint64_t>(st.st_size) != LayerBytes(*parsed)) {
+          entry.lost = absl::StrCat("its layer file ", file, " has ", st.st_size,
+                                    " bytes, the metadata says ", LayerBytes(*parsed));
+        }
       } else {
         entry.lost = std::string(parsed.status().message());
       }
+      if (entry.lost.empty()) used_bytes_ += entry.bytes;
       entries_[key] = std::move(entry);
     }
     KVS_RETURN_IF_ERROR(FromRocks(it->status(), "scanning the disk tier"));
   }
-  // Data records of a generation no metadata names: a Put cut short (or a deletion that did not
-  // finish). Lost entries keep theirs until erased.
-  std::set<std::pair<std::string, uint64_t>> orphans;
+  // Data records of record format 1 (this build keeps layers in files): removed, with the
+  // metadata of that format reported lost above.
   {
+    int legacy = 0;
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
     for (it->Seek(std::string(1, kDataPrefix)); it->Valid() && it->key()[0] == kDataPrefix;
          it->Next()) {
-      std::string_view rest = View(it->key()).substr(1);
-      SpillKey key;
-      uint64_t generation = 0, layer = 0;
-      if (!DecodeKey(&rest, &key) || !ReadBE(&rest, 8, &generation) || !ReadBE(&rest, 4, &layer)) {
-        continue;
-      }
-      max_generation = std::max(max_generation, generation);
-      auto entry = entries_.find(key);
-      if (entry == entries_.end() ||
-          (entry->second.lost.empty() && entry->second.generation != generation)) {
-        orphans.emplace(std::string(1, kDataPrefix) + EncodeKey(key), generation);
-      }
+      ++legacy;
     }
     KVS_RETURN_IF_ERROR(FromRocks(it->status(), "scanning the disk tier"));
+    if (legacy > 0) {
+      KVS_RETURN_IF_ERROR(
+          FromRocks(db_->DeleteRange(rocksdb::WriteOptions(), db_->DefaultColumnFamily(),
+                                     std::string(1, kDataPrefix), std::string(1, kDataPrefix + 1)),
+                    "removing data records of record format 1"));
+      orphans_removed_ += legacy;
+    }
   }
-  for (const auto& [prefix, generation] : orphans) {
-    std::string begin = prefix, end = prefix;
-    AppendBE64(&begin, generation);
-    AppendBE64(&end, generation + 1);
-    KVS_RETURN_IF_ERROR(
-        FromRocks(db_->DeleteRange(rocksdb::WriteOptions(), db_->DefaultColumnFamily(), begin, end),
-                  "removing an unfinished spill"));
-    ++orphans_removed_;
+  // Layer files no readable metadata names: a Put cut short, a removal that did not finish, or
+  // the data of a copy whose metadata is lost (unusable without it).
+  std::set<uint64_t> referenced;
+  for (const auto& [key, entry] : entries_) {
+    if (entry.generation != 0) referenced.insert(entry.generation);
+  }
+  std::error_code error;
+  for (const auto& file : std::filesystem::directory_iterator(LayerDir(options_.path), error)) {
+    const uint64_t generation = GenerationOfFile(file.path().filename().string());
+    if (generation == 0) continue;  // not ours
+    max_generation = std::max(max_generation, generation);
+    if (referenced.contains(generation)) continue;
+    std::error_code removed;
+    std::filesystem::remove(file.path(), removed);
+    if (!removed) ++orphans_removed_;
+  }
+  if (error) {
+    return absl::UnavailableError(absl::StrCat("cannot list the disk tier's layer files in ",
+                                               LayerDir(options_.path), ": ", error.message()));
   }
   next_generation_ = max_generation + 1;
   return absl::OkStatus();
@@ -246,37 +360,27 @@ absl::Status RocksTier::Put(const SpillKey& key, const SpilledSequence& data, ab
     }
     generation = next_generation_++;
   }
-  // 1. The data records of the new generation, without the WAL (the bytes would be written twice,
-  // to the log and then to the blob files), then a flush that makes them durable in blob files:
-  // one pass over the bulk data. A crash before the flush completes leaves records no metadata
-  // names, which Open removes.
-  rocksdb::WriteOptions bulk;
-  bulk.sync = false;
-  bulk.disableWAL = true;
-  for (size_t l = 0; l < data.layers.size(); ++l) {
-    const std::string& layer = data.layers[l];
-    std::string header;
-    AppendLE<uint32_t>(&header, Crc32c(layer));
-    const std::string record_key = DataKey(key, generation, static_cast<uint32_t>(l));
-    const rocksdb::Slice key_part(record_key);
-    const rocksdb::Slice value_parts[2] = {rocksdb::Slice(header), rocksdb::Slice(layer)};
-    rocksdb::WriteBatch batch;
-    rocksdb::Status status =
-        batch.Put(rocksdb::SliceParts(&key_part, 1), rocksdb::SliceParts(value_parts, 2));
-    if (status.ok()) status = db_->Write(bulk, &batch);
-    if (!status.ok()) {
-      std::string begin = DataKey(key, generation, 0), end = DataKey(key, generation + 1, 0);
-      (void)db_->DeleteRange(bulk, db_->DefaultColumnFamily(), begin, end);
-      return FromRocks(status, absl::StrCat("writing sequence ", key.sequence_id, " to disk"));
+  const std::string what = absl::StrCat("writing sequence ", key.sequence_id, " to disk");
+  // 1. The layer file of the new generation: the bulk bytes pass through memory once (the
+  // checksum) and are written with plain write()s and made durable with one fdatasync, then the
+  // directory entry is synced. A crash before the metadata names the file leaves a file Open
+  // removes.
+  const std::string file = FilePath(generation);
+  std::vector<uint32_t> crcs(data.layers.size());
+  {
+    const int fd = open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return FromErrno(errno, absl::StrCat(what, ": creating ", file));
+    absl::Status status;
+    for (size_t l = 0; l < data.layers.size() && status.ok(); ++l) {
+      crcs[l] = Crc32c(data.layers[l]);
+      status = WriteAll(fd, data.layers[l].data(), data.layers[l].size(), what);
     }
-  }
-  if (!data.layers.empty()) {
-    rocksdb::FlushOptions flush;
-    flush.wait = true;
-    if (rocksdb::Status status = db_->Flush(flush); !status.ok()) {
-      std::string begin = DataKey(key, generation, 0), end = DataKey(key, generation + 1, 0);
-      (void)db_->DeleteRange(bulk, db_->DefaultColumnFamily(), begin, end);
-      return FromRocks(status, absl::StrCat("writing sequence ", key.sequence_id, " to disk"));
+    if (status.ok() && fdatasync(fd) != 0) status = FromErrno(errno, what);
+    close(fd);
+    if (status.ok()) status = SyncDirectory(LayerDir(options_.path));
+    if (!status.ok()) {
+      unlink(file.c_str());
+      return status;
     }
   }
   // 2. The metadata, synced through the WAL: the new version becomes visible and durable at once.
@@ -285,7 +389,10 @@ absl::Status RocksTier::Put(const SpillKey& key, const SpilledSequence& data, ab
   AppendLE<uint64_t>(&body, generation);
   AppendLE<int64_t>(&body, absl::ToUnixNanos(now));
   AppendLE<uint32_t>(&body, static_cast<uint32_t>(data.layers.size()));
-  for (const std::string& layer : data.layers) AppendLE<uint64_t>(&body, layer.size());
+  for (size_t l = 0; l < data.layers.size(); ++l) {
+    AppendLE<uint64_t>(&body, data.layers[l].size());
+    AppendLE<uint32_t>(&body, crcs[l]);
+  }
   body += data.meta;
   std::string value;
   AppendLE<uint32_t>(&value, Crc32c(body));
@@ -293,9 +400,8 @@ absl::Status RocksTier::Put(const SpillKey& key, const SpilledSequence& data, ab
   rocksdb::WriteOptions synced;
   synced.sync = true;
   if (rocksdb::Status status = db_->Put(synced, MetaKey(key), value); !status.ok()) {
-    std::string begin = DataKey(key, generation, 0), end = DataKey(key, generation + 1, 0);
-    (void)db_->DeleteRange(bulk, db_->DefaultColumnFamily(), begin, end);
-    return FromRocks(status, absl::StrCat("writing sequence ", key.sequence_id, " to disk"));
+    unlink(file.c_str());
+    return FromRocks(status, what);
   }
   {
     absl::MutexLock lock(&mu_);
@@ -304,22 +410,28 @@ absl::Status RocksTier::Put(const SpillKey& key, const SpilledSequence& data, ab
     entry = Entry{generation, bytes, now, ""};
     used_bytes_ += bytes;
   }
-  // 3. The previous generation (a lost entry's data: every generation but the new one).
-  if (previous) {
-    const std::string prefix = std::string(1, kDataPrefix) + EncodeKey(key);
-    std::string begin = prefix, end = prefix;
-    if (previous->lost.empty()) {
-      AppendBE64(&begin, previous->generation);
-      AppendBE64(&end, previous->generation + 1);
-    } else {
-      AppendBE64(&end, generation);
-    }
-    (void)db_->DeleteRange(bulk, db_->DefaultColumnFamily(), begin, end);
-  }
+  // 3. The previous generation's file (a crash before this leaves a file Open removes).
+  if (previous && previous->generation != 0) unlink(FilePath(previous->generation).c_str());
   return absl::OkStatus();
 }
 
+absl::Status RocksTier::MarkLost(const SpillKey& key, uint64_t generation,
+                                 const std::string& reason) const {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(key);
+    // Only the copy that was read: a concurrent Put may have replaced it.
+    if (it != entries_.end() && it->second.generation == generation && it->second.lost.empty()) {
+      it->second.lost = reason;
+      used_bytes_ -= it->second.bytes;
+    }
+  }
+  return absl::DataLossError(
+      absl::StrCat("the disk copy of sequence ", key.sequence_id, " is corrupt: ", reason));
+}
+
 absl::StatusOr<std::shared_ptr<const SpilledSequence>> RocksTier::Get(const SpillKey& key) const {
+  uint64_t generation = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(key);
@@ -331,41 +443,54 @@ absl::StatusOr<std::shared_ptr<const SpilledSequence>> RocksTier::Get(const Spil
       return absl::DataLossError(absl::StrCat("the disk copy of sequence ", key.sequence_id,
                                               " is lost: ", it->second.lost));
     }
+    generation = it->second.generation;
   }
-  auto fail = [&](absl::string_view what) {
-    return absl::DataLossError(
-        absl::StrCat("the disk copy of sequence ", key.sequence_id, " is corrupt: ", what));
-  };
   rocksdb::PinnableSlice meta_value;
   rocksdb::Status status =
       db_->Get(rocksdb::ReadOptions(), db_->DefaultColumnFamily(), MetaKey(key), &meta_value);
-  if (status.IsNotFound()) return fail("its metadata record is missing");
+  if (status.IsNotFound()) return MarkLost(key, generation, "its metadata record is missing");
   KVS_RETURN_IF_ERROR(FromRocks(status, "reading the disk tier"));
   absl::StatusOr<ParsedMeta> parsed = ParseMeta(View(meta_value));
-  if (!parsed.ok()) return fail(parsed.status().message());
-  auto out = std::make_shared<SpilledSequence>();
-  out->meta = std::string(parsed->meta);
-  out->layers.resize(parsed->layer_bytes.size());
-  rocksdb::ReadOptions read;
-  read.verify_checksums = true;
-  read.fill_cache = false;  // read once, then deleted
-  for (size_t l = 0; l < parsed->layer_bytes.size(); ++l) {
-    rocksdb::PinnableSlice value;
-    status = db_->Get(read, db_->DefaultColumnFamily(),
-                      DataKey(key, parsed->generation, static_cast<uint32_t>(l)), &value);
-    if (status.IsNotFound()) return fail(absl::StrCat("the record of layer ", l, " is missing"));
-    KVS_RETURN_IF_ERROR(FromRocks(status, "reading the disk tier"));
-    std::string_view record = View(value);
-    uint32_t crc = 0;
-    if (!ReadLE(&record, &crc) || record.size() != parsed->layer_bytes[l]) {
-      return fail(absl::StrCat("the record of layer ", l, " has the wrong size"));
-    }
-    if (Crc32c(record) != crc) {
-      return fail(absl::StrCat("the record of layer ", l, " fails its checksum"));
-    }
-    out->layers[l].assign(record.data(), record.size());
+  if (!parsed.ok()) return MarkLost(key, generation, std::string(parsed.status().message()));
+  if (parsed->generation != generation) {
+    return MarkLost(key, generation, "its metadata names another generation");
   }
-  return std::shared_ptr<const SpilledSequence>(std::move(out));
+  const std::string file = FilePath(generation);
+  const int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return MarkLost(key, generation, absl::StrCat(file, " is missing"));
+    return FromErrno(errno, absl::StrCat("opening ", file));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != LayerBytes(*parsed)) {
+    close(fd);
+    return MarkLost(key, generation, absl::StrCat(file, " has the wrong size"));
+  }
+  SpilledSequence out;
+  out.meta = std::string(parsed->meta);
+  out.layers.resize(parsed->layer_bytes.size());
+  uint64_t offset = 0;
+  for (size_t l = 0; l < parsed->layer_bytes.size(); ++l) {
+    const uint64_t n = parsed->layer_bytes[l];
+    // Recycled buffers (cache/spill_buffers.h): the restore that reads them gives them back.
+    out.layers[l] = SpillBuffers::Default().Take(n);
+    absl::StatusOr<bool> complete = ReadAll(fd, out.layers[l].data(), n, offset);
+    if (!complete.ok() || !*complete) {
+      close(fd);
+      SpillBuffers::Default().Give(std::move(out.layers));
+      if (!complete.ok()) return complete.status();
+      return MarkLost(key, generation, absl::StrCat("the record of layer ", l, " is truncated"));
+    }
+    offset += n;
+    if (Crc32c(out.layers[l]) != parsed->layer_crcs[l]) {
+      close(fd);
+      SpillBuffers::Default().Give(std::move(out.layers));
+      return MarkLost(key, generation,
+                      absl::StrCat("the record of layer ", l, " fails its checksum"));
+    }
+  }
+  close(fd);
+  return SpillBuffers::Default().Share(std::move(out));
 }
 
 absl::Status RocksTier::Erase(const SpillKey& key) {
@@ -384,12 +509,8 @@ absl::Status RocksTier::Erase(const SpillKey& key) {
     if (entry->lost.empty()) used_bytes_ -= entry->bytes;
     entries_.erase(key);
   }
-  // Every generation of the key; what is left after a crash here is an orphan Open removes.
-  const std::string prefix = std::string(1, kDataPrefix) + EncodeKey(key);
-  std::string end = prefix;
-  end.push_back('\xff');
-  for (int i = 0; i < 12; ++i) end.push_back('\xff');
-  (void)db_->DeleteRange(rocksdb::WriteOptions(), db_->DefaultColumnFamily(), prefix, end);
+  // What is left after a crash here is an orphan Open removes.
+  if (entry->generation != 0) unlink(FilePath(entry->generation).c_str());
   return absl::OkStatus();
 }
 

@@ -1,22 +1,26 @@
 // RocksTier: the disk tier, an embedded RocksDB 7.8 in a directory of its own
-// (<data_dir>/rocksdb). Owns the database and an in-memory index of what it holds.
+// (<data_dir>/rocksdb) for the metadata, and one layer file per spilled copy for the bulk bytes.
+// Owns both and an in-memory index of what they hold.
 //
 // Records (every one checksummed with CRC-32C):
-//   "D" key gen(u64 BE) layer(u32 BE) -> crc32c(data) u32 LE, data   one per layer: its blocks
-//   "M" key                           -> crc32c(rest) u32 LE, format u32, gen u64, spilled unix
-//                                        ns i64, layers u32, per layer (bytes u64), meta bytes
+//   "M" key -> crc32c(rest) u32 LE, format u32 (2), gen u64, spilled unix ns i64, layers u32,
+//              per layer (bytes u64, crc32c of its bytes u32), meta bytes
+//   <path>/kvs-layers/<gen, 16 hex digits>.kvl: the layers' bytes, concatenated in layer order
 // where key = for tenant, session id and sequence id: length u32 BE then the bytes.
-// A Put writes the data records of a fresh generation without the WAL and flushes them (one pass
-// of the bulk bytes into blob files, synced by the flush), then the metadata record through the
-// WAL with sync, then deletes the previous generation: a crash leaves the old or the new version,
-// never a mix. Open deletes data records no metadata points at (a Put cut short) and reports
-// metadata that fails its checksum as lost.
+// A Put writes the layer file of a fresh generation with plain write()s and one fdatasync (the
+// bulk bytes pass through memory once, as in a raw sequential write: RocksDB's memtable and
+// flush copied them twice more), syncs the directory entry, then writes the metadata record
+// through the WAL with sync, then removes the previous generation's file: a crash leaves the old
+// or the new version, never a mix. Open removes layer files no metadata names (a Put cut short,
+// or a removal that did not finish) and data records of the earlier record format (format 1 kept
+// layers as RocksDB records), and reports as lost the metadata that fails its checksum or whose
+// layer file is missing or has the wrong size; a layer that fails its checksum on a Get is
+// reported lost from then on. Lost copies are listed (SpilledInfo::lost) and never served.
 //
-// Settings for cache data: no compression, values of 64 KiB and more in blob files (BlobDB), no
-// WAL and no per-write fsync for the bulk records.
+// Settings for the metadata: no compression; the records are small.
 //
-// Threading: thread-safe. The index has its own mutex; RocksDB calls run outside it. Callers
-// serialise operations on one key (KvPool does, under the owning session's lock).
+// Threading: thread-safe. The index has its own mutex; RocksDB and file calls run outside it.
+// Callers serialise operations on one key (KvPool does, under the owning session's lock).
 #ifndef KVSIDECAR_STORAGE_ROCKSDB_TIER_H_
 #define KVSIDECAR_STORAGE_ROCKSDB_TIER_H_
 
@@ -63,26 +67,34 @@ class RocksTier {
   // Metadata/data records Open removed or reported (for logs and tests).
   int orphans_removed() const { return orphans_removed_; }
 
-  // Record keys, for tests that corrupt records through RocksDB.
+  // Record keys and file names, for tests that corrupt records through RocksDB or the files.
   static std::string MetaKey(const SpillKey& key);
+  // A data record of record format 1 (removed at Open).
   static std::string DataKey(const SpillKey& key, uint64_t generation, uint32_t layer);
+  // The layer file of `key`'s current copy; empty without a readable copy.
+  std::string LayerFile(const SpillKey& key) const;
+  static std::string LayerDir(const std::string& path) { return path + "/kvs-layers"; }
 
  private:
   struct Entry {
-    uint64_t generation = 0;
+    uint64_t generation = 0;  // 0: unknown (the metadata is unreadable)
     uint64_t bytes = 0;
     absl::Time spilled;
-    std::string lost;  // non-empty: the metadata failed its checksum
+    std::string lost;  // non-empty: the copy failed a check (at Open or on a Get)
   };
   RocksTier(Options options, std::unique_ptr<rocksdb::DB> db);
   absl::Status Load();
+  std::string FilePath(uint64_t generation) const;
+  // Marks `key`'s copy of `generation` lost with `reason` (a failed Get) and returns DATA_LOSS.
+  absl::Status MarkLost(const SpillKey& key, uint64_t generation, const std::string& reason) const;
 
   const Options options_;
   const std::unique_ptr<rocksdb::DB> db_;
   int orphans_removed_ = 0;
   mutable absl::Mutex mu_;
-  std::map<SpillKey, Entry> entries_ ABSL_GUARDED_BY(mu_);
-  uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Mutable: a Get that finds a corrupt copy marks it lost.
+  mutable std::map<SpillKey, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  mutable uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

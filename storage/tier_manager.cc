@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "cache/spill_buffers.h"
 #include "gpu/base/status_macros.h"
 
 namespace kvs::storage {
@@ -49,7 +50,7 @@ std::optional<SpillKey> TierManager::OldestLocked(StorageTier tier, const SpillK
   std::optional<SpillKey> oldest;
   uint64_t oldest_at = 0;
   for (const SpilledInfo& info : tier == StorageTier::kHost ? host_.List() : disk_->List()) {
-    if (info.key == except) continue;
+    if (info.key == except || pinned_.contains(info.key)) continue;
     auto it = stored_at_.find(info.key);
     const uint64_t at = it == stored_at_.end() ? 0 : it->second;
     if (!oldest || at < oldest_at) {
@@ -120,14 +121,18 @@ absl::Status TierManager::Put(StorageTier tier, const SpillKey& key, SpilledSequ
   absl::MutexLock lock(&mu_);
   switch (tier) {
     case StorageTier::kHost:
-      KVS_RETURN_IF_ERROR(
-          PutHostLocked(key, std::make_shared<const SpilledSequence>(std::move(data))));
+      // The layer buffers go back to the spill buffer cache when the copy's last reader is done.
+      KVS_RETURN_IF_ERROR(PutHostLocked(key, SpillBuffers::Default().Share(std::move(data))));
       if (disk_) KVS_RETURN_IF_ERROR(disk_->Erase(key));
       break;
-    case StorageTier::kDisk:
-      KVS_RETURN_IF_ERROR(PutDiskLocked(key, data));
+    case StorageTier::kDisk: {
+      absl::Status status = PutDiskLocked(key, data);
+      // Written (or not): the buffers serve the next spill.
+      SpillBuffers::Default().Give(std::move(data.layers));
+      KVS_RETURN_IF_ERROR(status);
       host_.Erase(key);
       break;
+    }
     case StorageTier::kArena:
       return absl::InvalidArgumentError("a spill target must be the host or the disk tier");
   }
@@ -150,8 +155,17 @@ absl::StatusOr<std::shared_ptr<const SpilledSequence>> TierManager::Get(const Sp
   return disk_->Get(key);
 }
 
+absl::Status TierManager::PutPinnedHost(const SpillKey& key,
+                                        std::shared_ptr<const SpilledSequence> data) {
+  absl::MutexLock lock(&mu_);
+  KVS_RETURN_IF_ERROR(PutHostLocked(key, std::move(data)));
+  pinned_.insert(key);
+  return absl::OkStatus();
+}
+
 absl::Status TierManager::Erase(const SpillKey& key) {
   absl::MutexLock lock(&mu_);
+  pinned_.erase(key);
   host_.Erase(key);
   stored_at_.erase(key);
   deleted_.erase(key);
@@ -167,6 +181,14 @@ std::optional<SpilledInfo> TierManager::Find(const SpillKey& key) const {
 
 std::vector<SpilledInfo> TierManager::List() const {
   std::vector<SpilledInfo> result = host_.List();
+  {
+    absl::MutexLock lock(&mu_);
+    result.erase(std::remove_if(result.begin(), result.end(),
+                                [this](const SpilledInfo& info) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                  return pinned_.contains(info.key);
+                                }),
+                 result.end());
+  }
   if (disk_) {
     std::vector<SpilledInfo> disk = disk_->List();
     result.insert(result.end(), disk.begin(), disk.end());

@@ -58,6 +58,8 @@ class TierManager final : public SequenceTiers {
   absl::Status Erase(const SpillKey& key) override;
   std::optional<SpilledInfo> Find(const SpillKey& key) const override;
   std::vector<SpilledInfo> List() const override;
+  absl::Status PutPinnedHost(const SpillKey& key,
+                             std::shared_ptr<const SpilledSequence> data) override;
 
   // OK, or why the disk tier is unavailable (FAILED_PRECONDITION naming the directory).
   const absl::Status& disk_status() const { return disk_status_; }
@@ -89,6 +91,8 @@ class TierManager final : public SequenceTiers {
   absl::flat_hash_set<SpillKey> deleted_ ABSL_GUARDED_BY(mu_);
   int64_t demoted_to_disk_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t deleted_from_disk_ ABSL_GUARDED_BY(mu_) = 0;
+  // Host entries of live sequences (PutPinnedHost): never demoted, not listed.
+  absl::flat_hash_set<SpillKey> pinned_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvs::storage

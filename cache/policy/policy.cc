@@ -13,6 +13,7 @@
 #include "cache/policy/d2o.h"
 #include "cache/policy/h2o.h"
 #include "cache/policy/keydiff.h"
+#include "cache/policy/omnikv.h"
 #include "cache/policy/snapkv.h"
 #include "cache/policy/streaming_llm.h"
 #include "cache/policy/tova.h"
@@ -52,7 +53,7 @@ const Entry kRegistry[] = {
     {kPolicyCake, &ResolveCakeConfig, &MakeCakePolicy},
     {kPolicyD2o, &ResolveD2oConfig, &MakeD2oPolicy},
     {kPolicyCaote, &ResolveCaoteConfig, &MakeCaotePolicy},
-    {kPolicyOmniKv, nullptr, nullptr},
+    {kPolicyOmniKv, &ResolveOmniKvConfig, &MakeOmniKvPolicy},
 };
 
 // The layer allocator's part of a policy config, shared by every policy.

@@ -99,6 +99,22 @@ struct CaoteConfig {
   CakeConfig cake;
 };
 
+enum class OmniKvSelector { kLast, kSoftmaxBeforeLast, kUniform, kExp };
+
+// OmniKV (omnikv.md): never evicts; at each decode step the filter layers choose top-k prompt
+// tokens (one index set per filter layer) that the sparse layers of its segment attend to.
+struct OmniKvConfig {
+  std::vector<int32_t> filter_layers;  // ascending, distinct, >= 0; required
+  int32_t wait_layers = 1;             // w
+  int32_t selected_tokens = 0;         // k; 0 = floor(selected_fraction * N)
+  float selected_fraction = 0.067f;
+  OmniKvSelector selector = OmniKvSelector::kLast;
+  int32_t window = 16;  // W for uniform / exp
+  // Keep the sparse layers' prompt K/V in the host tier (freeing their arena blocks); false =
+  // everything stays in the arena and Select gathers arena -> staging.
+  bool offload = false;
+};
+
 enum class LayerAllocatorKind { kDefault, kUniform, kPyramidKv, kD2o, kCake };
 
 // How a sequence budget is split across layers. kDefault = the policy's own (D2O -> kD2o,
@@ -121,6 +137,7 @@ struct PolicyConfig {
   CakeConfig cake;
   D2oConfig d2o;
   CaoteConfig caote;
+  OmniKvConfig omnikv;
   AllocatorConfig allocator;
 };
 

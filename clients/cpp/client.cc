@@ -692,6 +692,12 @@ absl::StatusOr<v1::SelectResponse> Session::Select(v1::SelectRequest request) {
   return Unary(stub_.get(), &v1::Sidecar::Stub::Select, request, options_.rpc_timeout);
 }
 
+absl::StatusOr<v1::GetRetainedResponse> Session::GetRetained(v1::GetRetainedRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  request.set_session_id(session_id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::GetRetained, request, options_.rpc_timeout);
+}
+
 absl::StatusOr<v1::SpillResponse> Session::Spill(v1::SpillRequest request) {
   KVS_RETURN_IF_ERROR(CheckAttached());
   request.set_session_id(session_id());
@@ -784,6 +790,14 @@ absl::StatusOr<v1::ListSequencesResponse> AdminClient::ListSequences(const std::
   request.set_session_id(session_id);
   request.set_tenant(tenant);
   return Unary(stub_.get(), &v1::Admin::Stub::ListSequences, request, options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::ListSpilledResponse> AdminClient::ListSpilled(const std::string& tenant,
+                                                                 const std::string& session_id) {
+  v1::ListSpilledRequest request;
+  request.set_tenant(tenant);
+  request.set_session_id(session_id);
+  return Unary(stub_.get(), &v1::Admin::Stub::ListSpilled, request, options_.rpc_timeout);
 }
 
 absl::StatusOr<v1::GetStatsResponse> AdminClient::GetStats() {

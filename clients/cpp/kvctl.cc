@@ -69,6 +69,9 @@ Commands:
   list sequences [--tenant=T] [--session=S]
                                   one line per sequence
   list quotas [--tenant=T]        tenants with a quota or sessions: quota and usage
+  list spilled [--tenant=T] [--session=S]
+                                  spilled copies in the host and disk tiers, those of ended
+                                  sessions and earlier runs (ATTACHED no) and lost ones included
   show session ID                 one session and its sequences
   show sequence ID [--session=S]  one sequence (--session when the id is used in several sessions)
   set budget N [--strict] [--prefill-block=N] [--per-layer=N1,N2,...] [--rebudget-tenant=T]
@@ -797,7 +800,9 @@ Result Status(const CommandLine& line, Admin& admin) {
 }
 
 Result List(const CommandLine& line, Admin& admin) {
-  if (line.args.size() < 2) throw UsageError("usage: kvctl list sessions|sequences|quotas");
+  if (line.args.size() < 2) {
+    throw UsageError("usage: kvctl list sessions|sequences|quotas|spilled");
+  }
   Output out;
   if (line.args[1] == "sessions") {
     AllowFlags(line, "list sessions", {"tenant"});
@@ -839,8 +844,26 @@ Result List(const CommandLine& line, Admin& admin) {
     out.json = ToJson(response);
     return out;
   }
+  if (line.args[1] == "spilled") {
+    AllowFlags(line, "list spilled", {"tenant", "session"});
+    ExpectArgs(line, 2, "list spilled [--tenant=T] [--session=S]");
+    v1::ListSpilledRequest request;
+    request.set_tenant(line.Get("tenant"));
+    request.set_session_id(line.Get("session"));
+    v1::ListSpilledResponse response;
+    KVCTL_CALL(admin, ListSpilled, request, &response);
+    Table table({"SESSION", "SEQUENCE", "TENANT", "TIER", "BYTES", "SPILLED", "ATTACHED", "LOST"});
+    for (const v1::SpilledCopy& copy : response.copies()) {
+      table.Add({copy.session_id(), copy.sequence_id(), copy.tenant(), TierName(copy.tier()),
+                 HumanBytes(copy.bytes()), Age(copy.spilled_unix_ms()),
+                 copy.session_attached() ? "yes" : "no", copy.lost().empty() ? "-" : copy.lost()});
+    }
+    out.text = table.Render();
+    out.json = ToJson(response);
+    return out;
+  }
   throw UsageError(
-      absl::StrCat("cannot list '", line.args[1], "': use sessions, sequences or quotas"));
+      absl::StrCat("cannot list '", line.args[1], "': use sessions, sequences, quotas or spilled"));
 }
 
 std::string SequenceDetail(const v1::SequenceInfo& s) {

@@ -42,6 +42,11 @@ struct ModelLayout {
     return ((static_cast<uint64_t>(kv) * num_kv_heads + head) * block_tokens + in_block) *
            row_bytes();
   }
+  // Byte offset in the arena of (kv, head, slot) of a layer whose block table is `blocks`.
+  uint64_t SlotRowOffset(const int32_t* blocks, int kv, int head, int64_t slot) const {
+    return static_cast<uint64_t>(blocks[slot / block_tokens]) * block_bytes() +
+           RowOffsetInBlock(kv, head, static_cast<int>(slot % block_tokens));
+  }
   // Bytes of one token of one layer (K and V, all heads).
   uint64_t token_bytes() const { return 2ull * num_kv_heads * row_bytes(); }
 

@@ -765,4 +765,124 @@ absl::Status RunAttentionProbs(absl::Span<const AttentionJob> jobs, ThreadPool& 
   return RunAttentionProbsWithIsa(jobs, pool, /*allow_avx2=*/true);
 }
 
+namespace {
+
+constexpr int64_t kLogitChunkSlots = 512;
+
+void LogitsChunkScalar(const AttentionJob& job, int64_t head, int64_t begin, int64_t end) {
+  const PagedLayerView& keys = job.keys;
+  const int64_t dim = keys.head_dim;
+  const int64_t group = job.num_q_heads / keys.num_kv_heads;
+  const int64_t count = keys.count;
+  const int32_t* key_positions = job.key_positions + head * count;
+  std::vector<float> row(dim);
+  for (int64_t s = begin; s < end; ++s) {
+    const uint8_t* key = PagedRow(keys, head, s);
+    for (int64_t d = 0; d < dim; ++d) row[d] = LoadAsFloat(key, keys.dtype, d);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t q = head * group + g;
+      for (int64_t i = 0; i < job.num_queries; ++i) {
+        float* out = job.probs + (q * job.num_queries + i) * count;
+        if (key_positions[s] > job.query_positions[i]) {
+          out[s] = kNegInf;
+          continue;
+        }
+        const float* query = job.queries + (q * job.num_queries + i) * dim;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < dim; ++d) dot += query[d] * row[d];
+        out[s] = job.scale * dot;
+      }
+    }
+  }
+}
+
+template <DType kType>
+KVS_AVX2 void LogitsChunkAvx2(const AttentionJob& job, int64_t head, int64_t begin, int64_t end) {
+  const PagedLayerView& keys = job.keys;
+  const int64_t dim = keys.head_dim;
+  const int64_t group = job.num_q_heads / keys.num_kv_heads;
+  const int64_t rows = group * job.num_queries;  // contiguous query rows of this kv head
+  const int64_t count = keys.count;
+  const int32_t* key_positions = job.key_positions + head * count;
+  const float* queries = job.queries + head * rows * dim;
+  float* out = job.probs + head * rows * count;
+  const int64_t element_bytes = DTypeBytes(kType);
+  for (int64_t s = begin; s < end; ++s) {
+    const uint8_t* key = PagedRow(keys, head, s);
+    int64_t r = 0;
+    // Four query rows per pass over the key row: the row is converted once per pass and stays in
+    // registers' reach (L1) for the next pass.
+    for (; r + 4 <= rows; r += 4) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+             a3 = _mm256_setzero_ps();
+      const float* q0 = queries + r * dim;
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 k = avx2::Load8<kType>(key + d * element_bytes);
+        a0 = _mm256_fmadd_ps(k, _mm256_loadu_ps(q0 + d), a0);
+        a1 = _mm256_fmadd_ps(k, _mm256_loadu_ps(q0 + dim + d), a1);
+        a2 = _mm256_fmadd_ps(k, _mm256_loadu_ps(q0 + 2 * dim + d), a2);
+        a3 = _mm256_fmadd_ps(k, _mm256_loadu_ps(q0 + 3 * dim + d), a3);
+      }
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, avx2::HorizontalSum4(a0, a1, a2, a3));
+      for (int64_t j = 0; j < 4; ++j) out[(r + j) * count + s] = job.scale * sums[j];
+    }
+    for (; r < rows; ++r) {
+      __m256 a = _mm256_setzero_ps();
+      const float* q = queries + r * dim;
+      for (int64_t d = 0; d < dim; d += 8) {
+        a = _mm256_fmadd_ps(avx2::Load8<kType>(key + d * element_bytes), _mm256_loadu_ps(q + d), a);
+      }
+      out[r * count + s] = job.scale * avx2::HorizontalSum(a);
+    }
+    for (int64_t r2 = 0; r2 < rows; ++r2) {
+      if (key_positions[s] > job.query_positions[r2 % job.num_queries]) {
+        out[r2 * count + s] = kNegInf;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status RunAttentionLogits(absl::Span<const AttentionJob> jobs, ThreadPool& pool,
+                                bool allow_avx2) {
+  std::vector<int64_t> first_task(jobs.size() + 1, 0);
+  uint64_t macs = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (auto status = ValidateAttentionJob(jobs[i], i); !status.ok()) return status;
+    const AttentionJob& job = jobs[i];
+    const int64_t chunks = (job.keys.count + kLogitChunkSlots - 1) / kLogitChunkSlots;
+    first_task[i + 1] = first_task[i] + chunks * job.keys.num_kv_heads;
+    macs += static_cast<uint64_t>(job.num_q_heads) * job.num_queries * job.keys.count *
+            job.keys.head_dim;
+  }
+  const bool avx2 = allow_avx2 && CpuSupportsAvx2();
+  pool.ParallelFor(
+      first_task.back(),
+      [&](int64_t task) {
+        const size_t index =
+            std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+        const AttentionJob& job = jobs[index];
+        const int64_t chunks = (job.keys.count + kLogitChunkSlots - 1) / kLogitChunkSlots;
+        const int64_t local = task - first_task[index];
+        const int64_t head = local / chunks;
+        const int64_t begin = (local % chunks) * kLogitChunkSlots;
+        const int64_t end = std::min<int64_t>(job.keys.count, begin + kLogitChunkSlots);
+        if (avx2 && job.keys.head_dim % 8 == 0) {
+          switch (job.keys.dtype) {
+            case DType::kFloat16:
+              return LogitsChunkAvx2<DType::kFloat16>(job, head, begin, end);
+            case DType::kBFloat16:
+              return LogitsChunkAvx2<DType::kBFloat16>(job, head, begin, end);
+            case DType::kFloat32:
+              return LogitsChunkAvx2<DType::kFloat32>(job, head, begin, end);
+          }
+        }
+        LogitsChunkScalar(job, head, begin, end);
+      },
+      macs >= kParallelMinMacs ? 0 : 1);
+  return absl::OkStatus();
+}
+
 }  // namespace kvs

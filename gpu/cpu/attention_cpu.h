@@ -25,6 +25,12 @@ namespace kvs {
 // then computes them all.
 absl::Status RunAttentionProbs(absl::Span<const AttentionJob> jobs, ThreadPool& pool);
 
+// Backend::AttentionLogits: the scaled logits (-inf where masked), validated like
+// RunAttentionProbs. One task per (job, kv head, chunk of slots); each key row is converted once
+// and dotted with every query row of its GQA group. `allow_avx2` false forces the scalar code.
+absl::Status RunAttentionLogits(absl::Span<const AttentionJob> jobs, ThreadPool& pool,
+                                bool allow_avx2 = true);
+
 // Test hook: the same with the AVX2/FMA kernels allowed or not (false = the portable scalar code,
 // which RunAttentionProbs also uses on CPUs without AVX2/FMA/F16C or when head_dim % 8 != 0).
 absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, ThreadPool& pool,

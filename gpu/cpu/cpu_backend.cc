@@ -128,6 +128,45 @@ class CpuBackend final : public Backend {
   absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream) override {
     return RunAttentionProbs(jobs, pool_);
   }
+  absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream) override {
+    return RunAttentionLogits(jobs, pool_);
+  }
+
+  absl::Status CopyHostRows(absl::Span<const HostRowCopyJob> jobs, Stream) override {
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const HostRowCopyJob& job = jobs[i];
+      if (job.count < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("host row copy job ", i, ": count must be >= 0, got ", job.count));
+      }
+      if (job.count > 0 && job.row_bytes > 0 &&
+          (job.arena == nullptr || job.host == nullptr || job.arena_offsets == nullptr ||
+           job.host_offsets == nullptr)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("host row copy job ", i, ": null arena, host or offsets"));
+      }
+      bytes += static_cast<uint64_t>(job.count) * job.row_bytes;
+    }
+    if (bytes == 0) return absl::OkStatus();
+    pool_.ParallelFor(
+        static_cast<int64_t>(jobs.size()),
+        [&](int64_t i) {
+          const HostRowCopyJob& job = jobs[i];
+          for (int64_t r = 0; r < job.count; ++r) {
+            uint8_t* arena_row = job.arena + job.arena_offsets[r];
+            uint8_t* host_row = job.host + job.host_offsets[r];
+            if (job.to_host) {
+              std::memcpy(host_row, arena_row, job.row_bytes);
+            } else {
+              std::memcpy(arena_row, host_row, job.row_bytes);
+            }
+          }
+        },
+        bytes < kParallelCopyMinBytes ? 1 : 0);
+    return absl::OkStatus();
+  }
+
   absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream) override {
     return RunCaoteScores(jobs, pool_);
   }

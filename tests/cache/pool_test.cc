@@ -277,9 +277,10 @@ TEST_F(PoolTest, CreateSequenceIds) {
 
 TEST_F(PoolTest, CreateSequencePolicyAndBudgetValidation) {
   SequenceParams params;
-  params.retain_evicted = true;
-  EXPECT_THAT(pool_.pool.CreateSequence(session_, params).status(),
-              StatusIs(absl::StatusCode::kUnimplemented, "retain_evicted"));
+  params.retain_evicted = true;  // this pool has no tiers
+  EXPECT_THAT(
+      pool_.pool.CreateSequence(session_, params).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition, "retain_evicted needs the host tier"));
   params.retain_evicted = false;
   PolicyConfig unknown;
   unknown.name = "fifo";
@@ -287,9 +288,9 @@ TEST_F(PoolTest, CreateSequencePolicyAndBudgetValidation) {
   EXPECT_THAT(pool_.pool.CreateSequence(session_, params).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, "policy.name"));
   params.policy = PolicyConfig{};
-  params.policy->name = "omnikv";  // a contract policy of a later build
-  EXPECT_EQ(pool_.pool.CreateSequence(session_, params).status().code(),
-            absl::StatusCode::kUnimplemented);
+  params.policy->name = "omnikv";  // no default filter layers for a 2-layer model
+  EXPECT_THAT(pool_.pool.CreateSequence(session_, params).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "policy.omnikv.filter_layers"));
   params.policy = KeyDiff(KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kCosine, 2.0f);
   EXPECT_THAT(pool_.pool.CreateSequence(session_, params).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, "policy.keydiff.recent_fraction"));
@@ -413,8 +414,8 @@ TEST_F(PoolTest, ReservationStateErrorsChangeNothing) {
   CompressParams bad_policy;
   bad_policy.policy = PolicyConfig{};
   bad_policy.policy->name = "omnikv";
-  EXPECT_EQ(pool_.pool.Compress(session_, seq_, bad_policy).status().code(),
-            absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(pool_.pool.Compress(session_, seq_, bad_policy).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "omnikv is chosen when a sequence"));
   EXPECT_TRUE(Snap(pool_, session_, seq_) == committed);
 }
 

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -329,6 +330,82 @@ TEST(SpillRestoreTest, DiskCopiesOutliveTheSessionAndThePool) {
   EXPECT_EQ(adopted->tier, StorageTier::kDisk);
   ExpectSame(before, Observe(pool, session, "disk", layout, true));
   EXPECT_TRUE(pool.ListSpilled().empty());
+}
+
+// Restore checks the tenant's arena quota before anything moves: RESOURCE_EXHAUSTED naming the
+// quota, and the copy stays where it was (restorable once the quota allows).
+TEST(SpillRestoreTest, RestoreChecksTheTenantArenaQuota) {
+  TempDir dir;
+  TieredPool tiered(dir.path());
+  KvPool& pool = tiered.pool();
+  const ModelLayout layout = MakeLayout(2, 2, 32, DType::kFloat16, 16);
+  const std::string session = tiered.test_pool.Attach(layout, 64);
+  tiered.test_pool.Create(session, Named(kPolicyH2o), Budget(0), "big");
+  tiered.test_pool.Create(session, Named(kPolicyH2o), Budget(0), "small");
+  ASSERT_TRUE(Append(pool, session, "big", 160, layout, HashValue).ok());  // 10 blocks a layer
+  ASSERT_TRUE(Append(pool, session, "small", 16, layout, HashValue).ok());
+  const Observed before = Observe(pool, session, "big", layout, false);
+  ASSERT_TRUE(pool.Spill(session, "big", StorageTier::kDisk).ok());
+  // Room for what "small" holds and a little more, not for "big" again.
+  TenantQuota quota;
+  quota.arena_bytes = 8 * layout.block_bytes();
+  pool.SetTenantQuota("default", quota);
+  absl::Status refused = pool.Restore(session, "big").status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("arena_bytes"), std::string::npos) << refused;
+  std::optional<SpilledInfo> copy = tiered.tiers->Find({"default", session, "big"});
+  ASSERT_TRUE(copy.has_value()) << "the copy stays";
+  EXPECT_EQ(copy->tier, StorageTier::kDisk);
+  // Adoption by another session is held to the same quota.
+  const std::string adopter = tiered.test_pool.Attach(layout, 64);
+  ASSERT_TRUE(pool.Detach(session).ok());
+  refused = pool.Restore(adopter, "big", session).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  ASSERT_TRUE(tiered.tiers->Find({"default", session, "big"}).has_value());
+  // Once the quota allows it, the same copy comes back intact.
+  pool.SetTenantQuota("default", TenantQuota{});
+  absl::StatusOr<SpillResult> restored = pool.Restore(adopter, "big", session);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  ExpectSame(before, Observe(pool, adopter, "big", layout, false));
+}
+
+// Two sessions adopting the same copy at the same time: exactly one gets the sequence, the other
+// a clear error (ABORTED while the first restores, NOT_FOUND after it erased the copy), never a
+// second copy of the sequence.
+TEST(SpillRestoreTest, ConcurrentAdoptionsOfOneCopyRestoreItOnce) {
+  TempDir dir;
+  TieredPool tiered(dir.path());
+  KvPool& pool = tiered.pool();
+  const ModelLayout layout = MakeLayout(4, 2, 64, DType::kFloat32, 16);
+  for (int round = 0; round < 8; ++round) {
+    // A disk copy (a detached session's host copies are dropped), large enough that the two
+    // restores overlap in most rounds.
+    const std::string owner = tiered.test_pool.Attach(layout, 600);
+    tiered.test_pool.Create(owner, Named(kPolicyH2o), Budget(0), "shared");
+    ASSERT_TRUE(Append(pool, owner, "shared", 2000, layout, HashValue).ok());
+    ASSERT_TRUE(pool.Spill(owner, "shared", StorageTier::kDisk).ok());
+    ASSERT_TRUE(pool.Detach(owner).ok());
+    const std::string a = tiered.test_pool.Attach(layout, 600);
+    const std::string b = tiered.test_pool.Attach(layout, 600);
+    absl::Status status_a, status_b;
+    std::thread thread_a([&] { status_a = pool.Restore(a, "shared", owner).status(); });
+    std::thread thread_b([&] { status_b = pool.Restore(b, "shared", owner).status(); });
+    thread_a.join();
+    thread_b.join();
+    ASSERT_NE(status_a.ok(), status_b.ok()) << status_a << " / " << status_b;
+    const absl::Status& loser = status_a.ok() ? status_b : status_a;
+    EXPECT_TRUE(loser.code() == absl::StatusCode::kAborted ||
+                loser.code() == absl::StatusCode::kNotFound)
+        << loser;
+    const std::string& winner = status_a.ok() ? a : b;
+    const std::string& other = status_a.ok() ? b : a;
+    EXPECT_TRUE(pool.GetLayout(winner, "shared", {}, false).ok());
+    EXPECT_EQ(pool.GetLayout(other, "shared", {}, false).status().code(),
+              absl::StatusCode::kNotFound);
+    EXPECT_FALSE(tiered.tiers->Find({"default", owner, "shared"}).has_value());
+    ASSERT_TRUE(pool.Detach(a).ok());
+    ASSERT_TRUE(pool.Detach(b).ok());
+  }
 }
 
 // PoolOptions::spill_on_pressure: a Reserve that finds the arena full demotes the least recently

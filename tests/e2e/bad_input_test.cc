@@ -188,8 +188,8 @@ TEST_F(BadInputTest, CreateSequenceRejectsBadBudgetsAndPolicies) {
               "policy.name");
   v1::PolicySpec omnikv;
   omnikv.set_name("omnikv");
-  EXPECT_CODE(session_->CreateSequence(omnikv, MakeBudget(8), "b5").status(), kUnimplemented,
-              "omnikv");
+  EXPECT_CODE(session_->CreateSequence(omnikv, MakeBudget(8), "b5").status(), kInvalidArgument,
+              "policy.omnikv.filter_layers is required");
   v1::PolicySpec keydiff = KeyDiffPolicy();
   keydiff.mutable_keydiff()->set_recent_fraction(1.5f);
   EXPECT_CODE(session_->CreateSequence(keydiff, MakeBudget(8), "b6").status(), kInvalidArgument,
@@ -202,7 +202,8 @@ TEST_F(BadInputTest, CreateSequenceRejectsBadBudgetsAndPolicies) {
               kInvalidArgument, "sequence_id");
   v1::CreateSequenceRequest retain;
   retain.set_retain_evicted(true);
-  EXPECT_CODE(session_->CreateSequence(retain).status(), kUnimplemented, "retain_evicted");
+  retain.mutable_policy()->set_name("omnikv");
+  EXPECT_CODE(session_->CreateSequence(retain).status(), kInvalidArgument, "retain_evicted");
   // None of them was created.
   for (const char* id : {"b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7"}) {
     EXPECT_EQ(session_->GetLayout(id).status().code(), absl::StatusCode::kNotFound) << id;
@@ -434,15 +435,16 @@ TEST_F(BadInputTest, BatchCallsAreAllOrNothing) {
   EXPECT_THAT(verified->counts, Each(2));
 }
 
-TEST_F(BadInputTest, CallsOfLaterIssuesAreUnimplemented) {
-  // DecodeStep and Score exist: a malformed item names itself; Select waits for OmniKV.
+TEST_F(BadInputTest, DecodeSelectAndTierCallsNameTheBadField) {
+  // DecodeStep, Score and Select exist: a malformed item names itself.
   v1::DecodeStepRequest decode;
   decode.add_items()->set_sequence_id("target");
   decode.mutable_items(0)->set_inline_kv("short");
   EXPECT_CODE(session_->DecodeStep(decode).status(), kInvalidArgument, "items[0]");
   v1::SelectRequest select;
   select.add_items()->set_sequence_id("target");
-  EXPECT_EQ(session_->Select(select).status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_CODE(session_->Select(select).status(), kInvalidArgument,
+              "items[0].attention is required");
   // Spill/Restore exist (tests/e2e/spill_test.cc): bad inputs name their field.
   v1::SpillRequest spill;
   spill.set_sequence_id("target");

@@ -309,6 +309,45 @@ TEST_F(KvctlTest, ReleaseSequenceAndSessionByForce) {
             "NOT_FOUND");
 }
 
+TEST_F(KvctlTest, ListSpilledShowsCopiesOfLiveAndEndedSessions) {
+  auto session = Attach("spiller");
+  ASSERT_NE(session, nullptr);
+  ASSERT_TRUE(session->CreateSequence(KeyDiffPolicy(), std::nullopt, "cold").ok());
+  ASSERT_TRUE(WriteTokens(*session, "cold", 40, 3).ok());
+  v1::SpillRequest spill;
+  spill.set_sequence_id("cold");
+  spill.set_target(v1::TIER_DISK);
+  ASSERT_TRUE(session->Spill(spill).ok());
+
+  KvctlRun run = Kvctl({"list", "spilled", "--tenant=spiller", "--json"});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  auto listed = ParseJsonAs<v1::ListSpilledResponse>(run.out);
+  ASSERT_EQ(listed.copies_size(), 1) << run.out;
+  EXPECT_EQ(listed.copies(0).sequence_id(), "cold");
+  EXPECT_EQ(listed.copies(0).session_id(), session->session_id());
+  EXPECT_EQ(listed.copies(0).tier(), v1::TIER_DISK);
+  EXPECT_TRUE(listed.copies(0).session_attached());
+  EXPECT_GT(listed.copies(0).bytes(), 0u);
+  run = Kvctl({"list", "spilled", "--session=" + session->session_id()});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  EXPECT_THAT(run.out, HasSubstr("ATTACHED"));
+  EXPECT_THAT(run.out, HasSubstr("cold"));
+
+  // The session ends: its disk copy stays, listed as an orphan another session can adopt.
+  ASSERT_EQ(Kvctl({"release", "session", session->session_id()}).exit_code, 0);
+  run = Kvctl({"list", "spilled", "--tenant=spiller", "--json"});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  listed = ParseJsonAs<v1::ListSpilledResponse>(run.out);
+  ASSERT_EQ(listed.copies_size(), 1) << run.out;
+  EXPECT_FALSE(listed.copies(0).session_attached());
+  EXPECT_TRUE(listed.copies(0).lost().empty());
+  run = Kvctl({"list", "spilled", "--tenant=nobody"});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  EXPECT_THAT(run.out, ::testing::Not(HasSubstr("cold")));
+  run = Kvctl({"list", "spilled", "extra"});
+  EXPECT_EQ(run.exit_code, 2) << run;
+}
+
 TEST_F(KvctlTest, ConfigPrintsTheEffectiveConfiguration) {
   auto config = admin_->GetConfig();
   ASSERT_TRUE(config.ok()) << config.status();

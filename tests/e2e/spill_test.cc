@@ -2,7 +2,9 @@
 // and through Export), automatic restore, restart on the same data directory with adoption into
 // a new session, SIGKILL in the middle of spills (every sequence afterwards either restores
 // bit-identical or is reported missing/lost, never served corrupted), and the faults: unknown
-// sequence, bad target, full host tier, unopenable disk tier (the server keeps serving).
+// sequence, bad target, full host tier, unopenable disk tier (the server keeps serving); and
+// Admin.ListSpilled over live, orphaned and lost copies.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -221,6 +223,169 @@ TEST(SpillE2eTest, RestartReadoptsDiskCopies) {
   }
   // Host copies do not survive a restart.
   EXPECT_EQ(Restore(*session, "seq2", old_session).status().code(), absl::StatusCode::kNotFound);
+}
+
+// The layer files of the disk tier under `data_dir`, oldest generation first (spill order).
+std::vector<std::string> LayerFiles(const std::string& data_dir) {
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(data_dir + "/rocksdb/kvs-layers")) {
+    if (entry.path().extension() == ".kvl") files.push_back(entry.path().string());
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+const v1::SpilledCopy* FindCopy(const v1::ListSpilledResponse& listed, const std::string& seq) {
+  for (const v1::SpilledCopy& copy : listed.copies()) {
+    if (copy.sequence_id() == seq) return &copy;
+  }
+  return nullptr;
+}
+
+// Admin.ListSpilled: live copies, then after a restart the orphans of the ended session, a copy
+// whose layer file was cut short (lost at start) and one corrupted while the server ran (lost on
+// the Restore that found it); filters and bad input.
+TEST(SpillE2eTest, AdminListsOrphanedAndLostCopies) {
+  const ScopedDir scoped;
+  const std::string& dir = scoped.path;
+  ASSERT_FALSE(dir.empty());
+  ServerProcess::Options options;
+  options.extra_args = {"--data_dir=" + dir + "/data"};
+  const v1::ModelLayout layout = MakeLayout(4, 2, 4, 64, v1::DTYPE_BFLOAT16);
+  std::string old_session;
+  const int64_t start_ms = absl::ToUnixMillis(absl::Now());
+  {
+    auto server = ServerProcess::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    auto client = (*server)->Connect();
+    ASSERT_TRUE(client.ok());
+    auto admin = (*server)->ConnectAdmin();
+    ASSERT_TRUE(admin.ok());
+    auto session = Attach(**client, layout, 256);
+    ASSERT_NE(session, nullptr);
+    old_session = session->session_id();
+    for (int i = 0; i < 3; ++i) {
+      const std::string id = "seq" + std::to_string(i);
+      MakeSequence(*session, id, 100 + 20 * i, 200, 300 + i);
+      ASSERT_TRUE(Spill(*session, id, i == 2 ? v1::TIER_HOST : v1::TIER_DISK).ok());
+    }
+    auto listed = (*admin)->ListSpilled();
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    ASSERT_EQ(listed->copies_size(), 3) << listed->DebugString();
+    for (const v1::SpilledCopy& copy : listed->copies()) {
+      EXPECT_EQ(copy.tenant(), kTenant);
+      EXPECT_EQ(copy.session_id(), old_session);
+      EXPECT_TRUE(copy.session_attached());
+      EXPECT_TRUE(copy.lost().empty());
+      EXPECT_GT(copy.bytes(), 100u * 4 * 2 * 2 * 64 * 2);  // at least its K/V bytes
+      EXPECT_GE(copy.spilled_unix_ms(), start_ms);
+    }
+    EXPECT_EQ(FindCopy(*listed, "seq0")->tier(), v1::TIER_DISK);
+    EXPECT_EQ(FindCopy(*listed, "seq2")->tier(), v1::TIER_HOST);
+    EXPECT_EQ((*admin)->ListSpilled("other-tenant")->copies_size(), 0);
+    EXPECT_EQ((*admin)->ListSpilled(kTenant, old_session)->copies_size(), 3);
+    EXPECT_EQ((*admin)->ListSpilled("", "no-such-session")->copies_size(), 0);
+    EXPECT_EQ((*admin)->ListSpilled("bad\x01tenant").status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ((*server)->process().Stop(SIGTERM, absl::Seconds(20)), 0);
+  }
+  // Cut seq1's layer file short while the server is down.
+  std::vector<std::string> files = LayerFiles(dir + "/data");
+  ASSERT_EQ(files.size(), 2u);
+  std::filesystem::resize_file(files[1], 1000);
+  auto server = ServerProcess::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = (*server)->Connect();
+  ASSERT_TRUE(client.ok());
+  auto admin = (*server)->ConnectAdmin();
+  ASSERT_TRUE(admin.ok());
+  auto listed = (*admin)->ListSpilled();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->copies_size(), 2)
+      << "the host copy does not survive a restart; " << listed->DebugString();
+  const v1::SpilledCopy* orphan = FindCopy(*listed, "seq0");
+  ASSERT_NE(orphan, nullptr);
+  EXPECT_EQ(orphan->session_id(), old_session);
+  EXPECT_FALSE(orphan->session_attached()) << "its session ended with the old server";
+  EXPECT_EQ(orphan->tier(), v1::TIER_DISK);
+  EXPECT_TRUE(orphan->lost().empty()) << orphan->lost();
+  const v1::SpilledCopy* cut = FindCopy(*listed, "seq1");
+  ASSERT_NE(cut, nullptr);
+  EXPECT_THAT(cut->lost(), HasSubstr("has 1000 bytes")) << cut->lost();
+  auto session = Attach(**client, layout, 256);
+  ASSERT_NE(session, nullptr);
+  EXPECT_EQ(Restore(*session, "seq1", old_session).status().code(), absl::StatusCode::kDataLoss);
+  // Corrupt seq0's layer file under the running server: its adoption finds it and refuses it.
+  {
+    std::fstream file(files[0], std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(file.good());
+    file.seekg(500);
+    char c = 0;
+    file.get(c);
+    file.seekp(500);
+    file.put(static_cast<char>(c ^ 0x40));
+  }
+  auto refused = Restore(*session, "seq0", old_session);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << refused.status();
+  listed = (*admin)->ListSpilled();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_NE(FindCopy(*listed, "seq0"), nullptr);
+  EXPECT_THAT(FindCopy(*listed, "seq0")->lost(), HasSubstr("fails its checksum"));
+  // The server keeps serving: a fresh spill of the new session is listed as attached.
+  MakeSequence(*session, "fresh", 64, 200, 7);
+  ASSERT_TRUE(Spill(*session, "fresh", v1::TIER_DISK).ok());
+  listed = (*admin)->ListSpilled(kTenant, session->session_id());
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->copies_size(), 1);
+  EXPECT_TRUE(listed->copies(0).session_attached());
+  EXPECT_TRUE(listed->copies(0).lost().empty());
+}
+
+// --spill_on_pressure=true: a Reserve that finds the session's arena full spills the least
+// recently used other sequence to the host tier (listed by Admin.ListSpilled), and the next use
+// of that sequence restores it bit-identical. Without the flag the same Reserve is refused.
+TEST(SpillE2eTest, SpillOnPressureDemotesTheLeastRecentlyUsedSequence) {
+  const v1::ModelLayout layout = MakeLayout(4, 2, 4, 64, v1::DTYPE_BFLOAT16);
+  // 96 tokens = 6 blocks a layer = 24 blocks; the arena holds 40: not two such sequences.
+  for (const bool enabled : {false, true}) {
+    SCOPED_TRACE(enabled ? "--spill_on_pressure=true" : "default (off)");
+    ServerProcess::Options options;
+    if (enabled) options.extra_args = {"--spill_on_pressure=true"};
+    auto server = ServerProcess::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    auto client = (*server)->Connect();
+    ASSERT_TRUE(client.ok());
+    auto admin = (*server)->ConnectAdmin();
+    ASSERT_TRUE(admin.ok());
+    auto config = (*admin)->GetConfig();
+    ASSERT_TRUE(config.ok());
+    EXPECT_THAT(config->effective_config_yaml(),
+                HasSubstr(enabled ? "spill_on_pressure: true" : "spill_on_pressure: false"));
+    auto session = Attach(**client, layout, 40);
+    ASSERT_NE(session, nullptr);
+    MakeSequence(*session, "old", 96, 128, 41);
+    const Snapshot before = Take(*session, "old", 41);
+    ASSERT_TRUE(session->CreateSequence(KeyDiffPolicy(), MakeBudget(128), "new").ok());
+    auto written = WriteTokens(*session, "new", 96, 42);
+    if (!enabled) {
+      EXPECT_EQ(written.status().code(), absl::StatusCode::kResourceExhausted) << written.status();
+      EXPECT_TRUE((*admin)->ListSpilled()->copies().empty());
+      continue;
+    }
+    ASSERT_TRUE(written.ok()) << written.status();
+    auto listed = (*admin)->ListSpilled();
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    ASSERT_EQ(listed->copies_size(), 1) << listed->DebugString();
+    EXPECT_EQ(listed->copies(0).sequence_id(), "old");
+    EXPECT_EQ(listed->copies(0).tier(), v1::TIER_HOST);
+    EXPECT_TRUE(listed->copies(0).session_attached());
+    auto verified_new = VerifySequence(*session, "new", 42);
+    ASSERT_TRUE(verified_new.ok()) << verified_new.status();
+    // Make room, then use the spilled sequence: it comes back as it was.
+    ASSERT_TRUE(session->ReleaseSequence("new").ok());
+    ExpectSame(before, Take(*session, "old", 41));
+    EXPECT_TRUE((*admin)->ListSpilled()->copies().empty()) << "restored: the copy is gone";
+  }
 }
 
 TEST(SpillE2eTest, SigkillDuringSpillsNeverServesCorruptData) {

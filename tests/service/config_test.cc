@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "gmock/gmock.h"
+#include "gpu/backend_factory.h"
 #include "gtest/gtest.h"
 
 namespace kvs {
@@ -109,9 +110,18 @@ TEST(ConfigTest, Backends) {
   auto automatic = ChooseBackend("auto");
   ASSERT_TRUE(automatic.ok());
   EXPECT_EQ(automatic->name, "cpu");
-  EXPECT_THAT(automatic->reason, HasSubstr("no CUDA backend"));
-  EXPECT_STATUS(ChooseBackend("cuda").status(), kFailedPrecondition,
-                "this build has no CUDA backend");
+  if (!CudaBuilt()) {
+    EXPECT_THAT(automatic->reason, HasSubstr("no CUDA backend"));
+    EXPECT_STATUS(ChooseBackend("cuda").status(), kFailedPrecondition,
+                  "this build has no CUDA backend");
+  } else if (ProbeCuda().devices == 0) {
+    EXPECT_THAT(automatic->reason, HasSubstr("built with CUDA but no CUDA device is usable"));
+    EXPECT_STATUS(ChooseBackend("cuda").status(), kFailedPrecondition,
+                  "--backend=cuda: no CUDA device is usable on this host");
+  } else {  // the cache core is not device-aware yet: cuda is refused even with a device
+    EXPECT_THAT(automatic->reason, HasSubstr("not yet device-aware"));
+    EXPECT_STATUS(ChooseBackend("cuda").status(), kFailedPrecondition, "not yet device-aware");
+  }
   EXPECT_STATUS(ChooseBackend("gpu").status(), kInvalidArgument, "--backend must be cpu, auto");
 }
 
@@ -299,6 +309,25 @@ TEST(ConfigTest, SecretFiles) {
   const std::string shared = dir + "/shared.yaml";
   std::ofstream(shared) << "a: same\nb: same\n";
   EXPECT_STATUS(ReadTenantTokens(shared).status(), kInvalidArgument, "share a token");
+}
+
+TEST(ConfigTest, SpillOnPressure) {
+  SidecarConfig config;
+  EXPECT_FALSE(ToPoolOptions(config)->spill_on_pressure);
+  EXPECT_THAT(ConfigToYaml(config, BackendChoice{"cpu", "x"}),
+              HasSubstr("spill_on_pressure: false\n"));
+  ASSERT_TRUE(ApplyConfigYaml("spill_on_pressure: true\n", "test.yaml", &config).ok());
+  EXPECT_TRUE(config.spill_on_pressure);
+  EXPECT_TRUE(ToPoolOptions(config)->spill_on_pressure);
+  EXPECT_THAT(ConfigToYaml(config, BackendChoice{"cpu", "x"}),
+              HasSubstr("spill_on_pressure: true\n"));
+  const absl::Status bad =
+      SetConfigValue(&config, "spill_on_pressure", "yes", "--spill_on_pressure");
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("--spill_on_pressure"));
+  EXPECT_TRUE(config.spill_on_pressure) << "a refused value changes nothing";
+  ASSERT_TRUE(SetConfigValue(&config, "spill_on_pressure", "false", "--spill_on_pressure").ok());
+  EXPECT_FALSE(config.spill_on_pressure);
 }
 
 }  // namespace

@@ -212,18 +212,32 @@ TEST(ConvertPolicyTest, KeyDiffBadEnumsNameTheirField) {
                 "policy.keydiff.recent_fraction");
 }
 
-TEST(ConvertPolicyTest, OmniKvIsUnimplemented) {
+TEST(ConvertPolicyTest, OmniKvRoundTrip) {
   v1::PolicySpec spec;
   spec.set_name("omnikv");
+  spec.mutable_omnikv()->add_filter_layers(2);
+  spec.mutable_omnikv()->add_filter_layers(8);
   spec.mutable_omnikv()->set_wait_layers(2);
-  const absl::Status status = PolicyFromProto(spec, "requests[1].policy.").status();
-  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
-  EXPECT_THAT(std::string(status.message()),
-              StartsWith("requests[1].policy.name \"omnikv\" is not implemented"));
-  EXPECT_THAT(std::string(status.message()), HasSubstr("issue 4"));
+  spec.mutable_omnikv()->set_selected_tokens(64);
+  spec.mutable_omnikv()->set_selector(v1::OmniKvParams::SELECTOR_SOFTMAX_BEFORE_LAST);
+  spec.mutable_omnikv()->set_window(8);
+  spec.mutable_omnikv()->set_offload(true);
+  auto policy = PolicyFromProto(spec, "requests[1].policy.");
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  EXPECT_EQ((*policy)->omnikv.filter_layers, (std::vector<int32_t>{2, 8}));
+  EXPECT_EQ((*policy)->omnikv.selector, OmniKvSelector::kSoftmaxBeforeLast);
+  v1::PolicySpec back;
+  PolicyToProto(**policy, &back);
+  EXPECT_EQ(back.omnikv().SerializeAsString(), spec.omnikv().SerializeAsString());
+  spec.mutable_omnikv()->set_selector(static_cast<v1::OmniKvParams::Selector>(9));
+  EXPECT_STATUS(PolicyFromProto(spec, "requests[1].policy.").status(), kInvalidArgument,
+                "requests[1].policy.omnikv.selector");
+  // It cannot be a server default: it never evicts and its filter layers depend on the model.
+  EXPECT_STATUS(DefaultPolicyNamed("omnikv", "--default_policy").status(), kInvalidArgument,
+                "--default_policy");
 }
 
-// Every policy of the contract but omnikv converts; each round trip keeps every parameter.
+// Every policy of the contract converts; each round trip keeps every parameter.
 TEST(ConvertPolicyTest, H2oTovaRoundTrip) {
   v1::PolicySpec spec;
   spec.set_name("h2o");
@@ -519,8 +533,8 @@ TEST(ConvertPolicyTest, DefaultPolicyNamed) {
   ASSERT_TRUE(policy.ok());
   EXPECT_EQ(policy->name, "streaming_llm");
   EXPECT_EQ(policy->streaming_llm.n_sink, 4);  // resolved
-  EXPECT_STATUS(DefaultPolicyNamed("omnikv", "--default_policy").status(), kUnimplemented,
-                "--default_policy: name \"omnikv\"");
+  EXPECT_STATUS(DefaultPolicyNamed("omnikv", "--default_policy").status(), kInvalidArgument,
+                "--default_policy: omnikv cannot be the default policy");
   EXPECT_STATUS(DefaultPolicyNamed("lru", "--default_policy").status(), kInvalidArgument,
                 "--default_policy: name 'lru'");
   EXPECT_STATUS(DefaultPolicyNamed("", "--default_policy").status(), kInvalidArgument,
@@ -746,9 +760,8 @@ TEST(ConvertRequestTest, CreateSequence) {
   EXPECT_STATUS(SequenceParamsFromProto(bad, 1 << 20).status(), kInvalidArgument,
                 "budget.tokens_per_layer");
   bad = request;
-  bad.mutable_policy()->set_name("omnikv");
-  EXPECT_STATUS(SequenceParamsFromProto(bad, 1 << 20).status(), kUnimplemented,
-                "policy.name \"omnikv\"");
+  bad.mutable_policy()->set_name("omnikv");  // mapped here; the pool checks it against the model
+  EXPECT_TRUE(SequenceParamsFromProto(bad, 1 << 20).ok());
   bad = request;
   bad.mutable_policy()->set_name("tova");
   EXPECT_TRUE(SequenceParamsFromProto(bad, 1 << 20).ok());
@@ -758,7 +771,9 @@ TEST(ConvertRequestTest, CreateSequence) {
                 "budget.per_layer_tokens has 1 entries");
   bad = request;
   bad.set_retain_evicted(true);
-  EXPECT_STATUS(SequenceParamsFromProto(bad, 1 << 20).status(), kUnimplemented, "retain_evicted");
+  params = SequenceParamsFromProto(bad, 1 << 20);
+  ASSERT_TRUE(params.ok()) << params.status();
+  EXPECT_TRUE(params->retain_evicted);
   // An empty policy message present is still the server default.
   bad = request;
   bad.mutable_policy()->Clear();
@@ -873,9 +888,8 @@ TEST(ConvertRequestTest, Compress) {
   EXPECT_STATUS(CompressParamsFromProto(bad, Layout(), "requests[5].").status(), kInvalidArgument,
                 "requests[5].budget_tokens must be in [0, 16777216]");
   bad = request;
-  bad.mutable_policy()->set_name("omnikv");
-  EXPECT_STATUS(CompressParamsFromProto(bad, Layout()).status(), kUnimplemented,
-                "policy.name \"omnikv\"");
+  bad.mutable_policy()->set_name("omnikv");  // mapped here; the sequence refuses it
+  EXPECT_TRUE(CompressParamsFromProto(bad, Layout()).ok());
   bad = request;
   bad.mutable_policy()->mutable_keydiff()->set_anchor(static_cast<v1::KeyDiffParams::Anchor>(40));
   EXPECT_STATUS(CompressParamsFromProto(bad, Layout(), "requests[1].").status(), kInvalidArgument,

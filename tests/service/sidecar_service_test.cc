@@ -614,8 +614,8 @@ TEST_F(SidecarServiceTest, CreateSequenceResolvesPolicyAndBudget) {
 
   EXPECT_GRPC_ERROR(Create(attached.session_id(), &created, "req-1"), ALREADY_EXISTS, "req-1");
   policy.set_name("omnikv");
-  EXPECT_GRPC_ERROR(Create(attached.session_id(), &created, "", &policy), UNIMPLEMENTED,
-                    "policy.name \"omnikv\" is not implemented in this build");
+  EXPECT_GRPC_ERROR(Create(attached.session_id(), &created, "", &policy), INVALID_ARGUMENT,
+                    "policy.omnikv.filter_layers is required");
   policy.set_name("magic");
   EXPECT_GRPC_ERROR(Create(attached.session_id(), &created, "", &policy), INVALID_ARGUMENT,
                     "policy.name 'magic'");
@@ -633,8 +633,8 @@ TEST_F(SidecarServiceTest, CreateSequenceResolvesPolicyAndBudget) {
   v1::CreateSequenceRequest retain;
   retain.set_session_id(attached.session_id());
   retain.set_retain_evicted(true);
-  EXPECT_GRPC_ERROR(stub_->CreateSequence(Context().get(), retain, &created), UNIMPLEMENTED,
-                    "retain_evicted");
+  EXPECT_GRPC_ERROR(stub_->CreateSequence(Context().get(), retain, &created), FAILED_PRECONDITION,
+                    "retain_evicted needs the host tier");
   EXPECT_EQ(pool_->GetStats().sequences, 2);
 }
 
@@ -1380,8 +1380,8 @@ TEST_F(SidecarServiceTest, CompressStreamingLlmKeepsSinksAndRecent) {
                     "budget_tokens");
   request.set_budget_tokens(8);
   request.mutable_policy()->set_name("omnikv");
-  EXPECT_GRPC_ERROR(stub_->Compress(Context().get(), request, &response), UNIMPLEMENTED,
-                    "policy.name \"omnikv\"");
+  EXPECT_GRPC_ERROR(stub_->Compress(Context().get(), request, &response), INVALID_ARGUMENT,
+                    "omnikv is chosen when a sequence is created");
   request.clear_policy();
   request.set_sequence_id("ghost");
   EXPECT_GRPC_ERROR(stub_->Compress(Context().get(), request, &response), NOT_FOUND, "ghost");
@@ -1535,8 +1535,12 @@ TEST_F(SidecarServiceTest, OversizedResponsesAreRefusedBeforeTheyAreBuilt) {
 // ---- Not in this build --------------------------------------------------------------------------
 
 TEST_F(SidecarServiceTest, LaterCallsAreUnimplemented) {
+  // Select is served (tests/e2e/omnikv_test.cc); here only its request checks.
   v1::SelectResponse select;
-  EXPECT_GRPC_ERROR(stub_->Select(Context().get(), {}, &select), UNIMPLEMENTED, "OmniKV");
+  v1::SelectRequest select_request;
+  select_request.add_items()->set_sequence_id("s");
+  EXPECT_GRPC_ERROR(stub_->Select(Context().get(), select_request, &select), INVALID_ARGUMENT,
+                    "items[0].session_id");
   // This pool has no storage tiers (PoolOptions::tiers); the binary has them (e2e spill_test).
   v1::SpillRequest spill_request;
   spill_request.set_session_id("s");
@@ -1840,7 +1844,8 @@ TEST_F(SidecarServiceTest, ScoreRefusesBadInput) {
                     "budget_tokens");
   request.set_budget_tokens(4);
   request.mutable_policy()->set_name("omnikv");
-  EXPECT_GRPC_ERROR(stub_->Score(Context().get(), request, &response), UNIMPLEMENTED, "omnikv");
+  EXPECT_GRPC_ERROR(stub_->Score(Context().get(), request, &response), INVALID_ARGUMENT,
+                    "omnikv is chosen when a sequence is created");
   request.clear_policy();
   request.mutable_attention()->set_num_queries(1);
   request.mutable_attention()->set_queries_dtype(static_cast<v1::DType>(6));

@@ -1,7 +1,9 @@
-// The RocksDB tier against a real database in a temporary directory: round trips, reopening,
-// corruption injected through RocksDB itself, unfinished spills, capacity, open failures.
+// The disk tier against a real RocksDB and real layer files in a temporary directory: round
+// trips, reopening, corruption injected through RocksDB and into the files, unfinished spills,
+// capacity, open failures.
 #include "storage/rocksdb_tier.h"
 
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -108,6 +110,18 @@ TEST(RocksTierTest, RoundTripsReplaceEraseAndReopen) {
   EXPECT_EQ(tier->Find({"tenant-a", "session", "seq1"})->spilled, absl::FromUnixSeconds(50));
 }
 
+// Flips the byte at `offset` of `file`.
+void FlipByte(const std::string& file, uint64_t offset) {
+  std::fstream stream(file, std::ios::in | std::ios::out | std::ios::binary);
+  ASSERT_TRUE(stream.good()) << file;
+  stream.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  stream.get(c);
+  stream.seekp(static_cast<std::streamoff>(offset));
+  stream.put(static_cast<char>(c ^ 0x01));
+  ASSERT_TRUE(stream.good()) << file;
+}
+
 TEST(RocksTierTest, CorruptedDataRecordIsDataLossAndNeverServed) {
   TempDir dir;
   std::mt19937 gen(1);
@@ -116,30 +130,72 @@ TEST(RocksTierTest, CorruptedDataRecordIsDataLossAndNeverServed) {
   SpilledSequence bad_data;
   bad_data.meta = "meta";
   bad_data.layers = {std::string(5000, 'a'), std::string(300000, 'b')};
+  std::string bad_file;
   {
     std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
     ASSERT_TRUE(tier->Put(good, good_data, absl::Now()).ok());
     ASSERT_TRUE(tier->Put(bad, bad_data, absl::Now()).ok());
+    bad_file = tier->LayerFile(bad);
+    ASSERT_FALSE(bad_file.empty());
   }
-  // Flip one byte in the middle of layer 1 of `bad` (a blob-file value).
-  const std::string target = RocksTier::DataKey(bad, 2, 1);
-  EXPECT_EQ(1, EditRecords(dir.path(), 'D', [&](const std::string& key, std::string& value) {
-              if (key != target) return false;
-              value[value.size() / 2] ^= 0x01;
-              return true;
-            }));
+  // Flip one byte in the middle of layer 1 of `bad` (its layer file: layer 0, then layer 1).
+  FlipByte(bad_file, 5000 + 150000);
   std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+  ASSERT_TRUE(tier->Find(bad)->lost.empty()) << "Open checks sizes, not every byte";
+  const uint64_t used = tier->used_bytes();
   absl::Status status = tier->Get(bad).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
   EXPECT_NE(status.message().find("layer 1"), std::string::npos) << status;
+  // From then on it is listed as lost and counts for nothing.
+  std::optional<SpilledInfo> info = tier->Find(bad);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_NE(info->lost.find("layer 1 fails its checksum"), std::string::npos) << info->lost;
+  EXPECT_EQ(tier->used_bytes(), used - info->bytes);
+  EXPECT_EQ(tier->Get(bad).status().code(), absl::StatusCode::kDataLoss);
   absl::StatusOr<std::shared_ptr<const SpilledSequence>> other = tier->Get(good);
   ASSERT_TRUE(other.ok()) << other.status();
   ExpectEqual(**other, good_data);
   // The lost copy can be erased, or replaced by a fresh spill.
   ASSERT_TRUE(tier->Put(bad, bad_data, absl::Now()).ok());
-  ASSERT_TRUE(tier->Get(bad).ok());
+  EXPECT_FALSE(std::filesystem::exists(bad_file)) << "the replaced generation's file is removed";
+  absl::StatusOr<std::shared_ptr<const SpilledSequence>> fresh = tier->Get(bad);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  ExpectEqual(**fresh, bad_data);
+  const std::string fresh_file = tier->LayerFile(bad);
   ASSERT_TRUE(tier->Erase(bad).ok());
   EXPECT_FALSE(tier->Find(bad).has_value());
+  EXPECT_FALSE(std::filesystem::exists(fresh_file));
+}
+
+TEST(RocksTierTest, TruncatedOrMissingLayerFilesAreReportedLostAtOpen) {
+  TempDir dir;
+  std::mt19937 gen(4);
+  const SpillKey cut{"t", "s", "cut"}, gone{"t", "s", "gone"}, fine{"t", "s", "fine"};
+  std::string cut_file, gone_file;
+  const SpilledSequence fine_data = RandomSequence(gen, 2, 70000);
+  {
+    std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+    ASSERT_TRUE(tier->Put(cut, {"m", {std::string(100000, 'c')}}, absl::Now()).ok());
+    ASSERT_TRUE(tier->Put(gone, {"m", {std::string(1000, 'g')}}, absl::Now()).ok());
+    ASSERT_TRUE(tier->Put(fine, fine_data, absl::Now()).ok());
+    cut_file = tier->LayerFile(cut);
+    gone_file = tier->LayerFile(gone);
+  }
+  std::filesystem::resize_file(cut_file, 4096);
+  std::filesystem::remove(gone_file);
+  std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+  EXPECT_NE(tier->Find(cut)->lost.find("has 4096 bytes"), std::string::npos)
+      << tier->Find(cut)->lost;
+  EXPECT_NE(tier->Find(gone)->lost.find("missing"), std::string::npos) << tier->Find(gone)->lost;
+  EXPECT_EQ(tier->Get(cut).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(tier->Get(gone).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(tier->used_bytes(), fine_data.bytes());
+  absl::StatusOr<std::shared_ptr<const SpilledSequence>> got = tier->Get(fine);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectEqual(**got, fine_data);
+  EXPECT_EQ(tier->List().size(), 3u);
+  ASSERT_TRUE(tier->Erase(cut).ok());
+  EXPECT_FALSE(std::filesystem::exists(cut_file));
 }
 
 TEST(RocksTierTest, CorruptedMetadataIsReportedLostAtOpen) {
@@ -173,12 +229,19 @@ TEST(RocksTierTest, UnfinishedSpillsAreRemovedAtOpen) {
   std::mt19937 gen(3);
   const SpillKey kept{"t", "s", "kept"};
   const SpilledSequence data = RandomSequence(gen, 2, 5000);
+  std::string kept_file;
   {
     std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
     ASSERT_TRUE(tier->Put(kept, data, absl::Now()).ok());
+    kept_file = tier->LayerFile(kept);
   }
-  // As a crash between the data records and the metadata leaves them: data of a sequence with
-  // no metadata, and data of a newer generation of a sequence whose metadata names the old one.
+  // As a crash between a layer file and its metadata leaves them: layer files no metadata names
+  // (generations 7 and 9, above kept's); plus a data record of record format 1 and a file that
+  // is not a layer file (left alone).
+  const std::string layers = RocksTier::LayerDir(dir.path());
+  std::ofstream(layers + "/0000000000000007.kvl") << "orphan";
+  std::ofstream(layers + "/0000000000000009.kvl") << "orphan";
+  std::ofstream(layers + "/notes.txt") << "not ours";
   {
     rocksdb::DB* raw = nullptr;
     rocksdb::Options options;
@@ -186,18 +249,24 @@ TEST(RocksTierTest, UnfinishedSpillsAreRemovedAtOpen) {
     std::unique_ptr<rocksdb::DB> db(raw);
     ASSERT_TRUE(
         db->Put({}, RocksTier::DataKey({"t", "s", "never"}, 7, 0), std::string(10, 'x')).ok());
-    ASSERT_TRUE(db->Put({}, RocksTier::DataKey(kept, 9, 0), std::string(10, 'y')).ok());
     ASSERT_TRUE(db->Close().ok());
   }
   std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
-  EXPECT_EQ(tier->orphans_removed(), 2);
+  EXPECT_EQ(tier->orphans_removed(), 3);
+  EXPECT_FALSE(std::filesystem::exists(layers + "/0000000000000007.kvl"));
+  EXPECT_FALSE(std::filesystem::exists(layers + "/0000000000000009.kvl"));
+  EXPECT_TRUE(std::filesystem::exists(layers + "/notes.txt"));
+  EXPECT_TRUE(std::filesystem::exists(kept_file));
   ASSERT_EQ(tier->List().size(), 1u);
   absl::StatusOr<std::shared_ptr<const SpilledSequence>> got = tier->Get(kept);
   ASSERT_TRUE(got.ok()) << got.status();
   ExpectEqual(**got, data);
-  // A later Put takes a generation above every one seen.
+  // A later Put takes a generation above every one seen (files included).
   ASSERT_TRUE(tier->Put(kept, data, absl::Now()).ok());
+  EXPECT_EQ(tier->LayerFile(kept), layers + "/000000000000000a.kvl");
   ASSERT_TRUE(tier->Get(kept).ok());
+  tier.reset();
+  EXPECT_EQ(OpenTier(dir.path())->orphans_removed(), 0);
 }
 
 TEST(RocksTierTest, CapacityIsEnforced) {

@@ -18,7 +18,8 @@ Quick start::
 
 Modules: :mod:`kvsidecar.client` (Client, Session), :mod:`kvsidecar.admin` (Admin),
 :mod:`kvsidecar.arena` (block layout, dtypes, the mapped arena), :mod:`kvsidecar.errors`
-(KvsError hierarchy), :mod:`kvsidecar.v1` (generated protobuf/gRPC stubs).
+(KvsError hierarchy), :mod:`kvsidecar.credentials` (TLS / mutual TLS), :mod:`kvsidecar.v1`
+(generated protobuf/gRPC stubs).
 """
 
 from kvsidecar import errors
@@ -28,6 +29,7 @@ from kvsidecar.arena import (Arena, bf16_to_float32, dtype_bytes, float32_to_bf1
 from kvsidecar.client import (AppendSegment, Client, DecodeItem, ExportResult, LayerKV,
                               Reservation, ReserveItem, Session, Tier, attention, budget,
                               model_layout, policy)
+from kvsidecar.credentials import tls_credentials
 from kvsidecar.errors import KvsError
 from kvsidecar.v1 import admin_pb2, common_pb2, sidecar_pb2
 
@@ -37,5 +39,6 @@ __all__ = [
     "Admin", "AppendSegment", "Arena", "Client", "DecodeItem", "ExportResult", "KvsError",
     "LayerKV", "Reservation", "ReserveItem", "Session", "Tier", "admin_pb2", "attention",
     "bf16_to_float32", "budget", "common_pb2", "dtype_bytes", "errors", "float32_to_bf16",
-    "model_layout", "policy", "sidecar_pb2", "storage_dtype", "to_float32", "to_storage",
+    "model_layout", "policy", "sidecar_pb2", "storage_dtype", "tls_credentials", "to_float32",
+    "to_storage",
 ]

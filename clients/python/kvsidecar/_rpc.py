@@ -49,11 +49,19 @@ class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
 
 def make_channel(address: str, credentials: Optional[grpc.ChannelCredentials],
                  options: Sequence[Tuple[str, Any]] = (),
-                 token: Optional[str] = None) -> Tuple[grpc.Channel, grpc.Channel]:
+                 token: Optional[str] = None,
+                 server_name: Optional[str] = None) -> Tuple[grpc.Channel, grpc.Channel]:
     """(channel to use, underlying channel to close and wait on). ``token``: sent as
-    ``authorization: Bearer <token>`` metadata on every call (tenant or admin token)."""
+    ``authorization: Bearer <token>`` metadata on every call (tenant or admin token).
+    ``server_name``: the name the server's TLS certificate must carry, when it is not the host
+    of ``address`` (TLS only)."""
     opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)] + list(options)
+    if server_name:
+        if credentials is None:
+            from kvsidecar.errors import InvalidArgument
+            raise InvalidArgument("server_name needs TLS credentials (see tls_credentials)")
+        opts.append(("grpc.ssl_target_name_override", server_name))
     if credentials is None:
         channel = grpc.insecure_channel(address, options=opts)
     else:
@@ -71,7 +79,21 @@ def wait_ready(channel: grpc.Channel, address: str, timeout: Optional[float]) ->
         grpc.channel_ready_future(channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:
         from kvsidecar.errors import Unavailable
-        raise Unavailable(f"cannot connect to {address} within {timeout} s") from None
+        raise Unavailable(f"cannot connect to {address} within {timeout} s"
+                          f"{_why_not_ready(channel)}") from None
+
+
+def _why_not_ready(channel: grpc.Channel) -> str:
+    """gRPC's reason for the last failed connection (a refused port, a TLS handshake failure),
+    read from one fail-fast health check; "" when there is none to tell."""
+    check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                request_serializer=None, response_deserializer=None)
+    try:
+        check(b"", timeout=1.0)
+    except grpc.RpcError as error:
+        details = error.details() if hasattr(error, "details") else ""
+        return f": {details}" if details else ""
+    return ""
 
 
 def call(method: Callable[..., Any], request: Any, timeout: Optional[float]) -> Any:

@@ -23,18 +23,22 @@ class Admin:
         address: ``host:port`` of the admin listener.
         timeout: deadline of each call in seconds (None = none).
         connect_timeout: wait this long for the channel to be ready (0 = lazy).
-        credentials: channel credentials; None = insecure.
+        credentials: channel credentials; None = insecure. TLS and mutual TLS:
+            :func:`kvsidecar.tls_credentials`.
         token: the admin bearer token, when the sidecar runs with --admin_token_file.
+        server_name: the name the sidecar's TLS certificate carries, when it is not the host of
+            ``address``.
     """
 
     def __init__(self, address: str, *, timeout: Optional[float] = 60.0,
                  connect_timeout: float = 10.0,
                  credentials: Optional[grpc.ChannelCredentials] = None,
-                 token: Optional[str] = None,
+                 token: Optional[str] = None, server_name: Optional[str] = None,
                  channel_options: Sequence[Tuple[str, Any]] = ()) -> None:
         self.address = address
         self.timeout = timeout
-        channel, self._channel = _rpc.make_channel(address, credentials, channel_options, token)
+        channel, self._channel = _rpc.make_channel(address, credentials, channel_options, token,
+                                                   server_name)
         self.stub = admin_pb2_grpc.AdminStub(channel)
         try:
             _rpc.wait_ready(self._channel, address, connect_timeout)

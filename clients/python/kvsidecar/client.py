@@ -38,7 +38,8 @@ from kvsidecar.v1 import common_pb2, sidecar_pb2, sidecar_pb2_grpc
 
 __all__ = [
     "Client", "Session", "Reservation", "ReserveItem", "AppendSegment", "DecodeItem",
-    "ExportResult", "LayerKV", "model_layout", "policy", "budget", "attention", "Tier",
+    "CallFuture", "ExportResult", "LayerKV", "model_layout", "policy", "budget", "attention",
+    "Tier",
 ]
 
 Tier = common_pb2.Tier
@@ -206,6 +207,27 @@ class LayerKV:
         return self.k.shape[1]
 
 
+class CallFuture:
+    """A unary call in flight (:meth:`Session.decode_step_future`): ``result()`` waits for the
+    response and returns it, or raises the call's :class:`KvsError`; ``done()`` does not wait."""
+
+    def __init__(self, future: Any) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn: Any) -> None:
+        """Calls ``fn(self)`` when the call completes (on a gRPC thread), or now if it has."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        try:
+            return self._future.result(timeout=timeout)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+
 class Reservation:
     """A pending reservation: where its tokens go in the mapped arena. Write K/V with
     :meth:`write` (or :meth:`Session.write_reserved`), then :meth:`Session.commit` it."""
@@ -317,9 +339,12 @@ class Client:
             (None = none).
         connect_timeout: the constructor waits this long for the channel to be ready (0 = lazy);
             :class:`kvsidecar.errors.Unavailable` if it is not.
-        credentials: channel credentials; None = insecure (loopback / same pod). TLS:
-            ``grpc.ssl_channel_credentials(root_certificates=...)``.
-        token: the tenant's bearer token, when the sidecar runs with --tenant_tokens_file.
+        credentials: channel credentials; None = insecure (loopback / same pod). TLS and mutual
+            TLS: :func:`kvsidecar.tls_credentials` (CA bundle, client certificate and key).
+        token: the tenant's bearer token, when the sidecar runs with --tenant_tokens_file (sent
+            as ``authorization: Bearer <token>`` on every call and stream).
+        server_name: the name the sidecar's TLS certificate carries, when it is not the host of
+            ``address`` (e.g. dialing an IP with a certificate for a DNS name).
         worker_name: default worker name shown in Admin ListSessions.
         channel_options: extra gRPC channel options.
     """
@@ -327,12 +352,14 @@ class Client:
     def __init__(self, address: str, *, timeout: Optional[float] = 60.0,
                  connect_timeout: float = 10.0,
                  credentials: Optional[grpc.ChannelCredentials] = None,
-                 token: Optional[str] = None, worker_name: str = "",
+                 token: Optional[str] = None, server_name: Optional[str] = None,
+                 worker_name: str = "",
                  channel_options: Sequence[Tuple[str, Any]] = ()) -> None:
         self.address = address
         self.timeout = timeout
         self.worker_name = worker_name
-        channel, self._channel = _rpc.make_channel(address, credentials, channel_options, token)
+        channel, self._channel = _rpc.make_channel(address, credentials, channel_options, token,
+                                                   server_name)
         self.stub = sidecar_pb2_grpc.SidecarStub(channel)
         try:
             _rpc.wait_ready(self._channel, address, connect_timeout)
@@ -811,6 +838,16 @@ class Session:
     def decode_step(self, items: Sequence[DecodeItem]) -> sidecar_pb2.DecodeStepResponse:
         """One decode step for many sequences: commits/appends each new token, folds its query
         into the policy state and evicts every layer back to its budget."""
+        return self._call(self.stub.DecodeStep, self._decode_step_request(items))
+
+    def decode_step_future(self, items: Sequence[DecodeItem]) -> "CallFuture":
+        """:meth:`decode_step` without waiting: the request is sent now, ``result()`` of the
+        returned future waits for the response (or raises the KvsError). Lets a worker compute
+        (e.g. its logits) while the sidecar runs the step."""
+        return CallFuture(self.stub.DecodeStep.future(self._decode_step_request(items),
+                                                      timeout=self.timeout))
+
+    def _decode_step_request(self, items: Sequence[DecodeItem]) -> sidecar_pb2.DecodeStepRequest:
         request = sidecar_pb2.DecodeStepRequest()
         for item in items:
             out = request.items.add(session_id=self.session_id, sequence_id=item.sequence_id)
@@ -824,7 +861,7 @@ class Session:
                 else:
                     out.inline_kv = np.ascontiguousarray(
                         to_storage(item.inline_kv, self.layout.dtype)).tobytes()
-        return self._call(self.stub.DecodeStep, request)
+        return request
 
     def score(self, sequence_id: str, budget_tokens: int = 0, policy: PolicyLike = None,
               attention: Optional[common_pb2.AttentionInputs] = None,

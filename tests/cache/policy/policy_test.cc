@@ -42,13 +42,19 @@ TEST(PolicyFactoryTest, EveryPolicyOfThePapersIsBuilt) {
   }
 }
 
-TEST(PolicyFactoryTest, OmniKvIsUnimplementedUntilTheTiersExist) {
+TEST(PolicyFactoryTest, OmniKvResolvesItsDefaults) {
   PolicyConfig config;
   config.name = "omnikv";
+  config.omnikv.selected_fraction = 0.0f;
+  config.omnikv.wait_layers = 0;
   auto policy = MakePolicy(config);
-  EXPECT_EQ(policy.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(policy.status().message(), HasSubstr("omnikv"));
-  EXPECT_EQ(ResolvePolicyConfig(config).status().code(), absl::StatusCode::kUnimplemented);
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  EXPECT_EQ((*policy)->config().omnikv.wait_layers, 1);
+  EXPECT_FLOAT_EQ((*policy)->config().omnikv.selected_fraction, 0.067f);
+  EXPECT_FALSE((*policy)->attention(Phase::kDecode).needed);
+  config.omnikv.window = -1;
+  EXPECT_THAT(std::string(ResolvePolicyConfig(config).status().message()),
+              HasSubstr("policy.omnikv.window"));
 }
 
 TEST(PolicyFactoryTest, AllocatorConfigIsValidatedForEveryPolicy) {

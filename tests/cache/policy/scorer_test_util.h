@@ -161,6 +161,12 @@ class TestBackend final : public Backend {
   absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream stream) override {
     return cpu_->AttentionProbs(jobs, stream);
   }
+  absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream stream) override {
+    return cpu_->AttentionLogits(jobs, stream);
+  }
+  absl::Status CopyHostRows(absl::Span<const HostRowCopyJob> jobs, Stream stream) override {
+    return cpu_->CopyHostRows(jobs, stream);
+  }
   absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream stream) override {
     return cpu_->CaoteScores(jobs, stream);
   }

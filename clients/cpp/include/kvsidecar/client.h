@@ -251,6 +251,7 @@ class Session {
   absl::StatusOr<v1::DecodeStepResponse> DecodeStep(v1::DecodeStepRequest request);
   absl::StatusOr<v1::ScoreResponse> Score(v1::ScoreRequest request);
   absl::StatusOr<v1::SelectResponse> Select(v1::SelectRequest request);
+  absl::StatusOr<v1::GetRetainedResponse> GetRetained(v1::GetRetainedRequest request);
   absl::StatusOr<v1::SpillResponse> Spill(v1::SpillRequest request);
   absl::StatusOr<v1::RestoreResponse> Restore(v1::RestoreRequest request);
 
@@ -329,6 +330,9 @@ class AdminClient {
   absl::StatusOr<v1::ListSessionsResponse> ListSessions(const std::string& tenant = "");
   absl::StatusOr<v1::ListSequencesResponse> ListSequences(const std::string& session_id = "",
                                                           const std::string& tenant = "");
+  // Spilled copies (those of ended sessions and earlier runs, and lost ones, included).
+  absl::StatusOr<v1::ListSpilledResponse> ListSpilled(const std::string& tenant = "",
+                                                      const std::string& session_id = "");
   absl::StatusOr<v1::GetStatsResponse> GetStats();
   absl::StatusOr<v1::DrainResponse> Drain();
   absl::StatusOr<v1::ForceReleaseResponse> ForceRelease(const std::string& session_id,

@@ -174,6 +174,140 @@ class Llama:
         logits = _rms_norm(x, self.w.output_norm, c.rms_eps) @ self.w.output
         return logits if all_logits else logits[0]
 
+    def forward_batch(self, tokens: Sequence, positions: Sequence, caches: Sequence) -> np.ndarray:
+        """One block of new tokens for each of several sequences at once: tokens[i] (an int, or a
+        list of ints) at positions[i] into caches[i] (one cache per sequence). The dense parts
+        (projections, MLP, logits) run as one matrix product over every row of the batch,
+        attention per sequence over its own cache. A cache class with static
+        begin_blocks(caches, positions) / end_blocks(caches) gets the batch's blocks together
+        (SidecarKVCache: one BatchReserve / BatchCommit / DecodeStep for the whole batch); other
+        caches begin_block / end_block one by one.
+
+        Returns float32 logits (B, vocab) of each sequence's last new token."""
+        c = self.cfg
+        toks = [np.atleast_1d(np.asarray(t, np.int64)) for t in tokens]
+        poss = [np.atleast_1d(np.asarray(p, np.int32)) for p in positions]
+        b = len(toks)
+        if b == 0 or len(poss) != b or len(caches) != b or any(
+                len(t) == 0 or len(t) != len(p) for t, p in zip(toks, poss)):
+            raise ValueError("forward_batch needs one cache and a block of >= 1 tokens with one "
+                             "position each per sequence")
+        bounds = np.cumsum([0] + [len(t) for t in toks])
+        rows = int(bounds[-1])
+        pos = np.concatenate(poss)
+        hq, hk, d = c.n_heads, c.n_kv_heads, c.head_dim
+        x = self.w.tok_embd[np.concatenate(toks)]  # (rows, d_model)
+        kind = type(caches[0])
+        batched = all(type(cc) is kind for cc in caches)
+        if batched and hasattr(kind, "begin_blocks"):
+            kind.begin_blocks(caches, poss)
+        else:
+            for cache, p in zip(caches, poss):
+                cache.begin_block(p)
+        att = np.empty((rows, hq * d), np.float32)
+        for li, lw in enumerate(self.w.layers):
+            h = _rms_norm(x, lw.attn_norm, c.rms_eps)
+            qkv = h @ lw.wqkv
+            q = self._rope(qkv[:, : hq * d].reshape(rows, hq, d), pos)
+            k = self._rope(qkv[:, hq * d : (hq + hk) * d].reshape(rows, hk, d), pos)
+            v = qkv[:, (hq + hk) * d :].reshape(rows, hk, d)
+            for i, cache in enumerate(caches):
+                r0, r1 = bounds[i], bounds[i + 1]
+                cache.append(li, k[r0:r1], v[r0:r1], q[r0:r1])
+                kk, vv, kpos = cache.get(li)
+                att[r0:r1] = self._attention(q[r0:r1], pos[r0:r1], kk, vv, kpos)
+            x = x + att @ lw.wo
+            h = _rms_norm(x, lw.ffn_norm, c.rms_eps)
+            gu = h @ lw.wgate_up
+            x = x + (_silu(gu[:, : c.d_ff]) * gu[:, c.d_ff :]) @ lw.wdown
+        if batched and hasattr(kind, "end_blocks"):
+            kind.end_blocks(caches)
+        else:
+            for cache in caches:
+                cache.end_block()
+        last = x[bounds[1:] - 1]
+        return _rms_norm(last, self.w.output_norm, c.rms_eps) @ self.w.output
+
+    def prefill_batch(self, prompts: Sequence[Sequence[int]], caches: Sequence,
+                      block_size: int = 64) -> np.ndarray:
+        """prefill(align_last=True) of several prompts in lockstep: step j runs the j-th block of
+        every prompt that has one through one forward_batch (prompts are split as prefill splits
+        them: full blocks, the first one taking the remainder). Returns (B, vocab) logits of each
+        prompt's last token."""
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        splits = []
+        for p in prompts:
+            n = len(p)
+            if n == 0:
+                raise ValueError("prefill_batch needs non-empty prompts")
+            first = n % block_size or block_size
+            splits.append([0] + list(range(first, n, block_size)) + [n])
+        out = np.empty((len(prompts), self.cfg.vocab_size), np.float32)
+        for j in range(max(len(s) - 1 for s in splits)):
+            idx = [i for i, s in enumerate(splits) if j + 1 < len(s)]
+            blocks = [(splits[i][j], splits[i][j + 1]) for i in idx]
+            logits = self.forward_batch([prompts[i][a:e] for i, (a, e) in zip(idx, blocks)],
+                                        [range(a, e) for a, e in blocks],
+                                        [caches[i] for i in idx])
+            out[idx] = logits
+        return out
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        caches: Sequence,
+        max_new_tokens: int,
+        block_size: int = 64,
+        stop_ids: Sequence[int] = (),
+    ) -> List["Generation"]:
+        """generate() for several prompts: the prompts are prefilled in lockstep (prefill_batch),
+        then every sequence that has not stopped decodes in the same forward_batch step,
+        greedily. Returns one Generation per prompt; decode_s is the batch's
+        decode time (shared)."""
+        if len(prompts) != len(caches):
+            raise ValueError("generate_batch needs one cache per prompt")
+        t0 = time.perf_counter()
+        for prompt, cache in zip(prompts, caches):
+            begin = getattr(cache, "begin_prefill", None)
+            if begin is not None:
+                begin(len(prompt))
+        logits = list(self.prefill_batch(prompts, caches, block_size))
+        for cache in caches:
+            finish = getattr(cache, "finish_prefill", None)
+            if finish is not None:
+                finish()
+        t1 = time.perf_counter()
+        n = len(prompts)
+        out: List[List[int]] = [[] for _ in range(n)]
+        step_logits: List[List[np.ndarray]] = [[] for _ in range(n)]
+        pos = [len(p) for p in prompts]
+        active = list(range(n))
+        for step in range(max_new_tokens):
+            feed = []
+            for i in active:
+                tok = int(np.argmax(logits[i]))
+                step_logits[i].append(logits[i])
+                if tok in stop_ids:
+                    continue
+                out[i].append(tok)
+                if step + 1 < max_new_tokens:
+                    feed.append((i, tok))
+            active = [i for i, _ in feed]
+            if not active:
+                break
+            new = self.forward_batch([t for _, t in feed], [pos[i] for i in active],
+                                     [caches[i] for i in active])
+            for row, i in enumerate(active):
+                logits[i] = new[row]
+                pos[i] += 1
+        t2 = time.perf_counter()
+        gens = []
+        for i in range(n):
+            g = Generation(out[i], step_logits[i], t1 - t0, t2 - t1, len(prompts[i]))
+            gens.append(g)
+        return gens
+
     def prefill(
         self, tokens: Sequence[int], cache, block_size: int = 64, start: int = 0,
         all_logits: bool = False, align_last: bool = False,

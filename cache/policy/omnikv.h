@@ -1,0 +1,67 @@
+// OmniKV (shared/design/policies/omnikv.md): decode-time sparse attention that never evicts. This
+// header owns the policy object (which keeps every token: Compress and Score do not apply) and
+// the spec's arithmetic that Select needs — the layer plan (prefix / filter / wait / sparse
+// layers and which filter feeds which sparse layers), the budget k, and the per-candidate score
+// of each selector. The state and the gathers live with the sequence (cache/omnikv.cc).
+//
+// Threading: everything here is immutable or pure.
+#ifndef KVSIDECAR_CACHE_POLICY_OMNIKV_H_
+#define KVSIDECAR_CACHE_POLICY_OMNIKV_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "cache/policy/policy.h"
+
+namespace kvs {
+
+enum class OmniKvRole { kPrefix, kFilter, kWait, kSparse };
+
+// Layer roles of one model under one config (omnikv.md §2).
+struct OmniKvPlan {
+  std::vector<OmniKvRole> roles;        // per layer
+  std::vector<int32_t> feeding_filter;  // per layer: the filter layer a sparse layer reads, else -1
+  std::vector<std::vector<int32_t>> sparse;  // per entry of config.filter_layers: its sparse layers
+};
+
+// The plan for `num_layers`; INVALID_ARGUMENT naming policy.omnikv.filter_layers[i] when a filter
+// layer is out of range, or the list is empty, unsorted or repeats a layer.
+absl::StatusOr<OmniKvPlan> PlanOmniKvLayers(const OmniKvConfig& config, int32_t num_layers);
+
+// The filter layers the paper gives for a model of `num_layers` layers (32: {2, 8, 18};
+// 48: {6, 11, 30}; 80: {4, 19, 41}); empty when it gives none.
+std::vector<int32_t> DefaultOmniKvFilterLayers(int32_t num_layers);
+
+// k for a prompt of `prompt_tokens`: selected_tokens if set, else floor(fraction * N); clamped to
+// [0, N] (omnikv.md §3.3, §12).
+int32_t ResolveOmniKvBudget(const OmniKvConfig& config, int64_t prompt_tokens);
+
+// S[t] for t < n from per-query-head rows of one filter layer (omnikv.md §4.2):
+//   kLast / kSoftmaxBeforeLast: `rows` is [Hq][n] (logits resp. probabilities of the newest
+//   query); S[t] = max over heads.
+//   kUniform / kExp: `rows` is [Hq][w][n] probabilities of the window's w queries (oldest
+//   first); S[t] = sum_j alpha_j max_h rows[h][j][t], alpha_j = 1 (uniform) or 2^(j - (w - 1)).
+// NaN entries count as -inf. `scores` has n entries.
+void OmniKvCandidateScores(OmniKvSelector selector, absl::Span<const float> rows,
+                           int32_t num_q_heads, int32_t window, int32_t n,
+                           absl::Span<float> scores);
+
+// The OmniKV policy object: it keeps every token (no allocator split, no scorer); its Select is
+// never reached because an OmniKV sequence has no budget, and reports INTERNAL if it is.
+class OmniKvPolicy final : public Policy {
+ public:
+  explicit OmniKvPolicy(const PolicyConfig& config);
+  absl::Status Select(Backend& backend, Phase phase,
+                      absl::Span<const LayerSelection> layers) const override;
+};
+
+absl::Status ResolveOmniKvConfig(PolicyConfig& config);
+std::unique_ptr<Policy> MakeOmniKvPolicy(const PolicyConfig& config);
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_CACHE_POLICY_OMNIKV_H_

@@ -1,0 +1,46 @@
+#include "gpu/backend_factory.h"
+
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+#ifdef KVS_WITH_CUDA
+#include "gpu/cuda/cuda_backend.h"
+#endif
+
+namespace kvs {
+
+bool CudaBuilt() {
+#ifdef KVS_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+const CudaProbe& ProbeCuda() {
+  static const CudaProbe* const probe = [] {
+    auto* result = new CudaProbe();
+#ifdef KVS_WITH_CUDA
+    std::string why;
+    result->devices = CudaDeviceCount(&why);
+    result->detail = result->devices > 0 ? CudaDeviceDescription(0) : std::move(why);
+#else
+    result->detail = "this build has no CUDA backend";
+#endif
+    return result;
+  }();
+  return *probe;
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(BackendKind kind, int num_threads) {
+  if (kind == BackendKind::kCpu) return MakeCpuBackend(num_threads);
+#ifdef KVS_WITH_CUDA
+  return MakeCudaBackend(0);
+#else
+  return absl::FailedPreconditionError("this build has no CUDA backend");
+#endif
+}
+
+}  // namespace kvs

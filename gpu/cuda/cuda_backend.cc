@@ -1,0 +1,707 @@
+// CudaBackend (gpu/cuda/cuda_backend.h): validation on the host, kernels in cuda_kernels.cu.
+#include "gpu/cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "gpu/base/checked_math.h"
+#include "gpu/base/layout.h"
+#include "gpu/base/status_macros.h"
+#include "gpu/cpu/attention_cpu.h"  // ValidatePagedLayerView
+#include "gpu/cpu/keydiff_cpu.h"    // ValidateKeyDiffJob
+#include "gpu/cpu/topk_cpu.h"       // ValidateTopKJob
+#include "gpu/cuda/cuda_kernels.h"
+
+namespace kvs {
+namespace {
+
+// A CUDA call's error as a status: INTERNAL naming the call and the CUDA error.
+absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  const absl::StatusCode code = error == cudaErrorMemoryAllocation
+                                    ? absl::StatusCode::kResourceExhausted
+                                    : absl::StatusCode::kInternal;
+  return absl::Status(code, absl::StrCat(what, ": ", cudaGetErrorName(error), " (",
+                                         cudaGetErrorString(error), ")"));
+}
+
+#define KVS_CUDA_RETURN_IF_ERROR(expr, what) KVS_RETURN_IF_ERROR(CudaStatus((expr), (what)))
+
+std::string UuidText(const cudaUUID_t& uuid) {
+  const auto* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
+  return absl::StrFormat("GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+                         b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11],
+                         b[12], b[13], b[14], b[15]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Arena: one cudaMalloc, exported once.
+
+std::atomic<uint64_t> g_next_generation{1};
+
+class CudaArena final : public Arena {
+ public:
+  static absl::StatusOr<std::unique_ptr<Arena>> Create(int device, uint64_t bytes) {
+    if (bytes == 0) return absl::InvalidArgumentError("arena size must be > 0");
+    KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "cudaSetDevice");
+    void* base = nullptr;
+    if (cudaError_t error = cudaMalloc(&base, bytes); error != cudaSuccess) {
+      cudaGetLastError();  // an allocation failure is not sticky; clear it
+      return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc of ", bytes, " bytes on device ",
+                                                       device, ": ", cudaGetErrorString(error)));
+    }
+    auto arena = std::unique_ptr<CudaArena>(new CudaArena(device, static_cast<uint8_t*>(base)));
+    // Zeroed like a fresh shared-memory file.
+    KVS_CUDA_RETURN_IF_ERROR(cudaMemset(base, 0, bytes), "cudaMemset of a new arena");
+    cudaIpcMemHandle_t ipc;
+    KVS_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&ipc, base), "cudaIpcGetMemHandle");
+    cudaDeviceProp props;
+    KVS_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&props, device), "cudaGetDeviceProperties");
+    ArenaHandle& handle = arena->handle_;
+    handle.kind = ArenaHandle::Kind::kCudaIpc;
+    handle.cuda_ipc_handle.assign(reinterpret_cast<const char*>(&ipc), sizeof(ipc));
+    handle.cuda_device = device;
+    handle.cuda_device_uuid = UuidText(props.uuid);
+    handle.size_bytes = bytes;
+    handle.generation = g_next_generation.fetch_add(1, std::memory_order_relaxed);
+    return std::unique_ptr<Arena>(std::move(arena));
+  }
+
+  ~CudaArena() override {
+    cudaSetDevice(device_);
+    cudaFree(base_);  // an error here has nowhere to go; the context may already be gone
+  }
+
+  uint8_t* data() override { return base_; }
+  const uint8_t* data() const override { return base_; }
+  uint64_t size_bytes() const override { return handle_.size_bytes; }
+  const ArenaHandle& handle() const override { return handle_; }
+
+  absl::Status Write(uint64_t offset, const void* source, uint64_t bytes) override {
+    KVS_RETURN_IF_ERROR(CheckRange(offset, bytes, source, "Write"));
+    if (bytes == 0) return absl::OkStatus();
+    KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    return CudaStatus(cudaMemcpy(base_ + offset, source, bytes, cudaMemcpyDefault),
+                      "arena Write (cudaMemcpy)");
+  }
+
+  absl::Status Read(uint64_t offset, void* destination, uint64_t bytes) const override {
+    KVS_RETURN_IF_ERROR(CheckRange(offset, bytes, destination, "Read"));
+    if (bytes == 0) return absl::OkStatus();
+    KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    return CudaStatus(cudaMemcpy(destination, base_ + offset, bytes, cudaMemcpyDefault),
+                      "arena Read (cudaMemcpy)");
+  }
+
+ private:
+  CudaArena(int device, uint8_t* base) : device_(device), base_(base) {}
+
+  absl::Status CheckRange(uint64_t offset, uint64_t bytes, const void* buffer,
+                          const char* op) const {
+    const auto end = CheckedAdd(offset, bytes);
+    if (!end || *end > handle_.size_bytes) {
+      return absl::OutOfRangeError(absl::StrCat("arena ", op, " of ", bytes, " bytes at offset ",
+                                                offset, " leaves the arena of ", handle_.size_bytes,
+                                                " bytes"));
+    }
+    if (bytes > 0 && buffer == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("arena ", op, ": null buffer"));
+    }
+    return absl::OkStatus();
+  }
+
+  const int device_;
+  uint8_t* const base_;
+  ArenaHandle handle_;  // filled once by Create, immutable afterwards
+};
+
+// ---------------------------------------------------------------------------------------------
+// Validation helpers.
+
+// OK when the device can dereference `p` (device or managed memory, or page-locked host memory
+// mapped into the device's address space); null passes (the job validators own null checks).
+absl::Status CheckDeviceAccessible(const void* p, absl::string_view context,
+                                   absl::string_view field) {
+  if (p == nullptr) return absl::OkStatus();
+  cudaPointerAttributes attributes{};
+  const cudaError_t error = cudaPointerGetAttributes(&attributes, p);
+  if (error != cudaSuccess) {
+    cudaGetLastError();  // not sticky: an unknown pointer
+  }
+  const bool ok =
+      error == cudaSuccess &&
+      (attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged ||
+       (attributes.type == cudaMemoryTypeHost && attributes.devicePointer != nullptr));
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      context, ": ", field,
+      " is not device-accessible memory (the CUDA backend needs device memory, or page-locked "
+      "host memory where a field says host)"));
+}
+
+// Copies n elements at device (or host) address p to the host, for validation.
+template <typename T>
+absl::StatusOr<std::vector<T>> Mirror(const T* p, int64_t n, absl::string_view context,
+                                      absl::string_view field) {
+  // The host copy must be affordable whatever the job claims: a garbage count is refused here
+  // instead of failing an allocation.
+  constexpr int64_t kMaxMirrorBytes = int64_t{1} << 30;
+  if (n < 0 || n > kMaxMirrorBytes / static_cast<int64_t>(sizeof(T))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, ": ", field, " of ", n, " elements is too large to validate"));
+  }
+  std::vector<T> out(static_cast<size_t>(n));
+  if (n == 0 || p == nullptr) return out;
+  KVS_RETURN_IF_ERROR(CheckDeviceAccessible(p, context, field));
+  const cudaError_t error = cudaMemcpy(out.data(), p, sizeof(T) * n, cudaMemcpyDefault);
+  if (error != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InvalidArgumentError(absl::StrCat(
+        context, ": ", field, " (", n, " elements) cannot be read: ", cudaGetErrorString(error)));
+  }
+  return out;
+}
+
+// A copy of `view` whose block table points at a host mirror in `storage` (when the shape lets
+// the number of blocks be computed; otherwise the validators reject the shape first).
+absl::StatusOr<PagedLayerView> MirrorView(const PagedLayerView& view, std::vector<int32_t>& storage,
+                                          absl::string_view context, absl::string_view field) {
+  PagedLayerView host = view;
+  if (view.count > 0 && view.block_tokens >= 1 && view.block_table != nullptr) {
+    const int64_t blocks = (int64_t{view.count} + view.block_tokens - 1) / view.block_tokens;
+    KVS_ASSIGN_OR_RETURN(
+        storage, Mirror(view.block_table, blocks, context, absl::StrCat(field, ".block_table")));
+    host.block_table = storage.data();
+  }
+  return host;
+}
+
+// The kernels stage one row (head_dim fp32 values) in shared memory: the layout's limit
+// (gpu/base/layout.h kMaxHeadDim) keeps that within every device's default 48 KiB.
+absl::Status CheckViewAccessible(const PagedLayerView& view, absl::string_view context,
+                                 absl::string_view field) {
+  if (view.count == 0) return absl::OkStatus();
+  if (view.head_dim > kMaxHeadDim) {
+    return absl::InvalidArgumentError(absl::StrCat(context, ": ", field,
+                                                   ".head_dim must be <= ", kMaxHeadDim,
+                                                   " on the CUDA backend, got ", view.head_dim));
+  }
+  return CheckDeviceAccessible(view.arena, context, absl::StrCat(field, ".arena"));
+}
+
+cuda::DevPagedView ToDev(const PagedLayerView& v) {
+  cuda::DevPagedView d;
+  d.arena = v.arena;
+  d.block_table = v.block_table;
+  d.kv_index = v.kv_index;
+  d.count = v.count;
+  d.num_kv_heads = v.num_kv_heads;
+  d.head_dim = v.head_dim;
+  d.block_tokens = v.block_tokens;
+  d.dtype = static_cast<int32_t>(v.dtype);
+  d.block_bytes = v.block_bytes;
+  return d;
+}
+
+// Mirrors of the CPU backend's file-local validators (gpu/cpu/attention_cpu.cc,
+// caote_cpu.cc, merge_cpu.cc): keep the messages in step with them.
+
+absl::Status ValidateAttention(const AttentionJob& job, size_t index) {
+  const PagedLayerView& v = job.keys;
+  const std::string context = absl::StrCat("attention job ", index);
+  auto invalid = [&context](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(context, ": ", parts...));
+  };
+  KVS_RETURN_IF_ERROR(ValidatePagedLayerView(v, context, "keys"));
+  if (job.num_q_heads < 1 || job.num_q_heads % v.num_kv_heads != 0) {
+    return invalid("num_q_heads must be a positive multiple of keys.num_kv_heads (", v.num_kv_heads,
+                   "), got ", job.num_q_heads);
+  }
+  if (job.num_queries < 1) return invalid("num_queries must be >= 1, got ", job.num_queries);
+  if (!std::isfinite(job.scale) || !(job.scale > 0.0f)) {
+    return invalid("scale must be finite and > 0, got ", job.scale);
+  }
+  const auto prob_elements = CheckedProduct({job.num_q_heads, job.num_queries, v.count});
+  const auto query_elements = CheckedProduct({job.num_q_heads, job.num_queries, v.head_dim});
+  constexpr uint64_t kMaxElements = uint64_t{1} << 60;
+  if (!prob_elements || *prob_elements > kMaxElements || !query_elements ||
+      *query_elements > kMaxElements) {
+    return invalid("num_q_heads x num_queries x keys.count/head_dim overflows");
+  }
+  if (v.count == 0) return absl::OkStatus();
+  if (job.key_positions == nullptr) return invalid("key_positions is null");
+  if (job.queries == nullptr) return invalid("queries is null");
+  if (job.query_positions == nullptr) return invalid("query_positions is null");
+  if (job.probs == nullptr) return invalid("probs is null");
+  return absl::OkStatus();
+}
+
+absl::Status ValidateCaote(const CaoteJob& job, size_t index) {
+  const std::string context = absl::StrCat("caote job ", index);
+  auto invalid = [&context](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(context, ": ", parts...));
+  };
+  const PagedLayerView& v = job.values;
+  KVS_RETURN_IF_ERROR(ValidatePagedLayerView(v, context, "values"));
+  if (job.rows < 1 || job.rows % v.num_kv_heads != 0) {
+    return invalid("rows must be a positive multiple of values.num_kv_heads (", v.num_kv_heads,
+                   "), got ", job.rows);
+  }
+  if (!(job.eps >= 0.0f && job.eps < 1.0f)) {
+    return invalid("eps must be in [0, 1), got ", job.eps);
+  }
+  const auto elements = CheckedProduct({job.rows, v.count});
+  if (!elements || *elements > (uint64_t{1} << 60)) {
+    return invalid("rows x values.count overflows");
+  }
+  if (v.count == 0) return absl::OkStatus();
+  if (job.alpha == nullptr) return invalid("alpha is null");
+  if (job.scores == nullptr) return invalid("scores is null");
+  return absl::OkStatus();
+}
+
+// query_slots / candidate_slots are host mirrors here.
+absl::Status ValidateNearest(const NearestKeyJob& job, size_t index) {
+  const std::string context = absl::StrCat("nearest key job ", index);
+  auto invalid = [&context](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(context, ": ", parts...));
+  };
+  const PagedLayerView& v = job.keys;
+  KVS_RETURN_IF_ERROR(ValidatePagedLayerView(v, context, "keys"));
+  if (job.head < 0 || job.head >= v.num_kv_heads) {
+    return invalid("head must be in [0, ", v.num_kv_heads, "), got ", job.head);
+  }
+  if (job.num_queries < 0) return invalid("num_queries must be >= 0, got ", job.num_queries);
+  if (job.num_queries == 0) return absl::OkStatus();
+  if (job.num_candidates < 1) {
+    return invalid("num_candidates must be >= 1, got ", job.num_candidates);
+  }
+  if (job.query_slots == nullptr) return invalid("query_slots is null");
+  if (job.candidate_slots == nullptr) return invalid("candidate_slots is null");
+  if (job.candidate_positions == nullptr) return invalid("candidate_positions is null");
+  if (job.similarity == nullptr) return invalid("similarity is null");
+  if (job.target == nullptr) return invalid("target is null");
+  for (int32_t e = 0; e < job.num_queries; ++e) {
+    if (job.query_slots[e] < 0 || job.query_slots[e] >= v.count) {
+      return invalid("query_slots[", e, "] = ", job.query_slots[e], " is not in [0, ", v.count,
+                     ")");
+    }
+  }
+  for (int32_t c = 0; c < job.num_candidates; ++c) {
+    if (job.candidate_slots[c] < 0 || job.candidate_slots[c] >= v.count) {
+      return invalid("candidate_slots[", c, "] = ", job.candidate_slots[c], " is not in [0, ",
+                     v.count, ")");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// src_offsets is a host mirror here.
+absl::Status ValidateMerge(const RowMergeJob& job, size_t index) {
+  auto invalid = [index](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("row merge job ", index, ": ", parts...));
+  };
+  if (job.dtype != DType::kFloat16 && job.dtype != DType::kBFloat16 &&
+      job.dtype != DType::kFloat32) {
+    return invalid("dtype ", static_cast<int>(job.dtype), " is not supported");
+  }
+  if (job.row_elements < 1) return invalid("row_elements must be >= 1, got ", job.row_elements);
+  if (job.num_sources < 1) return invalid("num_sources must be >= 1, got ", job.num_sources);
+  if (job.arena == nullptr) return invalid("arena is null");
+  if (job.src_offsets == nullptr) return invalid("src_offsets is null");
+  if (job.weights == nullptr) return invalid("weights is null");
+  const uint64_t row_bytes = static_cast<uint64_t>(job.row_elements) * DTypeBytes(job.dtype);
+  if (!CheckedAdd(job.dst_offset, row_bytes)) return invalid("dst_offset overflows");
+  for (int32_t k = 0; k < job.num_sources; ++k) {
+    if (!CheckedAdd(job.src_offsets[k], row_bytes)) {
+      return invalid("src_offsets[", k, "] overflows");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {}
+
+  std::string_view name() const override { return "cuda"; }
+  bool healthy() const override { return healthy_.load(std::memory_order_acquire); }
+
+  absl::StatusOr<std::unique_ptr<Arena>> CreateArena(uint64_t bytes, const ArenaOptions&) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    auto arena = CudaArena::Create(device_, bytes);
+    if (!arena.ok() && arena.status().code() == absl::StatusCode::kInternal) {
+      MarkUnhealthy(arena.status());
+    }
+    return arena;
+  }
+
+  absl::Status KeyDiffScores(absl::Span<const KeyDiffScoreJob> jobs, Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const std::string context = absl::StrCat("keydiff job ", i);
+      std::vector<int32_t> table;
+      KeyDiffScoreJob host = jobs[i];
+      KVS_ASSIGN_OR_RETURN(host.keys, MirrorView(jobs[i].keys, table, context, "keys"));
+      KVS_RETURN_IF_ERROR(ValidateKeyDiffJob(host, i));
+      if (jobs[i].keys.count == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckViewAccessible(jobs[i].keys, context, "keys"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(jobs[i].scores, context, "scores"));
+    }
+    for (const KeyDiffScoreJob& job : jobs) {
+      KVS_RETURN_IF_ERROR(
+          Launched(cuda::LaunchKeyDiff(ToDev(job.keys), static_cast<int>(job.anchor),
+                                       static_cast<int>(job.metric), job.scores, ToStream(stream)),
+                   "KeyDiffScores"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status TopK(absl::Span<const TopKJob> jobs, Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const TopKJob& job = jobs[i];
+      const std::string context = absl::StrCat("top-k job ", i);
+      TopKJob host = job;
+      std::vector<uint8_t> forced;
+      if (job.forced != nullptr) {
+        // Negative shapes are the validator's to report; it reads no flags then.
+        host.forced = nullptr;
+        if (job.rows > 0 && job.n > 0) {
+          KVS_ASSIGN_OR_RETURN(forced,
+                               Mirror(job.forced, int64_t{job.rows} * job.n, context, "forced"));
+          host.forced = forced.data();
+        }
+      }
+      KVS_RETURN_IF_ERROR(ValidateTopKJob(host, i));
+      if (job.rows == 0 || job.k == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.scores, context, "scores"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.positions, context, "positions"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.kept, context, "kept"));
+    }
+    for (const TopKJob& job : jobs) {
+      KVS_RETURN_IF_ERROR(Launched(cuda::LaunchTopK(job.scores, job.positions, job.forced, job.rows,
+                                                    job.n, job.k, job.kept, ToStream(stream)),
+                                   "TopK"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyRows(absl::Span<const RowCopyJob> jobs, Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const RowCopyJob& job = jobs[i];
+      if (job.count < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("row copy job ", i, ": count must be >= 0, got ", job.count));
+      }
+      if (job.count == 0 || job.row_bytes == 0) continue;
+      if (job.arena == nullptr || job.src_offsets == nullptr || job.dst_offsets == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("row copy job ", i, ": null arena or offsets"));
+      }
+      const std::string context = absl::StrCat("row copy job ", i);
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena, context, "arena"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.src_offsets, context, "src_offsets"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.dst_offsets, context, "dst_offsets"));
+    }
+    for (const RowCopyJob& job : jobs) {
+      KVS_RETURN_IF_ERROR(Launched(cuda::LaunchCopyRows(job.arena, job.src_offsets, job.dst_offsets,
+                                                        job.count, job.row_bytes, ToStream(stream)),
+                                   "CopyRows"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyHostRows(absl::Span<const HostRowCopyJob> jobs, Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    // The device's address of each job's host buffer: the same pointer for cudaHostAlloc'd
+    // memory, possibly another one for cudaHostRegister'ed memory on some systems.
+    std::vector<uint8_t*> device_host(jobs.size(), nullptr);
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const HostRowCopyJob& job = jobs[i];
+      if (job.count < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("host row copy job ", i, ": count must be >= 0, got ", job.count));
+      }
+      if (job.count == 0 || job.row_bytes == 0) continue;
+      if (job.arena == nullptr || job.host == nullptr || job.arena_offsets == nullptr ||
+          job.host_offsets == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("host row copy job ", i, ": null arena, host or offsets"));
+      }
+      const std::string context = absl::StrCat("host row copy job ", i);
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena, context, "arena"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.host, context, "host"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena_offsets, context, "arena_offsets"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.host_offsets, context, "host_offsets"));
+      cudaPointerAttributes attributes{};
+      KVS_RETURN_IF_ERROR(
+          Launched(cudaPointerGetAttributes(&attributes, job.host), "cudaPointerGetAttributes"));
+      device_host[i] = static_cast<uint8_t*>(attributes.devicePointer);
+    }
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const HostRowCopyJob& job = jobs[i];
+      if (device_host[i] == nullptr) continue;  // nothing to copy
+      KVS_RETURN_IF_ERROR(Launched(
+          cuda::LaunchCopyHostRows(job.arena, device_host[i], job.arena_offsets, job.host_offsets,
+                                   job.count, job.row_bytes, job.to_host, ToStream(stream)),
+          "CopyHostRows"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream stream) override {
+    return Attention(jobs, /*logits_only=*/false, stream);
+  }
+  absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream stream) override {
+    return Attention(jobs, /*logits_only=*/true, stream);
+  }
+
+  absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const std::string context = absl::StrCat("caote job ", i);
+      std::vector<int32_t> table;
+      CaoteJob host = jobs[i];
+      KVS_ASSIGN_OR_RETURN(host.values, MirrorView(jobs[i].values, table, context, "values"));
+      KVS_RETURN_IF_ERROR(ValidateCaote(host, i));
+      if (jobs[i].values.count == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckViewAccessible(jobs[i].values, context, "values"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(jobs[i].alpha, context, "alpha"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(jobs[i].scores, context, "scores"));
+    }
+    for (const CaoteJob& job : jobs) {
+      KVS_RETURN_IF_ERROR(
+          Launched(cuda::LaunchCaote(ToDev(job.values), job.alpha, job.rows, job.fast, job.eps,
+                                     job.scores, ToStream(stream)),
+                   "CaoteScores"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status NearestKeys(absl::Span<const NearestKeyJob> jobs, Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const NearestKeyJob& job = jobs[i];
+      const std::string context = absl::StrCat("nearest key job ", i);
+      std::vector<int32_t> table, queries, candidates;
+      NearestKeyJob host = job;
+      KVS_ASSIGN_OR_RETURN(host.keys, MirrorView(job.keys, table, context, "keys"));
+      if (job.num_queries > 0 && job.query_slots != nullptr) {
+        KVS_ASSIGN_OR_RETURN(queries,
+                             Mirror(job.query_slots, job.num_queries, context, "query_slots"));
+        host.query_slots = queries.data();
+      }
+      if (job.num_queries > 0 && job.num_candidates > 0 && job.candidate_slots != nullptr) {
+        KVS_ASSIGN_OR_RETURN(candidates, Mirror(job.candidate_slots, job.num_candidates, context,
+                                                "candidate_slots"));
+        host.candidate_slots = candidates.data();
+      }
+      KVS_RETURN_IF_ERROR(ValidateNearest(host, i));
+      if (job.num_queries == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckViewAccessible(job.keys, context, "keys"));
+      KVS_RETURN_IF_ERROR(
+          CheckDeviceAccessible(job.candidate_positions, context, "candidate_positions"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.similarity, context, "similarity"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.target, context, "target"));
+    }
+    for (const NearestKeyJob& job : jobs) {
+      KVS_RETURN_IF_ERROR(Launched(
+          cuda::LaunchNearestKeys(ToDev(job.keys), job.head, job.query_slots, job.num_queries,
+                                  job.candidate_slots, job.candidate_positions, job.num_candidates,
+                                  job.similarity, job.target, ToStream(stream)),
+          "NearestKeys"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status MergeRows(absl::Span<const RowMergeJob> jobs, Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    std::vector<cuda::DevMergeJob> descriptors;
+    descriptors.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const RowMergeJob& job = jobs[i];
+      const std::string context = absl::StrCat("row merge job ", i);
+      RowMergeJob host = job;
+      std::vector<uint64_t> offsets;
+      if (job.num_sources > 0 && job.src_offsets != nullptr) {
+        KVS_ASSIGN_OR_RETURN(offsets,
+                             Mirror(job.src_offsets, job.num_sources, context, "src_offsets"));
+        host.src_offsets = offsets.data();
+      }
+      KVS_RETURN_IF_ERROR(ValidateMerge(host, i));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena, context, "arena"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.weights, context, "weights"));
+      cuda::DevMergeJob d;
+      d.arena = job.arena;
+      d.dtype = static_cast<int32_t>(job.dtype);
+      d.row_elements = job.row_elements;
+      d.dst_offset = job.dst_offset;
+      d.src_offsets = job.src_offsets;
+      d.weights = job.weights;
+      d.num_sources = job.num_sources;
+      descriptors.push_back(d);
+    }
+    if (descriptors.empty()) return absl::OkStatus();
+    // The descriptors travel in a stream-ordered allocation freed behind the kernel. The copy
+    // is from pageable memory, so it has left `descriptors` when cudaMemcpyAsync returns.
+    const cudaStream_t s = ToStream(stream);
+    const size_t bytes = descriptors.size() * sizeof(cuda::DevMergeJob);
+    void* device_jobs = nullptr;
+    KVS_RETURN_IF_ERROR(Launched(cudaMallocAsync(&device_jobs, bytes, s), "cudaMallocAsync"));
+    absl::Status status =
+        Launched(cudaMemcpyAsync(device_jobs, descriptors.data(), bytes, cudaMemcpyHostToDevice, s),
+                 "cudaMemcpyAsync");
+    if (status.ok()) {
+      status = Launched(cuda::LaunchMergeRows(static_cast<const cuda::DevMergeJob*>(device_jobs),
+                                              static_cast<int64_t>(descriptors.size()), s),
+                        "MergeRows");
+    }
+    const absl::Status freed = Launched(cudaFreeAsync(device_jobs, s), "cudaFreeAsync");
+    return status.ok() ? freed : status;
+  }
+
+  absl::Status Synchronize(Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    return Launched(cudaStreamSynchronize(ToStream(stream)), "cudaStreamSynchronize");
+  }
+
+ private:
+  static cudaStream_t ToStream(Stream stream) { return static_cast<cudaStream_t>(stream); }
+
+  // Every call starts here: refuse work once unhealthy, select the device for this thread.
+  absl::Status Enter() {
+    if (!healthy()) {
+      absl::MutexLock lock(&mu_);
+      return absl::FailedPreconditionError(
+          absl::StrCat("CUDA backend is unhealthy after a device error: ", first_error_));
+    }
+    return Launched(cudaSetDevice(device_), "cudaSetDevice");
+  }
+
+  // The status of a CUDA call made on behalf of a job; a device error marks the backend unhealthy.
+  absl::Status Launched(cudaError_t error, absl::string_view what) {
+    if (error == cudaSuccess) return absl::OkStatus();
+    absl::Status status = CudaStatus(error, what);
+    if (error == cudaErrorMemoryAllocation || error == cudaErrorInvalidValue ||
+        error == cudaErrorInvalidConfiguration || error == cudaErrorLaunchOutOfResources) {
+      cudaGetLastError();  // not sticky: report without condemning the device
+      return status;
+    }
+    MarkUnhealthy(status);
+    return status;
+  }
+
+  void MarkUnhealthy(const absl::Status& status) {
+    absl::MutexLock lock(&mu_);
+    if (first_error_.empty()) first_error_ = std::string(status.message());
+    healthy_.store(false, std::memory_order_release);
+    std::fprintf(stderr, "kvsidecar: CUDA backend marked unhealthy: %s\n", first_error_.c_str());
+  }
+
+  absl::Status Attention(absl::Span<const AttentionJob> jobs, bool logits_only, Stream stream) {
+    KVS_RETURN_IF_ERROR(Enter());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const AttentionJob& job = jobs[i];
+      const std::string context = absl::StrCat("attention job ", i);
+      std::vector<int32_t> table;
+      AttentionJob host = job;
+      KVS_ASSIGN_OR_RETURN(host.keys, MirrorView(job.keys, table, context, "keys"));
+      KVS_RETURN_IF_ERROR(ValidateAttention(host, i));
+      if (job.keys.count == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckViewAccessible(job.keys, context, "keys"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.key_positions, context, "key_positions"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.queries, context, "queries"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.query_positions, context, "query_positions"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.probs, context, "probs"));
+    }
+    for (const AttentionJob& job : jobs) {
+      cuda::DevAttentionJob d;
+      d.keys = ToDev(job.keys);
+      d.key_positions = job.key_positions;
+      d.queries = job.queries;
+      d.query_positions = job.query_positions;
+      d.num_q_heads = job.num_q_heads;
+      d.num_queries = job.num_queries;
+      d.scale = job.scale;
+      d.out = job.probs;
+      KVS_RETURN_IF_ERROR(Launched(cuda::LaunchAttention(d, logits_only, ToStream(stream)),
+                                   logits_only ? "AttentionLogits" : "AttentionProbs"));
+    }
+    return absl::OkStatus();
+  }
+
+  const int device_;
+  std::atomic<bool> healthy_{true};
+  mutable absl::Mutex mu_;
+  std::string first_error_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+int CudaDeviceCount(std::string* why) {
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) {
+    cudaGetLastError();
+    if (why != nullptr) {
+      *why = absl::StrCat("cudaGetDeviceCount: ", cudaGetErrorName(error), " (",
+                          cudaGetErrorString(error), ")");
+    }
+    return 0;
+  }
+  if (count == 0 && why != nullptr) *why = "cudaGetDeviceCount: 0 devices";
+  return count;
+}
+
+std::string CudaDeviceDescription(int ordinal) {
+  cudaDeviceProp props;
+  if (cudaError_t error = cudaGetDeviceProperties(&props, ordinal); error != cudaSuccess) {
+    cudaGetLastError();
+    return absl::StrCat("device ", ordinal, ": ", cudaGetErrorString(error));
+  }
+  return absl::StrCat(props.name, " (sm_", props.major, props.minor, ", ",
+                      props.totalGlobalMem >> 20, " MiB)");
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
+  std::string why;
+  const int count = CudaDeviceCount(&why);
+  if (count == 0) return absl::FailedPreconditionError(absl::StrCat("no CUDA device: ", why));
+  if (device < 0 || device >= count) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA device ", device, " does not exist (", count, " present)"));
+  }
+  if (cudaError_t error = cudaSetDevice(device); error != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA device ", device, " cannot be used: ", cudaGetErrorString(error)));
+  }
+  // Create the context now, so that a broken device fails here and not in the first call.
+  if (cudaError_t error = cudaFree(nullptr); error != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "CUDA device ", device, " cannot be initialised: ", cudaGetErrorString(error)));
+  }
+  return std::unique_ptr<Backend>(new CudaBackend(device));
+}
+
+}  // namespace kvs

@@ -1,0 +1,43 @@
+// CudaBackend: the CUDA implementation of gpu/backend.h (built when KVS_WITH_CUDA is on). Every
+// pointer in a job is device memory (or page-locked host memory where a field says host), the
+// arena is one cudaMalloc exported once through cudaIpcGetMemHandle, and kernels run on the
+// caller's stream (nullptr = the legacy default stream); Synchronize waits for them.
+// CopyHostRows: `host` must be page-locked (cudaHostAlloc / cudaHostRegister) so the copy kernel
+// reaches it; its offset arrays are device memory like every other index array.
+//
+// Not yet usable by the server: the cache core (cache/sequence.cc, the policies) still builds
+// jobs over host vectors and reads the arena on the host, so service/config.cc refuses
+// --backend=cuda; this backend is exercised by tests/gpu/cuda/cuda_backend_test.cc only.
+//
+// Validation follows the CPU backend (same INVALID_ARGUMENT messages): the small index arrays a
+// check must read (block tables, slot lists, forced flags, source offsets) are copied to the host
+// first, so a call that fails validation launches nothing. A pointer the device cannot access
+// (e.g. pageable host memory) is INVALID_ARGUMENT naming the field. Every CUDA error becomes a
+// status; a device error (anything but an out-of-memory or invalid-value answer) marks the
+// backend unhealthy: later calls fail with FAILED_PRECONDITION and healthy() is false. Nothing
+// aborts the process.
+//
+// Threading: a CudaBackend may be called from any thread (each call selects its device first).
+#ifndef KVSIDECAR_GPU_CUDA_CUDA_BACKEND_H_
+#define KVSIDECAR_GPU_CUDA_CUDA_BACKEND_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "gpu/backend.h"
+
+namespace kvs {
+
+// The number of usable CUDA devices; 0 with `*why` set ("cudaGetDeviceCount: ..." naming the CUDA
+// error, e.g. no driver) when there are none. Never aborts.
+int CudaDeviceCount(std::string* why);
+// "<name> (sm_XY, N MiB)" of device `ordinal`, or the CUDA error text.
+std::string CudaDeviceDescription(int ordinal);
+
+// FAILED_PRECONDITION when `device` does not exist or cannot be initialised.
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device = 0);
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_GPU_CUDA_CUDA_BACKEND_H_

@@ -1,0 +1,675 @@
+// The CUDA backend's kernels (declared in gpu/cuda/cuda_kernels.h). Written for correctness and
+// parity with the CPU backend's scalar reference first: every dot product, norm and sum runs in
+// the same sequential order per output as the scalar code, and the file is compiled with
+// --fmad=false so the device rounds where the reference does. Not yet tuned (no GPU was available
+// when this was written; see README "CUDA backend").
+//
+// Launch shape: kThreads threads per block; one block per (job, head), (job, row) or job, with
+// grid-stride loops where a job has many rows.
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "gpu/cuda/cuda_kernels.h"
+
+namespace kvs::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxGrid = 1 << 20;
+
+// Must match gpu/base/dtype.h.
+constexpr int kFloat16 = 1, kBFloat16 = 2, kFloat32 = 3;
+// KeyDiffAnchor / KeyDiffMetric values (gpu/backend.h).
+constexpr int kMeanNormalized = 0, kMedianNormalized = 2;  // kMeanRaw = 1: plain mean
+constexpr int kCosine = 0, kPairwise = 1, kDot = 2, kEuclidean = 3;
+
+int GridFor(int64_t items) {
+  if (items < 1) return 1;
+  return items > kMaxGrid ? kMaxGrid : static_cast<int>(items);
+}
+
+__device__ inline float NegInf() { return __int_as_float(0xff800000); }
+__device__ inline float PosInf() { return __int_as_float(0x7f800000); }
+
+// std::max(a, b) exactly ((a < b) ? b : a): NaN in `a` survives, unlike fmaxf.
+__device__ inline float StdMax(float a, float b) { return (a < b) ? b : a; }
+
+__device__ inline float LoadF(const uint8_t* row, int dtype, int64_t d) {
+  switch (dtype) {
+    case kFloat16:
+      return __half2float(__ushort_as_half(reinterpret_cast<const uint16_t*>(row)[d]));
+    case kBFloat16:
+      return __uint_as_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(row)[d])
+                             << 16);
+    default:
+      return reinterpret_cast<const float*>(row)[d];
+  }
+}
+
+// Bit-exact ports of FloatToFloat16 / FloatToBFloat16 (gpu/base/dtype.h).
+__device__ inline uint16_t ToFloat16(float value) {
+  const uint32_t bits = __float_as_uint(value);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t abs_bits = bits & 0x7fffffffu;
+  if (abs_bits > 0x7f800000u) return sign | 0x7e00u;
+  if (abs_bits >= 0x477ff000u) return sign | 0x7c00u;
+  if (abs_bits < 0x38800000u) {
+    if (abs_bits < 0x33000000u) return sign;
+    const uint32_t exponent = abs_bits >> 23;
+    const uint32_t mantissa = (abs_bits & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - exponent;
+    uint32_t half = mantissa >> shift;
+    const uint32_t remainder = mantissa & ((1u << shift) - 1);
+    const uint32_t halfway = 1u << (shift - 1);
+    if (remainder > halfway || (remainder == halfway && (half & 1u))) ++half;
+    return sign | static_cast<uint16_t>(half);
+  }
+  const uint32_t rounded = abs_bits + 0xfffu + ((abs_bits >> 13) & 1u);
+  return sign | static_cast<uint16_t>((rounded - 0x38000000u) >> 13);
+}
+
+__device__ inline uint16_t ToBFloat16(float value) {
+  uint32_t bits = __float_as_uint(value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+__device__ inline void StoreF(uint8_t* row, int dtype, int64_t d, float value) {
+  switch (dtype) {
+    case kFloat16:
+      reinterpret_cast<uint16_t*>(row)[d] = ToFloat16(value);
+      return;
+    case kBFloat16:
+      reinterpret_cast<uint16_t*>(row)[d] = ToBFloat16(value);
+      return;
+    default:
+      reinterpret_cast<float*>(row)[d] = value;
+  }
+}
+
+__device__ inline int DTypeBytesOf(int dtype) { return dtype == kFloat32 ? 4 : 2; }
+
+// The row of (view.kv_index, head, slot), laid out as gpu/backend.h says.
+__device__ inline const uint8_t* PagedRow(const DevPagedView& v, int64_t head, int64_t slot) {
+  const uint64_t row_bytes = static_cast<uint64_t>(v.head_dim) * DTypeBytesOf(v.dtype);
+  return v.arena + static_cast<uint64_t>(v.block_table[slot / v.block_tokens]) * v.block_bytes +
+         ((static_cast<uint64_t>(v.kv_index) * v.num_kv_heads + head) * v.block_tokens +
+          slot % v.block_tokens) *
+             row_bytes;
+}
+
+// Block-wide reductions; every thread of the block must call them. `scratch` holds kThreads.
+__device__ float BlockMax(float value, float* scratch) {
+  scratch[threadIdx.x] = value;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) {
+      scratch[threadIdx.x] = StdMax(scratch[threadIdx.x], scratch[threadIdx.x + stride]);
+    }
+    __syncthreads();
+  }
+  const float result = scratch[0];
+  __syncthreads();
+  return result;
+}
+
+__device__ float BlockSum(float value, float* scratch) {
+  scratch[threadIdx.x] = value;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) scratch[threadIdx.x] += scratch[threadIdx.x + stride];
+    __syncthreads();
+  }
+  const float result = scratch[0];
+  __syncthreads();
+  return result;
+}
+
+__device__ int BlockSumInt(int value, int* scratch) {
+  scratch[threadIdx.x] = value;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) scratch[threadIdx.x] += scratch[threadIdx.x + stride];
+    __syncthreads();
+  }
+  const int result = scratch[0];
+  __syncthreads();
+  return result;
+}
+
+// Radix select over the items i in [0, n) for which key_of(i, &key) is true: the `rank`-th
+// smallest key (0-based; the caller guarantees rank < number of such items). Returns the key and
+// sets *rank_in_ties to the rank left within the items equal to it (0-based). Every thread calls.
+template <typename KeyFn>
+__device__ uint32_t BlockSelect(KeyFn key_of, int n, uint32_t rank, uint32_t* rank_in_ties) {
+  __shared__ uint32_t histogram[256];
+  __shared__ uint32_t state[2];
+  uint32_t prefix = 0, mask = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += kThreads) histogram[i] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+      uint32_t key;
+      if (key_of(i, &key) && (key & mask) == prefix)
+        atomicAdd(&histogram[(key >> shift) & 0xff], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t below = 0;
+      int digit = 0;
+      for (; digit < 255; ++digit) {
+        if (below + histogram[digit] > rank) break;
+        below += histogram[digit];
+      }
+      state[0] = prefix | (static_cast<uint32_t>(digit) << shift);
+      state[1] = rank - below;
+    }
+    __syncthreads();
+    prefix = state[0];
+    rank = state[1];
+    mask |= 0xffu << shift;
+    __syncthreads();
+  }
+  *rank_in_ties = rank;
+  return prefix;
+}
+
+// ---------------------------------------------------------------------------------------------
+// KeyDiff (gpu/cpu/keydiff_cpu.cc ScoreHeadScalar). One block per kv head; the head's scores
+// buffer holds each slot's norm scale until the scoring pass overwrites it.
+
+// Orders floats like LessNanLast: NaN above everything, -0 equal to +0.
+__device__ inline uint32_t MedianKey(float value) {
+  if (value != value) return 0xffffffffu;
+  const uint32_t bits = __float_as_uint(value + 0.0f);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+__device__ inline float MedianValue(uint32_t key) {
+  if (key == 0xffffffffu) return __int_as_float(0x7fc00000);
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+__global__ void KeyDiffKernel(DevPagedView v, int anchor_kind, int metric, float* scores) {
+  extern __shared__ float anchor[];
+  __shared__ float anchor_norm_shared;
+  const int64_t head = blockIdx.x;
+  const int n = v.count;
+  const int dim = v.head_dim;
+  float* out = scores + head * n;
+  const bool median = metric == kCosine && anchor_kind == kMedianNormalized;
+  float eps = 0.0f;  // 0: the raw mean
+  if (metric == kCosine && (anchor_kind == kMeanNormalized || anchor_kind == kMedianNormalized)) {
+    eps = 1e-12f;
+  }
+  if (metric == kPairwise) eps = 1e-8f;
+  // Pass 1: each slot's divisor.
+  for (int s = threadIdx.x; s < n; s += kThreads) {
+    const uint8_t* row = PagedRow(v, head, s);
+    float squared = 0.0f;
+    for (int d = 0; d < dim; ++d) {
+      const float x = LoadF(row, v.dtype, d);
+      squared += x * x;
+    }
+    out[s] = eps > 0.0f ? StdMax(sqrtf(squared), eps) : 1.0f;
+  }
+  __syncthreads();
+  if (!median) {
+    for (int d = threadIdx.x; d < dim; d += kThreads) {
+      float sum = 0.0f;
+      for (int s = 0; s < n; ++s) sum += LoadF(PagedRow(v, head, s), v.dtype, d) / out[s];
+      sum /= static_cast<float>(n);
+      if (metric == kPairwise) sum *= static_cast<float>(n);
+      anchor[d] = sum;
+    }
+  } else {
+    // Coordinate-wise median of the normalised keys; an even count averages the two middle ones.
+    for (int d = 0; d < dim; ++d) {
+      auto key_of = [&](int s, uint32_t* key) {
+        *key = MedianKey(LoadF(PagedRow(v, head, s), v.dtype, d) / out[s]);
+        return true;
+      };
+      uint32_t ties;
+      float value = MedianValue(BlockSelect(key_of, n, static_cast<uint32_t>(n / 2), &ties));
+      if (n % 2 == 0) {
+        const float lower =
+            MedianValue(BlockSelect(key_of, n, static_cast<uint32_t>(n / 2 - 1), &ties));
+        value = 0.5f * (lower + value);
+      }
+      if (threadIdx.x == 0) anchor[d] = value;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float squared = 0.0f;
+    for (int d = 0; d < dim; ++d) squared += anchor[d] * anchor[d];
+    anchor_norm_shared = StdMax(sqrtf(squared), 1e-8f);
+  }
+  __syncthreads();
+  const float anchor_norm = anchor_norm_shared;
+  for (int s = threadIdx.x; s < n; s += kThreads) {
+    const uint8_t* row = PagedRow(v, head, s);
+    float dot = 0.0f, squared = 0.0f, distance = 0.0f;
+    for (int d = 0; d < dim; ++d) {
+      const float x = LoadF(row, v.dtype, d);
+      dot += x * anchor[d];
+      squared += x * x;
+      const float diff = x - anchor[d];
+      distance += diff * diff;
+    }
+    const float key_norm = StdMax(sqrtf(squared), 1e-8f);
+    switch (metric) {
+      case kCosine:
+        out[s] = -dot / (key_norm * anchor_norm) + 0.0f;
+        break;
+      case kPairwise:
+        out[s] = -dot / key_norm + 0.0f;
+        break;
+      case kDot:
+        out[s] = -dot + 0.0f;
+        break;
+      case kEuclidean:
+      default:
+        out[s] = sqrtf(distance);
+        break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Top-k (gpu/cpu/topk_cpu.cc): one block per row. The threshold key and the tie cut by position
+// come from two radix selects; the kept slots are then written in slot order by a block scan.
+
+__device__ inline uint32_t ScoreKey(float score) {
+  if (score != score) return 0;
+  const uint32_t bits = __float_as_uint(score + 0.0f);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+__global__ void TopKKernel(const float* scores_all, const int32_t* positions_all,
+                           const uint8_t* forced_all, int32_t rows, int32_t n, int32_t k,
+                           int32_t* kept_all) {
+  __shared__ int int_scratch[kThreads];
+  __shared__ int warp_totals[kWarps];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* scores = scores_all + row * n;
+    const int32_t* positions = positions_all + row * n;
+    const uint8_t* forced = forced_all != nullptr ? forced_all + row * n : nullptr;
+    int32_t* kept = kept_all + row * k;
+    int local_forced = 0;
+    if (forced != nullptr) {
+      for (int s = threadIdx.x; s < n; s += kThreads) local_forced += forced[s] != 0 ? 1 : 0;
+    }
+    const int num_forced = BlockSumInt(local_forced, int_scratch);
+    const int wanted = k - num_forced;
+    const int num_candidates = n - num_forced;
+    const bool keep_all = wanted >= num_candidates;
+    uint32_t threshold = 0;
+    // Candidates at the threshold key are kept up to this position key (position ^ 0x80000000).
+    uint32_t tie_limit = 0xffffffffu;
+    if (!keep_all && wanted > 0) {
+      auto inverted = [&](int s, uint32_t* key) {
+        if (forced != nullptr && forced[s] != 0) return false;
+        *key = ~ScoreKey(scores[s]);
+        return true;
+      };
+      uint32_t ties_before;
+      threshold = ~BlockSelect(inverted, n, static_cast<uint32_t>(wanted - 1), &ties_before);
+      // ties_before + 1 candidates with the threshold key are kept: the lowest positions.
+      auto tie_positions = [&](int s, uint32_t* key) {
+        if (forced != nullptr && forced[s] != 0) return false;
+        if (ScoreKey(scores[s]) != threshold) return false;
+        *key = static_cast<uint32_t>(positions[s]) ^ 0x80000000u;
+        return true;
+      };
+      uint32_t unused;
+      tie_limit = BlockSelect(tie_positions, n, ties_before, &unused);
+    }
+    int written = 0;
+    for (int base = 0; base < n; base += kThreads) {
+      const int s = base + threadIdx.x;
+      bool keep = false;
+      if (s < n) {
+        if (forced != nullptr && forced[s] != 0) {
+          keep = true;
+        } else if (keep_all) {
+          keep = true;
+        } else if (wanted > 0) {
+          const uint32_t key = ScoreKey(scores[s]);
+          keep = key > threshold || (key == threshold && (static_cast<uint32_t>(positions[s]) ^
+                                                          0x80000000u) <= tie_limit);
+        }
+      }
+      const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+      const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+      if (lane == 0) warp_totals[warp] = __popc(ballot);
+      __syncthreads();
+      int offset = written;
+      int total = 0;
+      for (int w = 0; w < kWarps; ++w) {
+        if (w < warp) offset += warp_totals[w];
+        total += warp_totals[w];
+      }
+      offset += __popc(ballot & ((1u << lane) - 1u));
+      if (keep && offset < k) kept[offset] = s;
+      written += total;
+      __syncthreads();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row copies.
+
+// Copies one row with the whole block: 16-byte words when aligned, bytes otherwise; an
+// overlapping (but not identical) pair is moved by one thread in the safe direction (memmove).
+__device__ void BlockCopyRow(uint8_t* dst, const uint8_t* src, uint64_t bytes) {
+  if (dst == src) return;
+  const bool overlap = dst < src + bytes && src < dst + bytes;
+  if (overlap) {
+    if (threadIdx.x == 0) {
+      if (dst < src) {
+        for (uint64_t i = 0; i < bytes; ++i) dst[i] = src[i];
+      } else {
+        for (uint64_t i = bytes; i > 0; --i) dst[i - 1] = src[i - 1];
+      }
+    }
+    return;
+  }
+  const uintptr_t alignment =
+      reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes;
+  if (alignment % 16 == 0) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (uint64_t i = threadIdx.x; i < bytes / 16; i += kThreads) d[i] = s[i];
+  } else {
+    for (uint64_t i = threadIdx.x; i < bytes; i += kThreads) dst[i] = src[i];
+  }
+}
+
+__global__ void CopyRowsKernel(uint8_t* arena, const uint64_t* src_offsets,
+                               const uint64_t* dst_offsets, int64_t count, uint64_t row_bytes) {
+  // One block, rows in order: a destination may be an earlier row's source.
+  for (int64_t r = 0; r < count; ++r) {
+    BlockCopyRow(arena + dst_offsets[r], arena + src_offsets[r], row_bytes);
+    __syncthreads();
+  }
+}
+
+__global__ void CopyHostRowsKernel(uint8_t* arena, uint8_t* host, const uint64_t* arena_offsets,
+                                   const uint64_t* host_offsets, int64_t count, uint64_t row_bytes,
+                                   bool to_host) {
+  for (int64_t r = blockIdx.x; r < count; r += gridDim.x) {
+    uint8_t* a = arena + arena_offsets[r];
+    uint8_t* h = host + host_offsets[r];
+    if (to_host) {
+      BlockCopyRow(h, a, row_bytes);
+    } else {
+      BlockCopyRow(a, h, row_bytes);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention: one block per (query head, query) row: logits, then the row's max and sum.
+
+__global__ void AttentionKernel(DevAttentionJob job, bool logits_only) {
+  extern __shared__ float query[];
+  __shared__ float scratch[kThreads];
+  const DevPagedView& v = job.keys;
+  const int64_t count = v.count;
+  const int dim = v.head_dim;
+  const int64_t group = job.num_q_heads / v.num_kv_heads;
+  const int64_t total_rows = static_cast<int64_t>(job.num_q_heads) * job.num_queries;
+  for (int64_t row = blockIdx.x; row < total_rows; row += gridDim.x) {
+    const int64_t q_head = row / job.num_queries;
+    const int64_t head = q_head / group;
+    const int32_t query_position = job.query_positions[row % job.num_queries];
+    const int32_t* key_positions = job.key_positions + head * count;
+    float* out = job.out + row * count;
+    __syncthreads();  // the previous row is done with `query`
+    for (int d = threadIdx.x; d < dim; d += kThreads) query[d] = job.queries[row * dim + d];
+    __syncthreads();
+    float local_max = NegInf();
+    for (int64_t s = threadIdx.x; s < count; s += kThreads) {
+      float logit = NegInf();
+      if (key_positions[s] <= query_position) {
+        const uint8_t* key = PagedRow(v, head, s);
+        float dot = 0.0f;
+        for (int d = 0; d < dim; ++d) dot += query[d] * LoadF(key, v.dtype, d);
+        logit = job.scale * dot;
+        local_max = StdMax(local_max, logit);
+      }
+      out[s] = logit;
+    }
+    if (logits_only) continue;
+    const float max = BlockMax(local_max, scratch);
+    if (max == NegInf()) {  // every slot masked: all zeros
+      for (int64_t s = threadIdx.x; s < count; s += kThreads) out[s] = 0.0f;
+      continue;
+    }
+    float local_sum = 0.0f;
+    for (int64_t s = threadIdx.x; s < count; s += kThreads) {
+      const float logit = out[s];
+      const float p = logit == NegInf() ? 0.0f : expf(logit - max);
+      out[s] = p;
+      local_sum += p;
+    }
+    const float inv = 1.0f / BlockSum(local_sum, scratch);
+    for (int64_t s = threadIdx.x; s < count; s += kThreads) out[s] *= inv;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CAOTE (gpu/cpu/caote_cpu.cc ScoreHeadScalar): one block per row; X accumulates in double.
+
+__global__ void CaoteKernel(DevPagedView v, const float* alpha_all, int32_t rows, bool fast,
+                            float eps, float* scores_all) {
+  extern __shared__ float x[];
+  const int64_t count = v.count;
+  const int dim = v.head_dim;
+  const int64_t rows_per_head = rows / v.num_kv_heads;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t head = row / rows_per_head;
+    const float* alpha = alpha_all + row * count;
+    float* scores = scores_all + row * count;
+    __syncthreads();
+    for (int d = threadIdx.x; d < dim; d += kThreads) {
+      double sum = 0.0;
+      for (int64_t s = 0; s < count; ++s) {
+        const double weight = fast ? 1.0 : static_cast<double>(alpha[s]);
+        sum += weight * static_cast<double>(LoadF(PagedRow(v, head, s), v.dtype, d));
+      }
+      x[d] = static_cast<float>(fast ? sum / static_cast<double>(count) : sum);
+    }
+    __syncthreads();
+    for (int64_t s = threadIdx.x; s < count; s += kThreads) {
+      const float a = alpha[s];
+      if (a == 0.0f) {
+        scores[s] = 0.0f;
+        continue;
+      }
+      if (1.0f - a <= eps) {
+        scores[s] = PosInf();
+        continue;
+      }
+      const uint8_t* value = PagedRow(v, head, s);
+      float squared = 0.0f;
+      for (int d = 0; d < dim; ++d) {
+        const float diff = x[d] - LoadF(value, v.dtype, d);
+        squared += diff * diff;
+      }
+      scores[s] = a / (1.0f - a) * sqrtf(squared);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// D2O nearest keys (gpu/cpu/merge_cpu.cc NearestKeysOfJobScalar): one block per query slot.
+
+struct Best {
+  float similarity;
+  int32_t position;
+  int32_t index;  // -1: none yet
+};
+
+// merge_cpu.cc Better(), plus "the lower index" between two NaNs so that the block-wide result
+// equals the sequential scan's (which keeps its first candidate when every similarity is NaN).
+__device__ inline bool Beats(const Best& a, const Best& b) {
+  if (a.index < 0) return false;
+  if (b.index < 0) return true;
+  const bool a_nan = a.similarity != a.similarity, b_nan = b.similarity != b.similarity;
+  if (a_nan && b_nan) return a.index < b.index;
+  if (a_nan) return false;
+  if (b_nan) return true;
+  return a.similarity > b.similarity || (a.similarity == b.similarity && a.position < b.position);
+}
+
+__device__ inline float NormOf(const uint8_t* row, int dtype, int dim) {
+  float squared = 0.0f;
+  for (int d = 0; d < dim; ++d) {
+    const float x = LoadF(row, dtype, d);
+    squared += x * x;
+  }
+  return StdMax(sqrtf(squared), 1e-6f);
+}
+
+__global__ void NearestKeysKernel(DevPagedView v, int32_t head, const int32_t* query_slots,
+                                  int32_t num_queries, const int32_t* candidate_slots,
+                                  const int32_t* candidate_positions, int32_t num_candidates,
+                                  float* similarity, int32_t* target) {
+  extern __shared__ float query[];
+  __shared__ Best best_of[kThreads];
+  __shared__ float query_norm;
+  const int dim = v.head_dim;
+  for (int64_t e = blockIdx.x; e < num_queries; e += gridDim.x) {
+    const uint8_t* q_row = PagedRow(v, head, query_slots[e]);
+    __syncthreads();
+    if (threadIdx.x == 0) query_norm = NormOf(q_row, v.dtype, dim);
+    __syncthreads();
+    for (int d = threadIdx.x; d < dim; d += kThreads) {
+      query[d] = LoadF(q_row, v.dtype, d) / query_norm;
+    }
+    __syncthreads();
+    Best best{0.0f, 0, -1};
+    for (int c = threadIdx.x; c < num_candidates; c += kThreads) {
+      const uint8_t* c_row = PagedRow(v, head, candidate_slots[c]);
+      const float norm = NormOf(c_row, v.dtype, dim);
+      float dot = 0.0f;
+      for (int d = 0; d < dim; ++d) dot += query[d] * (LoadF(c_row, v.dtype, d) / norm);
+      const Best candidate{dot, candidate_positions[c], c};
+      if (best.index < 0 || Beats(candidate, best)) best = candidate;
+    }
+    best_of[threadIdx.x] = best;
+    __syncthreads();
+    for (int stride = kThreads / 2; stride > 0; stride >>= 1) {
+      if (threadIdx.x < stride && Beats(best_of[threadIdx.x + stride], best_of[threadIdx.x])) {
+        best_of[threadIdx.x] = best_of[threadIdx.x + stride];
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      similarity[e] = best_of[0].similarity;
+      target[e] = best_of[0].index;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weighted row merge: one block per job; every source element is read into shared memory before
+// any element of dst is written (dst may be a source).
+
+constexpr int kMergeChunk = 4096;  // = kMaxHeadDim: one chunk for every layout
+
+__global__ void MergeRowsKernel(const DevMergeJob* jobs, int64_t count) {
+  __shared__ float sum[kMergeChunk];
+  for (int64_t j = blockIdx.x; j < count; j += gridDim.x) {
+    const DevMergeJob job = jobs[j];
+    for (int base = 0; base < job.row_elements; base += kMergeChunk) {
+      const int end = job.row_elements - base < kMergeChunk ? job.row_elements : base + kMergeChunk;
+      for (int d = base + threadIdx.x; d < end; d += kThreads) {
+        float acc = 0.0f;
+        for (int32_t k = 0; k < job.num_sources; ++k) {
+          acc += job.weights[k] * LoadF(job.arena + job.src_offsets[k], job.dtype, d);
+        }
+        sum[d - base] = acc;
+      }
+      __syncthreads();
+      for (int d = base + threadIdx.x; d < end; d += kThreads) {
+        StoreF(job.arena + job.dst_offset, job.dtype, d, sum[d - base]);
+      }
+      __syncthreads();
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchKeyDiff(const DevPagedView& keys, int anchor, int metric, float* scores,
+                          cudaStream_t stream) {
+  if (keys.count == 0) return cudaSuccess;
+  const size_t shared = static_cast<size_t>(keys.head_dim) * sizeof(float);
+  KeyDiffKernel<<<keys.num_kv_heads, kThreads, shared, stream>>>(keys, anchor, metric, scores);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchTopK(const float* scores, const int32_t* positions, const uint8_t* forced,
+                       int32_t rows, int32_t n, int32_t k, int32_t* kept, cudaStream_t stream) {
+  if (rows == 0 || k == 0) return cudaSuccess;
+  TopKKernel<<<GridFor(rows), kThreads, 0, stream>>>(scores, positions, forced, rows, n, k, kept);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCopyRows(uint8_t* arena, const uint64_t* src_offsets, const uint64_t* dst_offsets,
+                           int64_t count, uint64_t row_bytes, cudaStream_t stream) {
+  if (count <= 0 || row_bytes == 0) return cudaSuccess;
+  CopyRowsKernel<<<1, kThreads, 0, stream>>>(arena, src_offsets, dst_offsets, count, row_bytes);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCopyHostRows(uint8_t* arena, uint8_t* host, const uint64_t* arena_offsets,
+                               const uint64_t* host_offsets, int64_t count, uint64_t row_bytes,
+                               bool to_host, cudaStream_t stream) {
+  if (count <= 0 || row_bytes == 0) return cudaSuccess;
+  CopyHostRowsKernel<<<GridFor(count), kThreads, 0, stream>>>(
+      arena, host, arena_offsets, host_offsets, count, row_bytes, to_host);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAttention(const DevAttentionJob& job, bool logits_only, cudaStream_t stream) {
+  if (job.keys.count == 0) return cudaSuccess;
+  const int64_t rows = static_cast<int64_t>(job.num_q_heads) * job.num_queries;
+  const size_t shared = static_cast<size_t>(job.keys.head_dim) * sizeof(float);
+  AttentionKernel<<<GridFor(rows), kThreads, shared, stream>>>(job, logits_only);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCaote(const DevPagedView& values, const float* alpha, int32_t rows, bool fast,
+                        float eps, float* scores, cudaStream_t stream) {
+  if (values.count == 0) return cudaSuccess;
+  const size_t shared = static_cast<size_t>(values.head_dim) * sizeof(float);
+  CaoteKernel<<<GridFor(rows), kThreads, shared, stream>>>(values, alpha, rows, fast, eps, scores);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchNearestKeys(const DevPagedView& keys, int32_t head, const int32_t* query_slots,
+                              int32_t num_queries, const int32_t* candidate_slots,
+                              const int32_t* candidate_positions, int32_t num_candidates,
+                              float* similarity, int32_t* target, cudaStream_t stream) {
+  if (num_queries == 0) return cudaSuccess;
+  const size_t shared = static_cast<size_t>(keys.head_dim) * sizeof(float);
+  NearestKeysKernel<<<GridFor(num_queries), kThreads, shared, stream>>>(
+      keys, head, query_slots, num_queries, candidate_slots, candidate_positions, num_candidates,
+      similarity, target);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMergeRows(const DevMergeJob* jobs, int64_t count, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  MergeRowsKernel<<<GridFor(count), kThreads, 0, stream>>>(jobs, count);
+  return cudaGetLastError();
+}
+
+}  // namespace kvs::cuda

@@ -1,0 +1,84 @@
+// The CUDA backend's kernel launchers (gpu/cuda/cuda_kernels.cu): plain structs of raw device
+// pointers and shapes, one launcher per Backend step, each enqueuing its kernels on `stream` and
+// returning the launch's cudaError_t. No Abseil, protobuf or service types here, so that nvcc
+// compiles only this header and the kernels. Jobs reaching a launcher have been validated by the
+// backend (gpu/cuda/cuda_backend.cc); the launchers check nothing but the launch itself.
+//
+// Semantics are those of gpu/backend.h (the CPU backend is the reference): fp32 accumulation
+// (CAOTE's X in double, like the scalar reference), the same tie, NaN and masking rules.
+//
+// Threading: launchers are stateless; concurrent calls on different streams are independent.
+#ifndef KVSIDECAR_GPU_CUDA_CUDA_KERNELS_H_
+#define KVSIDECAR_GPU_CUDA_CUDA_KERNELS_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace kvs::cuda {
+
+// A PagedLayerView (gpu/backend.h) with the dtype as its integer value (gpu/base/dtype.h).
+struct DevPagedView {
+  const uint8_t* arena = nullptr;
+  const int32_t* block_table = nullptr;
+  int32_t kv_index = 0;
+  int32_t count = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t block_tokens = 0;
+  int32_t dtype = 1;  // 1 fp16, 2 bf16, 3 fp32
+  uint64_t block_bytes = 0;
+};
+
+// anchor/metric: the integer values of KeyDiffAnchor / KeyDiffMetric. scores: [heads][count].
+cudaError_t LaunchKeyDiff(const DevPagedView& keys, int anchor, int metric, float* scores,
+                          cudaStream_t stream);
+
+cudaError_t LaunchTopK(const float* scores, const int32_t* positions, const uint8_t* forced,
+                       int32_t rows, int32_t n, int32_t k, int32_t* kept, cudaStream_t stream);
+
+// Rows of one job copied in order (a destination may be an earlier row's source).
+cudaError_t LaunchCopyRows(uint8_t* arena, const uint64_t* src_offsets, const uint64_t* dst_offsets,
+                           int64_t count, uint64_t row_bytes, cudaStream_t stream);
+
+// `host` must be device-accessible page-locked host memory (cudaHostAlloc / cudaHostRegister).
+cudaError_t LaunchCopyHostRows(uint8_t* arena, uint8_t* host, const uint64_t* arena_offsets,
+                               const uint64_t* host_offsets, int64_t count, uint64_t row_bytes,
+                               bool to_host, cudaStream_t stream);
+
+struct DevAttentionJob {
+  DevPagedView keys;
+  const int32_t* key_positions = nullptr;
+  const float* queries = nullptr;
+  const int32_t* query_positions = nullptr;
+  int32_t num_q_heads = 0;
+  int32_t num_queries = 0;
+  float scale = 0.0f;
+  float* out = nullptr;  // probabilities or logits
+};
+// logits_only: write the scaled logits (-inf where masked) instead of the probabilities.
+cudaError_t LaunchAttention(const DevAttentionJob& job, bool logits_only, cudaStream_t stream);
+
+cudaError_t LaunchCaote(const DevPagedView& values, const float* alpha, int32_t rows, bool fast,
+                        float eps, float* scores, cudaStream_t stream);
+
+cudaError_t LaunchNearestKeys(const DevPagedView& keys, int32_t head, const int32_t* query_slots,
+                              int32_t num_queries, const int32_t* candidate_slots,
+                              const int32_t* candidate_positions, int32_t num_candidates,
+                              float* similarity, int32_t* target, cudaStream_t stream);
+
+struct DevMergeJob {
+  uint8_t* arena = nullptr;
+  int32_t dtype = 1;
+  int32_t row_elements = 0;
+  uint64_t dst_offset = 0;
+  const uint64_t* src_offsets = nullptr;  // device
+  const float* weights = nullptr;         // device
+  int32_t num_sources = 0;
+};
+// `jobs` is a device array of `count` descriptors; one thread block per job.
+cudaError_t LaunchMergeRows(const DevMergeJob* jobs, int64_t count, cudaStream_t stream);
+
+}  // namespace kvs::cuda
+
+#endif  // KVSIDECAR_GPU_CUDA_CUDA_KERNELS_H_

@@ -1,0 +1,442 @@
+// KvPool::Select on real pools (CPU backend, shm arenas, the real host tier): the spec's
+// propagation vector TV7 with and without offload, the staged bytes read back from the arena,
+// the approximation error against full attention, idempotent retries, tails, and bad input.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "cache/pool.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "storage/tier_manager.h"
+#include "tests/cache/cache_test_util.h"
+
+namespace kvs {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using testing_util::Append;
+using testing_util::MakeLayout;
+using testing_util::TestPool;
+
+MATCHER_P2(StatusIs, code, substring, "") {
+  return arg.code() == code && std::string(arg.message()).find(substring) != std::string::npos;
+}
+
+constexpr int kLayers = 8, kHq = 4, kHkv = 2, kDim = 4, kPrompt = 12, kTokens = 14;
+
+// TV7 inputs (omnikv.md §13): per layer l, keys, values and the layer's query.
+float Key(int l, int h, int t, int i) {
+  return static_cast<float>(((7 * t + 3 * i + 5 * h + l) % 11) - 5);
+}
+float Value(int l, int h, int t, int i) {
+  return static_cast<float>(((2 * t + 5 * i + 3 * h + l) % 9) - 4) / 4.0f;
+}
+float Query(int l, int h, int i) { return static_cast<float>(((3 * h + 5 * i + l) % 7) - 3); }
+
+float Tv7(int layer, int kv, int head, int32_t position, int d) {
+  return kv == 0 ? Key(layer, head, position, d) : Value(layer, head, position, d);
+}
+
+ModelLayout Tv7Layout(DType dtype) {
+  ModelLayout layout = MakeLayout(kLayers, kHkv, kDim, dtype, 4);
+  layout.num_q_heads = kHq;
+  return layout;
+}
+
+PolicyConfig OmniKv(int32_t k, bool offload, OmniKvSelector selector = OmniKvSelector::kLast) {
+  PolicyConfig config;
+  config.name = kPolicyOmniKv;
+  config.omnikv.filter_layers = {1, 4};
+  config.omnikv.wait_layers = 1;
+  config.omnikv.selected_tokens = k;
+  config.omnikv.selector = selector;
+  config.omnikv.offload = offload;
+  return config;
+}
+
+// Queries of `layers`, [layers][Hq][1][D].
+AttentionInput FilterQueries(const std::vector<int32_t>& layers, int salt = 0) {
+  AttentionInput input;
+  input.layers = layers;
+  input.num_queries = 1;
+  input.softmax_scale = 0.5f;
+  for (int32_t l : layers) {
+    for (int h = 0; h < kHq; ++h) {
+      for (int i = 0; i < kDim; ++i) input.queries.push_back(Query(l + salt, h, i));
+    }
+  }
+  return input;
+}
+
+// A read-only mapping of a session's shm arena.
+class ArenaReader {
+ public:
+  explicit ArenaReader(const SessionView& view) : size_(view.arena.size_bytes) {
+    const int fd = open(view.arena.shm_path.c_str(), O_RDONLY);
+    EXPECT_GE(fd, 0) << view.arena.shm_path;
+    data_ = static_cast<const uint8_t*>(mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0));
+    close(fd);
+  }
+  ~ArenaReader() { munmap(const_cast<uint8_t*>(data_), size_); }
+  // Element d of (kv, head, slot) of a view with `block_table`.
+  float At(const ModelLayout& layout, const std::vector<int32_t>& block_table, int kv, int head,
+           int slot, int d) const {
+    const uint64_t offset =
+        static_cast<uint64_t>(block_table[slot / layout.block_tokens]) * layout.block_bytes() +
+        ((static_cast<uint64_t>(kv) * layout.num_kv_heads + head) * layout.block_tokens +
+         slot % layout.block_tokens) *
+            layout.row_bytes();
+    return LoadAsFloat(data_ + offset, layout.dtype, d);
+  }
+
+ private:
+  uint64_t size_;
+  const uint8_t* data_ = nullptr;
+};
+
+// Attention output of layer l's query over `positions` (exact, double), [Hq][D].
+std::vector<double> AttentionOutput(int l, const std::vector<int32_t>& positions) {
+  std::vector<double> out(kHq * kDim, 0.0);
+  for (int h = 0; h < kHq; ++h) {
+    const int g = h / (kHq / kHkv);
+    std::vector<double> logits;
+    double max = -INFINITY;
+    for (int32_t t : positions) {
+      double dot = 0;
+      for (int i = 0; i < kDim; ++i) dot += Query(l, h, i) * Key(l, g, t, i);
+      logits.push_back(0.5 * dot);
+      max = std::max(max, logits.back());
+    }
+    double sum = 0;
+    for (double& z : logits) sum += (z = std::exp(z - max));
+    for (size_t j = 0; j < positions.size(); ++j) {
+      for (int i = 0; i < kDim; ++i) {
+        out[h * kDim + i] += logits[j] / sum * Value(l, g, positions[j], i);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<int32_t> AllPositions(int n) {
+  std::vector<int32_t> all(n);
+  for (int i = 0; i < n; ++i) all[i] = i;
+  return all;
+}
+
+double RelativeError(const std::vector<double>& approx, const std::vector<double>& exact) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < exact.size(); ++i) {
+    num += (approx[i] - exact[i]) * (approx[i] - exact[i]);
+    den += exact[i] * exact[i];
+  }
+  return std::sqrt(num / den);
+}
+
+struct Fixture {
+  explicit Fixture(DType dtype = DType::kFloat32, uint64_t host_bytes = uint64_t{1} << 20,
+                   int32_t blocks = 64)
+      : layout(Tv7Layout(dtype)),
+        tiers(storage::TierManager::Open({host_bytes, "", 0})),
+        pool(Options(tiers.get())) {
+    session = pool.Attach(layout, blocks);
+  }
+  static PoolOptions Options(SequenceTiers* tiers) {
+    PoolOptions options = TestPool::DefaultOptions();
+    options.tiers = tiers;
+    return options;
+  }
+  std::string Sequence(const PolicyConfig& policy, const std::string& id) {
+    std::string made = pool.Create(session, policy, BudgetConfig{}, id);
+    EXPECT_TRUE(Append(pool.pool, session, made, kTokens, layout, Tv7).ok());
+    return made;
+  }
+  absl::StatusOr<SelectResult> Select(const std::string& seq, int64_t step,
+                                      const std::vector<int32_t>& layers, int salt = 0) {
+    SelectItem item;
+    item.session_id = session;
+    item.sequence_id = seq;
+    item.step_id = step;
+    item.attention = FilterQueries(layers, salt);
+    item.prompt_tokens = kPrompt;
+    absl::StatusOr<std::vector<SelectResult>> results = pool.pool.Select({&item, 1});
+    if (!results.ok()) return results.status();
+    return (*results)[0];
+  }
+
+  ModelLayout layout;
+  std::unique_ptr<storage::TierManager> tiers;
+  TestPool pool;
+  std::string session;
+};
+
+class OmniKvSelectTest : public ::testing::TestWithParam<std::tuple<bool, DType>> {};
+
+TEST_P(OmniKvSelectTest, Tv7PropagationStagesTheSelectedRows) {
+  const auto [offload, dtype] = GetParam();
+  Fixture f(dtype);
+  const std::string seq = f.Sequence(OmniKv(4, offload), "tv7");
+  absl::StatusOr<SelectResult> result = f.Select(seq, 1, {1, 4});
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(result->filters.size(), 2u);
+  EXPECT_EQ(result->filters[0].filter_layer, 1);
+  EXPECT_THAT(result->filters[0].positions, ElementsAre(1, 2, 5, 9));
+  EXPECT_THAT(result->filters[0].sparse_layers, ElementsAre(3));
+  EXPECT_THAT(result->filters[1].positions, ElementsAre(3, 6, 7, 10));
+  EXPECT_THAT(result->filters[1].sparse_layers, ElementsAre(6, 7));
+  EXPECT_EQ(result->prompt_tokens, kPrompt);
+  EXPECT_EQ(result->budget_tokens, 4);
+  // Sparse layers' prompt: 12 tokens x 2 (K, V) x 2 heads x 4 dims.
+  const uint64_t per_layer = uint64_t{kPrompt} * 2 * kHkv * f.layout.row_bytes();
+  if (offload) {
+    EXPECT_EQ(result->host_bytes, 3 * per_layer + std::string("omnikv offloaded prompt").size());
+  } else {
+    EXPECT_EQ(result->host_bytes, 0u);
+  }
+
+  // Every staged row holds the token the spec says: layer 3 sees [1,2,5,9,12,13], layers 6 and
+  // 7 see [3,6,7,10,12,13].
+  ASSERT_EQ(result->sparse_layers.size(), 3u);
+  absl::StatusOr<SessionView> view = f.pool.pool.GetSession(f.session);
+  ASSERT_TRUE(view.ok());
+  ArenaReader arena(*view);
+  const std::vector<std::vector<int32_t>> expected = {
+      {1, 2, 5, 9, 12, 13}, {3, 6, 7, 10, 12, 13}, {3, 6, 7, 10, 12, 13}};
+  for (size_t j = 0; j < 3; ++j) {
+    const LayerLayoutView& staged = result->sparse_layers[j];
+    EXPECT_EQ(staged.layer, (std::vector<int32_t>{3, 6, 7})[j]);
+    ASSERT_EQ(staged.count, 6);
+    for (int s = 0; s < staged.count; ++s) {
+      for (int kv = 0; kv < 2; ++kv) {
+        for (int h = 0; h < kHkv; ++h) {
+          for (int d = 0; d < kDim; ++d) {
+            ASSERT_EQ(arena.At(f.layout, staged.block_table, kv, h, s, d),
+                      Tv7(staged.layer, kv, h, expected[j][s], d))
+                << "layer " << staged.layer << " slot " << s << " kv " << kv << " head " << h;
+          }
+        }
+      }
+    }
+  }
+
+  // With offload the sparse layers keep only their generated tokens in the arena.
+  absl::StatusOr<SequenceLayout> layout = f.pool.pool.GetLayout(f.session, seq, {}, true);
+  ASSERT_TRUE(layout.ok());
+  for (int l = 0; l < kLayers; ++l) {
+    const bool sparse = l == 3 || l == 6 || l == 7;
+    EXPECT_EQ(layout->layers[l].count, offload && sparse ? 2 : kTokens) << l;
+  }
+  if (offload) {
+    EXPECT_THAT(layout->layers[3].positions, ElementsAre(12, 13, 12, 13));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(OffloadAndDtypes, OmniKvSelectTest,
+                         ::testing::Combine(::testing::Bool(),
+                                            ::testing::Values(DType::kFloat32, DType::kFloat16,
+                                                              DType::kBFloat16)));
+
+TEST(OmniKvSelect, ApproximationErrorAgainstFullAttention) {
+  // Dense layers attend to everything (error 0 by construction); for the sparse layers the
+  // error of attending to T_f + the generated tokens falls as k grows, captured mass rises
+  // monotonically, and k = N is exact.
+  Fixture f(DType::kFloat32, uint64_t{1} << 22, 512);
+  double previous_mass = 0;
+  for (int32_t k = 1; k <= kPrompt; ++k) {
+    const std::string seq = f.Sequence(OmniKv(k, /*offload=*/k % 2 == 0), "k" + std::to_string(k));
+    absl::StatusOr<SelectResult> result = f.Select(seq, 1, {1, 4});
+    ASSERT_TRUE(result.ok()) << result.status();
+    double mass = 0;
+    std::string errors;
+    for (size_t fi = 0; fi < result->filters.size(); ++fi) {
+      std::vector<int32_t> visible = result->filters[fi].positions;
+      visible.push_back(12);
+      visible.push_back(13);
+      for (int32_t l : result->filters[fi].sparse_layers) {
+        const double error =
+            RelativeError(AttentionOutput(l, visible), AttentionOutput(l, AllPositions(kTokens)));
+        errors += " layer " + std::to_string(l) + ": " + std::to_string(error);
+        if (k == kPrompt) {
+          EXPECT_LT(error, 1e-12) << "layer " << l;
+        }
+      }
+      // Captured mass of the filter layer's own attention (max over heads, as it ranks).
+      const int32_t fl = result->filters[fi].filter_layer;
+      for (int h = 0; h < kHq; ++h) {
+        std::vector<double> z(kPrompt);
+        double max = -INFINITY, sum = 0;
+        for (int t = 0; t < kPrompt; ++t) {
+          double dot = 0;
+          for (int i = 0; i < kDim; ++i) dot += Query(fl, h, i) * Key(fl, h / 2, t, i);
+          max = std::max(max, z[t] = 0.5 * dot);
+        }
+        for (double& v : z) sum += (v = std::exp(v - max));
+        for (int32_t t : result->filters[fi].positions) mass += z[t] / sum;
+      }
+    }
+    std::printf("omnikv TV7 k=%d: relative output error vs full attention:%s; captured mass %.4f\n",
+                k, errors.c_str(), mass / (2 * kHq));
+    EXPECT_GE(mass, previous_mass - 1e-12) << "k " << k;
+    previous_mass = mass;
+  }
+  EXPECT_NEAR(previous_mass / (2 * kHq), 1.0, 1e-12);
+}
+
+TEST(OmniKvSelect, RetriedStepReturnsTheSameSelectionAndNewTokensJoinTheTail) {
+  Fixture f;
+  const std::string seq = f.Sequence(OmniKv(4, true), "s");
+  absl::StatusOr<SelectResult> first = f.Select(seq, 7, {1});
+  ASSERT_TRUE(first.ok()) << first.status();
+  // Same step, other queries: the same selection (idempotent per (sequence, step, filter)).
+  absl::StatusOr<SelectResult> retry = f.Select(seq, 7, {1}, /*salt=*/3);
+  ASSERT_TRUE(retry.ok());
+  EXPECT_EQ(retry->filters[0].positions, first->filters[0].positions);
+  // A new step with other queries selects again.
+  absl::StatusOr<SelectResult> next = f.Select(seq, 8, {1}, /*salt=*/3);
+  ASSERT_TRUE(next.ok());
+  EXPECT_NE(next->filters[0].positions, first->filters[0].positions);
+
+  // A decode token appended later is staged after the selection.
+  ASSERT_TRUE(Append(f.pool.pool, f.session, seq, 1, f.layout, Tv7).ok());
+  absl::StatusOr<SelectResult> after = f.Select(seq, 9, {1});
+  ASSERT_TRUE(after.ok());
+  ASSERT_EQ(after->sparse_layers.size(), 1u);
+  EXPECT_EQ(after->sparse_layers[0].count, 4 + 3);
+  absl::StatusOr<SessionView> view = f.pool.pool.GetSession(f.session);
+  ArenaReader arena(*view);
+  EXPECT_EQ(arena.At(f.layout, after->sparse_layers[0].block_table, 1, 1, 6, 2),
+            Tv7(3, 1, 1, 14, 2));
+}
+
+TEST(OmniKvSelect, ReleaseReturnsStagingBlocksAndHostBytes) {
+  Fixture f;
+  const int32_t free_before = f.pool.FreeBlocks(f.session);
+  const std::string seq = f.Sequence(OmniKv(4, true), "s");
+  ASSERT_TRUE(f.Select(seq, 1, {1, 4}).ok());
+  EXPECT_GT(f.tiers->GetStats().host_bytes_used, 0u);
+  EXPECT_TRUE(f.tiers->List().empty()) << "pinned entries are not spilled sequences";
+  std::vector<SequenceInfo> listed = f.pool.pool.ListSequences(f.session);
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].host_bytes, f.tiers->GetStats().host_bytes_used);
+  // Spill is refused: the cache spans arena, staging and host tier.
+  EXPECT_THAT(f.pool.pool.Spill(f.session, seq, StorageTier::kHost).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "cannot be spilled"));
+  ASSERT_TRUE(f.pool.pool.ReleaseSequence(f.session, seq).ok());
+  EXPECT_EQ(f.tiers->GetStats().host_bytes_used, 0u);
+  EXPECT_EQ(f.pool.FreeBlocks(f.session), free_before);
+}
+
+TEST(OmniKvSelect, HostTierTooSmallChangesNothing) {
+  Fixture f(DType::kFloat32, /*host_bytes=*/1000);
+  const std::string seq = f.Sequence(OmniKv(4, true), "s");
+  absl::StatusOr<SequenceLayout> before = f.pool.pool.GetLayout(f.session, seq, {}, true);
+  const int32_t free_before = f.pool.FreeBlocks(f.session);
+  EXPECT_THAT(f.Select(seq, 1, {1}).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, "items[0]: "));
+  absl::StatusOr<SequenceLayout> after = f.pool.pool.GetLayout(f.session, seq, {}, true);
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(after->layers[l].count, before->layers[l].count);
+    EXPECT_EQ(after->layers[l].positions, before->layers[l].positions);
+  }
+  EXPECT_EQ(f.pool.FreeBlocks(f.session), free_before);
+  EXPECT_EQ(f.tiers->GetStats().host_bytes_used, 0u);
+}
+
+TEST(OmniKvSelect, FullArenaForStagingIsResourceExhausted) {
+  // 8 layers x 14 tokens at 4 tokens per block = 32 blocks; staging needs 2 more per sparse layer.
+  Fixture f(DType::kFloat32, uint64_t{1} << 20, /*blocks=*/33);
+  const std::string seq = f.Sequence(OmniKv(4, false), "s");
+  EXPECT_THAT(f.Select(seq, 1, {1, 4}).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, "staging"));
+}
+
+TEST(OmniKvSelect, BadInputIsRefusedNamingTheField) {
+  Fixture f;
+  const std::string seq = f.Sequence(OmniKv(4, true), "s");
+  EXPECT_THAT(f.Select(seq, 1, {2}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "attention.layers[0] = 2 is not a filter layer"));
+  SelectItem item;
+  item.session_id = f.session;
+  item.sequence_id = seq;
+  item.attention = FilterQueries({1});
+  item.prompt_tokens = 99;
+  EXPECT_THAT(f.pool.pool.Select({&item, 1}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "prompt_tokens 99 is beyond"));
+  item.prompt_tokens = 12;
+  item.attention.queries.pop_back();
+  EXPECT_THAT(f.pool.pool.Select({&item, 1}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "attention.inline_queries"));
+  // Compress and Score do not apply; a budget is refused.
+  EXPECT_THAT(f.pool.pool.Compress(f.session, seq, CompressParams{}).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "never evicts"));
+  SequenceParams params;
+  params.policy = OmniKv(4, false);
+  params.budget = BudgetConfig{};
+  params.budget->tokens_per_layer = 8;
+  EXPECT_THAT(f.pool.pool.CreateSequence(f.session, params).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "budget must be unset"));
+  params.budget.reset();
+  params.policy->omnikv.filter_layers = {3, 9};
+  EXPECT_THAT(f.pool.pool.CreateSequence(f.session, params).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "filter_layers[1] = 9"));
+  params.policy->omnikv.filter_layers.clear();  // no default for 8 layers
+  EXPECT_THAT(f.pool.pool.CreateSequence(f.session, params).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "filter_layers is required"));
+  // Select on another policy's sequence.
+  PolicyConfig h2o;
+  h2o.name = kPolicyH2o;
+  const std::string other = f.pool.Create(f.session, h2o, BudgetConfig{}, "h2o");
+  item.sequence_id = other;
+  item.attention = FilterQueries({1});
+  EXPECT_THAT(f.pool.pool.Select({&item, 1}).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "Select needs a sequence created"));
+}
+
+TEST(OmniKvSelect, WindowSelectorForcesThePromptQueriesTokensTv3) {
+  // TV3: N = 8, two window queries at prompt positions 6 and 7 (p = 2), uniform, s = 1,
+  // K[0,4] = (1,0), K[0,6] = (5,0), every other key 0; k = 3 and k = 1 both give [4, 6, 7].
+  ModelLayout layout = MakeLayout(3, 1, 2, DType::kFloat32, 4);  // filter, wait, sparse
+  storage::TierOptions options;
+  options.host_capacity_bytes = 1 << 20;
+  auto tiers = storage::TierManager::Open(options);
+  PoolOptions pool_options = Fixture::Options(tiers.get());
+  TestPool pool(pool_options);
+  const std::string session = pool.Attach(layout, 16);
+  auto keys = [](int, int kv, int, int32_t t, int d) -> float {
+    if (kv == 1 || d != 0) return 0.0f;
+    return t == 4 ? 1.0f : t == 6 ? 5.0f : 0.0f;
+  };
+  for (int32_t k : {3, 1}) {
+    PolicyConfig policy;
+    policy.name = kPolicyOmniKv;
+    policy.omnikv.filter_layers = {0};
+    policy.omnikv.selected_tokens = k;
+    policy.omnikv.selector = OmniKvSelector::kUniform;
+    policy.omnikv.window = 16;
+    const std::string seq = pool.Create(session, policy, BudgetConfig{}, "k" + std::to_string(k));
+    ASSERT_TRUE(Append(pool.pool, session, seq, 8, layout, keys).ok());
+    SelectItem item;
+    item.session_id = session;
+    item.sequence_id = seq;
+    item.attention.layers = {0};
+    item.attention.num_queries = 2;
+    item.attention.query_positions = {6, 7};
+    item.attention.softmax_scale = 1.0f;
+    item.attention.queries = {2, 0, 1, 0};  // [Hq 1][w 2][D 2]
+    absl::StatusOr<std::vector<SelectResult>> result = pool.pool.Select({&item, 1});
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_THAT((*result)[0].filters[0].positions, ElementsAre(4, 6, 7)) << "k " << k;
+    EXPECT_THAT((*result)[0].filters[0].sparse_layers, ElementsAre(2));
+  }
+}
+
+}  // namespace
+}  // namespace kvs

@@ -1,0 +1,75 @@
+// SpillBuffers (cache/spill_buffers.h): buffers come back and serve the next Take of a fitting
+// size, small ones and those beyond the idle bound are freed, and Share gives a copy's buffers
+// back when its last reference goes.
+#include "cache/spill_buffers.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace kvs {
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+class SpillBuffersTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // The process-wide instance: start each test with no idle buffers.
+    SpillBuffers::Default().SetMaxIdleBytes(0);
+    SpillBuffers::Default().SetMaxIdleBytes(8 * kMiB);
+  }
+  SpillBuffers& buffers() { return SpillBuffers::Default(); }
+};
+
+TEST_F(SpillBuffersTest, ABufferComesBackForAFittingSize) {
+  std::string first = buffers().Take(2 * kMiB);
+  ASSERT_EQ(first.size(), 2 * kMiB);
+  first[0] = 'x';
+  const char* address = first.data();
+  buffers().Give(std::move(first));
+  EXPECT_GE(buffers().idle_bytes(), 2 * kMiB);
+  // Too large for it: a new buffer.
+  std::string bigger = buffers().Take(3 * kMiB);
+  EXPECT_NE(bigger.data(), address);
+  EXPECT_EQ(bigger.size(), 3 * kMiB);
+  // Fits (at most a quarter smaller than its capacity): the same buffer, resized.
+  std::string again = buffers().Take(1792 << 10);
+  EXPECT_EQ(again.data(), address);
+  EXPECT_EQ(again.size(), size_t{1792} << 10);
+  EXPECT_EQ(buffers().idle_bytes(), 0u);
+  // Much smaller than the idle buffer: not wasted on it.
+  buffers().Give(std::move(again));
+  std::string small = buffers().Take(1536 << 10);
+  EXPECT_NE(small.data(), address);
+  EXPECT_GE(buffers().idle_bytes(), 2 * kMiB);
+}
+
+TEST_F(SpillBuffersTest, SmallBuffersAndBuffersBeyondTheBoundAreFreed) {
+  buffers().Give(std::string(1000, 'a'));
+  EXPECT_EQ(buffers().idle_bytes(), 0u);
+  for (int i = 0; i < 5; ++i) buffers().Give(std::string(2 * kMiB, 'b'));
+  EXPECT_LE(buffers().idle_bytes(), 8 * kMiB);
+  EXPECT_GE(buffers().idle_bytes(), 6 * kMiB);
+  buffers().SetMaxIdleBytes(3 * kMiB);
+  EXPECT_LE(buffers().idle_bytes(), 3 * kMiB);
+}
+
+TEST_F(SpillBuffersTest, SharedCopiesGiveTheirLayersBackWhenTheLastReferenceGoes) {
+  SpilledSequence data;
+  data.meta = "meta";
+  data.layers = {std::string(kMiB, 'a'), std::string(kMiB, 'b'), std::string(10, 'c')};
+  std::shared_ptr<const SpilledSequence> shared = buffers().Share(std::move(data));
+  std::shared_ptr<const SpilledSequence> reader = shared;
+  EXPECT_EQ(shared->layers[1], std::string(kMiB, 'b'));
+  shared.reset();
+  EXPECT_EQ(buffers().idle_bytes(), 0u) << "a reader still holds the copy";
+  reader.reset();
+  EXPECT_GE(buffers().idle_bytes(), 2 * kMiB);
+  EXPECT_LT(buffers().idle_bytes(), 3 * kMiB) << "the 10-byte layer is not kept";
+}
+
+}  // namespace
+}  // namespace kvs

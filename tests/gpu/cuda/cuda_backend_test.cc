@@ -1,0 +1,585 @@
+// Parity of the CUDA backend (gpu/cuda) with the CPU reference backend: every Backend method on
+// random inputs (fp16/bf16/fp32, head_dim a multiple of 8 or not, partial last blocks, GQA, ties,
+// NaN), kept sets and tie-breaking exact, values within the stated tolerance. Built only with
+// CUDA; without a device every parity test reports itself skipped by name ("no CUDA device").
+#include "gpu/cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gpu/backend.h"
+#include "gpu/backend_factory.h"
+#include "gpu/base/dtype.h"
+#include "gtest/gtest.h"
+
+namespace kvs {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Relative tolerance of fp32 results whose summation order differs between the backends (the
+// CPU backend's AVX2 kernels reassociate; the CUDA kernels follow the scalar order). Each test
+// adds an absolute floor: KeyDiff and logits 1e-4, CAOTE and similarities 1e-5, probabilities
+// 1e-6. Kept sets (top-k), merge targets, copies and merges must match exactly.
+constexpr float kRelTolerance = 2e-5f;
+
+void ExpectClose(const std::vector<float>& cuda, const std::vector<float>& cpu, float abs_floor,
+                 const std::string& what) {
+  ASSERT_EQ(cuda.size(), cpu.size()) << what;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    if (std::isnan(cpu[i])) {
+      EXPECT_TRUE(std::isnan(cuda[i])) << what << " index " << i;
+    } else if (std::isinf(cpu[i])) {
+      EXPECT_EQ(cuda[i], cpu[i]) << what << " index " << i;
+    } else {
+      EXPECT_NEAR(cuda[i], cpu[i], std::max(abs_floor, kRelTolerance * std::fabs(cpu[i])))
+          << what << " index " << i;
+    }
+  }
+}
+
+// Device memory holding a copy of a host vector; freed on destruction.
+template <typename T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(const std::vector<T>& host) : size_(host.size()) {
+    EXPECT_EQ(cudaMalloc(&data_, std::max<size_t>(1, size_) * sizeof(T)), cudaSuccess);
+    if (size_ > 0) {
+      EXPECT_EQ(cudaMemcpy(data_, host.data(), size_ * sizeof(T), cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+  }
+  explicit DeviceBuffer(size_t size, T fill = T()) : DeviceBuffer(std::vector<T>(size, fill)) {}
+  ~DeviceBuffer() { cudaFree(data_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  T* get() const { return static_cast<T*>(data_); }
+  std::vector<T> ToHost() const {
+    std::vector<T> out(size_);
+    if (size_ > 0) {
+      EXPECT_EQ(cudaMemcpy(out.data(), data_, size_ * sizeof(T), cudaMemcpyDeviceToHost),
+                cudaSuccess);
+    }
+    return out;
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t size_;
+};
+
+// A paged layer (keys and values of `heads` kv heads) behind a shuffled block table, unused
+// blocks NaN, as host bytes; Upload copies it into a CUDA arena for the device view.
+struct Layer {
+  std::vector<uint8_t> bytes;
+  std::vector<int32_t> table;
+  PagedLayerView view;  // host view, kv_index 0
+
+  Layer(int heads, int count, int dim, int block_tokens, DType dtype, uint32_t seed,
+        int distinct_values = 0) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const int type_bytes = DTypeBytes(dtype);
+    const int used = (count + block_tokens - 1) / block_tokens;
+    const int total = used + 2;
+    const uint64_t block_bytes = 2ull * heads * block_tokens * dim * type_bytes;
+    bytes.resize(total * block_bytes);
+    for (uint64_t i = 0; i < bytes.size() / type_bytes; ++i) {
+      StoreFromFloat(bytes.data(), dtype, i, std::numeric_limits<float>::quiet_NaN());
+    }
+    std::vector<int32_t> ids(total);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    table.assign(ids.begin(), ids.begin() + used);
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int h = 0; h < heads; ++h) {
+        for (int s = 0; s < count; ++s) {
+          const uint64_t row =
+              table[s / block_tokens] * block_bytes +
+              ((uint64_t(kv) * heads + h) * block_tokens + s % block_tokens) * dim * type_bytes;
+          for (int d = 0; d < dim; ++d) {
+            // distinct_values > 0: few distinct rows, so exact ties happen.
+            const float x =
+                distinct_values > 0
+                    ? static_cast<float>((s % distinct_values) - distinct_values / 2) + 0.25f * d
+                    : normal(rng);
+            StoreFromFloat(bytes.data() + row, dtype, d, x);
+          }
+        }
+      }
+    }
+    view.arena = bytes.data();
+    view.block_table = table.data();
+    view.count = count;
+    view.num_kv_heads = heads;
+    view.head_dim = dim;
+    view.block_tokens = block_tokens;
+    view.dtype = dtype;
+    view.block_bytes = block_bytes;
+  }
+};
+
+// The same layer in a CUDA arena.
+struct DeviceLayer {
+  std::unique_ptr<Arena> arena;
+  std::unique_ptr<DeviceBuffer<int32_t>> table;
+  PagedLayerView view;
+
+  DeviceLayer(Backend& cuda, const Layer& layer) {
+    auto made = cuda.CreateArena(layer.bytes.size(), ArenaOptions());
+    EXPECT_TRUE(made.ok()) << made.status();
+    arena = *std::move(made);
+    EXPECT_TRUE(arena->Write(0, layer.bytes.data(), layer.bytes.size()).ok());
+    table = std::make_unique<DeviceBuffer<int32_t>>(layer.table);
+    view = layer.view;
+    view.arena = arena->data();
+    view.block_table = table->get();
+  }
+};
+
+class CudaParityTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (CudaDeviceCount(&why) == 0) GTEST_SKIP() << "no CUDA device: " << why;
+    auto made = MakeCudaBackend(0);
+    ASSERT_TRUE(made.ok()) << made.status();
+    cuda_ = *std::move(made);
+    cpu_ = MakeCpuBackend(2);
+  }
+  void TearDown() override {
+    if (cuda_ != nullptr) {
+      EXPECT_TRUE(cuda_->healthy());
+    }
+  }
+
+  std::unique_ptr<Backend> cuda_;
+  std::unique_ptr<Backend> cpu_;
+};
+
+struct Shape {
+  DType dtype;
+  int heads, count, dim, block_tokens;
+};
+const Shape kShapes[] = {
+    {DType::kFloat16, 2, 37, 64, 16},  {DType::kBFloat16, 3, 100, 24, 8},
+    {DType::kFloat32, 1, 16, 128, 16}, {DType::kFloat16, 4, 1, 8, 4},
+    {DType::kFloat32, 2, 257, 40, 32},
+};
+
+TEST_F(CudaParityTest, KeyDiffScores) {
+  const std::pair<KeyDiffAnchor, KeyDiffMetric> kinds[] = {
+      {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kCosine},
+      {KeyDiffAnchor::kMeanRaw, KeyDiffMetric::kCosine},
+      {KeyDiffAnchor::kMedianNormalized, KeyDiffMetric::kCosine},
+      {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kPairwise},
+      {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kDot},
+      {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kEuclidean}};
+  uint32_t seed = 1;
+  for (const Shape& shape : kShapes) {
+    Layer layer(shape.heads, shape.count, shape.dim, shape.block_tokens, shape.dtype, seed++);
+    DeviceLayer device(*cuda_, layer);
+    for (const auto& [anchor, metric] : kinds) {
+      const size_t n = static_cast<size_t>(shape.heads) * shape.count;
+      std::vector<float> expected(n, -1.0f);
+      KeyDiffScoreJob job{layer.view, anchor, metric, expected.data()};
+      ASSERT_TRUE(cpu_->KeyDiffScores({job}, nullptr).ok());
+      DeviceBuffer<float> scores(n, -1.0f);
+      job.keys = device.view;
+      job.scores = scores.get();
+      ASSERT_TRUE(cuda_->KeyDiffScores({job}, nullptr).ok());
+      ASSERT_TRUE(cuda_->Synchronize(nullptr).ok());
+      ExpectClose(scores.ToHost(), expected, 1e-4f,
+                  "keydiff anchor " + std::to_string(int(anchor)) + " metric " +
+                      std::to_string(int(metric)) + " dtype " +
+                      std::string(DTypeName(shape.dtype)));
+    }
+  }
+}
+
+TEST_F(CudaParityTest, TopKKeepsTheSameSlotsWithTiesNanAndForced) {
+  std::mt19937 rng(5);
+  for (int n : {1, 7, 300, 5000}) {
+    const int rows = 4;
+    std::vector<float> scores(rows * n);
+    std::vector<int32_t> positions(rows * n);
+    std::vector<uint8_t> forced(rows * n, 0);
+    for (int r = 0; r < rows; ++r) {
+      std::vector<int32_t> p(n);
+      std::iota(p.begin(), p.end(), 100);
+      std::shuffle(p.begin(), p.end(), rng);
+      std::copy(p.begin(), p.end(), positions.begin() + r * n);
+    }
+    for (float& s : scores) {
+      const int pick = static_cast<int>(rng() % 12);  // few distinct values: many ties
+      s = pick == 0   ? std::numeric_limits<float>::quiet_NaN()
+          : pick == 1 ? -0.0f
+          : pick == 2 ? 0.0f
+                      : static_cast<float>(pick % 5) - 2.0f;
+    }
+    for (int k : {0, 1, n / 3, n / 2, n}) {
+      for (bool with_forced : {false, true}) {
+        std::fill(forced.begin(), forced.end(), 0);
+        if (with_forced) {
+          for (int r = 0; r < rows; ++r) {
+            for (int f = 0; f < std::min(k, 3); ++f) forced[r * n + (rng() % n)] = 1;
+          }
+        }
+        std::vector<int32_t> expected(rows * k, -1);
+        TopKJob job{
+            scores.data(),  positions.data(), with_forced ? forced.data() : nullptr, rows, n, k,
+            expected.data()};
+        ASSERT_TRUE(cpu_->TopK({job}, nullptr).ok());
+        DeviceBuffer<float> d_scores(scores);
+        DeviceBuffer<int32_t> d_positions(positions);
+        DeviceBuffer<uint8_t> d_forced(forced);
+        DeviceBuffer<int32_t> d_kept(rows * k, -1);
+        job.scores = d_scores.get();
+        job.positions = d_positions.get();
+        job.forced = with_forced ? d_forced.get() : nullptr;
+        job.kept = d_kept.get();
+        ASSERT_TRUE(cuda_->TopK({job}, nullptr).ok());
+        EXPECT_EQ(d_kept.ToHost(), expected)
+            << "n " << n << " k " << k << " forced " << with_forced;
+      }
+    }
+  }
+}
+
+TEST_F(CudaParityTest, CopyRowsKeepsChainOrder) {
+  std::mt19937 rng(9);
+  const uint64_t row_bytes = 48;  // not a multiple of 16 for half the rows' offsets
+  std::vector<uint8_t> arena(64 * row_bytes + 8);
+  for (uint8_t& b : arena) b = static_cast<uint8_t>(rng());
+  // A chain: row i's destination is row i - 1's source, plus some unaligned rows.
+  std::vector<uint64_t> src, dst;
+  for (int i = 0; i < 20; ++i) {
+    src.push_back((i + 1) * row_bytes);
+    dst.push_back(i * row_bytes);
+  }
+  src.push_back(40 * row_bytes + 3);
+  dst.push_back(50 * row_bytes + 5);
+  std::vector<uint8_t> expected = arena;
+  RowCopyJob job{expected.data(), src.data(), dst.data(), static_cast<int64_t>(src.size()),
+                 row_bytes};
+  ASSERT_TRUE(cpu_->CopyRows({job}, nullptr).ok());
+  auto device = cuda_->CreateArena(arena.size(), ArenaOptions());
+  ASSERT_TRUE(device.ok());
+  ASSERT_TRUE((*device)->Write(0, arena.data(), arena.size()).ok());
+  DeviceBuffer<uint64_t> d_src(src), d_dst(dst);
+  job.arena = (*device)->data();
+  job.src_offsets = d_src.get();
+  job.dst_offsets = d_dst.get();
+  ASSERT_TRUE(cuda_->CopyRows({job}, nullptr).ok());
+  ASSERT_TRUE(cuda_->Synchronize(nullptr).ok());
+  std::vector<uint8_t> actual(arena.size());
+  ASSERT_TRUE((*device)->Read(0, actual.data(), actual.size()).ok());
+  EXPECT_EQ(actual, expected);
+}
+
+TEST_F(CudaParityTest, CopyHostRowsBothWays) {
+  std::mt19937 rng(11);
+  const uint64_t row_bytes = 256;
+  const int rows = 40;
+  std::vector<uint8_t> arena(rows * 2 * row_bytes);
+  for (uint8_t& b : arena) b = static_cast<uint8_t>(rng());
+  std::vector<uint64_t> arena_offsets, host_offsets;
+  for (int i = 0; i < rows; ++i) {
+    arena_offsets.push_back((2 * i + 1) * row_bytes);
+    host_offsets.push_back((rows - 1 - i) * row_bytes);
+  }
+  uint8_t* pinned = nullptr;
+  ASSERT_EQ(
+      cudaHostAlloc(reinterpret_cast<void**>(&pinned), rows * row_bytes, cudaHostAllocDefault),
+      cudaSuccess);
+  auto device = cuda_->CreateArena(arena.size(), ArenaOptions());
+  ASSERT_TRUE(device.ok());
+  ASSERT_TRUE((*device)->Write(0, arena.data(), arena.size()).ok());
+  DeviceBuffer<uint64_t> d_arena_offsets(arena_offsets), d_host_offsets(host_offsets);
+  for (bool to_host : {true, false}) {
+    std::vector<uint8_t> cpu_arena = arena;
+    std::vector<uint8_t> cpu_host(rows * row_bytes);
+    for (size_t i = 0; i < cpu_host.size(); ++i) cpu_host[i] = static_cast<uint8_t>(i * 7);
+    std::memcpy(pinned, cpu_host.data(), cpu_host.size());
+    HostRowCopyJob job{
+        cpu_arena.data(), cpu_host.data(), arena_offsets.data(), host_offsets.data(), rows,
+        row_bytes,        to_host};
+    ASSERT_TRUE(cpu_->CopyHostRows({job}, nullptr).ok());
+    ASSERT_TRUE((*device)->Write(0, arena.data(), arena.size()).ok());
+    job.arena = (*device)->data();
+    job.host = pinned;
+    job.arena_offsets = d_arena_offsets.get();
+    job.host_offsets = d_host_offsets.get();
+    ASSERT_TRUE(cuda_->CopyHostRows({job}, nullptr).ok());
+    ASSERT_TRUE(cuda_->Synchronize(nullptr).ok());
+    std::vector<uint8_t> actual_arena(arena.size());
+    ASSERT_TRUE((*device)->Read(0, actual_arena.data(), actual_arena.size()).ok());
+    EXPECT_EQ(actual_arena, cpu_arena) << "to_host " << to_host;
+    EXPECT_EQ(std::vector<uint8_t>(pinned, pinned + cpu_host.size()), cpu_host)
+        << "to_host " << to_host;
+  }
+  // Pageable host memory cannot be reached by the kernels: refused, naming the field.
+  std::vector<uint8_t> pageable(rows * row_bytes);
+  HostRowCopyJob bad{(*device)->data(),
+                     pageable.data(),
+                     d_arena_offsets.get(),
+                     d_host_offsets.get(),
+                     rows,
+                     row_bytes,
+                     true};
+  const absl::Status status = cuda_->CopyHostRows({bad}, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("host is not device-accessible"));
+  cudaFreeHost(pinned);
+}
+
+TEST_F(CudaParityTest, AttentionProbsAndLogits) {
+  uint32_t seed = 20;
+  for (const Shape& shape : kShapes) {
+    for (int group : {1, 4}) {
+      Layer layer(shape.heads, shape.count, shape.dim, shape.block_tokens, shape.dtype, seed++);
+      DeviceLayer device(*cuda_, layer);
+      std::mt19937 rng(seed);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      const int q_heads = shape.heads * group;
+      const int queries = 3;
+      std::vector<float> q(static_cast<size_t>(q_heads) * queries * shape.dim);
+      for (float& x : q) x = normal(rng);
+      std::vector<int32_t> key_positions(static_cast<size_t>(shape.heads) * shape.count);
+      for (size_t i = 0; i < key_positions.size(); ++i) {
+        key_positions[i] = static_cast<int32_t>(i % shape.count) * 2;
+      }
+      // The first query sees nothing (all masked: zeros), the others part or all of the keys.
+      std::vector<int32_t> query_positions = {-1, shape.count, 2 * shape.count};
+      const size_t out_n = static_cast<size_t>(q_heads) * queries * shape.count;
+      for (bool logits : {false, true}) {
+        std::vector<float> expected(out_n, -7.0f);
+        AttentionJob job{
+            layer.view, key_positions.data(), q.data(), query_positions.data(), q_heads, queries,
+            0.125f,     expected.data()};
+        ASSERT_TRUE(
+            (logits ? cpu_->AttentionLogits({job}, nullptr) : cpu_->AttentionProbs({job}, nullptr))
+                .ok());
+        DeviceBuffer<int32_t> d_key_positions(key_positions), d_query_positions(query_positions);
+        DeviceBuffer<float> d_q(q), d_out(out_n, -7.0f);
+        job.keys = device.view;
+        job.key_positions = d_key_positions.get();
+        job.queries = d_q.get();
+        job.query_positions = d_query_positions.get();
+        job.probs = d_out.get();
+        ASSERT_TRUE((logits ? cuda_->AttentionLogits({job}, nullptr)
+                            : cuda_->AttentionProbs({job}, nullptr))
+                        .ok());
+        ExpectClose(d_out.ToHost(), expected, logits ? 1e-4f : 1e-6f,
+                    std::string(logits ? "logits " : "probs ") +
+                        std::string(DTypeName(shape.dtype)) + " group " + std::to_string(group));
+      }
+    }
+  }
+}
+
+TEST_F(CudaParityTest, CaoteScores) {
+  uint32_t seed = 40;
+  for (const Shape& shape : kShapes) {
+    Layer layer(shape.heads, shape.count, shape.dim, shape.block_tokens, shape.dtype, seed++);
+    DeviceLayer device(*cuda_, layer);
+    PagedLayerView host_values = layer.view, device_values = device.view;
+    host_values.kv_index = device_values.kv_index = 1;
+    const int rows = shape.heads * 2;
+    std::mt19937 rng(seed);
+    std::vector<float> alpha(static_cast<size_t>(rows) * shape.count);
+    for (int r = 0; r < rows; ++r) {
+      float sum = 0.0f;
+      for (int s = 0; s < shape.count; ++s) {
+        const float a = (rng() % 5 == 0) ? 0.0f : static_cast<float>(rng() % 1000) + 1.0f;
+        alpha[r * shape.count + s] = a;
+        sum += a;
+      }
+      for (int s = 0; s < shape.count; ++s) {
+        alpha[r * shape.count + s] = sum > 0 ? alpha[r * shape.count + s] / sum : 0.0f;
+      }
+    }
+    if (shape.count > 1) {  // one row holds almost all the mass: +inf
+      for (int s = 0; s < shape.count; ++s) alpha[s] = s == 0 ? 1.0f : 0.0f;
+    }
+    for (bool fast : {false, true}) {
+      std::vector<float> expected(alpha.size(), -3.0f);
+      CaoteJob job{host_values, alpha.data(), rows, fast, 1e-6f, expected.data()};
+      ASSERT_TRUE(cpu_->CaoteScores({job}, nullptr).ok());
+      DeviceBuffer<float> d_alpha(alpha), d_scores(alpha.size(), -3.0f);
+      job.values = device_values;
+      job.alpha = d_alpha.get();
+      job.scores = d_scores.get();
+      ASSERT_TRUE(cuda_->CaoteScores({job}, nullptr).ok());
+      ExpectClose(d_scores.ToHost(), expected, 1e-5f,
+                  std::string("caote ") + std::string(DTypeName(shape.dtype)) +
+                      (fast ? " fast" : " exact"));
+    }
+  }
+}
+
+TEST_F(CudaParityTest, NearestKeysPickTheSameTargetsWithTies) {
+  uint32_t seed = 60;
+  for (const Shape& shape : kShapes) {
+    if (shape.count < 4) continue;
+    // Few distinct rows: many candidates tie exactly; the lowest position must win on both.
+    Layer layer(shape.heads, shape.count, shape.dim, shape.block_tokens, shape.dtype, seed++,
+                /*distinct_values=*/5);
+    DeviceLayer device(*cuda_, layer);
+    std::vector<int32_t> query_slots, candidate_slots, candidate_positions;
+    std::mt19937 rng(seed);
+    for (int s = 0; s < shape.count; ++s) {
+      (s % 3 == 0 ? query_slots : candidate_slots).push_back(s);
+    }
+    candidate_positions.resize(candidate_slots.size());
+    std::iota(candidate_positions.begin(), candidate_positions.end(), 0);
+    std::shuffle(candidate_positions.begin(), candidate_positions.end(), rng);
+    const int q = static_cast<int>(query_slots.size());
+    const int c = static_cast<int>(candidate_slots.size());
+    for (int head = 0; head < shape.heads; ++head) {
+      std::vector<float> expected_similarity(q, -9.0f);
+      std::vector<int32_t> expected_target(q, -9);
+      NearestKeyJob job{layer.view,
+                        head,
+                        query_slots.data(),
+                        q,
+                        candidate_slots.data(),
+                        candidate_positions.data(),
+                        c,
+                        expected_similarity.data(),
+                        expected_target.data()};
+      ASSERT_TRUE(cpu_->NearestKeys({job}, nullptr).ok());
+      DeviceBuffer<int32_t> d_queries(query_slots), d_candidates(candidate_slots),
+          d_positions(candidate_positions), d_target(q, -9);
+      DeviceBuffer<float> d_similarity(q, -9.0f);
+      job.keys = device.view;
+      job.query_slots = d_queries.get();
+      job.candidate_slots = d_candidates.get();
+      job.candidate_positions = d_positions.get();
+      job.similarity = d_similarity.get();
+      job.target = d_target.get();
+      ASSERT_TRUE(cuda_->NearestKeys({job}, nullptr).ok());
+      EXPECT_EQ(d_target.ToHost(), expected_target) << DTypeName(shape.dtype) << " head " << head;
+      ExpectClose(d_similarity.ToHost(), expected_similarity, 1e-5f, "similarity");
+    }
+  }
+}
+
+TEST_F(CudaParityTest, MergeRowsBitIdenticalWithDstAmongSources) {
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+    const int elements = 40;
+    const uint64_t row_bytes = elements * DTypeBytes(dtype);
+    std::mt19937 rng(static_cast<uint32_t>(dtype));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<uint8_t> arena(16 * row_bytes);
+    for (uint64_t i = 0; i < arena.size() / DTypeBytes(dtype); ++i) {
+      StoreFromFloat(arena.data(), dtype, i, normal(rng));
+    }
+    // Job 0 merges rows 1, 2, 3 into row 1; job 1 rows 5, 6 into row 8.
+    const std::vector<uint64_t> src0 = {row_bytes, 2 * row_bytes, 3 * row_bytes};
+    const std::vector<uint64_t> src1 = {5 * row_bytes, 6 * row_bytes};
+    const std::vector<float> w0 = {0.5f, 0.25f, 0.25f}, w1 = {0.75f, 0.25f};
+    std::vector<uint8_t> expected = arena;
+    std::vector<RowMergeJob> jobs = {
+        {expected.data(), dtype, elements, row_bytes, src0.data(), w0.data(), 3},
+        {expected.data(), dtype, elements, 8 * row_bytes, src1.data(), w1.data(), 2}};
+    ASSERT_TRUE(cpu_->MergeRows(jobs, nullptr).ok());
+    auto device = cuda_->CreateArena(arena.size(), ArenaOptions());
+    ASSERT_TRUE(device.ok());
+    ASSERT_TRUE((*device)->Write(0, arena.data(), arena.size()).ok());
+    DeviceBuffer<uint64_t> d_src0(src0), d_src1(src1);
+    DeviceBuffer<float> d_w0(w0), d_w1(w1);
+    jobs[0].arena = jobs[1].arena = (*device)->data();
+    jobs[0].src_offsets = d_src0.get();
+    jobs[0].weights = d_w0.get();
+    jobs[1].src_offsets = d_src1.get();
+    jobs[1].weights = d_w1.get();
+    ASSERT_TRUE(cuda_->MergeRows(jobs, nullptr).ok());
+    ASSERT_TRUE(cuda_->Synchronize(nullptr).ok());
+    std::vector<uint8_t> actual(arena.size());
+    ASSERT_TRUE((*device)->Read(0, actual.data(), actual.size()).ok());
+    EXPECT_EQ(actual, expected) << DTypeName(dtype);
+  }
+}
+
+TEST_F(CudaParityTest, ArenaIsExportedThroughCudaIpc) {
+  auto first = cuda_->CreateArena(1 << 20, ArenaOptions());
+  auto second = cuda_->CreateArena(4096, ArenaOptions());
+  ASSERT_TRUE(first.ok() && second.ok());
+  const ArenaHandle& handle = (*first)->handle();
+  EXPECT_EQ(handle.kind, ArenaHandle::Kind::kCudaIpc);
+  EXPECT_EQ(handle.cuda_ipc_handle.size(), 64u);
+  EXPECT_EQ(handle.cuda_device, 0);
+  EXPECT_THAT(handle.cuda_device_uuid, ::testing::StartsWith("GPU-"));
+  EXPECT_EQ(handle.size_bytes, 1u << 20);
+  EXPECT_GT((*second)->handle().generation, handle.generation);
+  std::vector<uint8_t> zeros(64, 1), data(64);
+  ASSERT_TRUE((*first)->Read(0, zeros.data(), zeros.size()).ok());
+  EXPECT_EQ(zeros, std::vector<uint8_t>(64, 0));  // a new arena reads as zeros
+  std::iota(data.begin(), data.end(), 0);
+  ASSERT_TRUE((*first)->Write((1 << 20) - 64, data.data(), data.size()).ok());
+  std::vector<uint8_t> back(64);
+  ASSERT_TRUE((*first)->Read((1 << 20) - 64, back.data(), back.size()).ok());
+  EXPECT_EQ(back, data);
+  EXPECT_EQ((*first)->Write((1 << 20) - 63, data.data(), 64).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(cuda_->CreateArena(0, ArenaOptions()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CudaParityTest, InvalidJobsGetTheCpuMessagesAndLaunchNothing) {
+  std::vector<float> scores(4, 1.0f);
+  std::vector<int32_t> positions = {0, 1, 2, 3};
+  DeviceBuffer<float> d_scores(scores);
+  DeviceBuffer<int32_t> d_positions(positions), d_kept(4, -1);
+  TopKJob job{d_scores.get(), d_positions.get(), nullptr, 1, 4, 5, d_kept.get()};
+  const absl::Status cuda_status = cuda_->TopK({job}, nullptr);
+  TopKJob host_job{scores.data(), positions.data(), nullptr, 1, 4, 5, nullptr};
+  const absl::Status cpu_status = cpu_->TopK({host_job}, nullptr);
+  EXPECT_EQ(cuda_status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda_status.message(), cpu_status.message());
+  EXPECT_EQ(d_kept.ToHost(), std::vector<int32_t>(4, -1));
+  // Pageable host memory where device memory is required: refused, naming the field.
+  job.k = 2;
+  job.scores = scores.data();
+  const absl::Status host_pointer = cuda_->TopK({job}, nullptr);
+  EXPECT_EQ(host_pointer.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(host_pointer.message()), HasSubstr("scores is not device-accessible"));
+  EXPECT_TRUE(cuda_->healthy());
+}
+
+// Runs on every CUDA build, with or without a device: probing never aborts, and the factory and
+// backend constructor answer with statuses.
+TEST(CudaBuildTest, ProbeAndFactoryAnswerWithoutAborting) {
+  EXPECT_TRUE(CudaBuilt());
+  std::string why;
+  const int devices = CudaDeviceCount(&why);
+  EXPECT_EQ(ProbeCuda().devices, devices);
+  auto backend = MakeBackend(BackendKind::kCuda);
+  if (devices == 0) {
+    EXPECT_FALSE(why.empty());
+    EXPECT_EQ(backend.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(backend.status().message()), HasSubstr("no CUDA device"));
+  } else {
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    EXPECT_EQ((*backend)->name(), "cuda");
+    EXPECT_TRUE((*backend)->healthy());
+  }
+  auto cpu = MakeBackend(BackendKind::kCpu, 1);
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ((*cpu)->name(), "cpu");
+}
+
+}  // namespace
+}  // namespace kvs
