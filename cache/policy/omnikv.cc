@@ -101,6 +101,27 @@ void OmniKvCandidateScores(OmniKvSelector selector, absl::Span<const float> rows
   }
 }
 
+std::vector<double> OmniKvFilterAbility(absl::Span<const std::vector<float>> layers, int32_t k,
+                                        int32_t n) {
+  std::vector<double> ability;
+  const int64_t num_layers = static_cast<int64_t>(layers.size());
+  for (int64_t l1 = 0; l1 + n < num_layers; ++l1) {
+    const std::vector<float>& a = layers[l1];
+    std::vector<int32_t> order(a.size());
+    for (size_t t = 0; t < order.size(); ++t) order[t] = static_cast<int32_t>(t);
+    const size_t top = std::min<size_t>(std::max(k, 0), order.size());
+    std::partial_sort(order.begin(), order.begin() + top, order.end(), [&a](int32_t x, int32_t y) {
+      return NanToLowest(a[x]) > NanToLowest(a[y]) || (a[x] == a[y] && x < y);
+    });
+    double total = 0;
+    for (int64_t l2 = l1; l2 < l1 + n; ++l2) {
+      for (size_t i = 0; i < top; ++i) total += layers[l2][order[i]];
+    }
+    ability.push_back(n > 0 ? total / n : 0.0);
+  }
+  return ability;
+}
+
 OmniKvPolicy::OmniKvPolicy(const PolicyConfig& config)
     : Policy(config, MakeLayerAllocator(config)) {}
 

@@ -50,6 +50,14 @@ void OmniKvCandidateScores(OmniKvSelector selector, absl::Span<const float> rows
                            int32_t num_q_heads, int32_t window, int32_t n,
                            absl::Span<float> scores);
 
+// Filter ability (omnikv.md §6), the offline analysis that picks a model's filter layers:
+// `layers[l][t]` is layer l's distribution over the prompt at one decode step (the softmax of the
+// head-max logits); sim(l1, l2) = the mass layers[l2] puts on the top k tokens of layers[l1] (ties
+// to the lower index); A(l1; n) = the mean of sim(l1, l2) over l2 in [l1, l1 + n), for every l1
+// with l1 + n < L (TV8). All layers must have the same length.
+std::vector<double> OmniKvFilterAbility(absl::Span<const std::vector<float>> layers, int32_t k,
+                                        int32_t n);
+
 // The OmniKV policy object: it keeps every token (no allocator split, no scorer); its Select is
 // never reached because an OmniKV sequence has no budget, and reports INTERNAL if it is.
 class OmniKvPolicy final : public Policy {

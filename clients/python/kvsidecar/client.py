@@ -877,15 +877,28 @@ class Session:
         return self._call(self.stub.Score, request)
 
     def select(self, sequence_id: str, step_id: int,
-               attention: Optional[common_pb2.AttentionInputs] = None
-               ) -> sidecar_pb2.SelectResponse:
-        """OmniKV top-k selection for one decode step (the server answers UNIMPLEMENTED until
-        OmniKV lands: :class:`kvsidecar.errors.Unimplemented`)."""
+               attention: Optional[common_pb2.AttentionInputs] = None,
+               prompt_tokens: int = 0) -> sidecar_pb2.SelectResponse:
+        """OmniKV's selection for one decode step of an ``omnikv`` sequence: ``attention`` carries
+        the listed filter layers' queries (:func:`attention` with ``layers=``). The response item
+        gives, per filter layer, the selected prompt positions (ascending) and, per sparse layer, a
+        ``LayerLayout`` of staging blocks holding those tokens followed by the layer's generated
+        ones: read it with :meth:`read_layer`. ``prompt_tokens``: N, fixed by the first call
+        (0 = the sequence's next position then). A retry with the same ``step_id`` returns the
+        same selection."""
         item = sidecar_pb2.SelectRequest.Item(session_id=self.session_id,
-                                              sequence_id=sequence_id, step_id=step_id)
+                                              sequence_id=sequence_id, step_id=step_id,
+                                              prompt_tokens=prompt_tokens)
         if attention is not None:
             item.attention.CopyFrom(attention)
         return self._call(self.stub.Select, sidecar_pb2.SelectRequest(items=[item]))
+
+    def get_retained(self, sequence_id: str, layers: Optional[Sequence[int]] = None
+                     ) -> sidecar_pb2.GetRetainedResponse:
+        """The tokens a ``retain_evicted`` sequence evicted, per (layer, kv head) in eviction
+        order: positions, selection scores, and K / V bytes ``[n][D]`` in the session dtype."""
+        return self._call(self.stub.GetRetained, sidecar_pb2.GetRetainedRequest(
+            session_id=self.session_id, sequence_id=sequence_id, layers=list(layers or [])))
 
     def spill(self, sequence_id: str, target: int = common_pb2.TIER_HOST
               ) -> sidecar_pb2.SpillResponse:

@@ -224,6 +224,17 @@ TEST(OmniKvScoresTest, Tv6PortableFormula) {
   EXPECT_THAT(TopK(s, 4), ElementsAre(4, 5, 8, 15));
 }
 
+TEST(OmniKvFilterAbilityTest, Tv8) {
+  const std::vector<std::vector<float>> a = {
+      {.7f, .1f, .1f, .1f}, {.6f, .2f, .1f, .1f}, {.1f, .1f, .1f, .7f}, {.25f, .25f, .25f, .25f}};
+  const std::vector<double> ability = OmniKvFilterAbility(a, /*k=*/1, /*n=*/2);
+  ASSERT_EQ(ability.size(), 2u);
+  EXPECT_NEAR(ability[0], 0.65, 1e-6);
+  EXPECT_NEAR(ability[1], 0.35, 1e-6);
+  // k = all tokens: every distribution sums to one.
+  for (double value : OmniKvFilterAbility(a, 4, 1)) EXPECT_NEAR(value, 1.0, 1e-6);
+}
+
 TEST(OmniKvScoresTest, NanRanksLowest) {
   std::vector<float> rows = {NAN, 1.0f, 0.5f, NAN};  // [Hq 2][n 2]
   std::vector<float> s(2);
