@@ -88,6 +88,9 @@ class Session {
   // Stores / drops the pinned host-tier entries of this session's sequences (OmniKV's offloaded
   // prompt, retain_evicted chunks) under {tenant, id, ...}; empty without tiers. Set at Attach.
   HostPin host_pin;
+  // The tenant's arena quota check of a restore of `bytes` (CheckRestoreQuota); set at Attach.
+  // Safe under `mu`: it reads the pool's session map and quotas, never a session lock.
+  std::function<absl::Status(std::string_view sequence_id, uint64_t bytes)> restore_quota;
   bool dead ABSL_GUARDED_BY(mu) = false;  // detached or reclaimed; holders of a stale pointer
   uint64_t next_reservation_id ABSL_GUARDED_BY(mu) = 1;
 };
@@ -99,6 +102,19 @@ constexpr size_t kMaxTenantLength = 256;
 constexpr size_t kMaxWorkerNameLength = 256;
 
 constexpr int32_t kMinSequencesPerSession = 16;
+
+// Restoring `bytes` of `sequence_id` into the arena must keep `tenant` within its arena quota.
+absl::Status CheckRestoreQuota(const KvPool& pool, const std::string& tenant,
+                               std::string_view sequence_id, uint64_t bytes) {
+  const uint64_t limit = pool.GetTenantQuota(tenant).arena_bytes;
+  if (limit == 0) return absl::OkStatus();
+  const uint64_t used = pool.GetTenantUsage(tenant).arena_bytes;
+  if (used + bytes <= limit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("restoring sequence ", Sv(sequence_id), " needs up to ", bytes,
+                   " arena bytes; tenant ", tenant, " uses ", used, " of its quota arena_bytes ",
+                   limit, " (the spilled copy stays; release or spill sequences first)"));
+}
 
 std::string RandomHex(int chars) {
   thread_local absl::BitGen gen;
@@ -344,6 +360,10 @@ absl::StatusOr<SessionView> KvPool::Attach(const AttachParams& params) {
   auto session =
       std::make_shared<Session>(SecureRandomHex(16), resolved, *std::move(arena),
                                 static_cast<int32_t>(num_blocks), charge, lease, clock_->Now());
+  session->restore_quota = [this, tenant = session->tenant](std::string_view sequence_id,
+                                                            uint64_t bytes) {
+    return CheckRestoreQuota(*this, tenant, sequence_id, bytes);
+  };
   if (options_.tiers != nullptr) {
     session->host_pin = [this, tenant = session->tenant, id = session->id](
                             const SpillKey& key,
@@ -1251,6 +1271,11 @@ absl::Status RestoreSpilledLocked(Session& session, std::string_view sequence_id
                                   const PoolOptions& options) {
   if (options.tiers == nullptr) return NoTiers();
   const SpillKey key{session.tenant, session.id, std::string(sequence_id)};
+  // The automatic restore of a data-plane call is held to the tenant's arena quota too.
+  if (const std::optional<SpilledInfo> copy = options.tiers->Find(key);
+      copy && copy->lost.empty() && session.restore_quota) {
+    KVS_RETURN_IF_ERROR(session.restore_quota(sequence_id, copy->bytes));
+  }
   KVS_RETURN_IF_ERROR(RestoreKeyLocked(session, key, backend, options));
   session.spilled.erase(Sv(sequence_id));
   return absl::OkStatus();
@@ -1303,19 +1328,6 @@ absl::StatusOr<SpillResult> KvPool::Spill(std::string_view session_id, std::stri
 }
 
 namespace {
-// Restoring `bytes` of `sequence_id` into the arena must keep `tenant` within its arena quota.
-absl::Status CheckRestoreQuota(const KvPool& pool, const std::string& tenant,
-                               std::string_view sequence_id, uint64_t bytes) {
-  const uint64_t limit = pool.GetTenantQuota(tenant).arena_bytes;
-  if (limit == 0) return absl::OkStatus();
-  const uint64_t used = pool.GetTenantUsage(tenant).arena_bytes;
-  if (used + bytes <= limit) return absl::OkStatus();
-  return absl::ResourceExhaustedError(
-      absl::StrCat("restoring sequence ", Sv(sequence_id), " needs up to ", bytes,
-                   " arena bytes; tenant ", tenant, " uses ", used, " of its quota arena_bytes ",
-                   limit, " (the spilled copy stays; release or spill sequences first)"));
-}
-
 // Releases an adoption claim (KvPool::adopting_) when the Restore that took it returns.
 class AdoptionClaim {
  public:

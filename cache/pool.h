@@ -313,7 +313,8 @@ struct PoolStats {
 
 // A tenant's limits (Admin.SetQuota); 0 = unlimited. arena_bytes bounds the arena blocks in use
 // by the tenant's sequences (checked before every Reserve and DecodeStep: a tenant at or above
-// it may not grow); sequences bounds CreateSequence; host_bytes and disk_bytes bound the spill
+// it may not grow; and before every restore, explicit or automatic, with the copy's bytes);
+// sequences bounds CreateSequence; host_bytes and disk_bytes bound the spill
 // tiers (checked through CheckTierQuota by whoever spills).
 struct TenantQuota {
   uint64_t arena_bytes = 0;

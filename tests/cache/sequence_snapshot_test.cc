@@ -369,6 +369,31 @@ TEST(SpillRestoreTest, RestoreChecksTheTenantArenaQuota) {
   ExpectSame(before, Observe(pool, adopter, "big", layout, false));
 }
 
+// The automatic restore a data-plane call makes is held to the same quota: refused with the
+// copy kept, and served once the quota allows it.
+TEST(SpillRestoreTest, AutomaticRestoreChecksTheTenantArenaQuota) {
+  TempDir dir;
+  TieredPool tiered(dir.path());
+  KvPool& pool = tiered.pool();
+  const ModelLayout layout = MakeLayout(2, 2, 32, DType::kFloat16, 16);
+  const std::string session = tiered.test_pool.Attach(layout, 64);
+  tiered.test_pool.Create(session, Named(kPolicyH2o), Budget(0), "big");
+  tiered.test_pool.Create(session, Named(kPolicyH2o), Budget(0), "small");
+  ASSERT_TRUE(Append(pool, session, "big", 160, layout, HashValue).ok());  // 10 blocks a layer
+  ASSERT_TRUE(Append(pool, session, "small", 16, layout, HashValue).ok());
+  const Observed before = Observe(pool, session, "big", layout, false);
+  ASSERT_TRUE(pool.Spill(session, "big", StorageTier::kHost).ok());
+  TenantQuota quota;
+  quota.arena_bytes = 8 * layout.block_bytes();
+  pool.SetTenantQuota("default", quota);
+  absl::Status refused = pool.GetLayout(session, "big", {}, false).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("arena_bytes"), std::string::npos) << refused;
+  ASSERT_TRUE(tiered.tiers->Find({"default", session, "big"}).has_value()) << "the copy stays";
+  pool.SetTenantQuota("default", TenantQuota{});
+  ExpectSame(before, Observe(pool, session, "big", layout, false));
+}
+
 // Two sessions adopting the same copy at the same time: exactly one gets the sequence, the other
 // a clear error (ABORTED while the first restores, NOT_FOUND after it erased the copy), never a
 // second copy of the sequence.
