@@ -1094,35 +1094,51 @@ grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerCont
   });
 }
 
+namespace {
+
+// The items of a batched per-sequence call (DecodeStep, Select), converted in order with
+// `convert` against their session's layout (one GetSession per session): at most
+// kMaxBatchItems, each naming a session and a sequence no other item names.
+template <typename Item, typename Converted>
+absl::StatusOr<std::vector<Converted>> ItemsFromProto(
+    const google::protobuf::RepeatedPtrField<Item>& proto_items, const KvPool& pool,
+    absl::StatusOr<Converted> (*convert)(const Item&, const ModelLayout&, absl::string_view)) {
+  const int n = proto_items.size();
+  if (n > kMaxBatchItems) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("items has ", n, " items; at most ", kMaxBatchItems, " per call"));
+  }
+  std::vector<Converted> items;
+  items.reserve(n);
+  absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
+  absl::flat_hash_map<std::string, ModelLayout> layouts;
+  for (int i = 0; i < n; ++i) {
+    const Item& item = proto_items[i];
+    const std::string prefix = absl::StrCat("items[", i, "].");
+    KVS_RETURN_IF_ERROR(
+        ValidateName(item.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
+    auto it = layouts.find(item.session_id());
+    if (it == layouts.end()) {
+      absl::StatusOr<SessionView> session = pool.GetSession(item.session_id());
+      KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat("items[", i, "]: "), session.status()));
+      it = layouts.emplace(item.session_id(), session->layout).first;
+    }
+    KVS_ASSIGN_OR_RETURN(Converted converted, convert(item, it->second, prefix));
+    KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i, "items"));
+    items.push_back(std::move(converted));
+  }
+  return items;
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* SidecarService::DecodeStep(grpc::CallbackServerContext* context,
                                                      const v1::DecodeStepRequest* request,
                                                      v1::DecodeStepResponse* response) {
   return RunUnary(context, "DecodeStep", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
-    const int n = request->items_size();
-    if (n > kMaxBatchItems) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("items has ", n, " items; at most ", kMaxBatchItems, " per call"));
-    }
-    std::vector<DecodeItem> items;
-    items.reserve(n);
-    absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
-    absl::flat_hash_map<std::string, ModelLayout> layouts;  // one GetSession per session
-    for (int i = 0; i < n; ++i) {
-      const v1::DecodeStepRequest::Item& item = request->items(i);
-      const std::string prefix = absl::StrCat("items[", i, "].");
-      KVS_RETURN_IF_ERROR(
-          ValidateName(item.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
-      auto it = layouts.find(item.session_id());
-      if (it == layouts.end()) {
-        absl::StatusOr<SessionView> session = pool_->GetSession(item.session_id());
-        KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat("items[", i, "]: "), session.status()));
-        it = layouts.emplace(item.session_id(), session->layout).first;
-      }
-      KVS_ASSIGN_OR_RETURN(DecodeItem decode, DecodeItemFromProto(item, it->second, prefix));
-      KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i, "items"));
-      items.push_back(std::move(decode));
-    }
+    KVS_ASSIGN_OR_RETURN(std::vector<DecodeItem> items,
+                         ItemsFromProto(request->items(), *pool_, &DecodeItemFromProto));
     // The pool validates every item again (reservations, positions, attention sizes) before it
     // changes anything, and prefixes its errors with "items[i]: ".
     KVS_ASSIGN_OR_RETURN(std::vector<DecodeResult> results, pool_->DecodeStep(items));
@@ -1169,30 +1185,8 @@ grpc::ServerUnaryReactor* SidecarService::Select(grpc::CallbackServerContext* co
                                                  v1::SelectResponse* response) {
   return RunUnary(context, "Select", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
-    const int n = request->items_size();
-    if (n > kMaxBatchItems) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("items has ", n, " items; at most ", kMaxBatchItems, " per call"));
-    }
-    std::vector<SelectItem> items;
-    items.reserve(n);
-    absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
-    absl::flat_hash_map<std::string, ModelLayout> layouts;  // one GetSession per session
-    for (int i = 0; i < n; ++i) {
-      const v1::SelectRequest::Item& item = request->items(i);
-      const std::string prefix = absl::StrCat("items[", i, "].");
-      KVS_RETURN_IF_ERROR(
-          ValidateName(item.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
-      auto it = layouts.find(item.session_id());
-      if (it == layouts.end()) {
-        absl::StatusOr<SessionView> session = pool_->GetSession(item.session_id());
-        KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat("items[", i, "]: "), session.status()));
-        it = layouts.emplace(item.session_id(), session->layout).first;
-      }
-      KVS_ASSIGN_OR_RETURN(SelectItem select, SelectItemFromProto(item, it->second, prefix));
-      KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i, "items"));
-      items.push_back(std::move(select));
-    }
+    KVS_ASSIGN_OR_RETURN(std::vector<SelectItem> items,
+                         ItemsFromProto(request->items(), *pool_, &SelectItemFromProto));
     KVS_ASSIGN_OR_RETURN(std::vector<SelectResult> results, pool_->Select(items));
     for (const SelectResult& result : results) SelectResultToProto(result, response->add_items());
     return absl::OkStatus();
