@@ -341,9 +341,9 @@ absl::StatusOr<SpilledSequence> Sequence::Spill(const SequenceEnv& env) const {
   SpilledSequence out;
   out.layers.resize(layers_.size());
   const uint64_t block_bytes = layout_.block_bytes();
-  // A shared-memory arena is host memory: copy straight from it with streaming stores (the
-  // spilled bytes are not read again soon; Arena::Read copies in small cached pieces).
-  const bool host_arena = env.arena.handle().kind == ArenaHandle::Kind::kSharedMemoryFile;
+  // A host-mapped arena: copy straight from it with streaming stores (the spilled bytes are not
+  // read again soon; Arena::Read copies in small cached pieces). A device arena goes through Read.
+  const bool host_arena = env.arena.host_mapped();
   for (size_t l = 0; l < layers_.size(); ++l) {
     SequenceSnapshot::Layer& layer = snapshot.layers[l];
     layer.count = layers_[l].count;

@@ -18,12 +18,12 @@ namespace kvs {
 struct ArenaHandle {
   enum class Kind { kSharedMemoryFile, kCudaIpc };
   Kind kind = Kind::kSharedMemoryFile;
-  std::string shm_path;          // kSharedMemoryFile: file to open + mmap (mode 0600)
-  std::string cuda_ipc_handle;   // kCudaIpc: the raw 64-byte cudaIpcMemHandle_t
+  std::string shm_path;         // kSharedMemoryFile: file to open + mmap (mode 0600)
+  std::string cuda_ipc_handle;  // kCudaIpc: the raw 64-byte cudaIpcMemHandle_t
   int cuda_device = -1;
   std::string cuda_device_uuid;
   uint64_t size_bytes = 0;
-  uint64_t generation = 0;       // unique per arena created by this process
+  uint64_t generation = 0;  // unique per arena created by this process
 };
 
 class Arena {
@@ -36,6 +36,10 @@ class Arena {
   virtual const uint8_t* data() const = 0;
   virtual uint64_t size_bytes() const = 0;
   virtual const ArenaHandle& handle() const = 0;
+  // True when data() may be dereferenced on the host (the shared-memory arena). False by default:
+  // a device arena, or a wrapper that does not know, is reached only through Read/Write and the
+  // backend's kernels.
+  virtual bool host_mapped() const { return false; }
 
   // Copies between host memory and the arena. OUT_OF_RANGE if [offset, offset + bytes) leaves
   // the arena (checked without overflow); nothing is copied then.

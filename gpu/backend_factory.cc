@@ -4,9 +4,12 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "gpu/sim/simulated_device.h"
+#include "gpu/staging_backend.h"
 
 #ifdef KVS_WITH_CUDA
 #include "gpu/cuda/cuda_backend.h"
+#include "gpu/cuda/cuda_device_memory.h"
 #endif
 
 namespace kvs {
@@ -36,8 +39,14 @@ const CudaProbe& ProbeCuda() {
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(BackendKind kind, int num_threads) {
   if (kind == BackendKind::kCpu) return MakeCpuBackend(num_threads);
+  if (kind == BackendKind::kDeviceSim) {
+    SimulatedDevice device = MakeSimulatedDevice(num_threads);
+    return MakeStagingBackend(std::move(device.backend), std::move(device.memory));
+  }
 #ifdef KVS_WITH_CUDA
-  return MakeCudaBackend(0);
+  auto cuda = MakeCudaBackend(0);
+  if (!cuda.ok()) return cuda.status();
+  return MakeStagingBackend(*std::move(cuda), MakeCudaDeviceMemory(0));
 #else
   return absl::FailedPreconditionError("this build has no CUDA backend");
 #endif

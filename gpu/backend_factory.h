@@ -13,7 +13,9 @@
 
 namespace kvs {
 
-enum class BackendKind { kCpu, kCuda };
+// kDeviceSim: the simulated device (gpu/sim/simulated_device.h) behind the staging decorator
+// (gpu/staging_backend.h): runs anywhere, faults on any host access to device memory.
+enum class BackendKind { kCpu, kCuda, kDeviceSim };
 
 // True when the binary was built with the CUDA backend (CMake KVS_WITH_CUDA, on when nvcc is
 // found).
@@ -26,8 +28,11 @@ struct CudaProbe {
 // Probes once (cudaGetDeviceCount) and caches the answer; never aborts, even without a driver.
 const CudaProbe& ProbeCuda();
 
-// kCpu: MakeCpuBackend(num_threads). kCuda: the CUDA backend on device 0; FAILED_PRECONDITION when
-// the build has no CUDA backend or no device can be used.
+// kCpu: MakeCpuBackend(num_threads). kCuda: the CUDA backend on device 0 behind the staging
+// decorator (so that the cache core's host job arrays reach the device); FAILED_PRECONDITION when
+// the build has no CUDA backend or no device can be used. kDeviceSim: the simulated device behind
+// the staging decorator, with `num_threads` as the CPU backend's. The raw CUDA backend (jobs over
+// device pointers only) stays available as MakeCudaBackend (gpu/cuda/cuda_backend.h).
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(BackendKind kind, int num_threads = 0);
 
 }  // namespace kvs

@@ -165,12 +165,11 @@ absl::Status ValidateConfig(const SidecarConfig& config) {
 
 absl::StatusOr<BackendChoice> ChooseBackend(absl::string_view flag_value) {
   if (flag_value == "cpu") return BackendChoice{"cpu", "--backend=cpu"};
-  // The CUDA backend's kernels (gpu/cuda) are built when nvcc is found, but the cache core still
-  // reads and writes arena memory and block tables on the host (cache/sequence.cc, the
-  // policies), so the server cannot serve with it yet: auto serves with cpu and says why, and
-  // cuda is refused with the reason, on hosts with or without a device.
-  constexpr absl::string_view kNotDeviceAware =
-      "the cache core is not yet device-aware (it reads and writes arena memory on the host)";
+  if (flag_value == "device-sim") {
+    return BackendChoice{"device-sim",
+                         "--backend=device-sim: the CPU kernels behind a simulated device address "
+                         "space, to test the device data path without a GPU"};
+  }
   if (flag_value == "auto") {
     if (!CudaBuilt()) {
       return BackendChoice{"cpu", "--backend=auto: this build has no CUDA backend, using cpu"};
@@ -181,8 +180,7 @@ absl::StatusOr<BackendChoice> ChooseBackend(absl::string_view flag_value) {
                                                "device is usable (",
                                                probe.detail, "), using cpu")};
     }
-    return BackendChoice{"cpu", absl::StrCat("--backend=auto: CUDA device ", probe.detail,
-                                             " present, but ", kNotDeviceAware, "; using cpu")};
+    return BackendChoice{"cuda", absl::StrCat("--backend=auto: CUDA device ", probe.detail)};
   }
   if (flag_value == "cuda") {
     if (!CudaBuilt()) {
@@ -195,13 +193,10 @@ absl::StatusOr<BackendChoice> ChooseBackend(absl::string_view flag_value) {
           absl::StrCat("--backend=cuda: no CUDA device is usable on this host (", probe.detail,
                        "); use --backend=cpu or auto"));
     }
-    return absl::FailedPreconditionError(
-        absl::StrCat("--backend=cuda: CUDA device ", probe.detail,
-                     " is present and the CUDA kernels are built, but ", kNotDeviceAware,
-                     "; use --backend=cpu or auto"));
+    return BackendChoice{"cuda", absl::StrCat("--backend=cuda: CUDA device ", probe.detail)};
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("--backend must be cpu, auto or cuda, got '", flag_value, "'"));
+      absl::StrCat("--backend must be cpu, auto, cuda or device-sim, got '", flag_value, "'"));
 }
 
 absl::StatusOr<PoolOptions> ToPoolOptions(const SidecarConfig& config) {

@@ -35,7 +35,7 @@ struct SidecarConfig {
   // their next use.
   bool spill_on_pressure = false;
   int64_t lease_ms = 10000;
-  std::string backend = "auto";            // cpu | auto | cuda
+  std::string backend = "auto";            // cpu | auto | cuda | device-sim
   std::string default_policy = "keydiff";  // streaming_llm | keydiff
   int32_t default_budget_tokens = 0;       // 0 = unbounded
   int32_t threads = 0;             // backend and DecodeStep threads, 0 = hardware concurrency
@@ -91,9 +91,9 @@ absl::StatusOr<int64_t> ParseInteger(absl::string_view text, absl::string_view f
 absl::Status ValidateListenAddress(absl::string_view address, absl::string_view flag);
 // Every value range; INVALID_ARGUMENT naming the flag. Does not touch the file system.
 absl::Status ValidateConfig(const SidecarConfig& config);
-// cpu -> cpu; auto -> cpu with the reason (no CUDA in this build, no device, or a device the
-// cache core cannot use yet); cuda -> FAILED_PRECONDITION with the same reasons (the cache core
-// is not yet device-aware, so cuda is refused even where a device is present); anything else
+// cpu -> cpu; device-sim -> device-sim (tests the device data path on the CPU); auto -> cuda when
+// this build has the CUDA backend and a device is usable, else cpu with the reason; cuda ->
+// FAILED_PRECONDITION without CUDA in the build or a usable device; anything else
 // INVALID_ARGUMENT. Probes the CUDA devices once per process (gpu/backend_factory.h).
 absl::StatusOr<BackendChoice> ChooseBackend(absl::string_view flag_value);
 // Pool options for a validated config.

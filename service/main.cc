@@ -54,8 +54,10 @@ ABSL_FLAG(std::string, spill_on_pressure, "false",
           "true: a Reserve that finds its session's arena full spills the session's least "
           "recently used other sequences to the host tier (restored on their next use).");
 ABSL_FLAG(std::string, lease_ms, "10000", "Default session lease in milliseconds.");
-ABSL_FLAG(std::string, backend, "auto",
-          "Compute backend: cpu, auto or cuda (auto serves with cpu and logs why; see README).");
+ABSL_FLAG(
+    std::string, backend, "auto",
+    "Compute backend: cpu, auto, cuda or device-sim (auto picks cuda when a CUDA device is usable, "
+    "else cpu, and logs why; device-sim tests the device data path on the CPU; see README).");
 ABSL_FLAG(std::string, default_policy, "keydiff",
           "Policy of sequences created without one: streaming_llm or keydiff.");
 ABSL_FLAG(std::string, default_budget_tokens, "0",
@@ -223,11 +225,13 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  // ChooseBackend only ever picks "cpu" today (see service/config.cc); the factory keeps the
-  // construction in one place for when the cache core becomes device-aware.
-  auto made_backend = kvs::MakeBackend(
-      backend_choice->name == "cuda" ? kvs::BackendKind::kCuda : kvs::BackendKind::kCpu,
-      config.threads);
+  // cuda and device-sim stage the cache core's host-side job arrays through device memory
+  // (gpu/staging_backend.h); the arena itself lives where the backend computes.
+  const kvs::BackendKind kind = backend_choice->name == "cuda" ? kvs::BackendKind::kCuda
+                                : backend_choice->name == "device-sim"
+                                    ? kvs::BackendKind::kDeviceSim
+                                    : kvs::BackendKind::kCpu;
+  auto made_backend = kvs::MakeBackend(kind, config.threads);
   if (!made_backend.ok()) return Fail(made_backend.status().message(), kExitBadFlags);
   std::unique_ptr<kvs::Backend> backend = *std::move(made_backend);
   kvs::RealClock clock;

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "clients/cpp/cuda_ipc.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/status_macros.h"
 
@@ -218,11 +219,12 @@ absl::Status Session::CheckAttached() const {
 
 absl::Status Session::Start() {
   const v1::ArenaHandle& handle = attach_.arena();
-  if (handle.kind() != v1::ArenaHandle::KIND_SHARED_MEMORY_FILE) {
+  if (handle.kind() != v1::ArenaHandle::KIND_SHARED_MEMORY_FILE &&
+      handle.kind() != v1::ArenaHandle::KIND_CUDA_IPC) {
     return absl::FailedPreconditionError(
         absl::StrCat("arena.kind ", v1::ArenaHandle::Kind_Name(handle.kind()),
-                     " cannot be mapped by this client: it maps host shared-memory arenas only "
-                     "(KIND_SHARED_MEMORY_FILE)"));
+                     " cannot be mapped by this client: it maps KIND_SHARED_MEMORY_FILE and "
+                     "KIND_CUDA_IPC arenas"));
   }
   const v1::ModelLayout& layout = attach_.layout();
   const int dtype_bytes = DTypeBytes(layout.dtype());
@@ -245,6 +247,47 @@ absl::Status Session::Start() {
                                             " blocks does not fit ", "arena.size_bytes ",
                                             handle.size_bytes()));
   }
+  geometry_.size_bytes = handle.size_bytes();
+  geometry_.block_bytes = handle.block_bytes();
+  geometry_.num_blocks = handle.num_blocks();
+  geometry_.num_kv_heads = layout.num_kv_heads();
+  geometry_.block_tokens = layout.block_tokens();
+  geometry_.head_dim = layout.head_dim();
+  geometry_.dtype_bytes = dtype_bytes;
+  geometry_.generation = handle.generation();
+  KVS_RETURN_IF_ERROR(handle.kind() == v1::ArenaHandle::KIND_CUDA_IPC ? MapCudaIpc()
+                                                                      : MapSharedMemory());
+
+  // The Watch stream ties the session to this process: when it dies, the stream breaks and the
+  // server reclaims the session without waiting for the lease. Wait for the server to bind it so
+  // that a caller that dies right after Attach is still reclaimed promptly.
+  watch_context_ = std::make_unique<grpc::ClientContext>();
+  watch_thread_ = std::thread([this] { WatchLoop(); });
+  {
+    absl::MutexLock lock(&mu_);
+    absl::Duration wait = options_.connect_timeout > absl::ZeroDuration() ? options_.connect_timeout
+                                                                          : absl::Seconds(10);
+    if (wait == absl::InfiniteDuration()) wait = absl::Seconds(60);
+    mu_.AwaitWithTimeout(absl::Condition(&watch_started_), wait);
+  }
+  heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+  return absl::OkStatus();
+}
+
+absl::Status Session::MapCudaIpc() {
+  internal::CudaIpcDriver* driver = internal::CurrentCudaIpcDriver();
+  KVS_ASSIGN_OR_RETURN(
+      internal::CudaIpcMapping mapping,
+      internal::CudaIpcMappings::Global().Acquire(driver, session_id(), attach_.arena()));
+  cuda_driver_ = driver;
+  geometry_.base = mapping.base;
+  geometry_.memory = ArenaGeometry::Memory::kDevice;
+  geometry_.cuda_device = mapping.device;
+  return absl::OkStatus();
+}
+
+absl::Status Session::MapSharedMemory() {
+  const v1::ArenaHandle& handle = attach_.arena();
   if (handle.shm_path().empty()) return absl::InternalError("arena.shm_path is empty");
 
   const int fd = open(handle.shm_path().c_str(), O_RDWR | O_CLOEXEC);
@@ -266,27 +309,7 @@ absl::Status Session::Start() {
         absl::StrCat("cannot map arena ", handle.shm_path(), ": ", std::strerror(mmap_errno)));
   }
   geometry_.base = static_cast<uint8_t*>(base);
-  geometry_.size_bytes = handle.size_bytes();
-  geometry_.block_bytes = handle.block_bytes();
-  geometry_.num_blocks = handle.num_blocks();
-  geometry_.num_kv_heads = layout.num_kv_heads();
-  geometry_.block_tokens = layout.block_tokens();
-  geometry_.head_dim = layout.head_dim();
-  geometry_.dtype_bytes = dtype_bytes;
-
-  // The Watch stream ties the session to this process: when it dies, the stream breaks and the
-  // server reclaims the session without waiting for the lease. Wait for the server to bind it so
-  // that a caller that dies right after Attach is still reclaimed promptly.
-  watch_context_ = std::make_unique<grpc::ClientContext>();
-  watch_thread_ = std::thread([this] { WatchLoop(); });
-  {
-    absl::MutexLock lock(&mu_);
-    absl::Duration wait = options_.connect_timeout > absl::ZeroDuration() ? options_.connect_timeout
-                                                                          : absl::Seconds(10);
-    if (wait == absl::InfiniteDuration()) wait = absl::Seconds(60);
-    mu_.AwaitWithTimeout(absl::Condition(&watch_started_), wait);
-  }
-  heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+  geometry_.memory = ArenaGeometry::Memory::kHost;
   return absl::OkStatus();
 }
 
@@ -341,10 +364,15 @@ void Session::StopBackground() {
 }
 
 void Session::Unmap() {
-  if (geometry_.base != nullptr) {
+  if (geometry_.base == nullptr) return;
+  if (geometry_.on_device()) {
+    // cudaIpcCloseMemHandle through the registry; an error here (e.g. the context is already
+    // gone at process exit) has nowhere useful to go.
+    (void)internal::CudaIpcMappings::Global().Release(session_id(), geometry_.generation);
+  } else {
     munmap(geometry_.base, geometry_.size_bytes);
-    geometry_.base = nullptr;
   }
+  geometry_.base = nullptr;
 }
 
 bool Session::watching() const {
@@ -436,6 +464,12 @@ absl::Status Session::WriteReserved(const Reservation& reservation, int layer, i
                                                    " (head_dim * dtype bytes)"));
   }
   KVS_ASSIGN_OR_RETURN(uint8_t * destination, reservation.RowPointer(layer, kv, head, token_i));
+  if (reservation.geometry().on_device()) {
+    if (cuda_driver_ == nullptr || reservation.geometry().base != geometry_.base) {
+      return absl::FailedPreconditionError("the reservation is not of this session's CUDA arena");
+    }
+    return cuda_driver_->CopyToDevice(geometry_.cuda_device, destination, row.data(), row.size());
+  }
   std::memcpy(destination, row.data(), row.size());
   return absl::OkStatus();
 }
@@ -646,6 +680,41 @@ absl::StatusOr<absl::Span<const uint8_t>> Session::ReadRow(const v1::GetLayoutRe
 
 absl::StatusOr<absl::Span<const uint8_t>> Session::ReadRow(const v1::LayerLayout& layer_layout,
                                                            int kv, int head, int slot) const {
+  // Bounds first, so that a bad slot is OUT_OF_RANGE on either arena kind.
+  KVS_ASSIGN_OR_RETURN(const uint8_t* row, RowAddress(layer_layout, kv, head, slot));
+  if (geometry_.on_device()) {
+    return absl::FailedPreconditionError(
+        "ReadRow returns host memory but this session's arena is device memory (KIND_CUDA_IPC): "
+        "use ReadRowInto, or RowAddress for the device pointer");
+  }
+  return absl::MakeConstSpan(row, geometry_.row_bytes());
+}
+
+absl::Status Session::ReadRowInto(const v1::GetLayoutResponse& layout, int layer, int kv, int head,
+                                  int slot, absl::Span<uint8_t> out) const {
+  for (const v1::LayerLayout& entry : layout.layers()) {
+    if (entry.layer() == layer) return ReadRowInto(entry, kv, head, slot, out);
+  }
+  return absl::OutOfRangeError(absl::StrCat("layer ", layer, " is not in the layout"));
+}
+
+absl::Status Session::ReadRowInto(const v1::LayerLayout& layer_layout, int kv, int head, int slot,
+                                  absl::Span<uint8_t> out) const {
+  if (out.size() != geometry_.row_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("out has ", out.size(), " bytes, expected ",
+                                                   geometry_.row_bytes(),
+                                                   " (head_dim * dtype bytes)"));
+  }
+  KVS_ASSIGN_OR_RETURN(const uint8_t* row, RowAddress(layer_layout, kv, head, slot));
+  if (geometry_.on_device()) {
+    return cuda_driver_->CopyFromDevice(geometry_.cuda_device, out.data(), row, out.size());
+  }
+  std::memcpy(out.data(), row, out.size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint8_t*> Session::RowAddress(const v1::LayerLayout& layer_layout, int kv, int head,
+                                             int slot) const {
   KVS_RETURN_IF_ERROR(CheckAttached());
   if (slot < 0 || slot >= layer_layout.count()) {
     return absl::OutOfRangeError(absl::StrCat("slot must be in [0, ", layer_layout.count(),
@@ -657,9 +726,7 @@ absl::StatusOr<absl::Span<const uint8_t>> Session::ReadRow(const v1::LayerLayout
     return absl::OutOfRangeError(absl::StrCat("the block table of layer ", layer_layout.layer(),
                                               " has no block for slot ", slot));
   }
-  KVS_ASSIGN_OR_RETURN(const uint8_t* row, geometry_.Row(layer_layout.block_table(index), kv, head,
-                                                         slot % geometry_.block_tokens));
-  return absl::MakeConstSpan(row, geometry_.row_bytes());
+  return geometry_.Row(layer_layout.block_table(index), kv, head, slot % geometry_.block_tokens);
 }
 
 absl::StatusOr<v1::BatchCompressResponse> Session::BatchCompress(v1::BatchCompressRequest request) {

@@ -145,11 +145,16 @@ absl::Status RunSequence(kvsidecar::Session& session, const std::string& name,
         }
         for (int kv = 0; kv < 2; ++kv) {
           const auto expected = RowAt(seed, layer.layer(), kv, head, position);
-          auto in_place = session.ReadRow(layer, kv, head, slot);
+          // A copy (ReadRowInto), so that the demo also checks a device (CUDA IPC) arena.
+          std::vector<uint8_t> in_place(expected.size());
+          if (absl::Status read =
+                  session.ReadRowInto(layer, kv, head, slot, absl::MakeSpan(in_place));
+              !read.ok()) {
+            return read;
+          }
           auto via_export = exported->Row(export_index, kv, head, slot);
-          if (!in_place.ok()) return in_place.status();
           if (!via_export.ok()) return via_export.status();
-          if (!SameBytes(*in_place, expected) || !SameBytes(*via_export, expected)) {
+          if (!SameBytes(in_place, expected) || !SameBytes(*via_export, expected)) {
             return absl::DataLossError(absl::StrFormat(
                 "%s: layer %d %s head %d position %d (slot %d) differs from what was written", name,
                 layer.layer(), kv == 0 ? "K" : "V", head, position, slot));

@@ -560,6 +560,8 @@ bool ValidDType(DType dtype) {
   return dtype == DType::kFloat16 || dtype == DType::kBFloat16 || dtype == DType::kFloat32;
 }
 
+}  // namespace
+
 absl::Status ValidateAttentionJob(const AttentionJob& job, size_t index) {
   const PagedLayerView& v = job.keys;
   const std::string context = absl::StrCat("attention job ", index);
@@ -589,6 +591,8 @@ absl::Status ValidateAttentionJob(const AttentionJob& job, size_t index) {
   if (job.probs == nullptr) return invalid("probs is null");
   return absl::OkStatus();
 }
+
+namespace {
 
 Records SplitRecords(const JobPlan& plan) {
   // Tasks write distinct (row, tile) entries of the plan's arrays.

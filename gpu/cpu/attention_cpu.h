@@ -21,6 +21,11 @@
 
 namespace kvs {
 
+// INVALID_ARGUMENT "attention job <index>: <field> ..." when the job cannot be computed safely
+// (shape, scale, null pointers, block table). Reads the block table. Shared by every backend
+// that validates on the host (gpu/staging_backend.h, gpu/cuda) so that messages agree.
+absl::Status ValidateAttentionJob(const AttentionJob& job, size_t index);
+
 // Validates every job (INVALID_ARGUMENT naming the job index and the field; nothing written),
 // then computes them all.
 absl::Status RunAttentionProbs(absl::Span<const AttentionJob> jobs, ThreadPool& pool);

@@ -37,6 +37,8 @@ constexpr int64_t kAheadUnits = 2;
 // busy.
 constexpr uint64_t kMaxTaskValueBytes = 512 << 10;
 
+}  // namespace
+
 absl::Status ValidateCaoteJob(const CaoteJob& job, size_t index) {
   const std::string context = absl::StrCat("caote job ", index);
   auto invalid = [&context](auto&&... parts) {
@@ -60,6 +62,8 @@ absl::Status ValidateCaoteJob(const CaoteJob& job, size_t index) {
   if (job.scores == nullptr) return invalid("scores is null");
   return absl::OkStatus();
 }
+
+namespace {
 
 // Portable reference (any head_dim, any CPU; double accumulation). All rows of one kv head: the
 // value rows are converted once per sweep and shared by the head's rows (the GQA group's

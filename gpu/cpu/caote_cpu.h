@@ -14,6 +14,10 @@
 
 namespace kvs {
 
+// INVALID_ARGUMENT "caote job <index>: <field> ..." when the job cannot be computed safely.
+// Reads the block table. Shared with the host-validating backends (staging, CUDA).
+absl::Status ValidateCaoteJob(const CaoteJob& job, size_t index);
+
 // Validates every job (INVALID_ARGUMENT naming the job index and the field; nothing written),
 // then computes them all.
 absl::Status RunCaoteScores(absl::Span<const CaoteJob> jobs, ThreadPool& pool);

@@ -11,6 +11,7 @@
 #include "gpu/backend.h"
 #include "gpu/cpu/attention_cpu.h"
 #include "gpu/cpu/caote_cpu.h"
+#include "gpu/cpu/copy_cpu.h"
 #include "gpu/cpu/keydiff_cpu.h"
 #include "gpu/cpu/merge_cpu.h"
 #include "gpu/cpu/shm_arena.h"
@@ -102,16 +103,7 @@ class CpuBackend final : public Backend {
 
   absl::Status CopyRows(absl::Span<const RowCopyJob> jobs, Stream) override {
     for (size_t i = 0; i < jobs.size(); ++i) {
-      const RowCopyJob& job = jobs[i];
-      if (job.count < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("row copy job ", i, ": count must be >= 0, got ", job.count));
-      }
-      if (job.count > 0 && job.row_bytes > 0 &&
-          (job.arena == nullptr || job.src_offsets == nullptr || job.dst_offsets == nullptr)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("row copy job ", i, ": null arena or offsets"));
-      }
+      if (auto status = ValidateRowCopyJob(jobs[i], i); !status.ok()) return status;
     }
     // Jobs are independent (gpu/backend.h), so they spread over the pool; rows of one job are
     // copied in order by one thread, which keeps the documented chain semantics (a destination
@@ -136,16 +128,7 @@ class CpuBackend final : public Backend {
     uint64_t bytes = 0;
     for (size_t i = 0; i < jobs.size(); ++i) {
       const HostRowCopyJob& job = jobs[i];
-      if (job.count < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("host row copy job ", i, ": count must be >= 0, got ", job.count));
-      }
-      if (job.count > 0 && job.row_bytes > 0 &&
-          (job.arena == nullptr || job.host == nullptr || job.arena_offsets == nullptr ||
-           job.host_offsets == nullptr)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("host row copy job ", i, ": null arena, host or offsets"));
-      }
+      if (auto status = ValidateHostRowCopyJob(job, i); !status.ok()) return status;
       bytes += static_cast<uint64_t>(job.count) * job.row_bytes;
     }
     if (bytes == 0) return absl::OkStatus();

@@ -26,6 +26,8 @@ constexpr uint64_t kParallelMinMergeElements = 1 << 16;
 // Norms are floored here before dividing (d2o.md §4.1 step 6).
 constexpr float kNormFloor = 1e-6f;
 
+}  // namespace
+
 absl::Status ValidateNearestKeyJob(const NearestKeyJob& job, size_t index) {
   const std::string context = absl::StrCat("nearest key job ", index);
   auto invalid = [&context](auto&&... parts) {
@@ -60,6 +62,8 @@ absl::Status ValidateNearestKeyJob(const NearestKeyJob& job, size_t index) {
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 // Loads a key row as fp32 and returns its norm floored at kNormFloor.
 float LoadKey(const PagedLayerView& v, int64_t head, int64_t slot, float* out) {
@@ -423,6 +427,8 @@ void NearestKeysOfJobStreaming(const NearestKeyJob& job) {
   }
 }
 
+}  // namespace
+
 absl::Status ValidateRowMergeJob(const RowMergeJob& job, size_t index) {
   auto invalid = [index](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat("row merge job ", index, ": ", parts...));
@@ -446,6 +452,8 @@ absl::Status ValidateRowMergeJob(const RowMergeJob& job, size_t index) {
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 // Every source is read into the fp32 sum before dst is written, so dst may be a source.
 void MergeJob(const RowMergeJob& job, std::vector<float>& sum) {

@@ -91,6 +91,7 @@ class ShmArena final : public Arena {
   const uint8_t* data() const override { return base_; }
   uint64_t size_bytes() const override { return handle_.size_bytes; }
   const ArenaHandle& handle() const override { return handle_; }
+  bool host_mapped() const override { return true; }
 
   absl::Status Write(uint64_t offset, const void* source, uint64_t bytes) override {
     if (auto status = CheckRange(offset, bytes, source, "Write"); !status.ok()) return status;

@@ -22,25 +22,17 @@
 #include "gpu/base/checked_math.h"
 #include "gpu/base/layout.h"
 #include "gpu/base/status_macros.h"
-#include "gpu/cpu/attention_cpu.h"  // ValidatePagedLayerView
+#include "gpu/cpu/attention_cpu.h"  // ValidatePagedLayerView, ValidateAttentionJob
+#include "gpu/cpu/caote_cpu.h"      // ValidateCaoteJob
+#include "gpu/cpu/copy_cpu.h"       // ValidateRowCopyJob, ValidateHostRowCopyJob
 #include "gpu/cpu/keydiff_cpu.h"    // ValidateKeyDiffJob
+#include "gpu/cpu/merge_cpu.h"      // ValidateNearestKeyJob, ValidateRowMergeJob
 #include "gpu/cpu/topk_cpu.h"       // ValidateTopKJob
 #include "gpu/cuda/cuda_kernels.h"
+#include "gpu/cuda/cuda_status.h"
 
 namespace kvs {
 namespace {
-
-// A CUDA call's error as a status: INTERNAL naming the call and the CUDA error.
-absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
-  if (error == cudaSuccess) return absl::OkStatus();
-  const absl::StatusCode code = error == cudaErrorMemoryAllocation
-                                    ? absl::StatusCode::kResourceExhausted
-                                    : absl::StatusCode::kInternal;
-  return absl::Status(code, absl::StrCat(what, ": ", cudaGetErrorName(error), " (",
-                                         cudaGetErrorString(error), ")"));
-}
-
-#define KVS_CUDA_RETURN_IF_ERROR(expr, what) KVS_RETURN_IF_ERROR(CudaStatus((expr), (what)))
 
 std::string UuidText(const cudaUUID_t& uuid) {
   const auto* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
@@ -218,123 +210,6 @@ cuda::DevPagedView ToDev(const PagedLayerView& v) {
   return d;
 }
 
-// Mirrors of the CPU backend's file-local validators (gpu/cpu/attention_cpu.cc,
-// caote_cpu.cc, merge_cpu.cc): keep the messages in step with them.
-
-absl::Status ValidateAttention(const AttentionJob& job, size_t index) {
-  const PagedLayerView& v = job.keys;
-  const std::string context = absl::StrCat("attention job ", index);
-  auto invalid = [&context](auto&&... parts) {
-    return absl::InvalidArgumentError(absl::StrCat(context, ": ", parts...));
-  };
-  KVS_RETURN_IF_ERROR(ValidatePagedLayerView(v, context, "keys"));
-  if (job.num_q_heads < 1 || job.num_q_heads % v.num_kv_heads != 0) {
-    return invalid("num_q_heads must be a positive multiple of keys.num_kv_heads (", v.num_kv_heads,
-                   "), got ", job.num_q_heads);
-  }
-  if (job.num_queries < 1) return invalid("num_queries must be >= 1, got ", job.num_queries);
-  if (!std::isfinite(job.scale) || !(job.scale > 0.0f)) {
-    return invalid("scale must be finite and > 0, got ", job.scale);
-  }
-  const auto prob_elements = CheckedProduct({job.num_q_heads, job.num_queries, v.count});
-  const auto query_elements = CheckedProduct({job.num_q_heads, job.num_queries, v.head_dim});
-  constexpr uint64_t kMaxElements = uint64_t{1} << 60;
-  if (!prob_elements || *prob_elements > kMaxElements || !query_elements ||
-      *query_elements > kMaxElements) {
-    return invalid("num_q_heads x num_queries x keys.count/head_dim overflows");
-  }
-  if (v.count == 0) return absl::OkStatus();
-  if (job.key_positions == nullptr) return invalid("key_positions is null");
-  if (job.queries == nullptr) return invalid("queries is null");
-  if (job.query_positions == nullptr) return invalid("query_positions is null");
-  if (job.probs == nullptr) return invalid("probs is null");
-  return absl::OkStatus();
-}
-
-absl::Status ValidateCaote(const CaoteJob& job, size_t index) {
-  const std::string context = absl::StrCat("caote job ", index);
-  auto invalid = [&context](auto&&... parts) {
-    return absl::InvalidArgumentError(absl::StrCat(context, ": ", parts...));
-  };
-  const PagedLayerView& v = job.values;
-  KVS_RETURN_IF_ERROR(ValidatePagedLayerView(v, context, "values"));
-  if (job.rows < 1 || job.rows % v.num_kv_heads != 0) {
-    return invalid("rows must be a positive multiple of values.num_kv_heads (", v.num_kv_heads,
-                   "), got ", job.rows);
-  }
-  if (!(job.eps >= 0.0f && job.eps < 1.0f)) {
-    return invalid("eps must be in [0, 1), got ", job.eps);
-  }
-  const auto elements = CheckedProduct({job.rows, v.count});
-  if (!elements || *elements > (uint64_t{1} << 60)) {
-    return invalid("rows x values.count overflows");
-  }
-  if (v.count == 0) return absl::OkStatus();
-  if (job.alpha == nullptr) return invalid("alpha is null");
-  if (job.scores == nullptr) return invalid("scores is null");
-  return absl::OkStatus();
-}
-
-// query_slots / candidate_slots are host mirrors here.
-absl::Status ValidateNearest(const NearestKeyJob& job, size_t index) {
-  const std::string context = absl::StrCat("nearest key job ", index);
-  auto invalid = [&context](auto&&... parts) {
-    return absl::InvalidArgumentError(absl::StrCat(context, ": ", parts...));
-  };
-  const PagedLayerView& v = job.keys;
-  KVS_RETURN_IF_ERROR(ValidatePagedLayerView(v, context, "keys"));
-  if (job.head < 0 || job.head >= v.num_kv_heads) {
-    return invalid("head must be in [0, ", v.num_kv_heads, "), got ", job.head);
-  }
-  if (job.num_queries < 0) return invalid("num_queries must be >= 0, got ", job.num_queries);
-  if (job.num_queries == 0) return absl::OkStatus();
-  if (job.num_candidates < 1) {
-    return invalid("num_candidates must be >= 1, got ", job.num_candidates);
-  }
-  if (job.query_slots == nullptr) return invalid("query_slots is null");
-  if (job.candidate_slots == nullptr) return invalid("candidate_slots is null");
-  if (job.candidate_positions == nullptr) return invalid("candidate_positions is null");
-  if (job.similarity == nullptr) return invalid("similarity is null");
-  if (job.target == nullptr) return invalid("target is null");
-  for (int32_t e = 0; e < job.num_queries; ++e) {
-    if (job.query_slots[e] < 0 || job.query_slots[e] >= v.count) {
-      return invalid("query_slots[", e, "] = ", job.query_slots[e], " is not in [0, ", v.count,
-                     ")");
-    }
-  }
-  for (int32_t c = 0; c < job.num_candidates; ++c) {
-    if (job.candidate_slots[c] < 0 || job.candidate_slots[c] >= v.count) {
-      return invalid("candidate_slots[", c, "] = ", job.candidate_slots[c], " is not in [0, ",
-                     v.count, ")");
-    }
-  }
-  return absl::OkStatus();
-}
-
-// src_offsets is a host mirror here.
-absl::Status ValidateMerge(const RowMergeJob& job, size_t index) {
-  auto invalid = [index](auto&&... parts) {
-    return absl::InvalidArgumentError(absl::StrCat("row merge job ", index, ": ", parts...));
-  };
-  if (job.dtype != DType::kFloat16 && job.dtype != DType::kBFloat16 &&
-      job.dtype != DType::kFloat32) {
-    return invalid("dtype ", static_cast<int>(job.dtype), " is not supported");
-  }
-  if (job.row_elements < 1) return invalid("row_elements must be >= 1, got ", job.row_elements);
-  if (job.num_sources < 1) return invalid("num_sources must be >= 1, got ", job.num_sources);
-  if (job.arena == nullptr) return invalid("arena is null");
-  if (job.src_offsets == nullptr) return invalid("src_offsets is null");
-  if (job.weights == nullptr) return invalid("weights is null");
-  const uint64_t row_bytes = static_cast<uint64_t>(job.row_elements) * DTypeBytes(job.dtype);
-  if (!CheckedAdd(job.dst_offset, row_bytes)) return invalid("dst_offset overflows");
-  for (int32_t k = 0; k < job.num_sources; ++k) {
-    if (!CheckedAdd(job.src_offsets[k], row_bytes)) {
-      return invalid("src_offsets[", k, "] overflows");
-    }
-  }
-  return absl::OkStatus();
-}
-
 // ---------------------------------------------------------------------------------------------
 
 class CudaBackend final : public Backend {
@@ -408,15 +283,8 @@ class CudaBackend final : public Backend {
     KVS_RETURN_IF_ERROR(Enter());
     for (size_t i = 0; i < jobs.size(); ++i) {
       const RowCopyJob& job = jobs[i];
-      if (job.count < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("row copy job ", i, ": count must be >= 0, got ", job.count));
-      }
+      KVS_RETURN_IF_ERROR(ValidateRowCopyJob(job, i));
       if (job.count == 0 || job.row_bytes == 0) continue;
-      if (job.arena == nullptr || job.src_offsets == nullptr || job.dst_offsets == nullptr) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("row copy job ", i, ": null arena or offsets"));
-      }
       const std::string context = absl::StrCat("row copy job ", i);
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena, context, "arena"));
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.src_offsets, context, "src_offsets"));
@@ -437,16 +305,8 @@ class CudaBackend final : public Backend {
     std::vector<uint8_t*> device_host(jobs.size(), nullptr);
     for (size_t i = 0; i < jobs.size(); ++i) {
       const HostRowCopyJob& job = jobs[i];
-      if (job.count < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("host row copy job ", i, ": count must be >= 0, got ", job.count));
-      }
+      KVS_RETURN_IF_ERROR(ValidateHostRowCopyJob(job, i));
       if (job.count == 0 || job.row_bytes == 0) continue;
-      if (job.arena == nullptr || job.host == nullptr || job.arena_offsets == nullptr ||
-          job.host_offsets == nullptr) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("host row copy job ", i, ": null arena, host or offsets"));
-      }
       const std::string context = absl::StrCat("host row copy job ", i);
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena, context, "arena"));
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.host, context, "host"));
@@ -482,7 +342,7 @@ class CudaBackend final : public Backend {
       std::vector<int32_t> table;
       CaoteJob host = jobs[i];
       KVS_ASSIGN_OR_RETURN(host.values, MirrorView(jobs[i].values, table, context, "values"));
-      KVS_RETURN_IF_ERROR(ValidateCaote(host, i));
+      KVS_RETURN_IF_ERROR(ValidateCaoteJob(host, i));
       if (jobs[i].values.count == 0) continue;
       KVS_RETURN_IF_ERROR(CheckViewAccessible(jobs[i].values, context, "values"));
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(jobs[i].alpha, context, "alpha"));
@@ -515,7 +375,7 @@ class CudaBackend final : public Backend {
                                                 "candidate_slots"));
         host.candidate_slots = candidates.data();
       }
-      KVS_RETURN_IF_ERROR(ValidateNearest(host, i));
+      KVS_RETURN_IF_ERROR(ValidateNearestKeyJob(host, i));
       if (job.num_queries == 0) continue;
       KVS_RETURN_IF_ERROR(CheckViewAccessible(job.keys, context, "keys"));
       KVS_RETURN_IF_ERROR(
@@ -547,7 +407,7 @@ class CudaBackend final : public Backend {
                              Mirror(job.src_offsets, job.num_sources, context, "src_offsets"));
         host.src_offsets = offsets.data();
       }
-      KVS_RETURN_IF_ERROR(ValidateMerge(host, i));
+      KVS_RETURN_IF_ERROR(ValidateRowMergeJob(host, i));
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena, context, "arena"));
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.weights, context, "weights"));
       cuda::DevMergeJob d;
@@ -625,7 +485,7 @@ class CudaBackend final : public Backend {
       std::vector<int32_t> table;
       AttentionJob host = job;
       KVS_ASSIGN_OR_RETURN(host.keys, MirrorView(job.keys, table, context, "keys"));
-      KVS_RETURN_IF_ERROR(ValidateAttention(host, i));
+      KVS_RETURN_IF_ERROR(ValidateAttentionJob(host, i));
       if (job.keys.count == 0) continue;
       KVS_RETURN_IF_ERROR(CheckViewAccessible(job.keys, context, "keys"));
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.key_positions, context, "key_positions"));

@@ -5,11 +5,13 @@
 // CopyHostRows: `host` must be page-locked (cudaHostAlloc / cudaHostRegister) so the copy kernel
 // reaches it; its offset arrays are device memory like every other index array.
 //
-// Not yet usable by the server: the cache core (cache/sequence.cc, the policies) still builds
-// jobs over host vectors and reads the arena on the host, so service/config.cc refuses
-// --backend=cuda; this backend is exercised by tests/gpu/cuda/cuda_backend_test.cc only.
+// The cache core builds its jobs over host vectors, so the server does not use this backend
+// directly: gpu/backend_factory.h (BackendKind::kCuda) wraps it in the staging decorator
+// (gpu/staging_backend.h) with CudaDeviceMemory (gpu/cuda/cuda_device_memory.h), which moves the
+// host arrays to the device. tests/gpu/cuda/cuda_backend_test.cc exercises it bare.
 //
-// Validation follows the CPU backend (same INVALID_ARGUMENT messages): the small index arrays a
+// Validation uses the CPU backend's validators (same INVALID_ARGUMENT messages): the small index
+// arrays a
 // check must read (block tables, slot lists, forced flags, source offsets) are copied to the host
 // first, so a call that fails validation launches nothing. A pointer the device cannot access
 // (e.g. pageable host memory) is INVALID_ARGUMENT naming the field. Every CUDA error becomes a

@@ -23,6 +23,7 @@
 #include "gpu/base/dtype.h"
 #include "gpu/base/layout.h"
 #include "gtest/gtest.h"
+#include "tests/test_backend.h"
 
 namespace kvs::testing_util {
 
@@ -181,10 +182,10 @@ inline std::vector<int32_t> HeadPositions(const LayerLayoutView& layer, int head
   return out;
 }
 
-// A pool on a CPU backend with a fake clock and a small capacity, for tests.
+// A pool with a fake clock and a small capacity on MakeTestBackend, for tests.
 struct TestPool {
   explicit TestPool(PoolOptions options = DefaultOptions())
-      : backend(MakeCpuBackend(2)), pool(backend.get(), &clock, std::move(options)) {}
+      : backend(MakeTestBackend(2)), pool(backend.get(), &clock, std::move(options)) {}
 
   static PoolOptions DefaultOptions() {
     PoolOptions options;

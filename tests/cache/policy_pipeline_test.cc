@@ -188,7 +188,7 @@ class Harness {
  public:
   Harness(const ModelLayout& layout, std::unique_ptr<Policy> policy, BudgetConfig budget,
           int32_t num_blocks = 256)
-      : layout_(layout), backend_(MakeCpuBackend(1)), allocator_(num_blocks) {
+      : layout_(layout), backend_(testing_util::MakeTestBackend(1)), allocator_(num_blocks) {
     ArenaOptions options;
     options.name_prefix = "kvs-pipeline-test";
     auto arena = backend_->CreateArena(num_blocks * layout.block_bytes(), options);

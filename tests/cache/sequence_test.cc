@@ -27,7 +27,7 @@ class SequenceHarness {
  public:
   SequenceHarness(const ModelLayout& layout, int32_t num_blocks,
                   PolicyConfig policy = testing_util::KeyDiff(), BudgetConfig budget = {})
-      : layout_(layout), backend_(MakeCpuBackend(1)), allocator_(num_blocks) {
+      : layout_(layout), backend_(testing_util::MakeTestBackend(1)), allocator_(num_blocks) {
     ArenaOptions options;
     options.name_prefix = "kvs-sequence-test";
     auto arena = backend_->CreateArena(num_blocks * layout.block_bytes(), options);

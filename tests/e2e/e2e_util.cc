@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gpu/base/dtype.h"
+#include "tests/test_backend.h"
 
 namespace kvs_e2e {
 namespace {
@@ -143,6 +145,14 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(const Option
                                    "--data_dir=" + server->dir_ + "/data",
                                    absl::StrCat("--lease_ms=", options.lease_ms)};
   argv.insert(argv.end(), options.extra_args.begin(), options.extra_args.end());
+  // The /device_sim and /cuda runs of the e2e tests (tests/e2e/CMakeLists.txt) serve on that
+  // backend unless the test chose one itself.
+  if (const std::string backend = kvs::testing_util::TestBackendName();
+      backend != "cpu" &&
+      std::none_of(options.extra_args.begin(), options.extra_args.end(),
+                   [](const std::string& arg) { return arg.rfind("--backend", 0) == 0; })) {
+    argv.push_back("--backend=" + backend);
+  }
   auto process = ChildProcess::Spawn(argv, server->dir_, "kvsidecar");
   if (!process.ok()) return process.status();
   server->process_ = std::move(*process);
@@ -359,14 +369,18 @@ absl::StatusOr<Verified> VerifySequence(kvsidecar::Session& session, const std::
         verified.positions.back()[head].push_back(position);
         for (int kv = 0; kv < 2; ++kv) {
           const auto expected = PatternRow(layout, seed, layer.layer(), kv, head, position);
-          auto mapped = session.ReadRow(layer, kv, head, slot);
-          if (!mapped.ok()) return mapped.status();
+          // ReadRowInto: a copy, which a device (CUDA IPC) arena needs; ReadRow is a host view.
+          std::vector<uint8_t> in_place(expected.size());
+          if (absl::Status read =
+                  session.ReadRowInto(layer, kv, head, slot, absl::MakeSpan(in_place));
+              !read.ok()) {
+            return read;
+          }
           auto streamed = exported->Row(li, kv, head, slot);
           if (!streamed.ok()) return streamed.status();
           const std::string what = absl::StrCat(where, " head ", head, " slot ", slot, " position ",
                                                 position, kv == 0 ? " K" : " V");
-          if (mapped->size() != expected.size() ||
-              std::memcmp(mapped->data(), expected.data(), expected.size()) != 0) {
+          if (in_place != expected) {
             return absl::DataLossError(what + ": the row read in place differs from the write");
           }
           if (streamed->size() != expected.size() ||

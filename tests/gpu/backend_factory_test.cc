@@ -36,6 +36,37 @@ TEST(BackendFactoryTest, MakesTheCpuBackendAlways) {
   EXPECT_TRUE((*backend)->healthy());
 }
 
+TEST(BackendFactoryTest, MakesTheSimulatedDeviceAlways) {
+  auto backend = MakeBackend(BackendKind::kDeviceSim, 1);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  EXPECT_EQ((*backend)->name(), "device-sim");
+  EXPECT_TRUE((*backend)->healthy());
+  ArenaOptions options;
+  options.name_prefix = "kvs-factory-test";
+  auto arena = (*backend)->CreateArena(4096, options);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  EXPECT_FALSE((*arena)->host_mapped());  // reached through Read/Write and the kernels only
+  EXPECT_EQ((*arena)->handle().kind, ArenaHandle::Kind::kSharedMemoryFile);
+  // Host job arrays are staged: a KeyDiff job over host block table and scores runs.
+  const float keys[4] = {1.0f, 0.0f, 0.0f, 1.0f};  // 2 slots of head_dim 2, one kv head
+  ASSERT_TRUE((*arena)->Write(0, keys, sizeof(keys)).ok());
+  const int32_t table[1] = {0};
+  float scores[2] = {-5.0f, -5.0f};
+  KeyDiffScoreJob job;
+  job.keys.arena = (*arena)->data();
+  job.keys.block_table = table;
+  job.keys.count = 2;
+  job.keys.num_kv_heads = 1;
+  job.keys.head_dim = 2;
+  job.keys.block_tokens = 2;
+  job.keys.dtype = DType::kFloat32;
+  job.keys.block_bytes = 32;
+  job.scores = scores;
+  ASSERT_TRUE((*backend)->KeyDiffScores({job}, nullptr).ok());
+  EXPECT_NE(scores[0], -5.0f);
+  EXPECT_NE(scores[1], -5.0f);
+}
+
 TEST(BackendFactoryTest, CudaBackendOnlyWithABuildAndADevice) {
   auto backend = MakeBackend(BackendKind::kCuda);
   if (CudaBuilt() && ProbeCuda().devices > 0) {

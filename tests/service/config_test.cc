@@ -107,22 +107,29 @@ TEST(ConfigTest, Backends) {
   auto cpu = ChooseBackend("cpu");
   ASSERT_TRUE(cpu.ok());
   EXPECT_EQ(cpu->name, "cpu");
+  auto sim = ChooseBackend("device-sim");
+  ASSERT_TRUE(sim.ok());
+  EXPECT_EQ(sim->name, "device-sim");
   auto automatic = ChooseBackend("auto");
   ASSERT_TRUE(automatic.ok());
-  EXPECT_EQ(automatic->name, "cpu");
   if (!CudaBuilt()) {
+    EXPECT_EQ(automatic->name, "cpu");
     EXPECT_THAT(automatic->reason, HasSubstr("no CUDA backend"));
     EXPECT_STATUS(ChooseBackend("cuda").status(), kFailedPrecondition,
                   "this build has no CUDA backend");
   } else if (ProbeCuda().devices == 0) {
+    EXPECT_EQ(automatic->name, "cpu");
     EXPECT_THAT(automatic->reason, HasSubstr("built with CUDA but no CUDA device is usable"));
     EXPECT_STATUS(ChooseBackend("cuda").status(), kFailedPrecondition,
                   "--backend=cuda: no CUDA device is usable on this host");
-  } else {  // the cache core is not device-aware yet: cuda is refused even with a device
-    EXPECT_THAT(automatic->reason, HasSubstr("not yet device-aware"));
-    EXPECT_STATUS(ChooseBackend("cuda").status(), kFailedPrecondition, "not yet device-aware");
+  } else {  // a usable device: both pick it
+    EXPECT_EQ(automatic->name, "cuda");
+    auto cuda = ChooseBackend("cuda");
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    EXPECT_EQ(cuda->name, "cuda");
   }
-  EXPECT_STATUS(ChooseBackend("gpu").status(), kInvalidArgument, "--backend must be cpu, auto");
+  EXPECT_STATUS(ChooseBackend("gpu").status(), kInvalidArgument,
+                "--backend must be cpu, auto, cuda or device-sim");
 }
 
 TEST(ConfigTest, PoolOptionsFollowTheFlags) {

@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 
 from kvsidecar import _rpc
-from kvsidecar.arena import Arena, dtype_bytes, storage_dtype, to_storage
+from kvsidecar.arena import Arena, CudaArena, dtype_bytes, open_arena, storage_dtype, to_storage
 from kvsidecar.errors import InvalidArgument, KvsError, OutOfRange, error_from_rpc
 from kvsidecar.v1 import common_pb2, sidecar_pb2, sidecar_pb2_grpc
 
@@ -416,13 +416,16 @@ class Session:
         self.layout: common_pb2.ModelLayout = response.layout
         self.lease_ms: int = response.lease_ms
         self.backend: str = response.backend
-        self._arena: Optional[Arena] = None
+        self._arena: Optional[Union[Arena, CudaArena]] = None
         self._arena_error: Optional[BaseException] = None
         if response.arena.kind == common_pb2.ArenaHandle.KIND_CUDA_IPC:
-            self._arena_error = NotImplementedError(
-                "this session has a CUDA IPC arena (CUDA backend); zero-copy access to it needs "
-                "torch/CuPy CUDA IPC, which this client does not implement yet. Use the inline "
-                "append/export calls instead.")
+            # A CUDA arena this process cannot map (no CUDA runtime, no device with the arena's
+            # UUID, a stale or foreign handle) leaves the session usable through the inline
+            # append/export calls; the reason is raised when the arena is used.
+            try:
+                self._arena = open_arena(response.arena, response.layout, response.session_id)
+            except KvsError as error:
+                self._arena_error = error
         else:
             self._arena = Arena(response.arena, response.layout)
         self._lock = threading.Lock()
@@ -484,8 +487,10 @@ class Session:
                 raise
 
     @property
-    def arena(self) -> Arena:
-        """The mapped arena (CPU backend). ``NotImplementedError`` for a CUDA arena."""
+    def arena(self) -> Union[Arena, CudaArena]:
+        """The mapped arena: :class:`Arena` (CPU backend) or :class:`CudaArena` (CUDA backend).
+        For a CUDA arena this process could not map, the error that prevented it
+        (``FailedPrecondition``: no CUDA runtime or device, a device UUID no local GPU has)."""
         if self._arena_error is not None:
             raise self._arena_error
         if self._arena is None:
@@ -598,6 +603,24 @@ class Session:
                 raise InvalidArgument(
                     f"{name} must have shape [H][num_tokens][D] = {(H, T, D)}, got {arr.shape}")
             arrays.append(to_storage(arr, self.layout.dtype))
+        arena = self.arena
+        if isinstance(arena, CudaArena):
+            # Device memory: one cudaMemcpy per (block, kv, head) run of reserved slots.
+            slots = reservation.slots(layer)
+            B, first_slot, i = arena.block_tokens, slots.first_slot, 0
+            while i < T:
+                s = first_slot + i
+                index = s // B - first_slot // B
+                if index >= len(slots.blocks):
+                    raise OutOfRange(f"reservation {reservation.id} layer {layer}: token {i} has "
+                                     "no block")
+                n = min(B - s % B, T - i)
+                for kv in (0, 1):
+                    for head in range(H):
+                        arena.write_rows(slots.blocks[index], kv, head, s % B,
+                                         arrays[kv][head, i:i + n, :])
+                i += n
+            return
         for first, kview, vview in reservation.views(layer):
             n = kview.shape[1]
             kview[...] = arrays[0][:, first:first + n, :]
@@ -749,7 +772,8 @@ class Session:
                      layer: Optional[int] = None) -> List[Tuple[np.ndarray, int]]:
         """Zero-copy views of the blocks of one layer, in slot order: a list of
         ``(block [2][H][B][D], valid_tokens)``; slot ``i * B + j`` is ``block[:, :, j]`` of entry
-        i. Valid until the sequence next changes (commit, compress, release)."""
+        i. Valid until the sequence next changes (commit, compress, release). On a CUDA arena
+        the blocks are torch tensors over the device memory (needs torch with CUDA)."""
         entry = self._layer_entry(layout, layer)
         arena = self.arena
         B = arena.block_tokens
@@ -776,7 +800,10 @@ class Session:
             raise OutOfRange(f"layer {entry.layer}: {len(table)} blocks for {count} tokens")
         if table.size and (table.min() < 0 or table.max() >= arena.num_blocks):
             raise OutOfRange(f"layer {entry.layer}: block table outside the arena")
-        blocks = arena.blocks[table]  # [nb][2][H][B][D]
+        if isinstance(arena, CudaArena):
+            blocks = arena.read_blocks(table)  # one cudaMemcpy per block, to the host
+        else:
+            blocks = arena.blocks[table]  # [nb][2][H][B][D]
         kv = blocks.transpose(1, 2, 0, 3, 4).reshape(2, H, nb * B, D)[:, :, :count, :]
         pos = np.asarray(entry.positions, dtype=np.int32)
         return LayerKV(entry.layer, np.ascontiguousarray(kv[0]), np.ascontiguousarray(kv[1]),

@@ -168,7 +168,9 @@ TEST_F(KeyDiffPoolTest, Tv4DecodeScoresThroughTheBackend) {
   keys.block_bytes = layout_.block_bytes();
   std::vector<float> scores(4);
   KeyDiffScoreJob job{keys, KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kCosine, scores.data()};
-  ASSERT_TRUE(pool_.backend->KeyDiffScores({&job, 1}, nullptr).ok());
+  // The private copy is host memory: score it on the CPU reference backend whatever the pool's
+  // backend is (a device backend refuses a host arena).
+  ASSERT_TRUE(MakeCpuBackend(1)->KeyDiffScores({&job, 1}, nullptr).ok());
   const std::vector<int32_t>& positions = view->layers[0].positions;
   const std::vector<std::pair<int32_t, float>> expected = {
       {0, -0.584710f}, {1, -0.160182f}, {4, -0.160182f}, {6, 0.584710f}};

@@ -16,8 +16,10 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "clients/cpp/cuda_ipc.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/clients/cpp/fake_cuda_ipc_driver.h"
 
 namespace kvsidecar {
 namespace {
@@ -428,18 +430,28 @@ TEST_F(ClientFakeServerTest, DestructorDetaches) {
 }
 
 TEST_F(ClientFakeServerTest, RefusesHandlesItCannotMapAndDetaches) {
-  fake_.attach_response.mutable_arena()->set_kind(v1::ArenaHandle::KIND_CUDA_IPC);
+  // A CUDA arena on a device this process cannot map: built without CUDA, no device here, or no
+  // local device with that UUID (whichever holds on this host) - each is FAILED_PRECONDITION.
+  v1::ArenaHandle* handle = fake_.attach_response.mutable_arena();
+  handle->set_kind(v1::ArenaHandle::KIND_CUDA_IPC);
+  handle->set_cuda_ipc_handle(std::string(internal::kCudaIpcHandleBytes, 'h'));
+  handle->set_cuda_device_uuid("GPU-99999999-9999-9999-9999-999999999999");
   auto cuda = client_->Attach(Layout());
-  EXPECT_EQ(cuda.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cuda.status().code(), absl::StatusCode::kFailedPrecondition) << cuda.status();
   EXPECT_THAT(cuda.status().message(), HasSubstr("KIND_CUDA_IPC"));
   EXPECT_THAT(Detached(), ElementsAre("s-1"));
+  handle->set_kind(v1::ArenaHandle::KIND_UNSPECIFIED);
+  auto unspecified = client_->Attach(Layout());
+  EXPECT_EQ(unspecified.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(unspecified.status().message(), HasSubstr("KIND_UNSPECIFIED"));
+  EXPECT_EQ(Detached().size(), 2u);
 
   fake_.attach_response.mutable_arena()->set_kind(v1::ArenaHandle::KIND_SHARED_MEMORY_FILE);
   fake_.attach_response.mutable_arena()->set_size_bytes(8 * 256);  // larger than the file
   fake_.attach_response.mutable_arena()->set_num_blocks(8);
   auto too_big = client_->Attach(Layout());
   EXPECT_EQ(too_big.status().code(), absl::StatusCode::kFailedPrecondition) << too_big.status();
-  EXPECT_EQ(Detached().size(), 2u);
+  EXPECT_EQ(Detached().size(), 3u);
 
   fake_.attach_response.mutable_arena()->set_size_bytes(4 * 256);
   fake_.attach_response.mutable_arena()->set_num_blocks(4);
@@ -448,7 +460,90 @@ TEST_F(ClientFakeServerTest, RefusesHandlesItCannotMapAndDetaches) {
   fake_.attach_response.mutable_arena()->set_block_bytes(256);
   fake_.attach_response.mutable_arena()->set_shm_path("/nonexistent/arena");
   EXPECT_EQ(client_->Attach(Layout()).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(Detached().size(), 4u);
+  EXPECT_EQ(Detached().size(), 5u);
+}
+
+// A CUDA arena through a fake driver: Attach maps it on the device with the handle's UUID, the
+// geometry is device memory, rows are copied through the driver (cudaMemcpy in the real one),
+// ReadRow (a host span) is refused, and Detach closes the mapping after the server detached.
+TEST_F(ClientFakeServerTest, MapsACudaArenaThroughTheDriverAndClosesItOnDetach) {
+  constexpr char kUuid[] = "GPU-00000000-1111-2222-3333-444455556666";
+  internal::FakeCudaIpcDriver driver(
+      {*internal::ParseCudaUuid("GPU-aaaaaaaa-1111-2222-3333-444455556666"),
+       *internal::ParseCudaUuid(kUuid)},
+      /*bytes_per_open=*/4 * 256);
+  internal::ScopedCudaIpcDriver scoped(&driver);
+  v1::ArenaHandle* handle = fake_.attach_response.mutable_arena();
+  handle->set_kind(v1::ArenaHandle::KIND_CUDA_IPC);
+  handle->clear_shm_path();
+  handle->set_cuda_ipc_handle(std::string(internal::kCudaIpcHandleBytes, 'q'));
+  handle->set_cuda_device(0);
+  handle->set_cuda_device_uuid(kUuid);
+  handle->set_generation(42);
+
+  auto session = client_->Attach(Layout());
+  ASSERT_TRUE(session.ok()) << session.status();
+  const ArenaGeometry& geometry = (*session)->geometry();
+  EXPECT_TRUE(geometry.on_device());
+  EXPECT_EQ(geometry.cuda_device, 1);  // the local ordinal of the UUID, not the sidecar's 0
+  EXPECT_EQ(geometry.generation, 42u);
+  ASSERT_EQ(driver.opens().size(), 1u);
+  EXPECT_EQ(driver.opens()[0].device, 1);
+  EXPECT_EQ(internal::CudaIpcMappings::Global().open_mappings(), 1);
+
+  // A second attach answering the same handle for another session is refused (and detached).
+  fake_.attach_response.set_session_id("s-2");
+  auto foreign = client_->Attach(Layout());
+  EXPECT_EQ(foreign.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(foreign.status().message(), HasSubstr("arena of session s-1"));
+  EXPECT_THAT(Detached(), ElementsAre("s-2"));
+  EXPECT_EQ(driver.opens().size(), 1u);
+
+  // Write a row through the driver; the reservation's row pointer is a device address.
+  v1::ReserveResponse response;
+  response.set_reservation_id(1);
+  response.add_positions(0);
+  v1::LayerSlots* slots = response.add_layers();
+  slots->set_layer(1);
+  slots->set_first_slot(3);
+  slots->add_blocks(2);
+  const Reservation reservation("seq", response, geometry);
+  std::vector<uint8_t> row(16);
+  for (int i = 0; i < 16; ++i) row[i] = static_cast<uint8_t>(0x30 + i);
+  ASSERT_TRUE((*session)->WriteReserved(reservation, 1, 1, 1, 0, row).ok());
+  EXPECT_EQ(driver.copies_to_device(), 1);
+  auto pointer = reservation.RowPointer(1, 1, 1, 0);
+  ASSERT_TRUE(pointer.ok());
+  EXPECT_EQ(*pointer - geometry.base, 2 * 256 + ((1 * 2 + 1) * 4 + 3) * 16);
+  EXPECT_EQ(std::vector<uint8_t>(*pointer, *pointer + 16), row);  // the fake's "device" memory
+
+  v1::LayerLayout layer;
+  layer.set_layer(1);
+  layer.set_count(4);
+  layer.add_block_table(2);
+  std::vector<uint8_t> out(16);
+  ASSERT_TRUE((*session)->ReadRowInto(layer, 1, 1, 3, absl::MakeSpan(out)).ok());
+  EXPECT_EQ(out, row);
+  EXPECT_EQ(driver.copies_from_device(), 1);
+  auto address = (*session)->RowAddress(layer, 1, 1, 3);
+  ASSERT_TRUE(address.ok());
+  EXPECT_EQ(*address, *pointer);
+  auto span = (*session)->ReadRow(layer, 1, 1, 3);
+  EXPECT_EQ(span.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(span.status().message(), HasSubstr("ReadRowInto"));
+  // A bad slot is OUT_OF_RANGE on a device arena too (bounds are checked first).
+  EXPECT_EQ((*session)->ReadRow(layer, 1, 1, 4).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ((*session)->ReadRowInto(layer, 1, 1, 4, absl::MakeSpan(out)).code(),
+            absl::StatusCode::kOutOfRange);
+  std::vector<uint8_t> small(15);
+  EXPECT_EQ((*session)->ReadRowInto(layer, 1, 1, 3, absl::MakeSpan(small)).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  ASSERT_TRUE((*session)->Detach().ok());
+  EXPECT_THAT(driver.closes(), ElementsAre(1));
+  EXPECT_EQ(internal::CudaIpcMappings::Global().open_mappings(), 0);
+  EXPECT_EQ((*session)->ReadRowInto(layer, 1, 1, 3, absl::MakeSpan(out)).code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(ClientFakeServerTest, AppendSplitsEachSegmentIntoChunks) {

@@ -48,10 +48,11 @@ def test_arena_geometry_matches_the_handle(client, admin, dtype, itemsize):
             arena.block(handle.num_blocks)
 
 
-def test_cuda_ipc_arena_is_not_implemented_yet():
+def test_host_arena_refuses_a_cuda_ipc_handle():
+    # Device memory is mapped by CudaArena (tests/clients/python/test_cuda_arena.py).
     handle = kvs.common_pb2.ArenaHandle(kind=kvs.common_pb2.ArenaHandle.KIND_CUDA_IPC,
                                         cuda_ipc_handle=b"\0" * 64, size_bytes=1 << 20)
-    with pytest.raises(NotImplementedError, match="CUDA"):
+    with pytest.raises(kvs.errors.InvalidArgument, match="CudaArena"):
         kvs.Arena(handle, layout("fp16"))
 
 

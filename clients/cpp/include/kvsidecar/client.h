@@ -21,6 +21,26 @@
 // the same code and message; the client adds its own errors only where it checks something
 // locally (a handle kind it cannot map, a row outside the arena, a bad chunk size, a malformed
 // server stream).
+//
+// CUDA arenas (ArenaHandle.KIND_CUDA_IPC, a --backend=cuda sidecar): when the library is built
+// with CUDA, Attach opens the handle once with cudaIpcOpenMemHandle on the local device whose UUID
+// is arena.cuda_device_uuid (ordinals differ between processes), caches the mapping process-wide
+// by (session, generation) and closes it on Detach; a handle of another session, or of another
+// generation while one is mapped, is refused (FAILED_PRECONDITION). geometry().base is then a
+// device pointer (geometry().memory == kDevice, geometry().cuda_device its local ordinal):
+// Reservation row pointers are device addresses for the worker's own kernels / cudaMemcpyAsync;
+// WriteReserved and ReadRowInto copy with cudaMemcpy; ReadRow (a host span) is refused. Built
+// without CUDA, Attach of a CUDA arena answers FAILED_PRECONDITION saying so.
+//
+// Synchronisation with the sidecar (the rule of common.proto ArenaHandle, no IPC events):
+// (a) worker -> sidecar: every write into reserved slots must be complete on the device before
+//     the call that hands them over (Commit, BatchCommit, DecodeStep, Compress): synchronise the
+//     stream(s) that wrote (cudaStreamSynchronize, or record an event and cudaEventSynchronize)
+//     before calling. The sidecar reads nothing of those slots before that call arrives.
+// (b) sidecar -> worker: every call that changes the arena (Commit, Compress, DecodeStep, Select,
+//     Restore, ...) has finished its device work before its response is sent, so the worker may
+//     read (and launch kernels reading) the arena as soon as the response arrives. Do not read or
+//     write a sequence's slots while a call that changes that sequence is in flight.
 #ifndef KVSIDECAR_CLIENT_H_
 #define KVSIDECAR_CLIENT_H_
 
@@ -47,6 +67,10 @@
 
 namespace kvsidecar {
 
+namespace internal {
+class CudaIpcDriver;  // clients/cpp/cuda_ipc.h
+}  // namespace internal
+
 // The gRPC status as an absl::Status: same code, same message.
 absl::Status ToStatus(const grpc::Status& status);
 
@@ -67,9 +91,14 @@ struct ClientOptions {
 };
 
 // The geometry of a mapped arena: everything needed to turn (block, kv, head, in-block slot)
-// into a host address, with every access bounds-checked against the mapping.
+// into an address in the mapping (host memory, or device memory for a CUDA arena), with every
+// access bounds-checked against the mapping.
 struct ArenaGeometry {
-  uint8_t* base = nullptr;  // start of the mapping
+  enum class Memory { kHost, kDevice };
+  uint8_t* base = nullptr;  // start of the mapping (a device pointer when memory == kDevice)
+  Memory memory = Memory::kHost;
+  int cuda_device = -1;     // kDevice: this process's ordinal of the arena's GPU
+  uint64_t generation = 0;  // ArenaHandle.generation of the mapping
   uint64_t size_bytes = 0;  // bytes mapped
   uint64_t block_bytes = 0;
   int32_t num_blocks = 0;
@@ -79,6 +108,7 @@ struct ArenaGeometry {
   int32_t dtype_bytes = 0;
 
   uint64_t row_bytes() const { return static_cast<uint64_t>(head_dim) * dtype_bytes; }
+  bool on_device() const { return memory == Memory::kDevice; }
   // Address of the row (kv, head, in_block) of block `block`: block * block_bytes +
   // ((kv * H + head) * B + in_block) * D * dtype_bytes. OUT_OF_RANGE if any index is outside the
   // layout or the row is outside the mapping.
@@ -102,10 +132,10 @@ class Reservation {
   const v1::ReserveResponse& response() const { return response_; }
   const ArenaGeometry& geometry() const { return geometry_; }
 
-  // Host address of the K (kv = 0) or V (kv = 1) row of token `token_i` of the reservation, for
-  // kv head `head` of `layer`: head_dim elements of the session dtype. Slot first_slot + token_i
-  // sits in blocks[(first_slot + token_i) / B - first_slot / B] at index (first_slot + token_i) %
-  // B.
+  // Address (host, or device for a CUDA arena) of the K (kv = 0) or V (kv = 1) row of token
+  // `token_i` of the reservation, for kv head `head` of `layer`: head_dim elements of the session
+  // dtype. Slot first_slot + token_i sits in blocks[(first_slot + token_i) / B - first_slot / B] at
+  // index (first_slot + token_i) % B.
   absl::StatusOr<uint8_t*> RowPointer(int layer, int kv, int head, int token_i) const;
   absl::StatusOr<uint8_t*> KeyRow(int layer, int head, int token_i) const {
     return RowPointer(layer, 0, head, token_i);
@@ -204,7 +234,8 @@ class Session {
   absl::StatusOr<Reservation> Reserve(const std::string& sequence_id, int32_t num_tokens,
                                       absl::Span<const int32_t> positions = {},
                                       absl::Span<const int32_t> layers = {});
-  // Copies one row (exactly head_dim * dtype_bytes bytes) into the reserved slot.
+  // Copies one row (exactly head_dim * dtype_bytes bytes, host memory) into the reserved slot
+  // (memcpy, or a synchronous cudaMemcpy into a CUDA arena).
   absl::Status WriteReserved(const Reservation& reservation, int layer, int kv, int head,
                              int token_i, absl::Span<const uint8_t> row) const;
   absl::StatusOr<v1::CommitResponse> Commit(const Reservation& reservation,
@@ -240,11 +271,21 @@ class Session {
   absl::StatusOr<v1::CompressResponse> Compress(v1::CompressRequest request);
   // The row (kv, head, slot) of `layer` read in place from the mapped arena through the block
   // table of `layout` (from GetLayout). OUT_OF_RANGE if the slot is not held or lies outside
-  // the arena. Valid until the sequence next changes.
+  // the arena. Valid until the sequence next changes. FAILED_PRECONDITION on a CUDA arena (its
+  // rows are device memory): use ReadRowInto, or RowAddress and the device pointer.
   absl::StatusOr<absl::Span<const uint8_t>> ReadRow(const v1::GetLayoutResponse& layout, int layer,
                                                     int kv, int head, int slot) const;
   absl::StatusOr<absl::Span<const uint8_t>> ReadRow(const v1::LayerLayout& layer_layout, int kv,
                                                     int head, int slot) const;
+  // The same row copied into `out` (exactly head_dim * dtype_bytes bytes of host memory): memcpy,
+  // or a synchronous cudaMemcpy from a CUDA arena. Works for both arena kinds.
+  absl::Status ReadRowInto(const v1::GetLayoutResponse& layout, int layer, int kv, int head,
+                           int slot, absl::Span<uint8_t> out) const;
+  absl::Status ReadRowInto(const v1::LayerLayout& layer_layout, int kv, int head, int slot,
+                           absl::Span<uint8_t> out) const;
+  // The address of that row in the mapping (a device pointer on a CUDA arena), bounds-checked.
+  absl::StatusOr<uint8_t*> RowAddress(const v1::LayerLayout& layer_layout, int kv, int head,
+                                      int slot) const;
 
   // --- The rest of the contract, as raw requests (session_id filled in where the request has one).
   absl::StatusOr<v1::BatchCompressResponse> BatchCompress(v1::BatchCompressRequest request);
@@ -270,12 +311,17 @@ class Session {
   void Unmap();
   void PrepareContext(grpc::ClientContext* context) const;
   absl::Status CheckAttached() const;
+  absl::Status MapSharedMemory();
+  absl::Status MapCudaIpc();
 
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::Sidecar::Stub> stub_;
   const ClientOptions options_;
   const v1::AttachResponse attach_;
   ArenaGeometry geometry_;  // set once by Start(), read-only afterwards
+  // The CUDA runtime (or a test's fake) that mapped a device arena; null for a host arena. Set
+  // once by Start(), read-only afterwards.
+  internal::CudaIpcDriver* cuda_driver_ = nullptr;
 
   std::atomic<bool> detached_{false};
   std::atomic<bool> draining_{false};
@@ -300,7 +346,8 @@ class Client {
 
   // Attaches, maps the arena, opens the Watch stream and starts the heartbeat. `num_blocks` and
   // `lease_ms` 0 = server defaults. If the arena cannot be mapped (FAILED_PRECONDITION for a
-  // handle kind this process cannot map, e.g. CUDA IPC) the server session is detached again.
+  // handle this process cannot map: a CUDA IPC arena in a build without CUDA, a device UUID no
+  // local GPU has, a stale or foreign handle) the server session is detached again.
   absl::StatusOr<std::unique_ptr<Session>> Attach(const v1::ModelLayout& layout,
                                                   const std::string& tenant = "default",
                                                   int32_t num_blocks = 0, int32_t lease_ms = 0);

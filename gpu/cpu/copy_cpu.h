@@ -1,0 +1,26 @@
+// Validation of the row-copy jobs (Backend::CopyRows, Backend::CopyHostRows; gpu/backend.h),
+// shared by the CPU backend and the host-validating backends (gpu/staging_backend.h) so that
+// their INVALID_ARGUMENT messages agree. The arena's size is not part of a job, so offsets are
+// not range-checked here (the CPU backend trusts them, as it trusts every arena offset).
+//
+// Threading: pure functions.
+#ifndef KVSIDECAR_GPU_CPU_COPY_CPU_H_
+#define KVSIDECAR_GPU_CPU_COPY_CPU_H_
+
+#include <cstddef>
+
+#include "absl/status/status.h"
+#include "gpu/backend.h"
+
+namespace kvs {
+
+// INVALID_ARGUMENT "row copy job <index>: ..." for a negative count, or null arena/offsets when
+// the job copies anything (count > 0 and row_bytes > 0). Reads no offsets.
+absl::Status ValidateRowCopyJob(const RowCopyJob& job, size_t index);
+
+// INVALID_ARGUMENT "host row copy job <index>: ..." likewise (null arena, host or offsets).
+absl::Status ValidateHostRowCopyJob(const HostRowCopyJob& job, size_t index);
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_GPU_CPU_COPY_CPU_H_

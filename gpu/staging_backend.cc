@@ -1,0 +1,492 @@
+// StagingBackend (gpu/staging_backend.h): host validation, one packed upload, the device call,
+// one download of the outputs.
+#include "gpu/staging_backend.h"
+
+#include <cstring>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "gpu/base/checked_math.h"
+#include "gpu/base/status_macros.h"
+#include "gpu/cpu/attention_cpu.h"  // ValidateAttentionJob
+#include "gpu/cpu/caote_cpu.h"      // ValidateCaoteJob
+#include "gpu/cpu/copy_cpu.h"       // ValidateRowCopyJob, ValidateHostRowCopyJob
+#include "gpu/cpu/keydiff_cpu.h"    // ValidateKeyDiffJob
+#include "gpu/cpu/merge_cpu.h"      // ValidateNearestKeyJob, ValidateRowMergeJob
+#include "gpu/cpu/topk_cpu.h"       // ValidateTopKJob
+
+namespace kvs {
+namespace {
+
+// A mirror for validation must stay affordable whatever a (device-resident) job claims.
+constexpr uint64_t kMaxMirrorBytes = uint64_t{1} << 30;
+
+uint64_t AlignUp(uint64_t n) { return (n + kStagingAlignment - 1) & ~(kStagingAlignment - 1); }
+
+// The product of validated, non-negative shape factors; INVALID_ARGUMENT if it overflows (the
+// validators bound most products already; this keeps every size computation checked).
+absl::StatusOr<uint64_t> Elements(std::initializer_list<int64_t> factors, absl::string_view context,
+                                  absl::string_view field) {
+  const auto product = CheckedProduct(factors);
+  if (!product) {
+    return absl::InvalidArgumentError(absl::StrCat(context, ": size of ", field, " overflows"));
+  }
+  return *product;
+}
+
+// Entries of a view's block table that the kernels read (0 when the view reads nothing).
+int64_t TableEntries(const PagedLayerView& view) {
+  if (view.count <= 0 || view.block_tokens < 1) return 0;
+  return (int64_t{view.count} + view.block_tokens - 1) / view.block_tokens;
+}
+
+template <typename P>
+void SetPointer(void* field, uint8_t* address) {
+  *static_cast<P*>(field) = reinterpret_cast<P>(address);
+}
+
+// The staging plan of one call: which host arrays go up, which come back, and the device job
+// fields to repoint at the staged copies. The device buffer is freed on destruction (the caller
+// has synchronised the stream by then).
+class Stager {
+ public:
+  explicit Stager(DeviceMemory& memory) : memory_(memory) {}
+  ~Stager() { memory_.Free(device_); }
+
+  Stager(const Stager&) = delete;
+  Stager& operator=(const Stager&) = delete;
+
+  // `*field` (a member of a device job, currently equal to `host`) will point at a device copy
+  // of the `elements` T at `host`. Device-accessible, null or empty arrays stay as they are.
+  template <typename T>
+  absl::Status Input(const T** field, const T* host, uint64_t elements) {
+    if (host == nullptr || elements == 0 || memory_.IsDeviceAccessible(host)) {
+      return absl::OkStatus();
+    }
+    KVS_ASSIGN_OR_RETURN(const uint64_t offset, Reserve(in_bytes_, elements, sizeof(T)));
+    inputs_.push_back(Piece{field, &SetPointer<const T*>, offset, host, elements * sizeof(T)});
+    return absl::OkStatus();
+  }
+
+  // `*field` will point at device space for `elements` T, copied back to `host` by Download.
+  template <typename T>
+  absl::Status Output(T** field, T* host, uint64_t elements) {
+    if (host == nullptr || elements == 0 || memory_.IsDeviceAccessible(host)) {
+      return absl::OkStatus();
+    }
+    KVS_ASSIGN_OR_RETURN(const uint64_t offset, Reserve(out_bytes_, elements, sizeof(T)));
+    outputs_.push_back(Piece{field, &SetPointer<T*>, offset, host, elements * sizeof(T)});
+    return absl::OkStatus();
+  }
+
+  // One Allocate and one CopyToDevice of every input; repoints the job fields. Nothing when
+  // every array passed through.
+  absl::Status Upload(Stream stream) {
+    const uint64_t out_base = AlignUp(in_bytes_);
+    const auto total = CheckedAdd(out_base, out_bytes_);
+    if (!total || out_base < in_bytes_) {
+      return absl::ResourceExhaustedError("staging buffer size overflows");
+    }
+    if (*total == 0) return absl::OkStatus();
+    KVS_ASSIGN_OR_RETURN(void* device, memory_.Allocate(*total));
+    device_ = static_cast<uint8_t*>(device);
+    out_base_ = out_base;
+    if (in_bytes_ > 0) {
+      std::vector<uint8_t> packed(in_bytes_);
+      for (const Piece& piece : inputs_) {
+        std::memcpy(packed.data() + piece.offset, piece.host, piece.bytes);
+      }
+      KVS_RETURN_IF_ERROR(memory_.CopyToDevice(device_, packed.data(), in_bytes_, stream));
+    }
+    for (const Piece& piece : inputs_) piece.set(piece.field, device_ + piece.offset);
+    for (const Piece& piece : outputs_) piece.set(piece.field, device_ + out_base_ + piece.offset);
+    return absl::OkStatus();
+  }
+
+  // One CopyToHost of the output region, scattered to the callers' arrays.
+  absl::Status Download(Stream stream) {
+    if (out_bytes_ == 0) return absl::OkStatus();
+    std::vector<uint8_t> packed(out_bytes_);
+    KVS_RETURN_IF_ERROR(memory_.CopyToHost(packed.data(), device_ + out_base_, out_bytes_, stream));
+    for (const Piece& piece : outputs_) {
+      std::memcpy(const_cast<void*>(piece.host), packed.data() + piece.offset, piece.bytes);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Piece {
+    void* field;                   // the device job's pointer member
+    void (*set)(void*, uint8_t*);  // assigns a device address to it with its own type
+    uint64_t offset;               // in its region (inputs, or outputs)
+    const void* host;              // the caller's array
+    uint64_t bytes;
+  };
+
+  static absl::StatusOr<uint64_t> Reserve(uint64_t& region, uint64_t elements, uint64_t size) {
+    const auto bytes = CheckedProduct({static_cast<int64_t>(elements), static_cast<int64_t>(size)});
+    const uint64_t offset = AlignUp(region);
+    const auto end = bytes ? CheckedAdd(offset, *bytes) : std::nullopt;
+    if (static_cast<int64_t>(elements) < 0 || !end || offset < region) {
+      return absl::ResourceExhaustedError("staging buffer size overflows");
+    }
+    region = *end;
+    return offset;
+  }
+
+  DeviceMemory& memory_;
+  std::vector<Piece> inputs_, outputs_;
+  uint64_t in_bytes_ = 0, out_bytes_ = 0, out_base_ = 0;
+  uint8_t* device_ = nullptr;
+};
+
+class StagingBackend final : public Backend {
+ public:
+  StagingBackend(std::unique_ptr<Backend> device, std::unique_ptr<DeviceMemory> memory)
+      : device_(std::move(device)), memory_(std::move(memory)) {}
+
+  std::string_view name() const override { return device_->name(); }
+  bool healthy() const override { return device_->healthy(); }
+
+  absl::StatusOr<std::unique_ptr<Arena>> CreateArena(uint64_t bytes,
+                                                     const ArenaOptions& options) override {
+    return device_->CreateArena(bytes, options);
+  }
+
+  absl::Status Synchronize(Stream stream) override { return device_->Synchronize(stream); }
+
+  absl::Status KeyDiffScores(absl::Span<const KeyDiffScoreJob> jobs, Stream stream) override {
+    Stager stager(*memory_);
+    std::vector<KeyDiffScoreJob> device_jobs;
+    device_jobs.reserve(jobs.size());  // the stager holds pointers into it
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const KeyDiffScoreJob& job = jobs[i];
+      const std::string context = absl::StrCat("keydiff job ", i);
+      KeyDiffScoreJob host = job;
+      std::vector<int32_t> table;
+      KVS_ASSIGN_OR_RETURN(host.keys.block_table,
+                           HostTable(job.keys, table, context, "keys", stream));
+      KVS_RETURN_IF_ERROR(ValidateKeyDiffJob(host, i));
+      if (job.keys.count == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckArena(job.keys.arena, context, "keys.arena"));
+      KeyDiffScoreJob& d = device_jobs.emplace_back(job);
+      KVS_ASSIGN_OR_RETURN(const uint64_t scores,
+                           Elements({job.keys.num_kv_heads, job.keys.count}, context, "scores"));
+      KVS_RETURN_IF_ERROR(
+          stager.Input(&d.keys.block_table, job.keys.block_table, TableEntries(job.keys)));
+      KVS_RETURN_IF_ERROR(stager.Output(&d.scores, job.scores, scores));
+    }
+    return Run(stager, device_jobs, stream, &Backend::KeyDiffScores);
+  }
+
+  absl::Status TopK(absl::Span<const TopKJob> jobs, Stream stream) override {
+    Stager stager(*memory_);
+    std::vector<TopKJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const TopKJob& job = jobs[i];
+      const std::string context = absl::StrCat("top-k job ", i);
+      TopKJob host = job;
+      std::vector<uint8_t> forced;
+      if (job.rows > 0 && job.n > 0) {
+        KVS_ASSIGN_OR_RETURN(host.forced, HostReadable(job.forced, int64_t{job.rows} * job.n,
+                                                       forced, context, "forced", stream));
+      }
+      KVS_RETURN_IF_ERROR(ValidateTopKJob(host, i));
+      if (job.rows == 0 || job.k == 0) continue;  // nothing is written
+      TopKJob& d = device_jobs.emplace_back(job);
+      KVS_ASSIGN_OR_RETURN(const uint64_t slots, Elements({job.rows, job.n}, context, "scores"));
+      KVS_ASSIGN_OR_RETURN(const uint64_t kept, Elements({job.rows, job.k}, context, "kept"));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.scores, job.scores, slots));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.positions, job.positions, slots));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.forced, job.forced, slots));
+      KVS_RETURN_IF_ERROR(stager.Output(&d.kept, job.kept, kept));
+    }
+    return Run(stager, device_jobs, stream, &Backend::TopK);
+  }
+
+  absl::Status CopyRows(absl::Span<const RowCopyJob> jobs, Stream stream) override {
+    Stager stager(*memory_);
+    std::vector<RowCopyJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const RowCopyJob& job = jobs[i];
+      KVS_RETURN_IF_ERROR(ValidateRowCopyJob(job, i));
+      if (job.count == 0 || job.row_bytes == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckArena(job.arena, absl::StrCat("row copy job ", i), "arena"));
+      RowCopyJob& d = device_jobs.emplace_back(job);
+      KVS_RETURN_IF_ERROR(stager.Input(&d.src_offsets, job.src_offsets, job.count));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.dst_offsets, job.dst_offsets, job.count));
+    }
+    return Run(stager, device_jobs, stream, &Backend::CopyRows);
+  }
+
+  absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream stream) override {
+    return Attention(jobs, stream, &Backend::AttentionProbs);
+  }
+  absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream stream) override {
+    return Attention(jobs, stream, &Backend::AttentionLogits);
+  }
+
+  absl::Status CopyHostRows(absl::Span<const HostRowCopyJob> jobs, Stream stream) override {
+    Stager stager(*memory_);
+    std::vector<HostRowCopyJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    std::vector<CopyRun> runs;  // of the jobs copied here, every job validated before any copy
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const HostRowCopyJob& job = jobs[i];
+      const std::string context = absl::StrCat("host row copy job ", i);
+      KVS_RETURN_IF_ERROR(ValidateHostRowCopyJob(job, i));
+      if (job.count == 0 || job.row_bytes == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckArena(job.arena, context, "arena"));
+      if (memory_->IsDeviceAccessible(job.host)) {  // page-locked: the device copies
+        HostRowCopyJob& d = device_jobs.emplace_back(job);
+        KVS_RETURN_IF_ERROR(stager.Input(&d.arena_offsets, job.arena_offsets, job.count));
+        KVS_RETURN_IF_ERROR(stager.Input(&d.host_offsets, job.host_offsets, job.count));
+        continue;
+      }
+      std::vector<uint64_t> arena_mirror, host_mirror;
+      KVS_ASSIGN_OR_RETURN(const uint64_t* arena_offsets,
+                           HostReadable(job.arena_offsets, job.count, arena_mirror, context,
+                                        "arena_offsets", stream));
+      KVS_ASSIGN_OR_RETURN(
+          const uint64_t* host_offsets,
+          HostReadable(job.host_offsets, job.count, host_mirror, context, "host_offsets", stream));
+      KVS_RETURN_IF_ERROR(PlanRuns(job, arena_offsets, host_offsets, context, runs));
+    }
+    if (!device_jobs.empty() || runs.empty()) {
+      KVS_RETURN_IF_ERROR(Run(stager, device_jobs, stream, &Backend::CopyHostRows));
+    }
+    for (const CopyRun& run : runs) {
+      if (run.to_host) {
+        KVS_RETURN_IF_ERROR(memory_->CopyToHost(run.host, run.arena, run.bytes, stream));
+      } else {
+        KVS_RETURN_IF_ERROR(memory_->CopyToDevice(run.arena, run.host, run.bytes, stream));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream stream) override {
+    Stager stager(*memory_);
+    std::vector<CaoteJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const CaoteJob& job = jobs[i];
+      const std::string context = absl::StrCat("caote job ", i);
+      CaoteJob host = job;
+      std::vector<int32_t> table;
+      KVS_ASSIGN_OR_RETURN(host.values.block_table,
+                           HostTable(job.values, table, context, "values", stream));
+      KVS_RETURN_IF_ERROR(ValidateCaoteJob(host, i));
+      if (job.values.count == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckArena(job.values.arena, context, "values.arena"));
+      CaoteJob& d = device_jobs.emplace_back(job);
+      KVS_ASSIGN_OR_RETURN(const uint64_t elements,
+                           Elements({job.rows, job.values.count}, context, "alpha"));
+      KVS_RETURN_IF_ERROR(
+          stager.Input(&d.values.block_table, job.values.block_table, TableEntries(job.values)));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.alpha, job.alpha, elements));
+      KVS_RETURN_IF_ERROR(stager.Output(&d.scores, job.scores, elements));
+    }
+    return Run(stager, device_jobs, stream, &Backend::CaoteScores);
+  }
+
+  absl::Status NearestKeys(absl::Span<const NearestKeyJob> jobs, Stream stream) override {
+    Stager stager(*memory_);
+    std::vector<NearestKeyJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const NearestKeyJob& job = jobs[i];
+      const std::string context = absl::StrCat("nearest key job ", i);
+      NearestKeyJob host = job;
+      std::vector<int32_t> table, queries, candidates;
+      KVS_ASSIGN_OR_RETURN(host.keys.block_table,
+                           HostTable(job.keys, table, context, "keys", stream));
+      if (job.num_queries > 0) {
+        KVS_ASSIGN_OR_RETURN(host.query_slots,
+                             HostReadable(job.query_slots, job.num_queries, queries, context,
+                                          "query_slots", stream));
+        if (job.num_candidates > 0) {
+          KVS_ASSIGN_OR_RETURN(host.candidate_slots,
+                               HostReadable(job.candidate_slots, job.num_candidates, candidates,
+                                            context, "candidate_slots", stream));
+        }
+      }
+      KVS_RETURN_IF_ERROR(ValidateNearestKeyJob(host, i));
+      if (job.num_queries == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckArena(job.keys.arena, context, "keys.arena"));
+      NearestKeyJob& d = device_jobs.emplace_back(job);
+      KVS_RETURN_IF_ERROR(
+          stager.Input(&d.keys.block_table, job.keys.block_table, TableEntries(job.keys)));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.query_slots, job.query_slots, job.num_queries));
+      KVS_RETURN_IF_ERROR(
+          stager.Input(&d.candidate_slots, job.candidate_slots, job.num_candidates));
+      KVS_RETURN_IF_ERROR(
+          stager.Input(&d.candidate_positions, job.candidate_positions, job.num_candidates));
+      KVS_RETURN_IF_ERROR(stager.Output(&d.similarity, job.similarity, job.num_queries));
+      KVS_RETURN_IF_ERROR(stager.Output(&d.target, job.target, job.num_queries));
+    }
+    return Run(stager, device_jobs, stream, &Backend::NearestKeys);
+  }
+
+  absl::Status MergeRows(absl::Span<const RowMergeJob> jobs, Stream stream) override {
+    Stager stager(*memory_);
+    std::vector<RowMergeJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const RowMergeJob& job = jobs[i];
+      const std::string context = absl::StrCat("row merge job ", i);
+      RowMergeJob host = job;
+      std::vector<uint64_t> offsets;
+      if (job.num_sources > 0) {
+        KVS_ASSIGN_OR_RETURN(host.src_offsets,
+                             HostReadable(job.src_offsets, job.num_sources, offsets, context,
+                                          "src_offsets", stream));
+      }
+      KVS_RETURN_IF_ERROR(ValidateRowMergeJob(host, i));
+      KVS_RETURN_IF_ERROR(CheckArena(job.arena, context, "arena"));
+      RowMergeJob& d = device_jobs.emplace_back(job);
+      KVS_RETURN_IF_ERROR(stager.Input(&d.src_offsets, job.src_offsets, job.num_sources));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.weights, job.weights, job.num_sources));
+    }
+    return Run(stager, device_jobs, stream, &Backend::MergeRows);
+  }
+
+ private:
+  // One run of rows of a host row copy done here: `bytes` between `arena` and `host`.
+  struct CopyRun {
+    uint8_t* arena;
+    uint8_t* host;
+    uint64_t bytes;
+    bool to_host;
+  };
+
+  template <typename Job>
+  using Method = absl::Status (Backend::*)(absl::Span<const Job>, Stream);
+
+  // Uploads, runs the device on `device_jobs`, synchronises and downloads. With no jobs the
+  // device is still asked (an unhealthy device refuses even an empty call) but nothing is staged.
+  template <typename Job>
+  absl::Status Run(Stager& stager, const std::vector<Job>& device_jobs, Stream stream,
+                   Method<Job> method) {
+    if (device_jobs.empty()) return (device_.get()->*method)({}, stream);
+    KVS_RETURN_IF_ERROR(stager.Upload(stream));
+    const absl::Status status = (device_.get()->*method)(device_jobs, stream);
+    // Always wait before the staging buffer goes back to DeviceMemory's cache: a call that failed
+    // midway may have queued work reading it.
+    const absl::Status synced = device_->Synchronize(stream);
+    KVS_RETURN_IF_ERROR(status);
+    KVS_RETURN_IF_ERROR(synced);
+    return stager.Download(stream);
+  }
+
+  absl::Status Attention(absl::Span<const AttentionJob> jobs, Stream stream,
+                         Method<AttentionJob> method) {
+    Stager stager(*memory_);
+    std::vector<AttentionJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const AttentionJob& job = jobs[i];
+      const std::string context = absl::StrCat("attention job ", i);
+      AttentionJob host = job;
+      std::vector<int32_t> table;
+      KVS_ASSIGN_OR_RETURN(host.keys.block_table,
+                           HostTable(job.keys, table, context, "keys", stream));
+      KVS_RETURN_IF_ERROR(ValidateAttentionJob(host, i));
+      if (job.keys.count == 0) continue;  // nothing is read or written
+      KVS_RETURN_IF_ERROR(CheckArena(job.keys.arena, context, "keys.arena"));
+      AttentionJob& d = device_jobs.emplace_back(job);
+      const PagedLayerView& v = job.keys;
+      KVS_ASSIGN_OR_RETURN(const uint64_t key_positions,
+                           Elements({v.num_kv_heads, v.count}, context, "key_positions"));
+      KVS_ASSIGN_OR_RETURN(
+          const uint64_t queries,
+          Elements({job.num_q_heads, job.num_queries, v.head_dim}, context, "queries"));
+      KVS_ASSIGN_OR_RETURN(const uint64_t probs,
+                           Elements({job.num_q_heads, job.num_queries, v.count}, context, "probs"));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.keys.block_table, v.block_table, TableEntries(v)));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.key_positions, job.key_positions, key_positions));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.queries, job.queries, queries));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.query_positions, job.query_positions, job.num_queries));
+      KVS_RETURN_IF_ERROR(stager.Output(&d.probs, job.probs, probs));
+    }
+    return Run(stager, device_jobs, stream, method);
+  }
+
+  absl::Status CheckArena(const void* arena, absl::string_view context,
+                          absl::string_view field) const {
+    if (memory_->IsDeviceAccessible(arena)) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(context, ": ", field, " is not device memory"));
+  }
+
+  // `p` itself when the host can read it (host memory, null, nothing to read); otherwise a
+  // mirror of its `n` elements in `storage`, so that a validator can read device-resident arrays.
+  template <typename T>
+  absl::StatusOr<const T*> HostReadable(const T* p, int64_t n, std::vector<T>& storage,
+                                        absl::string_view context, absl::string_view field,
+                                        Stream stream) const {
+    if (p == nullptr || n <= 0 || !memory_->IsDeviceAccessible(p)) return p;
+    if (static_cast<uint64_t>(n) > kMaxMirrorBytes / sizeof(T)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(context, ": ", field, " of ", n, " elements is too large to validate"));
+    }
+    storage.resize(static_cast<size_t>(n));
+    KVS_RETURN_IF_ERROR(memory_->CopyToHost(storage.data(), p, n * sizeof(T), stream));
+    return static_cast<const T*>(storage.data());
+  }
+
+  absl::StatusOr<const int32_t*> HostTable(const PagedLayerView& view,
+                                           std::vector<int32_t>& storage, absl::string_view context,
+                                           absl::string_view field, Stream stream) const {
+    return HostReadable(view.block_table, TableEntries(view), storage, context,
+                        absl::StrCat(field, ".block_table"), stream);
+  }
+
+  // Appends the runs of a validated host row copy job, coalescing rows whose arena and host
+  // offsets both advance by row_bytes. INVALID_ARGUMENT when an offset + length overflows.
+  static absl::Status PlanRuns(const HostRowCopyJob& job, const uint64_t* arena_offsets,
+                               const uint64_t* host_offsets, absl::string_view context,
+                               std::vector<CopyRun>& runs) {
+    for (int64_t r = 0; r < job.count; ++r) {
+      if (!CheckedAdd(arena_offsets[r], job.row_bytes)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(context, ": arena_offsets[", r, "] + row_bytes overflows"));
+      }
+      if (!CheckedAdd(host_offsets[r], job.row_bytes)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(context, ": host_offsets[", r, "] + row_bytes overflows"));
+      }
+      if (r > 0 && arena_offsets[r] == arena_offsets[r - 1] + job.row_bytes &&
+          host_offsets[r] == host_offsets[r - 1] + job.row_bytes) {
+        runs.back().bytes += job.row_bytes;  // contiguous in both: cannot overflow either side
+        continue;
+      }
+      runs.push_back(CopyRun{job.arena + arena_offsets[r], job.host + host_offsets[r],
+                             job.row_bytes, job.to_host});
+    }
+    return absl::OkStatus();
+  }
+
+  const std::unique_ptr<Backend> device_;
+  const std::unique_ptr<DeviceMemory> memory_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> MakeStagingBackend(std::unique_ptr<Backend> device,
+                                            std::unique_ptr<DeviceMemory> memory) {
+  return std::make_unique<StagingBackend>(std::move(device), std::move(memory));
+}
+
+}  // namespace kvs

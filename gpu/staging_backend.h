@@ -1,0 +1,50 @@
+// StagingBackend: a Backend decorator that lets the cache core (cache/), which builds every job
+// over host vectors (block tables, positions, scores, offsets, weights, queries, outputs), run on
+// a device backend whose jobs must point at device memory (gpu/backend.h "Pointer spaces").
+//
+// For every call it validates each job on the host with the CPU backend's validators (the same
+// INVALID_ARGUMENT messages, job index and field named), refuses an arena pointer the device
+// cannot use ("<job> <i>: <field> is not device memory"), packs every host input array of the
+// call into one host buffer (256-byte aligned pieces) that reaches the device with one
+// DeviceMemory::Allocate and one CopyToDevice, runs the wrapped device backend on device copies
+// of the jobs, synchronises the stream, and copies the output region back with one CopyToHost,
+// scattering it to the caller's host arrays. Arrays that are already device-accessible pass
+// through untouched (index arrays a validator reads are mirrored to the host for validation).
+// Nothing is written to the caller's outputs when validation or the device call fails. Jobs that
+// do no work (count 0, k 0, no queries) are not sent to the device, and a call without work
+// allocates nothing; the device is still called (with no jobs) so that an unhealthy device
+// answers as it would.
+//
+// CopyHostRows: when the job's `host` buffer is device-accessible (page-locked), only the offsets
+// are staged and the device copies; otherwise the rows are copied here with DeviceMemory copies,
+// one per run of rows whose arena and host offsets both advance by row_bytes. Such a job checks,
+// beyond the CPU validator, that no offset + row_bytes overflows; a copy the device memory refuses
+// midway (e.g. a range outside the arena) returns its error with the earlier runs already copied.
+//
+// Every call returns after the device work it queued has finished (the stream is synchronised):
+// the staging buffer is freed (returned to DeviceMemory's cache) when the call returns.
+//
+// Threading: safe to call concurrently when the device backend and DeviceMemory are (both are
+// required to be); the decorator itself holds no mutable state.
+#ifndef KVSIDECAR_GPU_STAGING_BACKEND_H_
+#define KVSIDECAR_GPU_STAGING_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "gpu/backend.h"
+#include "gpu/device_memory.h"
+
+namespace kvs {
+
+// Pieces of the staging buffer start at multiples of this many bytes.
+inline constexpr uint64_t kStagingAlignment = 256;
+
+// name(), healthy(), CreateArena and Synchronize forward to `device`; `memory` must describe the
+// device's memory (the arenas `device` creates must be device-accessible to it).
+std::unique_ptr<Backend> MakeStagingBackend(std::unique_ptr<Backend> device,
+                                            std::unique_ptr<DeviceMemory> memory);
+
+}  // namespace kvs
+
+#endif  // KVSIDECAR_GPU_STAGING_BACKEND_H_
