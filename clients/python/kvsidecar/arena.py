@@ -121,6 +121,33 @@ def to_float32(values: np.ndarray, dtype: int) -> np.ndarray:
     return values.astype(np.float32)
 
 
+
+def _set_geometry(arena: Any, handle: "common_pb2.ArenaHandle",
+                  layout: "common_pb2.ModelLayout") -> np.dtype:
+    """Sets the block geometry both arena kinds share on `arena`, checked against the layout.
+
+    Returns the storage dtype. InvalidArgument when the handle's block size or total size do not
+    fit the layout.
+    """
+    arena.dtype = layout.dtype
+    arena.num_kv_heads = layout.num_kv_heads
+    arena.block_tokens = layout.block_tokens
+    arena.head_dim = layout.head_dim
+    arena.num_blocks = handle.num_blocks
+    arena.block_bytes = handle.block_bytes
+    arena.size_bytes = handle.size_bytes
+    arena.generation = handle.generation
+    np_dtype = storage_dtype(layout.dtype)
+    expected = 2 * layout.num_kv_heads * layout.block_tokens * layout.head_dim * np_dtype.itemsize
+    if expected != handle.block_bytes:
+        raise InvalidArgument(
+            f"arena.block_bytes {handle.block_bytes} != 2*H*B*D*dtype_bytes = {expected}")
+    if handle.num_blocks * handle.block_bytes > handle.size_bytes:
+        raise InvalidArgument(
+            f"arena.size_bytes {handle.size_bytes} < num_blocks*block_bytes "
+            f"{handle.num_blocks * handle.block_bytes}")
+    return np_dtype
+
 class Arena:
     """The mapped arena of one session (CPU backend), with its block geometry.
 
@@ -138,24 +165,8 @@ class Arena:
                 "not Arena (host shared memory)")
         if kind != common_pb2.ArenaHandle.KIND_SHARED_MEMORY_FILE:
             raise InvalidArgument(f"arena.kind {kind} cannot be mapped")
-        self.dtype: int = layout.dtype
-        self.num_kv_heads: int = layout.num_kv_heads
-        self.block_tokens: int = layout.block_tokens
-        self.head_dim: int = layout.head_dim
-        self.num_blocks: int = handle.num_blocks
-        self.block_bytes: int = handle.block_bytes
-        self.size_bytes: int = handle.size_bytes
+        np_dtype = _set_geometry(self, handle, layout)
         self.path: str = handle.shm_path
-        self.generation: int = handle.generation
-        np_dtype = storage_dtype(self.dtype)
-        expected = 2 * self.num_kv_heads * self.block_tokens * self.head_dim * np_dtype.itemsize
-        if expected != self.block_bytes:
-            raise InvalidArgument(
-                f"arena.block_bytes {self.block_bytes} != 2*H*B*D*dtype_bytes = {expected}")
-        if self.num_blocks * self.block_bytes > self.size_bytes:
-            raise InvalidArgument(
-                f"arena.size_bytes {self.size_bytes} < num_blocks*block_bytes "
-                f"{self.num_blocks * self.block_bytes}")
         if not self.path:
             raise InvalidArgument("arena.shm_path is empty")
         fd = os.open(self.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
@@ -469,25 +480,8 @@ class CudaArena:
                  session_id: str, *, runtime: Any = None) -> None:
         if handle.kind != common_pb2.ArenaHandle.KIND_CUDA_IPC:
             raise InvalidArgument(f"CudaArena maps KIND_CUDA_IPC arenas, got kind {handle.kind}")
-        self.dtype: int = layout.dtype
-        self.num_kv_heads: int = layout.num_kv_heads
-        self.block_tokens: int = layout.block_tokens
-        self.head_dim: int = layout.head_dim
-        self.num_blocks: int = handle.num_blocks
-        self.block_bytes: int = handle.block_bytes
-        self.size_bytes: int = handle.size_bytes
-        self.generation: int = handle.generation
+        self._np_dtype = _set_geometry(self, handle, layout)
         self.session_id = session_id
-        self._np_dtype = storage_dtype(self.dtype)
-        expected = (2 * self.num_kv_heads * self.block_tokens * self.head_dim *
-                    self._np_dtype.itemsize)
-        if expected != self.block_bytes:
-            raise InvalidArgument(
-                f"arena.block_bytes {self.block_bytes} != 2*H*B*D*dtype_bytes = {expected}")
-        if self.num_blocks * self.block_bytes > self.size_bytes:
-            raise InvalidArgument(
-                f"arena.size_bytes {self.size_bytes} < num_blocks*block_bytes "
-                f"{self.num_blocks * self.block_bytes}")
         runtime = runtime if runtime is not None else _runtime()
         self._mapping: Optional[_Mapping] = _acquire(runtime, session_id, handle)
         self.base: int = self._mapping.base
