@@ -13,9 +13,12 @@
 #ifndef KVSIDECAR_SERVICE_SERVER_H_
 #define KVSIDECAR_SERVICE_SERVER_H_
 
+#include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -38,6 +41,10 @@ struct ServerOptions {
   TlsFiles tls;          // both gRPC ports; empty cert_file = plaintext
   AuthConfig auth;       // tenant tokens (data plane) and the admin token
   std::string metrics_listen;  // host:port of /metrics; "" = no metrics endpoint
+  // The tenant label of the metrics: tenants named in the configuration keep their own value,
+  // at most metrics_max_tenants others get theirs, the rest share tenant="_other".
+  std::set<std::string> metrics_tenants;
+  int32_t metrics_max_tenants = 100;
 };
 
 class SidecarServer {
@@ -71,11 +78,13 @@ class SidecarServer {
   explicit SidecarServer(KvPool* pool) : pool_(pool) {}
   void ReaperLoop(absl::Duration interval);
 
-  // Scrape-time gauges from the pool (bytes per tier, sessions, tokens per policy, budgets).
-  void CollectPoolMetrics();
+  // Scrape-time families from the pool (bytes per tier, sessions, per-tenant usage, tokens per
+  // policy, backend health).
+  void CollectPoolMetrics(std::vector<prometheus::MetricFamily>* out);
 
   KvPool* const pool_;
   MetricsRegistry metrics_;
+  std::unique_ptr<TenantLabeler> tenant_labeler_;
   std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<MetricsHttpServer> metrics_server_;
   std::string metrics_address_;
