@@ -10,7 +10,9 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/support/server_interceptor.h"
+#include "grpc/health/v1/health.pb.h"
 #include "service/log.h"
+#include "service/reflection_v1.h"
 #include "service/status_convert.h"
 
 namespace kvs {
@@ -18,6 +20,8 @@ namespace {
 
 constexpr char kSidecarServiceName[] = "kvsidecar.v1.Sidecar";
 constexpr char kAdminServiceName[] = "kvsidecar.v1.Admin";
+constexpr char kHealthServiceName[] = "grpc.health.v1.Health";
+constexpr char kReflectionV1AlphaName[] = "grpc.reflection.v1alpha.ServerReflection";
 
 // "host:port" -> "host:<port>".
 std::string WithPort(const std::string& address, int port) {
@@ -89,11 +93,20 @@ class RpcMetricsFactory final : public grpc::experimental::ServerInterceptorFact
   MetricsRegistry* const metrics_;
 };
 
-// Builds, binds and starts one server with `services`. `port` gets the port bound.
+// Builds, binds and starts one server with `services` (named `names`), standard health checking
+// and reflection v1alpha (the library's plugin) and v1 (`reflection`, made here and kept by the
+// caller). `port` gets the port bound.
 absl::StatusOr<std::unique_ptr<grpc::Server>> BuildServer(
-    const std::string& address, std::initializer_list<grpc::Service*> services, int* port,
-    const std::shared_ptr<grpc::ServerCredentials>& credentials, MetricsRegistry* metrics) {
+    const std::string& address, std::initializer_list<grpc::Service*> services,
+    const std::vector<std::string>& names, int* port,
+    const std::shared_ptr<grpc::ServerCredentials>& credentials, MetricsRegistry* metrics,
+    std::vector<std::unique_ptr<ReflectionV1Service>>* reflection) {
+  std::vector<std::string> listed = names;
+  listed.insert(listed.end(),
+                {kHealthServiceName, kReflectionV1AlphaName, ReflectionV1Service::kServiceName});
+  reflection->push_back(std::make_unique<ReflectionV1Service>(std::move(listed)));
   grpc::ServerBuilder builder;
+  builder.RegisterService(reflection->back().get());
   builder.AddListeningPort(address, credentials, port);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
   factories.push_back(std::make_unique<RpcMetricsFactory>(metrics));
@@ -118,6 +131,9 @@ absl::StatusOr<std::unique_ptr<SidecarServer>> SidecarServer::Start(KvPool* pool
   // Both are process-wide switches read when a server is built.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // gRPC's health service carries no protobuf descriptors; ours (compiled from the same proto)
+  // must be in the generated pool for reflection to describe it. Naming one links them in.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
 
   std::unique_ptr<SidecarServer> server(new SidecarServer(pool));
   auto credentials = MakeServerCredentials(options.tls);
@@ -164,17 +180,20 @@ absl::StatusOr<std::unique_ptr<SidecarServer>> SidecarServer::Start(KvPool* pool
       options.admin_listen == options.listen && !absl::EndsWith(options.listen, ":0");
   if (shared) {
     auto built = BuildServer(options.listen, {server->sidecar_.get(), server->admin_.get()},
-                             &server->data_port_, *credentials, &server->metrics_);
+                             {kSidecarServiceName, kAdminServiceName}, &server->data_port_,
+                             *credentials, &server->metrics_, &server->reflection_);
     if (!built.ok()) return built.status();
     server->data_server_ = *std::move(built);
     server->admin_port_ = server->data_port_;
   } else {
-    auto data = BuildServer(options.listen, {server->sidecar_.get()}, &server->data_port_,
-                            *credentials, &server->metrics_);
+    auto data = BuildServer(options.listen, {server->sidecar_.get()}, {kSidecarServiceName},
+                            &server->data_port_, *credentials, &server->metrics_,
+                            &server->reflection_);
     if (!data.ok()) return data.status();
     server->data_server_ = *std::move(data);
-    auto admin = BuildServer(options.admin_listen, {server->admin_.get()}, &server->admin_port_,
-                             *credentials, &server->metrics_);
+    auto admin = BuildServer(options.admin_listen, {server->admin_.get()}, {kAdminServiceName},
+                             &server->admin_port_, *credentials, &server->metrics_,
+                             &server->reflection_);
     if (!admin.ok()) {
       server->data_server_->Shutdown();
       server->data_server_->Wait();

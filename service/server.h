@@ -1,8 +1,8 @@
 // SidecarServer: builds and runs the gRPC servers around one KvPool: the data plane on
 // `listen`, Admin on `admin_listen` (one server for both when the addresses are equal and the port
-// is not 0), standard
-// health checking and server reflection on each, and a reaper thread that reclaims sessions
-// whose lease lapsed. Port 0 binds a free port; the ports actually bound are reported.
+// is not 0), standard health checking and server reflection (v1alpha and v1) on each, and a
+// reaper thread that reclaims sessions whose lease lapsed. Port 0 binds a free port; the ports
+// actually bound are reported.
 // Operations: TLS / mTLS credentials and bearer-token checks on both gRPC ports (service/auth.h),
 // RPC metrics by method and code for every call (a gRPC server interceptor), and the Prometheus
 // /metrics HTTP endpoint on its own port (service/metrics.h) when `metrics_listen` is set.
@@ -29,6 +29,7 @@
 #include "service/admin_service.h"
 #include "service/auth.h"
 #include "service/metrics.h"
+#include "service/reflection_v1.h"
 #include "service/sidecar_service.h"
 
 namespace kvs {
@@ -92,6 +93,8 @@ class SidecarServer {
   uint64_t disk_capacity_ = 0;
   std::unique_ptr<SidecarService> sidecar_;
   std::unique_ptr<AdminService> admin_;
+  // Reflection v1 of each gRPC server; declared before the servers so that it outlives them.
+  std::vector<std::unique_ptr<ReflectionV1Service>> reflection_;
   std::unique_ptr<grpc::Server> data_server_;
   std::unique_ptr<grpc::Server> admin_server_;  // null when Admin shares the data server
   std::string data_address_;
