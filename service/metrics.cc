@@ -30,9 +30,7 @@ std::vector<double> BudgetBuckets() {
 StateFamily::StateFamily(std::string name, std::string help, prometheus::MetricType type)
     : name_(std::move(name)), help_(std::move(help)), type_(type) {}
 
-void StateFamily::AddSample(const MetricLabels& labels, double value) {
-  samples_[labels] += value;
-}
+void StateFamily::AddSample(const MetricLabels& labels, double value) { samples_[labels] += value; }
 
 prometheus::MetricFamily StateFamily::Build() const {
   prometheus::MetricFamily family;
@@ -89,8 +87,8 @@ void* MetricsRegistry::FamilyFor(const std::string& name, const std::string& hel
 prometheus::Counter* MetricsRegistry::GetCounter(const std::string& name, const std::string& help,
                                                  const MetricLabels& labels) {
   absl::MutexLock lock(&mu_);
-  auto* family = static_cast<prometheus::Family<prometheus::Counter>*>(
-      FamilyFor(name, help, Type::kCounter));
+  auto* family =
+      static_cast<prometheus::Family<prometheus::Counter>*>(FamilyFor(name, help, Type::kCounter));
   if (family == nullptr) return &dummy_counter_;
   return &family->Add(labels);
 }

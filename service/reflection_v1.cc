@@ -88,8 +88,7 @@ grpc::Status ReflectionV1Service::ServerReflectionInfo(
         const auto& ext = request.file_containing_extension();
         const pb::Descriptor* type = pool->FindMessageTypeByName(ext.containing_type());
         const pb::FieldDescriptor* field =
-            type == nullptr ? nullptr
-                            : pool->FindExtensionByNumber(type, ext.extension_number());
+            type == nullptr ? nullptr : pool->FindExtensionByNumber(type, ext.extension_number());
         if (field == nullptr) {
           SetError(&response, grpc::StatusCode::NOT_FOUND,
                    absl::StrCat("extension not found: ", ext.containing_type(), " ",

@@ -252,7 +252,7 @@ void SidecarServer::CollectPoolMetrics(std::vector<prometheus::MetricFamily>* ou
   // Per tenant: only the tenants that have a session now, their label bounded by the labeler.
   StateFamily tenant_used("kvsidecar_tenant_arena_used_bytes",
                           "Arena bytes in use per tenant (tenants beyond --metrics_max_tenants "
-                          "are summed under tenant=\"_other\").",
+                          "are summed under the tenant _other).",
                           MetricType::Gauge);
   StateFamily tenant_reserved("kvsidecar_tenant_arena_reserved_bytes",
                               "Bytes of the arenas of each tenant's sessions.", MetricType::Gauge);

@@ -288,8 +288,8 @@ TEST(MetricsE2eTest, TenantLabelsAreBounded) {
         ASSERT_LE(labels.size(), kCap + 2u) << ::testing::PrintToString(labels);
         EXPECT_TRUE(labels.count("configured-tenant")) << ::testing::PrintToString(labels);
         EXPECT_TRUE(labels.count("_other")) << ::testing::PrintToString(labels);
-        // Every live client tenant is counted once: 1 session each, so the sessions of the
-        // client tenants' series sum to kLive... through the per-tenant arena bytes reserved.
+        // Folding loses nothing: the client tenants' reserved bytes (own series and _other)
+        // add up to kLive sessions' worth.
         double reserved = 0;
         for (const auto& [series, value] : m) {
           if (absl::StartsWith(series, "kvsidecar_tenant_arena_reserved_bytes{") &&
@@ -297,7 +297,8 @@ TEST(MetricsE2eTest, TenantLabelsAreBounded) {
             reserved += value;
           }
         }
-        const double per_session = m["kvsidecar_tenant_arena_reserved_bytes{tenant=\"configured-tenant\"}"];
+        const double per_session =
+            m["kvsidecar_tenant_arena_reserved_bytes{tenant=\"configured-tenant\"}"];
         EXPECT_GT(per_session, 0) << text;
         EXPECT_EQ(reserved, kLive * per_session) << text;
       }

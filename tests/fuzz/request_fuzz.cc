@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -61,7 +62,8 @@ int64_t EnvInt(const char* name, int64_t fallback) {
 }
 
 std::string Truncated(std::string text, size_t limit = 700) {
-  if (text.size() > limit) text = text.substr(0, limit) + "...(" + std::to_string(text.size()) + ")";
+  if (text.size() > limit)
+    text = text.substr(0, limit) + "...(" + std::to_string(text.size()) + ")";
   return text;
 }
 
@@ -138,8 +140,8 @@ class RequestFuzzer {
       if (Chance(0.15)) FeedValidTokens();
       FuzzOne();
       if (!server_->process().Running()) {
-        findings_.push_back({"(process)", "", "the server process exited:\n" +
-                                                   Truncated(server_->Logs(), 4000)});
+        findings_.push_back(
+            {"(process)", "", "the server process exited:\n" + Truncated(server_->Logs(), 4000)});
         return;
       }
     }
@@ -300,9 +302,9 @@ class RequestFuzzer {
       } else {  // |value| < 2: exponent and mantissa rounded down into binary16
         const uint32_t sign = (bits >> 16) & 0x8000;
         const int exponent = static_cast<int>((bits >> 23) & 0xff) - 127 + 15;
-        half = exponent <= 0 ? static_cast<uint16_t>(sign)
-                             : static_cast<uint16_t>(sign | (exponent << 10) |
-                                                     ((bits >> 13) & 0x3ff));
+        half = exponent <= 0
+                   ? static_cast<uint16_t>(sign)
+                   : static_cast<uint16_t>(sign | (exponent << 10) | ((bits >> 13) & 0x3ff));
       }
       std::memcpy(&bytes[i * 2], &half, 2);
     }
@@ -332,8 +334,8 @@ class RequestFuzzer {
         attention->Clear();
         attention->set_num_queries(1);
         attention->set_softmax_scale(0.25f);
-        attention->set_inline_queries(TensorBytes(
-            layers * layout.num_q_heads() * layout.head_dim(), layout.dtype()));
+        attention->set_inline_queries(
+            TensorBytes(layers * layout.num_q_heads() * layout.head_dim(), layout.dtype()));
       }
     } else if (auto* header = dynamic_cast<v1::AppendHeader*>(request)) {
       if (Chance(0.6) && !own.sequences.empty()) {
@@ -381,7 +383,7 @@ class RequestFuzzer {
         return std::string("a\0b", 3);
       case 5:  // an id of the other session
         return own_.size() > 1 && own_[1].session != nullptr ? own_[1].session->session_id()
-                                                              : "nope";
+                                                             : "nope";
       case 6:
         return field->type() == pb::FieldDescriptor::TYPE_BYTES ? RandomBytes(Uniform(0, 70000))
                                                                 : "*";
@@ -405,25 +407,29 @@ class RequestFuzzer {
   }
 
   int64_t MutatedInt() {
-    static const std::vector<int64_t> kExtremes = {
-        0,
-        -1,
-        1,
-        std::numeric_limits<int32_t>::max(),
-        std::numeric_limits<int32_t>::min(),
-        std::numeric_limits<int64_t>::max(),
-        std::numeric_limits<int64_t>::min(),
-        1 << 20,
-        1 << 30,
-        65536,
-        4097};
+    static const std::vector<int64_t> kExtremes = {0,
+                                                   -1,
+                                                   1,
+                                                   std::numeric_limits<int32_t>::max(),
+                                                   std::numeric_limits<int32_t>::min(),
+                                                   std::numeric_limits<int64_t>::max(),
+                                                   std::numeric_limits<int64_t>::min(),
+                                                   1 << 20,
+                                                   1 << 30,
+                                                   65536,
+                                                   4097};
     return Chance(0.8) ? Pick(kExtremes) : Uniform(-1000, 100000);
   }
 
   double MutatedDouble() {
-    static const std::vector<double> kExtremes = {
-        std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
-        -std::numeric_limits<double>::infinity(), 0.0, -0.0, 1e38, -1e38, 1e-45};
+    static const std::vector<double> kExtremes = {std::numeric_limits<double>::quiet_NaN(),
+                                                  std::numeric_limits<double>::infinity(),
+                                                  -std::numeric_limits<double>::infinity(),
+                                                  0.0,
+                                                  -0.0,
+                                                  1e38,
+                                                  -1e38,
+                                                  1e-45};
     return Pick(kExtremes);
   }
 
@@ -511,8 +517,8 @@ class RequestFuzzer {
       for (int i = 0; i < count; ++i) {
         if (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
           if (depth >= 4) break;
-          pb::Message* child =
-              field->is_repeated() ? r->AddMessage(message, field) : r->MutableMessage(message, field);
+          pb::Message* child = field->is_repeated() ? r->AddMessage(message, field)
+                                                    : r->MutableMessage(message, field);
           Fill(child, depth + 1, session_id, own, mutation_rate);
         } else {
           SetScalar(message, field, mutate, session_id, own);
@@ -580,7 +586,8 @@ class RequestFuzzer {
       std::vector<grpc::Slice> slices;
       std::string flat;
       if (response.Dump(&slices).ok()) {
-        for (const grpc::Slice& s : slices) flat.append(reinterpret_cast<const char*>(s.begin()), s.size());
+        for (const grpc::Slice& s : slices)
+          flat.append(reinterpret_cast<const char*>(s.begin()), s.size());
       }
       if (parsed->ParseFromString(flat)) *response_text = Describe(*parsed);
     }
@@ -600,8 +607,8 @@ class RequestFuzzer {
     if (!shaped_append_.empty()) {  // the exact payload, in up to three pieces
       size_t offset = 0;
       while (offset < shaped_append_.size()) {
-        const size_t size = std::min<size_t>(shaped_append_.size() - offset,
-                                             Uniform(1, shaped_append_.size()));
+        const size_t size =
+            std::min<size_t>(shaped_append_.size() - offset, Uniform(1, shaped_append_.size()));
         chunk.set_data(shaped_append_.substr(offset, size));
         if (!writer->Write(chunk)) break;
         offset += size;
@@ -643,7 +650,7 @@ class RequestFuzzer {
     }
     grpc::Status status = reader->Finish();
     return status.error_code() == grpc::StatusCode::CANCELLED && chunks > 2 ? grpc::Status::OK
-                                                                             : status;
+                                                                            : status;
   }
 
   // The one sequence `request` names: (session_id, sequence_id) of the request, or of its only
@@ -678,8 +685,7 @@ class RequestFuzzer {
     // Calls that end sessions and sequences mostly aim elsewhere, so that the sequences live
     // long enough to fill up and be compressed.
     const std::string& verb = method->name();
-    if ((verb == "Detach" || verb == "ForceRelease" || verb == "ReleaseSequence") &&
-        Chance(0.9)) {
+    if ((verb == "Detach" || verb == "ForceRelease" || verb == "ReleaseSequence") && Chance(0.9)) {
       session_id = "fuzz-elsewhere";
     }
     const double rate = Pick(std::vector<double>{0.0, 0.05, 0.15, 0.4});
@@ -707,9 +713,8 @@ class RequestFuzzer {
       }
     }
     v1::GetLayoutResponse before_layout;
-    const std::string before = target_sequence.empty()
-                                   ? ""
-                                   : LayoutState(target_session, target_sequence, &before_layout);
+    const std::string before =
+        target_sequence.empty() ? "" : LayoutState(target_session, target_sequence, &before_layout);
 
     grpc::Status status;
     std::string response_text;
@@ -755,16 +760,16 @@ class RequestFuzzer {
     }
 
     const std::string name = absl::StrCat(method->service()->name(), ".", method->name());
-    const bool parse_refusal = unparsable && code == absl::StatusCode::kUnimplemented &&
-                               status.error_message().empty();
+    const bool parse_refusal =
+        unparsable && code == absl::StatusCode::kUnimplemented && status.error_message().empty();
     // This build has no query staging area (CUDA only); the server says so with UNIMPLEMENTED.
     const bool no_staging = code == absl::StatusCode::kUnimplemented &&
                             absl::StrContains(status.error_message(), "reserved for the CUDA");
     if (parse_refusal) ++outcomes_["(unparsable frame) UNIMPLEMENTED"];
     if (!AllowedCode(code, method->name()) && !parse_refusal && !no_staging) {
-      findings_.push_back({name, request_text,
-                           absl::StrCat(absl::StatusCodeToString(code), ": ",
-                                        status.error_message())});
+      findings_.push_back(
+          {name, request_text,
+           absl::StrCat(absl::StatusCodeToString(code), ": ", status.error_message())});
     }
     if (!server_->process().Running()) return;
     if (target_sequence.empty() || before.empty()) return;
@@ -772,8 +777,8 @@ class RequestFuzzer {
     const std::string after = LayoutState(target_session, target_sequence, &after_layout);
     const bool evicts_first = strict_target && (method->name() == "Reserve" || append ||
                                                 method->name() == "BatchReserve");
-    if (!status.ok() && !evicts_first && after != before &&
-        method->name() != "ReleaseSequence" && method->name() != "ForceRelease") {
+    if (!status.ok() && !evicts_first && after != before && method->name() != "ReleaseSequence" &&
+        method->name() != "ForceRelease") {
       findings_.push_back(
           {name, request_text,
            absl::StrCat("failed with ", absl::StatusCodeToString(code), ": ",
@@ -786,10 +791,10 @@ class RequestFuzzer {
                                 : 128;
       for (const v1::LayerLayout& layer : after_layout.layers()) {
         if (layer.budget() > 0 && layer.count() > layer.budget() + block) {
-          findings_.push_back({name, request_text,
-                               absl::StrCat("strict budget exceeded: layer ", layer.layer(),
-                                            " holds ", layer.count(), " > ", layer.budget(),
-                                            " + ", block)});
+          findings_.push_back(
+              {name, request_text,
+               absl::StrCat("strict budget exceeded: layer ", layer.layer(), " holds ",
+                            layer.count(), " > ", layer.budget(), " + ", block)});
         }
       }
     }
