@@ -9,6 +9,8 @@ packages=(
   libabsl-dev librocksdb-dev libgtest-dev libgmock-dev libbenchmark-dev
   libyaml-cpp-dev libcpp-httplib-dev openssl
 )
+# Prometheus metrics (service/metrics.h).
+packages+=(prometheus-cpp-dev)
 # tests/deploy: a venv for kubernetes-validate, and kubectl to render the Kubernetes manifests. Any
 # kubectl will do; Debian's kubernetes-client only when none is installed (another kubectl package
 # would conflict with it).

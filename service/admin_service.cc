@@ -349,7 +349,7 @@ grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* co
     response->set_sessions_reclaimed(stats.sessions_reclaimed);
     response->set_draining(sidecar_->draining());
     response->set_backend(info_.backend);
-    response->set_backend_healthy(true);
+    response->set_backend_healthy(pool_->backend()->healthy());
     response->set_uptime_ms(absl::ToInt64Milliseconds(absl::Now() - started_));
     FillTenants("", response->mutable_tenants());
     return absl::OkStatus();

@@ -142,6 +142,11 @@ absl::Status ValidateConfig(const SidecarConfig& config) {
   if (!config.metrics_listen.empty()) {
     KVS_RETURN_IF_ERROR(ValidateListenAddress(config.metrics_listen, "--metrics_listen"));
   }
+  if (config.metrics_max_tenants < 0 || config.metrics_max_tenants > 100000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics_max_tenants must be in [0, 100000], got ",
+                     config.metrics_max_tenants));
+  }
   if (config.tls_cert_file.empty() != config.tls_key_file.empty()) {
     return absl::InvalidArgumentError(
         "tls.cert_file (--tls_cert_file) and tls.key_file (--tls_key_file) must be set together");
@@ -263,6 +268,7 @@ std::string ConfigToYaml(const SidecarConfig& config, const BackendChoice& backe
   absl::StrAppend(&out, "threads: ", config.threads, "\n");
   absl::StrAppend(&out, "log_level: ", YamlQuote(config.log_level), "\n");
   absl::StrAppend(&out, "metrics_listen: ", YamlQuote(config.metrics_listen), "\n");
+  absl::StrAppend(&out, "metrics_max_tenants: ", config.metrics_max_tenants, "\n");
   absl::StrAppend(&out, "tls:\n  cert_file: ", YamlQuote(config.tls_cert_file), "\n");
   absl::StrAppend(&out, "  key_file: ", YamlQuote(config.tls_key_file), "\n");
   absl::StrAppend(&out, "  client_ca_file: ", YamlQuote(config.tls_client_ca_file), "\n");
@@ -285,6 +291,7 @@ const std::vector<ConfigKey>& ConfigKeys() {
       {"listen", "listen"},
       {"admin_listen", "admin_listen"},
       {"metrics_listen", "metrics_listen"},
+      {"metrics_max_tenants", "metrics_max_tenants"},
       {"data_dir", "data_dir"},
       {"shm_dir", "shm_dir"},
       {"arena_capacity_bytes", "arena_capacity_bytes"},
@@ -364,6 +371,8 @@ absl::Status SetConfigValue(SidecarConfig* config, absl::string_view key, absl::
     config->default_policy = text;
   } else if (flag == "default_budget_tokens") {
     KVS_RETURN_IF_ERROR(SetInt32(&config->default_budget_tokens, value, name));
+  } else if (flag == "metrics_max_tenants") {
+    KVS_RETURN_IF_ERROR(SetInt32(&config->metrics_max_tenants, value, name));
   } else if (flag == "threads") {
     KVS_RETURN_IF_ERROR(SetInt32(&config->threads, value, name));
   } else if (flag == "log_level") {

@@ -42,6 +42,9 @@ struct SidecarConfig {
   std::string log_level = "info";  // debug | info | warning | error
   // Added with the operations issue.
   std::string metrics_listen;      // host:port of the Prometheus /metrics endpoint; "" = off
+  // Tenants not named in the configuration (quotas, tenant tokens) that get a tenant label of
+  // their own in the metrics; the others beyond it share tenant="_other".
+  int32_t metrics_max_tenants = 100;
   std::string tls_cert_file;       // PEM server certificate chain; "" = plaintext
   std::string tls_key_file;        // PEM private key of tls_cert_file
   std::string tls_client_ca_file;  // PEM CA bundle; set = mutual TLS (client certificate required)

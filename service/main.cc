@@ -71,6 +71,9 @@ ABSL_FLAG(std::string, config, "",
           "override its values.");
 ABSL_FLAG(std::string, metrics_listen, "",
           "Prometheus /metrics HTTP address host:port (port 0 = any); empty or 'off' = disabled.");
+ABSL_FLAG(std::string, metrics_max_tenants, "100",
+          "Tenants not named in the configuration (quotas, tenant tokens) that get a tenant label "
+          "of their own in the metrics; the rest are summed under tenant=\"_other\".");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM server certificate chain: TLS on both gRPC ports.");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
 ABSL_FLAG(std::string, tls_client_ca_file, "",
@@ -250,6 +253,11 @@ int main(int argc, char** argv) {
   server_options.admin_listen = config.admin_listen;
   server_options.admin_info.effective_config_yaml = effective_yaml;
   server_options.metrics_listen = config.metrics_listen;
+  server_options.metrics_max_tenants = config.metrics_max_tenants;
+  for (const auto& [tenant, quota] : config.quotas) server_options.metrics_tenants.insert(tenant);
+  for (const auto& [tenant, token] : auth.tenant_tokens) {
+    server_options.metrics_tenants.insert(tenant);
+  }
   server_options.admin_info.host_bytes_capacity = config.host_tier_bytes;
   server_options.admin_info.disk_bytes_capacity = config.disk_tier_bytes;
   server_options.tls = {config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file};

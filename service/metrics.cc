@@ -2,8 +2,12 @@
 
 #include <sys/socket.h>
 
+#include <prometheus/text_serializer.h>
+
+#include <algorithm>
 #include <cassert>
-#include <cmath>
+#include <exception>
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -13,84 +17,6 @@
 #include "service/log.h"
 
 namespace kvs {
-namespace {
-
-std::string EscapeLabelValue(absl::string_view value) {
-  std::string out;
-  for (char c : value) {
-    if (c == '\\' || c == '"') {
-      out += '\\';
-      out += c;
-    } else if (c == '\n') {
-      out += "\\n";
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
-std::string FormatValue(double value) {
-  if (std::isnan(value)) return "NaN";
-  if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
-  if (value == std::floor(value) && std::fabs(value) < 1e15) {
-    return absl::StrCat(static_cast<int64_t>(value));
-  }
-  return absl::StrCat(value);
-}
-
-// `{a="x"}` + `,le="0.5"` merged into one label set.
-std::string WithLe(const std::string& labels, const std::string& le) {
-  const std::string pair = absl::StrCat("le=\"", le, "\"");
-  if (labels.empty()) return absl::StrCat("{", pair, "}");
-  return absl::StrCat(labels.substr(0, labels.size() - 1), ",", pair, "}");
-}
-
-}  // namespace
-
-std::string RenderLabels(const MetricLabels& labels) {
-  if (labels.empty()) return "";
-  std::string out = "{";
-  for (size_t i = 0; i < labels.size(); ++i) {
-    if (i > 0) out += ',';
-    absl::StrAppend(&out, labels[i].first, "=\"", EscapeLabelValue(labels[i].second), "\"");
-  }
-  out += '}';
-  return out;
-}
-
-Histogram::Histogram(std::vector<double> bounds)
-    : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
-
-void Histogram::Observe(double value) {
-  size_t bucket = 0;
-  while (bucket < bounds_.size() && value > bounds_[bucket]) ++bucket;
-  absl::MutexLock lock(&mu_);
-  ++counts_[bucket];
-  sum_ += value;
-  ++count_;
-}
-
-void Histogram::Reset() {
-  absl::MutexLock lock(&mu_);
-  counts_.assign(bounds_.size() + 1, 0);
-  sum_ = 0;
-  count_ = 0;
-}
-
-Histogram::Snapshot Histogram::Read() const {
-  Snapshot snapshot;
-  snapshot.bounds = bounds_;
-  absl::MutexLock lock(&mu_);
-  uint64_t running = 0;
-  for (uint64_t c : counts_) {
-    running += c;
-    snapshot.cumulative.push_back(running);
-  }
-  snapshot.sum = sum_;
-  snapshot.count = count_;
-  return snapshot;
-}
 
 std::vector<double> LatencyBuckets() {
   return {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
@@ -101,93 +27,138 @@ std::vector<double> BudgetBuckets() {
   return {0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536};
 }
 
-MetricsRegistry::Family* MetricsRegistry::FamilyFor(const std::string& name,
-                                                    const std::string& help, Type type,
-                                                    const std::vector<double>& bounds) {
-  auto [it, inserted] = families_.try_emplace(name);
-  if (inserted) {
-    it->second.type = type;
-    it->second.help = help;
-    it->second.bounds = bounds;
+StateFamily::StateFamily(std::string name, std::string help, prometheus::MetricType type)
+    : name_(std::move(name)), help_(std::move(help)), type_(type) {}
+
+void StateFamily::AddSample(const MetricLabels& labels, double value) { samples_[labels] += value; }
+
+prometheus::MetricFamily StateFamily::Build() const {
+  prometheus::MetricFamily family;
+  family.name = name_;
+  family.help = help_;
+  family.type = type_;
+  for (const auto& [labels, value] : samples_) {
+    prometheus::ClientMetric metric;
+    for (const auto& [name, label_value] : labels) metric.label.push_back({name, label_value});
+    if (type_ == prometheus::MetricType::Counter) {
+      metric.counter.value = value;
+    } else {
+      metric.gauge.value = value;
+    }
+    family.metric.push_back(std::move(metric));
+  }
+  return family;
+}
+
+MetricsRegistry::MetricsRegistry() : registry_(std::make_shared<prometheus::Registry>()) {}
+
+void* MetricsRegistry::FamilyFor(const std::string& name, const std::string& help, Type type) {
+  auto it = families_.find(name);
+  if (it == families_.end()) {
+    void* family = nullptr;
+    // prometheus-cpp throws on an invalid name; a programming error, kept off the server's path.
+    try {
+      switch (type) {
+        case Type::kCounter:
+          family = &prometheus::BuildCounter().Name(name).Help(help).Register(*registry_);
+          break;
+        case Type::kGauge:
+          family = &prometheus::BuildGauge().Name(name).Help(help).Register(*registry_);
+          break;
+        case Type::kHistogram:
+          family = &prometheus::BuildHistogram().Name(name).Help(help).Register(*registry_);
+          break;
+      }
+    } catch (const std::exception& e) {
+      assert(false && "metric family cannot be registered");
+      KVS_LOG(kError, "metric_family_invalid")("name", name)("error", e.what());
+      return nullptr;
+    }
+    it = families_.emplace(name, FamilyRef{type, family}).first;
   }
   if (it->second.type != type) {
     assert(false && "metric family requested with two types");
     KVS_LOG(kError, "metric_type_clash")("name", name);
     return nullptr;
   }
-  return &it->second;
+  return it->second.family;
 }
 
-Counter* MetricsRegistry::GetCounter(const std::string& name, const std::string& help,
-                                     const MetricLabels& labels) {
+prometheus::Counter* MetricsRegistry::GetCounter(const std::string& name, const std::string& help,
+                                                 const MetricLabels& labels) {
   absl::MutexLock lock(&mu_);
-  Family* family = FamilyFor(name, help, Type::kCounter, {});
+  auto* family =
+      static_cast<prometheus::Family<prometheus::Counter>*>(FamilyFor(name, help, Type::kCounter));
   if (family == nullptr) return &dummy_counter_;
-  auto& slot = family->counters[RenderLabels(labels)];
-  if (slot == nullptr) slot = std::make_unique<Counter>();
-  return slot.get();
+  return &family->Add(labels);
 }
 
-Gauge* MetricsRegistry::GetGauge(const std::string& name, const std::string& help,
-                                 const MetricLabels& labels) {
+prometheus::Gauge* MetricsRegistry::GetGauge(const std::string& name, const std::string& help,
+                                             const MetricLabels& labels) {
   absl::MutexLock lock(&mu_);
-  Family* family = FamilyFor(name, help, Type::kGauge, {});
+  auto* family =
+      static_cast<prometheus::Family<prometheus::Gauge>*>(FamilyFor(name, help, Type::kGauge));
   if (family == nullptr) return &dummy_gauge_;
-  auto& slot = family->gauges[RenderLabels(labels)];
-  if (slot == nullptr) slot = std::make_unique<Gauge>();
-  return slot.get();
+  return &family->Add(labels);
 }
 
-Histogram* MetricsRegistry::GetHistogram(const std::string& name, const std::string& help,
-                                         const std::vector<double>& bounds,
-                                         const MetricLabels& labels) {
+prometheus::Histogram* MetricsRegistry::GetHistogram(const std::string& name,
+                                                     const std::string& help,
+                                                     const std::vector<double>& bounds,
+                                                     const MetricLabels& labels) {
   absl::MutexLock lock(&mu_);
-  Family* family = FamilyFor(name, help, Type::kHistogram, bounds);
+  auto* family = static_cast<prometheus::Family<prometheus::Histogram>*>(
+      FamilyFor(name, help, Type::kHistogram));
   if (family == nullptr) return &dummy_histogram_;
-  auto& slot = family->histograms[RenderLabels(labels)];
-  if (slot == nullptr) slot = std::make_unique<Histogram>(family->bounds);
-  return slot.get();
+  // The bounds of an existing series are its own: prometheus-cpp ignores them then.
+  return &family->Add(labels, bounds);
 }
 
-void MetricsRegistry::AddCollector(std::function<void()> collect) {
+void MetricsRegistry::AddCollector(Collector collect) {
   absl::MutexLock lock(&mu_);
   collectors_.push_back(std::move(collect));
 }
 
-std::string MetricsRegistry::Render() {
-  std::vector<std::function<void()>> collectors;
+std::vector<prometheus::MetricFamily> MetricsRegistry::Collect() {
+  std::vector<Collector> collectors;
   {
     absl::MutexLock lock(&mu_);
     collectors = collectors_;
   }
-  for (const auto& collect : collectors) collect();
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  for (const Collector& collect : collectors) collect(&families);
+  std::stable_sort(families.begin(), families.end(),
+                   [](const prometheus::MetricFamily& a, const prometheus::MetricFamily& b) {
+                     return a.name < b.name;
+                   });
+  return families;
+}
 
-  std::string out;
+std::string MetricsRegistry::Render() { return prometheus::TextSerializer().Serialize(Collect()); }
+
+TenantLabeler::TenantLabeler(std::set<std::string> configured, int max_tenants)
+    : configured_(std::move(configured)), max_tenants_(std::max(max_tenants, 0)) {}
+
+std::vector<std::string> TenantLabeler::Assign(const std::vector<std::string>& live) {
   absl::MutexLock lock(&mu_);
-  for (const auto& [name, family] : families_) {
-    const char* type = family.type == Type::kCounter ? "counter"
-                       : family.type == Type::kGauge ? "gauge"
-                                                     : "histogram";
-    absl::StrAppend(&out, "# HELP ", name, " ", family.help, "\n# TYPE ", name, " ", type, "\n");
-    for (const auto& [labels, counter] : family.counters) {
-      absl::StrAppend(&out, name, labels, " ", FormatValue(counter->value()), "\n");
-    }
-    for (const auto& [labels, gauge] : family.gauges) {
-      absl::StrAppend(&out, name, labels, " ", FormatValue(gauge->value()), "\n");
-    }
-    for (const auto& [labels, histogram] : family.histograms) {
-      const Histogram::Snapshot s = histogram->Read();
-      for (size_t i = 0; i < s.bounds.size(); ++i) {
-        absl::StrAppend(&out, name, "_bucket", WithLe(labels, FormatValue(s.bounds[i])), " ",
-                        s.cumulative[i], "\n");
-      }
-      absl::StrAppend(&out, name, "_bucket", WithLe(labels, "+Inf"), " ", s.cumulative.back(),
-                      "\n");
-      absl::StrAppend(&out, name, "_sum", labels, " ", FormatValue(s.sum), "\n");
-      absl::StrAppend(&out, name, "_count", labels, " ", s.count, "\n");
+  // Ended tenants free their places first, so that a newcomer can take one.
+  const std::set<std::string> live_set(live.begin(), live.end());
+  for (auto it = admitted_.begin(); it != admitted_.end();) {
+    it = live_set.contains(*it) ? std::next(it) : admitted_.erase(it);
+  }
+  std::vector<std::string> labels;
+  labels.reserve(live.size());
+  for (const std::string& tenant : live) {
+    if (configured_.contains(tenant) || admitted_.contains(tenant)) {
+      labels.push_back(tenant);
+    } else if (admitted_.size() < max_tenants_ && tenant != kOtherTenant) {
+      admitted_.insert(tenant);
+      labels.push_back(tenant);
+    } else {
+      labels.push_back(kOtherTenant);
     }
   }
-  return out;
+  return labels;
 }
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(

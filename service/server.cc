@@ -10,7 +10,9 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/support/server_interceptor.h"
+#include "grpc/health/v1/health.pb.h"
 #include "service/log.h"
+#include "service/reflection_v1.h"
 #include "service/status_convert.h"
 
 namespace kvs {
@@ -18,6 +20,8 @@ namespace {
 
 constexpr char kSidecarServiceName[] = "kvsidecar.v1.Sidecar";
 constexpr char kAdminServiceName[] = "kvsidecar.v1.Admin";
+constexpr char kHealthServiceName[] = "grpc.health.v1.Health";
+constexpr char kReflectionV1AlphaName[] = "grpc.reflection.v1alpha.ServerReflection";
 
 // "host:port" -> "host:<port>".
 std::string WithPort(const std::string& address, int port) {
@@ -89,11 +93,20 @@ class RpcMetricsFactory final : public grpc::experimental::ServerInterceptorFact
   MetricsRegistry* const metrics_;
 };
 
-// Builds, binds and starts one server with `services`. `port` gets the port bound.
+// Builds, binds and starts one server with `services` (named `names`), standard health checking
+// and reflection v1alpha (the library's plugin) and v1 (`reflection`, made here and kept by the
+// caller). `port` gets the port bound.
 absl::StatusOr<std::unique_ptr<grpc::Server>> BuildServer(
-    const std::string& address, std::initializer_list<grpc::Service*> services, int* port,
-    const std::shared_ptr<grpc::ServerCredentials>& credentials, MetricsRegistry* metrics) {
+    const std::string& address, std::initializer_list<grpc::Service*> services,
+    const std::vector<std::string>& names, int* port,
+    const std::shared_ptr<grpc::ServerCredentials>& credentials, MetricsRegistry* metrics,
+    std::vector<std::unique_ptr<ReflectionV1Service>>* reflection) {
+  std::vector<std::string> listed = names;
+  listed.insert(listed.end(),
+                {kHealthServiceName, kReflectionV1AlphaName, ReflectionV1Service::kServiceName});
+  reflection->push_back(std::make_unique<ReflectionV1Service>(std::move(listed)));
   grpc::ServerBuilder builder;
+  builder.RegisterService(reflection->back().get());
   builder.AddListeningPort(address, credentials, port);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
   factories.push_back(std::make_unique<RpcMetricsFactory>(metrics));
@@ -118,6 +131,9 @@ absl::StatusOr<std::unique_ptr<SidecarServer>> SidecarServer::Start(KvPool* pool
   // Both are process-wide switches read when a server is built.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // gRPC's health service carries no protobuf descriptors; ours (compiled from the same proto)
+  // must be in the generated pool for reflection to describe it. Naming one links them in.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
 
   std::unique_ptr<SidecarServer> server(new SidecarServer(pool));
   auto credentials = MakeServerCredentials(options.tls);
@@ -139,7 +155,20 @@ absl::StatusOr<std::unique_ptr<SidecarServer>> SidecarServer::Start(KvPool* pool
   }
   server->host_capacity_ = options.admin_info.host_bytes_capacity;
   server->disk_capacity_ = options.admin_info.disk_bytes_capacity;
-  server->metrics_.AddCollector([raw] { raw->CollectPoolMetrics(); });
+  server->tenant_labeler_ =
+      std::make_unique<TenantLabeler>(options.metrics_tenants, options.metrics_max_tenants);
+  server->metrics_.AddCollector(
+      [raw](std::vector<prometheus::MetricFamily>* out) { raw->CollectPoolMetrics(out); });
+  // A histogram of the budgets sequences are created with: observed once per sequence, so that
+  // it only counts up (a distribution over the live sequences would fall as they end).
+  server->sidecar_->set_budget_observer([raw](const std::string& policy, int32_t tokens) {
+    raw->metrics_
+        .GetHistogram("kvsidecar_sequence_budget_tokens",
+                      "Token budget per layer given to each sequence at CreateSequence "
+                      "(0 = unbounded), by policy.",
+                      BudgetBuckets(), {{"policy", policy}})
+        ->Observe(tokens);
+  });
   server->admin_ = std::make_unique<AdminService>(pool, server->sidecar_.get(), admin_info, [raw] {
     // Load balancers stop routing new workers.
     if (auto* health = raw->data_server_->GetHealthCheckService()) {
@@ -151,17 +180,20 @@ absl::StatusOr<std::unique_ptr<SidecarServer>> SidecarServer::Start(KvPool* pool
       options.admin_listen == options.listen && !absl::EndsWith(options.listen, ":0");
   if (shared) {
     auto built = BuildServer(options.listen, {server->sidecar_.get(), server->admin_.get()},
-                             &server->data_port_, *credentials, &server->metrics_);
+                             {kSidecarServiceName, kAdminServiceName}, &server->data_port_,
+                             *credentials, &server->metrics_, &server->reflection_);
     if (!built.ok()) return built.status();
     server->data_server_ = *std::move(built);
     server->admin_port_ = server->data_port_;
   } else {
-    auto data = BuildServer(options.listen, {server->sidecar_.get()}, &server->data_port_,
-                            *credentials, &server->metrics_);
+    auto data = BuildServer(options.listen, {server->sidecar_.get()}, {kSidecarServiceName},
+                            &server->data_port_, *credentials, &server->metrics_,
+                            &server->reflection_);
     if (!data.ok()) return data.status();
     server->data_server_ = *std::move(data);
-    auto admin = BuildServer(options.admin_listen, {server->admin_.get()}, &server->admin_port_,
-                             *credentials, &server->metrics_);
+    auto admin = BuildServer(options.admin_listen, {server->admin_.get()}, {kAdminServiceName},
+                             &server->admin_port_, *credentials, &server->metrics_,
+                             &server->reflection_);
     if (!admin.ok()) {
       server->data_server_->Shutdown();
       server->data_server_->Wait();
@@ -200,64 +232,98 @@ std::string SidecarServer::ListeningLine() const {
   return line;
 }
 
-void SidecarServer::CollectPoolMetrics() {
-  MetricsRegistry& m = metrics_;
+void SidecarServer::CollectPoolMetrics(std::vector<prometheus::MetricFamily>* out) {
+  using prometheus::MetricType;
   const PoolStats stats = pool_->GetStats();
-  constexpr char kUsed[] = "kvsidecar_tier_used_bytes";
-  constexpr char kUsedHelp[] = "Bytes in use per tier (arena: blocks held by sequences).";
-  constexpr char kCap[] = "kvsidecar_tier_capacity_bytes";
-  constexpr char kCapHelp[] =
-      "Capacity per tier in bytes (0 = not configured, or unlimited for the disk tier).";
-  m.GetGauge(kUsed, kUsedHelp, {{"tier", "arena"}})->Set(stats.arena_bytes_used);
-  m.GetGauge(kCap, kCapHelp, {{"tier", "arena"}})->Set(stats.arena_bytes_capacity);
-  m.GetGauge("kvsidecar_arena_reserved_bytes",
-             "Bytes of the session arenas (each session's arena is reserved whole at Attach).")
-      ->Set(stats.arena_bytes_reserved);
+  StateFamily used("kvsidecar_tier_used_bytes",
+                   "Bytes in use per tier (arena: blocks held by sequences).", MetricType::Gauge);
+  StateFamily capacity(
+      "kvsidecar_tier_capacity_bytes",
+      "Capacity per tier in bytes (0 = not configured, or unlimited for the disk tier).",
+      MetricType::Gauge);
+  StateFamily reserved(
+      "kvsidecar_arena_reserved_bytes",
+      "Bytes of the session arenas (each session's arena is reserved whole at Attach).",
+      MetricType::Gauge);
+  used.AddSample({{"tier", "arena"}}, stats.arena_bytes_used);
+  capacity.AddSample({{"tier", "arena"}}, stats.arena_bytes_capacity);
+  reserved.AddSample({}, stats.arena_bytes_reserved);
+
+  // Per tenant: only the tenants that have a session now, their label bounded by the labeler.
+  StateFamily tenant_used("kvsidecar_tenant_arena_used_bytes",
+                          "Arena bytes in use per tenant (tenants beyond --metrics_max_tenants "
+                          "are summed under the tenant _other).",
+                          MetricType::Gauge);
+  StateFamily tenant_reserved("kvsidecar_tenant_arena_reserved_bytes",
+                              "Bytes of the arenas of each tenant's sessions.", MetricType::Gauge);
+  StateFamily tenant_sessions("kvsidecar_tenant_sessions", "Attached sessions per tenant.",
+                              MetricType::Gauge);
+  StateFamily tenant_sequences("kvsidecar_tenant_sequences", "Sequences per tenant.",
+                               MetricType::Gauge);
+  const auto usage = pool_->AllTenantUsage();
+  std::vector<std::string> tenants;
+  tenants.reserve(usage.size());
+  for (const auto& [tenant, u] : usage) tenants.push_back(tenant);
+  const std::vector<std::string> labels = tenant_labeler_->Assign(tenants);
   uint64_t host = 0, disk = 0;
-  for (const auto& [tenant, usage] : pool_->AllTenantUsage()) {
-    host += usage.host_bytes;
-    disk += usage.disk_bytes;
-    m.GetGauge("kvsidecar_tenant_arena_used_bytes", "Arena bytes in use per tenant.",
-               {{"tenant", tenant}})
-        ->Set(usage.arena_bytes);
-    m.GetGauge("kvsidecar_tenant_sequences", "Sequences per tenant.", {{"tenant", tenant}})
-        ->Set(usage.sequences);
+  for (size_t i = 0; i < usage.size(); ++i) {
+    const TenantUsage& u = usage[i].second;
+    host += u.host_bytes;
+    disk += u.disk_bytes;
+    const MetricLabels tenant = {{"tenant", labels[i]}};
+    tenant_used.AddSample(tenant, u.arena_bytes);
+    tenant_reserved.AddSample(tenant, u.arena_bytes_reserved);
+    tenant_sessions.AddSample(tenant, u.sessions);
+    tenant_sequences.AddSample(tenant, u.sequences);
   }
-  m.GetGauge(kUsed, kUsedHelp, {{"tier", "host"}})->Set(host);
-  m.GetGauge(kUsed, kUsedHelp, {{"tier", "disk"}})->Set(disk);
-  m.GetGauge(kCap, kCapHelp, {{"tier", "host"}})->Set(host_capacity_);
-  m.GetGauge(kCap, kCapHelp, {{"tier", "disk"}})->Set(disk_capacity_);
-  m.GetGauge("kvsidecar_sessions", "Attached sessions.")->Set(stats.sessions);
-  m.GetGauge("kvsidecar_sequences", "Live sequences.")->Set(stats.sequences);
-  m.GetCounter("kvsidecar_sessions_reclaimed_total",
-               "Sessions reclaimed by lease expiry or a lost connection.")
-      ->Set(stats.sessions_reclaimed);
-  m.GetGauge("kvsidecar_draining", "1 while the sidecar is draining.")
-      ->Set(sidecar_ != nullptr && sidecar_->draining() ? 1 : 0);
-  m.GetGauge("kvsidecar_backend_healthy", "1 when the compute backend is healthy.",
-             {{"backend", std::string(pool_->backend()->name())}})
-      ->Set(1);
+  used.AddSample({{"tier", "host"}}, host);
+  used.AddSample({{"tier", "disk"}}, disk);
+  capacity.AddSample({{"tier", "host"}}, host_capacity_);
+  capacity.AddSample({{"tier", "disk"}}, disk_capacity_);
+
+  StateFamily sessions("kvsidecar_sessions", "Attached sessions.", MetricType::Gauge);
+  sessions.AddSample({}, stats.sessions);
+  StateFamily sequences("kvsidecar_sequences", "Live sequences.", MetricType::Gauge);
+  sequences.AddSample({}, stats.sequences);
+  // The pool's own totals, which only grow: exposed as counters as they are.
+  StateFamily reclaimed("kvsidecar_sessions_reclaimed_total",
+                        "Sessions reclaimed by lease expiry or a lost connection.",
+                        MetricType::Counter);
+  reclaimed.AddSample({}, stats.sessions_reclaimed);
+  StateFamily draining("kvsidecar_draining", "1 while the sidecar is draining.",
+                       MetricType::Gauge);
+  draining.AddSample({}, sidecar_ != nullptr && sidecar_->draining() ? 1 : 0);
+  StateFamily healthy("kvsidecar_backend_healthy",
+                      "1 when the compute backend reports itself healthy (0 after a device "
+                      "error).",
+                      MetricType::Gauge);
+  healthy.AddSample({{"backend", std::string(pool_->backend()->name())}},
+                    pool_->backend()->healthy() ? 1 : 0);
+
+  StateFamily appended("kvsidecar_tokens_appended_total",
+                       "Layer-tokens appended (a token in 3 layers counts 3), by policy.",
+                       MetricType::Counter);
+  StateFamily evicted("kvsidecar_tokens_evicted_total", "Layer-tokens evicted, by policy.",
+                      MetricType::Counter);
+  StateFamily merged("kvsidecar_tokens_merged_total",
+                     "Layer-tokens merged into kept ones (D2O), by policy.", MetricType::Counter);
+  StateFamily kept("kvsidecar_tokens_kept",
+                   "Layer-tokens held now by live sequences, by policy.", MetricType::Gauge);
+  StateFamily policy_sequences("kvsidecar_policy_sequences", "Live sequences, by policy.",
+                               MetricType::Gauge);
   for (const PolicyTokenTotals& p : pool_->PolicyTotals()) {
-    const MetricLabels labels = {{"policy", p.policy}};
-    m.GetCounter("kvsidecar_tokens_appended_total",
-                 "Layer-tokens appended (a token in 3 layers counts 3), by policy.", labels)
-        ->Set(p.appended);
-    m.GetCounter("kvsidecar_tokens_evicted_total", "Layer-tokens evicted, by policy.", labels)
-        ->Set(p.evicted);
-    m.GetCounter("kvsidecar_tokens_merged_total",
-                 "Layer-tokens merged into kept ones (D2O), by policy.", labels)
-        ->Set(p.merged);
-    m.GetGauge("kvsidecar_tokens_kept", "Layer-tokens held now by live sequences, by policy.",
-               labels)
-        ->Set(p.kept);
-    m.GetGauge("kvsidecar_policy_sequences", "Live sequences, by policy.", labels)
-        ->Set(p.sequences);
-    Histogram* budgets =
-        m.GetHistogram("kvsidecar_sequence_budget_tokens",
-                       "Token budget per layer of the live sequences (0 = unbounded), by policy.",
-                       BudgetBuckets(), labels);
-    budgets->Reset();
-    for (int32_t budget : p.budgets) budgets->Observe(budget);
+    const MetricLabels policy = {{"policy", p.policy}};
+    appended.AddSample(policy, p.appended);
+    evicted.AddSample(policy, p.evicted);
+    merged.AddSample(policy, p.merged);
+    kept.AddSample(policy, p.kept);
+    policy_sequences.AddSample(policy, p.sequences);
+  }
+  for (const StateFamily* family :
+       {&used, &capacity, &reserved, &tenant_used, &tenant_reserved, &tenant_sessions,
+        &tenant_sequences, &sessions, &sequences, &reclaimed, &draining, &healthy, &appended,
+        &evicted, &merged, &kept, &policy_sequences}) {
+    out->push_back(family->Build());
   }
 }
 

@@ -1,8 +1,8 @@
 // SidecarServer: builds and runs the gRPC servers around one KvPool: the data plane on
 // `listen`, Admin on `admin_listen` (one server for both when the addresses are equal and the port
-// is not 0), standard
-// health checking and server reflection on each, and a reaper thread that reclaims sessions
-// whose lease lapsed. Port 0 binds a free port; the ports actually bound are reported.
+// is not 0), standard health checking and server reflection (v1alpha and v1) on each, and a
+// reaper thread that reclaims sessions whose lease lapsed. Port 0 binds a free port; the ports
+// actually bound are reported.
 // Operations: TLS / mTLS credentials and bearer-token checks on both gRPC ports (service/auth.h),
 // RPC metrics by method and code for every call (a gRPC server interceptor), and the Prometheus
 // /metrics HTTP endpoint on its own port (service/metrics.h) when `metrics_listen` is set.
@@ -13,9 +13,12 @@
 #ifndef KVSIDECAR_SERVICE_SERVER_H_
 #define KVSIDECAR_SERVICE_SERVER_H_
 
+#include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -26,6 +29,7 @@
 #include "service/admin_service.h"
 #include "service/auth.h"
 #include "service/metrics.h"
+#include "service/reflection_v1.h"
 #include "service/sidecar_service.h"
 
 namespace kvs {
@@ -38,6 +42,10 @@ struct ServerOptions {
   TlsFiles tls;          // both gRPC ports; empty cert_file = plaintext
   AuthConfig auth;       // tenant tokens (data plane) and the admin token
   std::string metrics_listen;  // host:port of /metrics; "" = no metrics endpoint
+  // The tenant label of the metrics: tenants named in the configuration keep their own value,
+  // at most metrics_max_tenants others get theirs, the rest share tenant="_other".
+  std::set<std::string> metrics_tenants;
+  int32_t metrics_max_tenants = 100;
 };
 
 class SidecarServer {
@@ -71,11 +79,13 @@ class SidecarServer {
   explicit SidecarServer(KvPool* pool) : pool_(pool) {}
   void ReaperLoop(absl::Duration interval);
 
-  // Scrape-time gauges from the pool (bytes per tier, sessions, tokens per policy, budgets).
-  void CollectPoolMetrics();
+  // Scrape-time families from the pool (bytes per tier, sessions, per-tenant usage, tokens per
+  // policy, backend health).
+  void CollectPoolMetrics(std::vector<prometheus::MetricFamily>* out);
 
   KvPool* const pool_;
   MetricsRegistry metrics_;
+  std::unique_ptr<TenantLabeler> tenant_labeler_;
   std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<MetricsHttpServer> metrics_server_;
   std::string metrics_address_;
@@ -83,6 +93,8 @@ class SidecarServer {
   uint64_t disk_capacity_ = 0;
   std::unique_ptr<SidecarService> sidecar_;
   std::unique_ptr<AdminService> admin_;
+  // Reflection v1 of each gRPC server; declared before the servers so that it outlives them.
+  std::vector<std::unique_ptr<ReflectionV1Service>> reflection_;
   std::unique_ptr<grpc::Server> data_server_;
   std::unique_ptr<grpc::Server> admin_server_;  // null when Admin shares the data server
   std::string data_address_;

@@ -744,6 +744,7 @@ grpc::ServerUnaryReactor* SidecarService::CreateSequence(grpc::CallbackServerCon
     response->set_sequence_id(created.sequence_id);
     PolicyToProto(created.policy, response->mutable_policy());
     BudgetToProto(created.budget, response->mutable_budget());
+    if (budget_observer_) budget_observer_(created.policy.name, created.budget.tokens_per_layer);
     return absl::OkStatus();
   });
 }

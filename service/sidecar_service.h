@@ -16,8 +16,10 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -158,6 +160,10 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   // Bearer-token checks (service/auth.h); null or no tenant tokens = the data plane is open.
   // Set once before serving.
   void set_authenticator(const Authenticator* auth) { auth_ = auth; }
+  // Called with (policy, budget tokens per layer, 0 = unbounded) after every CreateSequence
+  // that succeeded, for the budget histogram of the metrics. Set once before serving.
+  using BudgetObserver = std::function<void(const std::string& policy, int32_t tokens)>;
+  void set_budget_observer(BudgetObserver observer) { budget_observer_ = std::move(observer); }
   // OK when the data plane is open. Else UNAUTHENTICATED without a valid tenant token, and
   // PERMISSION_DENIED (same text for a missing and a foreign session) unless every session the
   // request names (session_id, and those of repeated requests / items) belongs to the caller's
@@ -187,6 +193,7 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   KvPool* const pool_;
   const std::string backend_name_;
   const Authenticator* auth_ = nullptr;
+  BudgetObserver budget_observer_;
   std::atomic<bool> draining_{false};
 
   mutable absl::Mutex mu_;

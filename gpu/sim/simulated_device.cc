@@ -3,6 +3,7 @@
 #include "gpu/sim/simulated_device.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -363,10 +364,16 @@ class Translator {
 class SimBackend final : public Backend {
  public:
   SimBackend(std::shared_ptr<SimState> state, int num_threads)
-      : state_(std::move(state)), cpu_(MakeCpuBackend(num_threads)) {}
+      : state_(std::move(state)), cpu_(MakeCpuBackend(num_threads)) {
+    if (const char* fault = std::getenv("KVS_DEVICE_SIM_FAULT_FILE")) fault_file_ = fault;
+  }
 
   std::string_view name() const override { return "device-sim"; }
-  bool healthy() const override { return true; }
+  // A real device turns unhealthy after a sticky error; the simulated one while its fault file
+  // exists, so that tests can watch health reporting through the real server.
+  bool healthy() const override {
+    return fault_file_.empty() || access(fault_file_.c_str(), F_OK) != 0;
+  }
 
   absl::StatusOr<std::unique_ptr<Arena>> CreateArena(uint64_t bytes,
                                                      const ArenaOptions& options) override {
@@ -497,6 +504,7 @@ class SimBackend final : public Backend {
 
   const std::shared_ptr<SimState> state_;
   const std::unique_ptr<Backend> cpu_;
+  std::string fault_file_;  // KVS_DEVICE_SIM_FAULT_FILE; "" = always healthy
 };
 
 }  // namespace

@@ -12,6 +12,9 @@
 // (RegisterPageLocked, the analogue of cudaHostRegister); registered host memory is also
 // device-accessible for every other field. Arena handles are the CPU backend's shm files, so
 // workers map and Arena::Read/Write work as on the CPU backend. name() is "device-sim".
+// Health: healthy() is false while the file named by the environment variable
+// KVS_DEVICE_SIM_FAULT_FILE exists (read when the device is made), as a CUDA backend's is after
+// a sticky device error, so that health reporting can be tested through the real server.
 //
 // Threading: the backend, the memory and the control are safe to use concurrently; they share one
 // mutex-guarded translation table. Arenas and scratch keep the shared state alive.
