@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the Python virtual environment the Python tests run in, and installs the
-# kvsidecar Python client into it from ./clients/python with its test and model extras (PyPI).
+# kvsidecar Python client into it from ./clients/python with its test, model and hf extras
+# (PyPI; hf = torch + transformers, about 5.6 GB with torch's CUDA runtime wheels).
 #   deploy/python_env.sh VENV_DIR        # e.g. build/pyenv (git-ignored); prints VENV_DIR/bin/python
 #   KVS_PY_EDITABLE=1 deploy/python_env.sh VENV_DIR   # editable install, for development
 # The gRPC stubs are generated from ./proto while pip builds the package. Re-running reinstalls the
@@ -16,10 +17,10 @@ py="$venv/bin/python"
 pip_args=(--disable-pip-version-check --no-input -q)
 if [ "${KVS_PY_EDITABLE:-0}" = 1 ]; then
   # Sources used in place; the stubs are generated into clients/python/kvsidecar/v1 (git-ignored).
-  "$py" -m pip install "${pip_args[@]}" -e "$root/clients/python[test,model]" >&2
+  "$py" -m pip install "${pip_args[@]}" -e "$root/clients/python[test,model,hf]" >&2
 else
   # A plain copy in site-packages, the stubs generated into the wheel.
-  "$py" -m pip install "${pip_args[@]}" "$root/clients/python[test,model]" >&2
+  "$py" -m pip install "${pip_args[@]}" "$root/clients/python[test,model,hf]" >&2
 fi
 # The build tree setuptools leaves next to the sources is not needed afterwards.
 rm -rf "$root/clients/python/build"
