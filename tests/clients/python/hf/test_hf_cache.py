@@ -111,14 +111,16 @@ def test_plain_forward_loop_with_chunked_prefill_matches_dynamic_cache(session):
 
 
 class _Recorder:
-    """Wraps the registered sdpa: records the K/V each layer's attention reads."""
+    """Wraps the registered sdpa: records the queries and K/V each layer's attention reads."""
 
     def __init__(self):
+        self.queries = {}
         self.keys = {}
         self.values = {}
         self.original = ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"]
 
     def __call__(self, module, query, key, value, mask, **kw):
+        self.queries[module.layer_idx] = query.detach().clone()
         self.keys[module.layer_idx] = key.detach().clone()
         self.values[module.layer_idx] = value.detach().clone()
         return self.original(module, query, key, value, mask, **kw)
@@ -149,26 +151,29 @@ def test_under_budget_attention_reads_the_layout_and_the_score_kept_set(
     ids = prompts(2)
     budget = int(np.ceil(fraction * PROMPT))
     spec = kvs.policy(name)
-    # The reference: the same prompts held in full; Score says what the policy keeps of them.
-    full = SidecarCache(session, model, policy=spec, budget=0)
+    recorder = _Recorder()
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", recorder)
+    # The reference, independent of SidecarCache's query capture: every prompt query as the
+    # library's own attention saw it with DynamicCache; the sidecar's Score takes from them what
+    # the policy reads. `full` holds the same K/V with a policy that keeps no query state.
+    full = SidecarCache(session, model, policy="streaming_llm", budget=0)
     small = SidecarCache(session, model, policy=spec, budget=fraction)
     with torch.no_grad():
+        model(ids, **{CACHE: DynamicCache(config=model.config)}, use_cache=True)
+        queries = [recorder.queries[layer] for layer in range(3)]
         model(ids, **{CACHE: full}, use_cache=True)
         logits = model(ids, **{CACHE: small}, use_cache=True).logits
     assert small.budget_tokens == budget
     assert small.counts == [[budget] * 3] * 2
-    # H2O's state in `full` already holds the prefill's column sums; Score folds the same
-    # queries in once more, which doubles every sum and keeps their order.
     for row in range(2):
+        attn = kvs.attention(torch.stack([q[row] for q in queries]).numpy(),
+                             query_positions=list(range(PROMPT)))
         for layer in range(3):
-            attn = full.last_attention[row]
             kept = _score_kept(session, full.sequence_ids[row], layer, budget, spec, attn)
             _, _, pos = _layer_state(session, small.sequence_ids[row], layer)
             assert [sorted(p) for p in pos.tolist()] == kept, (row, layer)
     # A decode step: each layer's attention reads exactly the arena's slots, in slot order,
     # then the new token; the sidecar then evicts back to the budget.
-    recorder = _Recorder()
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", recorder)
     for step in range(4):
         small.sync()
         before = [[_layer_state(session, seq, layer) for layer in range(3)]
