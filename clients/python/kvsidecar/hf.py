@@ -169,8 +169,8 @@ def check_supported(model: Any) -> None:
 
 # -- the attention wrapper -------------------------------------------------------------------------
 
-# The (cache, layer) whose update() ran last on this thread: the next attention call of that
-# layer belongs to it. Anything else (another cache class, no cache) goes through unchanged.
+# The (cache, layer, keys) of the last update() on this thread: the attention call of that layer
+# with those keys belongs to it. Anything else (another cache class, no cache) goes through unchanged.
 _pending = threading.local()
 
 
@@ -190,7 +190,8 @@ def _make_wrapper(original: str) -> Any:
         fn = _original_attention(original, module)
         call = getattr(_pending, "call", None)
         layer = getattr(module, "layer_idx", None)
-        if call is None or call[1] != layer:
+        # Ours only if this layer's key is the very tensor the cache's update() returned.
+        if call is None or call[1] != layer or call[2] is not key:
             return fn(module, query, key, value, attention_mask, **kwargs)
         _pending.call = None
         cache = call[0]
@@ -225,6 +226,15 @@ def install(model: Any) -> str:
 
 
 # -- the cache -------------------------------------------------------------------------------------
+
+
+def _as_torch(array: Any, dtype: int) -> Any:
+    """A torch view (no copy) of an arena array: numpy over the shared memory (CPU arena), or
+    already a torch tensor (CUDA arena); bf16 is kept as uint16 bit patterns in numpy."""
+    t = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
+    if dtype == common_pb2.DTYPE_BFLOAT16 and t.dtype != torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t
 
 
 class _SidecarLayer(CacheLayerMixin):
@@ -404,18 +414,14 @@ class SidecarCache(Cache):
         new_k = self._store(layer_idx, key_states, 0)
         new_v = self._store(layer_idx, value_states, 1)
         keys, values = self._assemble(layer_idx, new_k, new_v)
-        _pending.call = (self, layer_idx)
+        _pending.call = (self, layer_idx, keys)
         return keys, values
 
     # -- steps ---------------------------------------------------------------------------------
 
     def _arena(self) -> Any:
         if self._arena_t is None:
-            blocks = self.session.arena.blocks
-            t = torch.from_numpy(blocks) if isinstance(blocks, np.ndarray) else blocks
-            if self.dtype == common_pb2.DTYPE_BFLOAT16 and t.dtype != torch.bfloat16:
-                t = t.view(torch.bfloat16)  # bf16 is stored as uint16 bit patterns in numpy
-            self._arena_t = t
+            self._arena_t = _as_torch(self.session.arena.blocks, self.dtype)
         return self._arena_t
 
     def _storage_torch_dtype(self) -> Any:
@@ -491,16 +497,12 @@ class SidecarCache(Cache):
         stored = states.detach().to(self._storage_torch_dtype())
         if step.decode:
             for row, buf in enumerate(step.inline):
-                view = torch.from_numpy(buf[layer, kv])  # [H][1][D]
-                if self.dtype == common_pb2.DTYPE_BFLOAT16:
-                    view = view.view(torch.bfloat16)
+                view = _as_torch(buf[layer, kv], self.dtype)  # [H][1][D], host
                 view.copy_(stored[row])
         else:
             for row, res in enumerate(step.reservations):
                 for first, kview, vview in res.views(layer):
-                    view = torch.from_numpy(kview if kv == 0 else vview)  # arena, zero copy
-                    if self.dtype == common_pb2.DTYPE_BFLOAT16:
-                        view = view.view(torch.bfloat16)
+                    view = _as_torch(kview if kv == 0 else vview, self.dtype)  # arena, no copy
                     view.copy_(stored[row, :, first:first + view.shape[1]])
         return stored.to(states.dtype)
 
@@ -520,11 +522,12 @@ class SidecarCache(Cache):
         for row in range(b):
             n = held[row]
             nb = -(-n // bt)
-            table = torch.as_tensor(np.asarray(step.tables[row][layer][:nb], np.int64))
+            table = torch.as_tensor(np.asarray(step.tables[row][layer][:nb], np.int64),
+                                    device=arena.device)
             blocks = arena.index_select(0, table)  # [nb][2][H][bt][D]: the held tokens only
             kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, h, nb * bt, d)[:, :, :n]
-            keys[row, :, :n] = kv[0]
-            values[row, :, :n] = kv[1]
+            keys[row, :, :n] = kv[0].to(keys.device)
+            values[row, :, :n] = kv[1].to(values.device)
         keys[:, :, width:] = new_k
         values[:, :, width:] = new_v
         return keys, values
@@ -612,6 +615,8 @@ class SidecarCache(Cache):
             if not self.overlap:
                 self.sync()
             return
+        if self._arena().is_cuda:
+            torch.cuda.synchronize()  # the K/V writes land before the Commit that publishes them
         compress = self.budget_tokens > 0
         request = sidecar_pb2.BatchCommitRequest(requests=[
             self.session._commit_request(res, compress, attn)
@@ -653,6 +658,9 @@ class SidecarCache(Cache):
         try:
             self.sync()
         finally:
+            step, self._step = self._step, None
+            if step is not None:
+                self._abandon(step)
             ids, self.sequence_ids = self.sequence_ids, []
             self._counts = None
             self._seen = 0
