@@ -277,3 +277,38 @@ def test_unsupported_models_and_calls_are_named(session):
     # The model still runs with other caches after all of that.
     with torch.no_grad():
         model(ids, **{CACHE: DynamicCache(config=model.config)}, use_cache=True)
+
+
+@pytest.mark.parametrize("dtype,tol", [("fp16", 0.05), ("bf16", 0.5)])
+def test_half_precision_arena_reads_back_what_it_stored(server, monkeypatch, dtype, tol):
+    """fp16 / bf16 sessions: the model attends to its K/V rounded as stored (new tokens too),
+    read back from the arena bit for bit; logits stay close to the fp32 DynamicCache."""
+    model = make_model()
+    ids = prompts(1, 24)
+    recorder = _Recorder()
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", recorder)
+    with kvs.Client(server.address, timeout=60) as client, \
+            client.attach(layout_for(model, dtype), num_blocks=blocks_for(model, 64)) as s:
+        cache = SidecarCache(s, model, policy="keydiff", budget=0)
+        ref = DynamicCache(config=model.config)
+        with torch.no_grad():
+            a = model(ids, **{CACHE: cache}, use_cache=True).logits
+            b = model(ids, **{CACHE: ref}, use_cache=True).logits
+            assert float((a - b).abs().max()) <= tol
+            for step in range(3):
+                tok = a[:, -1:].argmax(-1)
+                cache.sync()
+                layout = s.get_layout(cache.sequence_ids[0])
+                stored = [s.read_layer(layout, layer) for layer in range(3)]
+                a = model(tok, **{CACHE: cache}, use_cache=True).logits
+                for layer in range(3):
+                    k = recorder.keys[layer][0]
+                    n = stored[layer].k.shape[1]
+                    want = torch.from_numpy(stored[layer].k.copy())
+                    want = want.view(torch.bfloat16) if dtype == "bf16" else want
+                    assert n == 24 + step and torch.equal(k[:, :n], want.float())
+                    # The new token is read as it will be stored.
+                    assert torch.equal(k[:, n:], k[:, n:].to(want.dtype).float())
+                b = model(tok, **{CACHE: ref}, use_cache=True).logits
+                assert float((a - b).abs().max()) <= tol
+        cache.release()
