@@ -581,7 +581,9 @@ class SidecarCache(Cache):
         q = query.detach()
         if w is not None and w < q.shape[2]:
             q = q[:, :, -w:]
-        step.queries[layer] = q.to(torch.float32).cpu().numpy()
+        # A copy of the window only: a view would keep the layer's whole query tensor alive
+        # until the step ends (every layer's, for a long prompt: hundreds of MB).
+        step.queries[layer] = q.to(device="cpu", dtype=torch.float32).numpy().copy()
 
     def _attended(self, layer: int) -> None:
         step = self._step
