@@ -15,7 +15,8 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$build
   { cat "$build.configure.log"; exit 1; }
 cmake --build "$build" -j "$(nproc)" --target kvsidecar >"$build.build.log" 2>&1 ||
   { tail -50 "$build.build.log"; exit 1; }
-python=$("$root/deploy/python_env.sh" "$build/pyenv")
+# The numpy worker needs no torch: only the model extra (unless the venv already has more).
+python=$(KVS_PY_EXTRAS="${KVS_PY_EXTRAS:-model}" "$root/deploy/python_env.sh" "$build/pyenv")
 model=$("$root/deploy/fetch_model.sh")
 
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}

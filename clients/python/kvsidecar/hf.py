@@ -1,0 +1,699 @@
+"""A `transformers` KV cache whose K/V live in the sidecar (optional extra ``kvsidecar[hf]``).
+
+    import kvsidecar as kvs
+    from kvsidecar.hf import SidecarCache, layout_for
+
+    with kvs.Client(address) as client, client.attach(layout_for(model, "fp32"),
+                                                      num_blocks=...) as session:
+        cache = SidecarCache(session, model, policy="snapkv", budget=0.25)
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+        cache.release()
+
+`SidecarCache` is a `transformers.Cache`: `generate` and a plain forward loop
+(``model(input_ids, past_key_values=cache, use_cache=True)``) use it as they use `DynamicCache`.
+Every row of the batch is one sidecar sequence with the cache's policy and budget.
+
+What happens in one forward of B rows and T new tokens:
+
+  layer 0          the previous step's DecodeStep answer is applied (see "overlap"); a prefill
+                   block (T > 1, or the first block) is reserved in every layer of every row
+                   with ONE BatchReserve; the block table of what each row holds is read with
+                   one GetLayout per row (skipped while nothing is held).
+  every layer      the model calls ``update(k, v, layer)`` with its post-RoPE K/V. A prefill
+                   block is written into the reserved arena slots through torch views of the
+                   mapped arena (``torch.from_numpy`` over the shared memory: zero copy); a
+                   one-token decode step goes into a small [L][2][H][1][D] buffer sent inline.
+                   ``update`` returns what the layer's attention reads: the K/V the sidecar
+                   holds for the layer, gathered from the arena by block table in the sidecar's
+                   slot order, followed by the new block (rounded through the session dtype, as
+                   stored). The worker keeps no copy of the cache: the gathered K/V of one layer
+                   live until that layer's attention is done.
+  attention        the model's attention call goes through a wrapper of its own implementation
+                   (sdpa or eager), installed on the model by the constructor: it takes the
+                   post-RoPE queries (the window the policy reads, see below), builds the mask of
+                   the compacted cache and calls the original function.
+  after the last   prefill blocks: ONE BatchCommit with each row's queries, compressing to the
+  layer            budget when over it; decode steps: ONE DecodeStep for the whole batch, which
+                   appends each token, folds its query into the policy state and evicts each
+                   layer back to its budget.
+
+Positions and RoPE after eviction. Keys are stored post-RoPE, so a kept key keeps the rotation of
+its original position, and the sidecar records that position per (layer, head, slot). The cache
+reports the number of tokens ever seen as its sequence length (``get_seq_length``): the model
+gives new tokens their true position ids (and rotates their queries and keys by them), however
+few tokens are held. The mask follows the slots, not the positions: every held slot is older than
+any new token, so it is visible to all new queries; inside the new block slot j is visible to
+query i iff j <= i. ``get_mask_sizes`` returns (held + T, seen - held), which makes the library's
+own causal mask exactly that; the wrapper builds the same mask per layer itself (layers and rows
+may hold different counts; a row holding fewer than another gets masked padding slots).
+
+Queries sent per policy (as `AttentionInputs`, post-RoPE, fp32, with their positions and the
+model's softmax scale): streaming_llm and keydiff none; tova the last query of the block; snapkv
+and cake the last ``window`` (their spec's, default 32); h2o, d2o, caote and the d2o/cake layer
+allocators every query of the block. A decode step always sends its one query.
+
+Overlap: the DecodeStep is sent without waiting; its answer is applied when the cache is next
+used (the model computes its logits meanwhile). `sync()` waits for it.
+
+Not supported, with an error naming it: sliding-window, chunked or linear-attention layers,
+cross-attention and encoder-decoder models, quantized KV caches, attention implementations other
+than sdpa and eager, padded batches (rows of unequal length), beam search and other cache
+reordering or cropping, the OmniKV policy (it needs Select).
+
+Not thread-safe: one cache is used by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+try:
+    import torch
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+except ImportError as e:  # pragma: no cover - only without the extra
+    raise ImportError("kvsidecar.hf needs torch and transformers: pip install 'kvsidecar[hf]'"
+                      ) from e
+
+from kvsidecar.client import DecodeItem, ReserveItem, Session, attention, model_layout
+from kvsidecar.client import budget as make_budget
+from kvsidecar.client import policy as make_policy
+from kvsidecar.v1 import common_pb2, sidecar_pb2
+
+__all__ = ["SidecarCache", "UnsupportedModelError", "layout_for", "blocks_for"]
+
+# Policies that score keys only: no queries are sent.
+KEY_ONLY_POLICIES = {"streaming_llm", "keydiff"}
+# Policies that read only the last `window` queries of a prefill block (default 32).
+WINDOW_POLICIES = {"snapkv", "cake"}
+DEFAULT_WINDOW = 32
+_WRAPPED_PREFIX = "kvsidecar:"
+
+
+class UnsupportedModelError(ValueError):
+    """The model, its config or the way it is called cannot be served by SidecarCache."""
+
+
+def _text_config(model_or_config: Any) -> Any:
+    config = getattr(model_or_config, "config", model_or_config)
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if getter is not None else config
+
+
+def _head_dim(config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
+
+
+def layout_for(model: Any, dtype: str = "fp32", block_tokens: int = 16
+               ) -> common_pb2.ModelLayout:
+    """The sidecar ModelLayout of a transformers decoder (L, kv heads, query heads, head dim)."""
+    config = _text_config(model)
+    num_q_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
+    return model_layout(num_layers=config.num_hidden_layers, num_kv_heads=num_kv_heads,
+                        num_q_heads=num_q_heads, head_dim=_head_dim(config), dtype=dtype,
+                        block_tokens=block_tokens)
+
+
+def blocks_for(model: Any, max_tokens: int, batch_size: int = 1, block_tokens: int = 16) -> int:
+    """Arena blocks for `batch_size` sequences of up to `max_tokens` tokens held in full."""
+    layers = _text_config(model).num_hidden_layers
+    return batch_size * layers * (math.ceil(max_tokens / block_tokens) + 2)
+
+
+def check_supported(model: Any) -> None:
+    """Raises UnsupportedModelError naming what the model has that SidecarCache cannot serve."""
+    top = getattr(model, "config", model)
+    if getattr(top, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(top).__name__}: encoder-decoder models are not supported (their decoder "
+            "uses cross-attention over the encoder output); use a decoder-only model")
+    config = _text_config(model)
+    if getattr(config, "add_cross_attention", False):
+        raise UnsupportedModelError(
+            f"{type(config).__name__}: cross-attention layers (add_cross_attention=True) are not "
+            "supported")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        odd = [(i, t) for i, t in enumerate(layer_types) if t != "full_attention"]
+        if odd:
+            i, kind = odd[0]
+            raise UnsupportedModelError(
+                f"{type(config).__name__}: layer {i} is a '{kind}' layer ({len(odd)} of "
+                f"{len(layer_types)} layers are not 'full_attention'); sliding-window, chunked "
+                "and linear-attention layers are not supported")
+    elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise UnsupportedModelError(
+            f"{type(config).__name__}: sliding-window attention (sliding_window="
+            f"{config.sliding_window}) is not supported")
+    for name in ("attention_chunk_size",):
+        if getattr(config, name, None):
+            raise UnsupportedModelError(
+                f"{type(config).__name__}: chunked attention ({name}) is not supported")
+    quant = getattr(top, "quantization_config", None) or getattr(config, "quantization_config",
+                                                                 None)
+    scheme = quant.get("kv_cache_scheme") if isinstance(quant, dict) else getattr(
+        quant, "kv_cache_scheme", None)
+    if scheme:
+        raise UnsupportedModelError(
+            f"quantized KV caches (quantization_config.kv_cache_scheme={scheme}) are not "
+            "supported: the sidecar stores K/V in its session dtype (fp32, fp16 or bf16)")
+
+
+# -- the attention wrapper -------------------------------------------------------------------------
+
+# The (cache, layer, keys) of the last update() on this thread: the attention call of that layer
+# with those keys belongs to it. Anything else (another cache class, no cache) goes through unchanged.
+_pending = threading.local()
+
+
+def _original_attention(name: str, module: Any) -> Any:
+    if name == "eager":
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            raise UnsupportedModelError(
+                f"{type(module).__name__}: its module has no eager_attention_forward")
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _make_wrapper(original: str) -> Any:
+    def kvsidecar_attention(module: Any, query: Any, key: Any, value: Any,
+                            attention_mask: Any, **kwargs: Any) -> Any:
+        fn = _original_attention(original, module)
+        call = getattr(_pending, "call", None)
+        layer = getattr(module, "layer_idx", None)
+        # Ours only if this layer's key is the very tensor the cache's update() returned.
+        if call is None or call[1] != layer or call[2] is not key:
+            return fn(module, query, key, value, attention_mask, **kwargs)
+        _pending.call = None
+        cache = call[0]
+        mask = cache._layer_mask(layer, attention_mask, query, original)
+        cache._take_queries(layer, query, kwargs.get("scaling", getattr(module, "scaling", None)))
+        out = fn(module, query, key, value, mask, **kwargs)
+        cache._attended(layer)
+        return out
+
+    kvsidecar_attention.__name__ = f"kvsidecar_{original}_attention"
+    return kvsidecar_attention
+
+
+def install(model: Any) -> str:
+    """Routes the model's attention through the kvsidecar wrapper of its implementation (sdpa or
+    eager); returns the original name. Calls without a SidecarCache are unchanged."""
+    config = getattr(model, "config", None)
+    name = getattr(config, "_attn_implementation", None) or "eager"
+    if name.startswith(_WRAPPED_PREFIX):
+        return name[len(_WRAPPED_PREFIX):]
+    if name not in ("sdpa", "eager"):
+        raise UnsupportedModelError(
+            f"attention implementation '{name}' is not supported; load the model with "
+            "attn_implementation='sdpa' or 'eager'")
+    wrapped = _WRAPPED_PREFIX + name
+    if wrapped not in ALL_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionInterface.register(wrapped, _make_wrapper(name))
+        # The library builds the same masks as for the original implementation.
+        AttentionMaskInterface.register(wrapped, sdpa_mask if name == "sdpa" else eager_mask)
+    config._attn_implementation = wrapped
+    return name
+
+
+# -- the cache -------------------------------------------------------------------------------------
+
+
+def _as_torch(array: Any, dtype: int) -> Any:
+    """A torch view (no copy) of an arena array: numpy over the shared memory (CPU arena), or
+    already a torch tensor (CUDA arena); bf16 is kept as uint16 bit patterns in numpy."""
+    t = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
+    if dtype == common_pb2.DTYPE_BFLOAT16 and t.dtype != torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t
+
+
+class _SidecarLayer(CacheLayerMixin):
+    """One layer as the library's Cache bookkeeping sees it (the data is in the sidecar)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, cache: "SidecarCache", layer: int) -> None:
+        super().__init__()
+        self._cache = cache
+        self._layer = layer
+
+    def lazy_initialization(self, key_states: Any, value_states: Any) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._cache.update(key_states, value_states, self._layer)
+
+    def get_mask_sizes(self, query_length: Any) -> Tuple[int, int]:
+        return self._cache.get_mask_sizes(query_length, self._layer)
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length(self._layer)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _Step:
+    """One forward in progress: its positions, reservations, inline K/V and queries."""
+
+    def __init__(self, positions: np.ndarray, decode: bool) -> None:
+        self.positions = positions
+        self.decode = decode
+        self.reservations: List[Any] = []
+        self.inline: List[np.ndarray] = []          # per row [L][2][H][1][D], session dtype
+        self.queries: Dict[int, np.ndarray] = {}     # layer -> [B][Hq][w][D] float32
+        self.scale: Optional[float] = None
+        self.held: List[List[int]] = []              # per row, per layer: tokens held
+        self.tables: List[List[Sequence[int]]] = []  # per row, per layer: block table
+        self.next_layer = 0                          # layer whose update() comes next
+        self.attended = -1                           # last layer whose attention ran
+
+
+class SidecarCache(Cache):
+    """A transformers Cache backed by a sidecar session (see the module comment).
+
+    Args:
+        session: an attached `kvsidecar.Session` whose layout matches the model (`layout_for`).
+        model: the transformers model that will use the cache; its attention is routed through
+            the kvsidecar wrapper (queries for the policy, the mask of the compacted cache).
+        policy: a policy name ("snapkv", "h2o", ...) or a `PolicySpec` (`kvsidecar.policy`).
+        budget: tokens per layer (int > 0); or a fraction in (0, 1) of the first block's length
+            (the prompt), resolved when it arrives; 0, None or >= 1.0: no budget (the full cache).
+        overlap: send each DecodeStep without waiting for its answer (applied at the next use).
+    """
+
+    def __init__(self, session: Session, model: Any, policy: Union[str, common_pb2.PolicySpec,
+                                                                   None] = "streaming_llm",
+                 budget: Union[int, float, None] = 0, overlap: bool = True) -> None:
+        check_supported(model)
+        lay = session.layout
+        want = layout_for(model)
+        if (lay.num_layers, lay.num_kv_heads, lay.head_dim) != (
+                want.num_layers, want.num_kv_heads, want.head_dim):
+            raise UnsupportedModelError(
+                f"session layout L={lay.num_layers} H={lay.num_kv_heads} D={lay.head_dim} does "
+                f"not match the model's L={want.num_layers} H={want.num_kv_heads} "
+                f"D={want.head_dim} (attach with kvsidecar.hf.layout_for(model))")
+        spec = make_policy(policy) if isinstance(policy, str) else policy
+        if spec is not None and spec.name == "omnikv":
+            raise UnsupportedModelError("the omnikv policy needs Select (sparse layers read a "
+                                        "staging view); SidecarCache does not drive it")
+        if budget is not None and not isinstance(budget, (int, float)):
+            raise TypeError(f"budget must be an int (tokens) or a float fraction, got {budget!r}")
+        if budget is not None and budget < 0:
+            raise ValueError(f"budget must be >= 0, got {budget}")
+        self._attn_original = install(model)
+        self.session = session
+        self.policy = spec
+        self.budget = budget
+        self.overlap = overlap
+        self.num_layers = lay.num_layers
+        self.num_kv_heads = lay.num_kv_heads
+        self.head_dim = lay.head_dim
+        self.dtype = lay.dtype
+        self.budget_tokens = 0          # resolved at the first block
+        self.sequence_ids: List[str] = []
+        self._seen = 0                  # tokens of every row ever appended
+        self._counts: Optional[np.ndarray] = None   # [B][L] tokens held
+        self._step: Optional[_Step] = None
+        self._inflight: Optional[Tuple[Any, List[DecodeItem], np.ndarray]] = None
+        self._arena_t: Any = None
+        self._name = self.policy.name if self.policy is not None else ""
+        self._query_window = self._window()
+        self._mask_sizes: Optional[Tuple[int, int]] = None
+        self.last_attention: List[Optional[common_pb2.AttentionInputs]] = []
+        super().__init__(layers=[_SidecarLayer(self, i) for i in range(lay.num_layers)])
+
+    # -- policy needs --------------------------------------------------------------------------
+
+    def _window(self) -> Optional[int]:
+        """Queries sent per prefill block: 0 = none at all (not even at decode steps), None =
+        every query of the block, w = the last w."""
+        if self.policy is None:
+            return 0
+        if self.policy.HasField("allocator") and self.policy.allocator.kind:
+            return None  # the d2o / cake allocators read the prefill queries as d2o / cake do
+        if self._name in KEY_ONLY_POLICIES:
+            return 0
+        if self._name == "tova":
+            return 1
+        if self._name in WINDOW_POLICIES:
+            params = getattr(self.policy, self._name)
+            return int(params.window) or DEFAULT_WINDOW
+        return None
+
+    # -- what transformers calls ----------------------------------------------------------------
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen (every row): the position the next token gets, not the tokens held."""
+        return self._seen
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: Any, layer_idx: int = 0) -> Tuple[int, int]:
+        """(held + q, seen - held): with the library's causal mask every held slot is visible
+        and the new block is causal by slot (see the module comment)."""
+        if isinstance(query_length, torch.Tensor):  # older releases pass cache_position
+            query_length = int(query_length.shape[0])
+        self.sync()
+        held = int(self._counts[:, layer_idx].max()) if self._counts is not None else 0
+        sizes = (held + int(query_length), self._seen - held)
+        self._mask_sizes = (int(query_length),) + sizes
+        return sizes
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any,
+               **kwargs: Any) -> Tuple[Any, Any]:
+        """Writes the block's K/V of one layer to the sidecar; returns what the layer attends
+        to: the held K/V (arena, slot order) followed by the block."""
+        if key_states.dim() != 4 or key_states.shape != value_states.shape:
+            raise UnsupportedModelError(
+                f"layer {layer_idx}: K/V of shape {tuple(key_states.shape)} / "
+                f"{tuple(value_states.shape)}; expected [batch][kv heads][tokens][head dim]")
+        if not key_states.is_floating_point():
+            raise UnsupportedModelError(
+                f"layer {layer_idx}: K/V of dtype {key_states.dtype}: quantized KV caches are "
+                "not supported")
+        b, h, t, d = key_states.shape
+        if (h, d) != (self.num_kv_heads, self.head_dim):
+            raise UnsupportedModelError(
+                f"layer {layer_idx}: {h} kv heads of dim {d}; the session has "
+                f"{self.num_kv_heads} of dim {self.head_dim}")
+        if layer_idx == 0:
+            self._begin_step(b, t)
+        step = self._step
+        if step is None or layer_idx != step.next_layer:
+            raise RuntimeError(
+                f"SidecarCache.update for layer {layer_idx} out of order (expected layer "
+                f"{0 if step is None else step.next_layer}); layers must run 0..L-1 per forward")
+        if layer_idx > 0 and step.attended != layer_idx - 1:
+            raise UnsupportedModelError(
+                f"the attention of layer {layer_idx - 1} did not go through the kvsidecar "
+                "wrapper: the model must call its attention through transformers' "
+                "ALL_ATTENTION_FUNCTIONS (config._attn_implementation)")
+        if b != len(self.sequence_ids):
+            raise UnsupportedModelError(
+                f"batch of {b} rows; this cache holds {len(self.sequence_ids)} sequences")
+        step.next_layer = layer_idx + 1
+        new_k = self._store(layer_idx, key_states, 0)
+        new_v = self._store(layer_idx, value_states, 1)
+        keys, values = self._assemble(layer_idx, new_k, new_v)
+        _pending.call = (self, layer_idx, keys)
+        return keys, values
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _arena(self) -> Any:
+        if self._arena_t is None:
+            self._arena_t = _as_torch(self.session.arena.blocks, self.dtype)
+        return self._arena_t
+
+    def _storage_torch_dtype(self) -> Any:
+        return {common_pb2.DTYPE_FLOAT32: torch.float32, common_pb2.DTYPE_FLOAT16: torch.float16,
+                common_pb2.DTYPE_BFLOAT16: torch.bfloat16}[self.dtype]
+
+    def _create_sequences(self, batch: int, tokens: int) -> None:
+        budget = self.budget or 0
+        if isinstance(budget, float):
+            budget = 0 if budget >= 1.0 else max(1, math.ceil(budget * tokens))
+        self.budget_tokens = int(budget)
+        made: List[str] = []
+        try:
+            for _ in range(batch):
+                resp = self.session.create_sequence(
+                    policy=self.policy,
+                    budget=make_budget(self.budget_tokens) if self.budget_tokens > 0 else None)
+                made.append(resp.sequence_id)
+        except Exception:
+            for seq in made:
+                self.session.release_sequence(seq)
+            raise
+        self.sequence_ids = made
+        self._counts = np.zeros((batch, self.num_layers), np.int64)
+
+    def _begin_step(self, batch: int, tokens: int) -> None:
+        self.sync()
+        if self._step is not None:
+            step, self._step = self._step, None
+            self._abandon(step)
+            raise UnsupportedModelError(
+                f"the previous forward ended without the attention of layer "
+                f"{step.attended + 1} going through the kvsidecar wrapper (the model must call "
+                "its attention through transformers' ALL_ATTENTION_FUNCTIONS); it was dropped")
+        if not self.sequence_ids:
+            self._create_sequences(batch, tokens)
+        elif batch != len(self.sequence_ids):
+            raise UnsupportedModelError(
+                f"batch of {batch} rows; this cache holds {len(self.sequence_ids)} sequences "
+                "(changing the batch, as beam search or num_return_sequences > 1 do, is not "
+                "supported)")
+        positions = np.arange(self._seen, self._seen + tokens, dtype=np.int32)
+        step = _Step(positions, decode=self._seen > 0 and tokens == 1)
+        if self._seen > 0:
+            for seq in self.sequence_ids:
+                layout = self.session.get_layout(seq, omit_positions=True)
+                by_layer = sorted(layout.layers, key=lambda e: e.layer)
+                step.held.append([e.count for e in by_layer])
+                step.tables.append([e.block_table for e in by_layer])
+        else:
+            step.held = [[0] * self.num_layers for _ in self.sequence_ids]
+            step.tables = [[()] * self.num_layers for _ in self.sequence_ids]
+        if step.decode:
+            sdt = self.session.arena.storage_dtype
+            step.inline = [np.empty((self.num_layers, 2, self.num_kv_heads, 1, self.head_dim), sdt)
+                           for _ in self.sequence_ids]
+        else:
+            pos = positions.tolist()
+            items = [ReserveItem(seq, tokens, positions=pos) for seq in self.sequence_ids]
+            step.reservations = self.session.batch_reserve(items)
+        self._step = step
+
+    def _abandon(self, step: _Step) -> None:
+        for res in step.reservations:
+            try:
+                self.session.cancel_reservation(res)
+            except Exception:  # pragma: no cover - best effort on a broken step
+                pass
+
+    def _store(self, layer: int, states: Any, kv: int) -> Any:
+        """Writes one layer's new K (kv=0) or V (kv=1) of every row; returns them as stored."""
+        step = self._step
+        stored = states.detach().to(self._storage_torch_dtype())
+        if step.decode:
+            for row, buf in enumerate(step.inline):
+                view = _as_torch(buf[layer, kv], self.dtype)  # [H][1][D], host
+                view.copy_(stored[row])
+        else:
+            for row, res in enumerate(step.reservations):
+                for first, kview, vview in res.views(layer):
+                    view = _as_torch(kview if kv == 0 else vview, self.dtype)  # arena, no copy
+                    view.copy_(stored[row, :, first:first + view.shape[1]])
+        return stored.to(states.dtype)
+
+    def _assemble(self, layer: int, new_k: Any, new_v: Any) -> Tuple[Any, Any]:
+        """[B][H][held_max + T][D]: each row's held K/V in slot order (rows holding fewer are
+        padded; the wrapper masks the padding), then the new block."""
+        step = self._step
+        held = [row[layer] for row in step.held]
+        width = max(held)
+        if width == 0:
+            return new_k, new_v
+        b, h, t, d = new_k.shape
+        keys = new_k.new_zeros((b, h, width + t, d))
+        values = new_v.new_zeros((b, h, width + t, d))
+        arena = self._arena()
+        bt = self.session.arena.block_tokens
+        for row in range(b):
+            n = held[row]
+            nb = -(-n // bt)
+            table = torch.as_tensor(np.asarray(step.tables[row][layer][:nb], np.int64),
+                                    device=arena.device)
+            blocks = arena.index_select(0, table)  # [nb][2][H][bt][D]: the held tokens only
+            kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, h, nb * bt, d)[:, :, :n]
+            keys[row, :, :n] = kv[0].to(keys.device)
+            values[row, :, :n] = kv[1].to(values.device)
+        keys[:, :, width:] = new_k
+        values[:, :, width:] = new_v
+        return keys, values
+
+    def _layer_mask(self, layer: int, given: Any, query: Any, original: str) -> Any:
+        """The mask of one layer of the compacted cache (None when nothing needs masking)."""
+        step = self._step
+        t = query.shape[2]
+        held = torch.as_tensor([row[layer] for row in step.held])
+        width = int(held.max())
+        if layer == 0 and given is not None:
+            self._check_no_padding(given, t)
+        if (held == width).all() and (t == 1 or (width == 0 and original == "sdpa")):
+            # One query over equal rows sees everything; a fresh block with no mask is causal
+            # in sdpa (is_causal); eager needs its causal mask spelled out.
+            return None
+        slots = torch.arange(width + t)
+        q = torch.arange(t)
+        visible = (slots[None, None, :] < held[:, None, None]) | (
+            (slots[None, None, :] >= width)
+            & (slots[None, None, :] - width <= q[None, :, None]))  # [B][T][S]
+        visible = visible[:, None]  # [B][1][T][S]
+        if original == "sdpa":
+            return visible
+        neg = torch.finfo(query.dtype).min
+        return torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, neg)
+
+    def _check_no_padding(self, given: Any, t: int) -> None:
+        """The library's mask (sized by get_mask_sizes) must be plain causal: anything else is
+        padding or a custom mask, which the compacted cache cannot honour."""
+        if self._mask_sizes is None or given.dim() != 4:
+            raise UnsupportedModelError("custom attention masks are not supported")
+        q, kv_len, kv_off = self._mask_sizes
+        visible = given if given.dtype == torch.bool else given > torch.finfo(given.dtype).min / 2
+        if visible.shape[-2:] != (q, kv_len):
+            raise UnsupportedModelError("custom attention masks are not supported")
+        expect = (torch.arange(kv_len)[None, :] + kv_off
+                  <= torch.arange(q)[:, None] + self._seen)
+        if not bool((visible == expect.to(visible.device)).all()):
+            raise UnsupportedModelError(
+                "padded batches are not supported: the attention_mask masks some tokens; pass "
+                "rows of equal length (no padding)")
+
+    def _take_queries(self, layer: int, query: Any, scale: Optional[float]) -> None:
+        if self._query_window == 0:
+            return
+        step = self._step
+        w = 1 if step.decode else self._query_window
+        if scale is not None:
+            step.scale = float(scale)
+        q = query.detach()
+        if w is not None and w < q.shape[2]:
+            q = q[:, :, -w:]
+        # A copy of the window only: a view would keep the layer's whole query tensor alive
+        # until the step ends (every layer's, for a long prompt: hundreds of MB).
+        step.queries[layer] = q.to(device="cpu", dtype=torch.float32).numpy().copy()
+
+    def _attended(self, layer: int) -> None:
+        step = self._step
+        step.attended = layer
+        if layer == self.num_layers - 1:
+            self._end_step()
+
+    @staticmethod
+    def _attention_of(step: _Step, row: int, num_layers: int
+                      ) -> Optional[common_pb2.AttentionInputs]:
+        if not step.queries:
+            return None
+        q = np.stack([step.queries[layer][row] for layer in range(num_layers)])
+        w = q.shape[2]
+        return attention(q, query_positions=step.positions[-w:].tolist(),
+                         softmax_scale=step.scale)
+
+    def _end_step(self) -> None:
+        step = self._step
+        self._step = None
+        attns = [self._attention_of(step, row, self.num_layers)
+                 for row in range(len(self.sequence_ids))]
+        self.last_attention = attns
+        t = len(step.positions)
+        if step.decode:
+            items = [DecodeItem(seq, attention=attn, inline_kv=buf.tobytes())
+                     for seq, attn, buf in zip(self.sequence_ids, attns, step.inline)]
+            future = self.session.decode_step_future(items)
+            self._inflight = (future, items, step.positions)
+            self._seen += t
+            if not self.overlap:
+                self.sync()
+            return
+        if self._arena().is_cuda:
+            torch.cuda.synchronize()  # the K/V writes land before the Commit that publishes them
+        compress = self.budget_tokens > 0
+        request = sidecar_pb2.BatchCommitRequest(requests=[
+            self.session._commit_request(res, compress, attn)
+            for res, attn in zip(step.reservations, attns)])
+        resp = self.session._call(self.session.stub.BatchCommit, request)
+        for row, out in enumerate(resp.responses):
+            self._counts[row] = list(out.counts)
+        self._seen += t
+
+    def sync(self) -> None:
+        """Waits for the DecodeStep in flight and applies its answer (raises its error)."""
+        if self._inflight is None:
+            return
+        future, items, positions = self._inflight
+        self._inflight = None
+        resp = future.result()
+        for row, out in enumerate(resp.items):
+            if out.position != int(positions[0]):
+                raise RuntimeError(
+                    f"sequence {items[row].sequence_id}: the sidecar appended the token at "
+                    f"position {out.position}, the model computed {int(positions[0])}")
+            self._counts[row] = list(out.counts)
+
+    # -- state and accounting ----------------------------------------------------------------
+
+    @property
+    def counts(self) -> List[List[int]]:
+        """Tokens held per row and layer now."""
+        self.sync()
+        return [] if self._counts is None else self._counts.tolist()
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V the sidecar holds for this cache now (all rows and layers)."""
+        per_token = 2 * self.num_kv_heads * self.head_dim * self.session.arena.storage_dtype.itemsize
+        return int(np.sum(self.counts)) * per_token
+
+    def release(self) -> None:
+        """Releases the sidecar sequences (the cache is empty afterwards)."""
+        try:
+            self.sync()
+        finally:
+            step, self._step = self._step, None
+            if step is not None:
+                self._abandon(step)
+            ids, self.sequence_ids = self.sequence_ids, []
+            self._counts = None
+            self._seen = 0
+            self._arena_t = None
+            for seq in ids:
+                self.session.release_sequence(seq)
+
+    def __enter__(self) -> "SidecarCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    # -- what it does not do -------------------------------------------------------------------
+
+    def _unsupported(self, what: str) -> None:
+        raise UnsupportedModelError(
+            f"SidecarCache does not support {what}: the sidecar owns the kept set")
+
+    def reset(self) -> None:
+        self.release()
+
+    def reorder_cache(self, beam_idx: Any) -> None:
+        self._unsupported("reorder_cache (beam search)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("crop (assisted or speculative decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            self._unsupported("batch_repeat_interleave (num_return_sequences or num_beams > 1)")
+
+    def batch_select_indices(self, indices: Any) -> None:
+        self._unsupported("batch_select_indices (contrastive search)")

@@ -1,0 +1,314 @@
+"""kvsidecar.hf.SidecarCache on tiny randomly initialised transformers models (Llama and Qwen2,
+built from a config here: nothing is downloaded) against a real kvsidecar server on loopback.
+
+Full budget: the same greedy tokens as DynamicCache and logits within LOGIT_TOL (fp32 arena:
+the K/V the model attends to are the same numbers, only gathered from the arena). Under a
+budget: what the model's attention reads is, slot for slot, what GetLayout and the arena hold,
+and the kept set is the one the sidecar's Score dry run picks."""
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, T5Config,
+                          T5ForConditionalGeneration)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import kvsidecar as kvs
+from kvsidecar.hf import SidecarCache, UnsupportedModelError, blocks_for, layout_for
+
+torch.set_num_threads(1)
+# transformers 5.2 takes the cache as past_key_values; later releases renamed it `cache` (the old
+# name still works, with a FutureWarning).
+CACHE = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters \
+    else "past_key_values"
+# fp32 everywhere; the only difference from DynamicCache is where K/V are read from.
+LOGIT_TOL = 1e-4
+PROMPT = 40
+
+
+def _common(**extra):
+    return dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                initializer_range=0.2, **extra)
+
+
+def make_model(family="llama", attn="sdpa"):
+    torch.manual_seed(0)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**_common()))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**_common()))
+    else:
+        raise ValueError(family)
+    model.set_attn_implementation(attn)
+    return model.eval()
+
+
+def prompts(batch, length=PROMPT, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 96, (batch, length), generator=g)
+
+
+@pytest.fixture
+def session(server):
+    model = make_model()
+    with kvs.Client(server.address, timeout=60, worker_name="pytest-hf") as client, \
+            client.attach(layout_for(model, "fp32"),
+                          num_blocks=blocks_for(model, 128, batch_size=8)) as s:
+        yield s
+
+
+def _generate(model, ids, cache, steps=12, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE: cache},
+                              max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True,
+                              pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"),
+                                         ("qwen2", "sdpa")])
+def test_full_budget_generates_what_dynamic_cache_does(server, family, attn):
+    model = make_model(family, attn)
+    ids = prompts(2)
+    ref = _generate(model, ids, DynamicCache(config=model.config))
+    with kvs.Client(server.address, timeout=60) as client, \
+            client.attach(layout_for(model), num_blocks=blocks_for(model, 64, 2)) as s:
+        cache = SidecarCache(s, model, policy="snapkv", budget=1.0)
+        out = _generate(model, ids, cache)
+        assert torch.equal(out.sequences, ref.sequences)
+        diff = max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits))
+        assert diff <= LOGIT_TOL, diff
+        # Every token but the last generated one went through the cache, nothing evicted.
+        assert cache.get_seq_length() == PROMPT + 11
+        assert cache.counts == [[PROMPT + 11] * 3] * 2
+        cache.release()
+
+
+def test_plain_forward_loop_with_chunked_prefill_matches_dynamic_cache(session):
+    """Two prefill chunks (the second attends to the first from the arena, with the slot mask)
+    and decode steps in a hand-written loop."""
+    model = make_model()
+    ids = prompts(2, 48)
+    cache = SidecarCache(session, model, policy="h2o", budget=0)
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        for chunk in (ids[:, :30], ids[:, 30:]):
+            a = model(chunk, **{CACHE: cache}, use_cache=True).logits
+            b = model(chunk, **{CACHE: ref}, use_cache=True).logits
+            assert float((a - b).abs().max()) <= LOGIT_TOL
+        tok = a[:, -1:].argmax(-1)
+        for _ in range(5):
+            a = model(tok, **{CACHE: cache}, use_cache=True).logits
+            b = model(tok, **{CACHE: ref}, use_cache=True).logits
+            assert float((a - b).abs().max()) <= LOGIT_TOL
+            tok = a[:, -1:].argmax(-1)
+    assert cache.counts == [[53] * 3] * 2
+    cache.release()
+
+
+class _Recorder:
+    """Wraps the registered sdpa: records the queries and K/V each layer's attention reads."""
+
+    def __init__(self):
+        self.queries = {}
+        self.keys = {}
+        self.values = {}
+        self.original = ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"]
+
+    def __call__(self, module, query, key, value, mask, **kw):
+        self.queries[module.layer_idx] = query.detach().clone()
+        self.keys[module.layer_idx] = key.detach().clone()
+        self.values[module.layer_idx] = value.detach().clone()
+        return self.original(module, query, key, value, mask, **kw)
+
+
+def _layer_state(session, seq, layer):
+    layout = session.get_layout(seq)
+    kv = session.read_layer(layout, layer)
+    return kv.k, kv.v, kv.positions
+
+
+def _score_kept(session, seq, layer, budget, policy, attn):
+    resp = session.score(seq, budget_tokens=budget, policy=policy, attention=attn,
+                         layers=[layer])
+    entry = resp.layers[0]
+    pos = np.asarray(entry.positions).reshape(2, -1)  # [H][count], slot order
+    slots = np.asarray(entry.kept_slots).reshape(2, -1)  # [H][kept]
+    return [sorted(pos[h][slots[h]].tolist()) for h in range(2)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("name,fraction", [("snapkv", 0.25), ("h2o", 0.5),
+                                           ("streaming_llm", 0.25), ("keydiff", 0.5),
+                                           ("tova", 0.25)])
+def test_under_budget_attention_reads_the_layout_and_the_score_kept_set(
+        session, monkeypatch, family, name, fraction):
+    model = make_model(family)
+    ids = prompts(2)
+    budget = int(np.ceil(fraction * PROMPT))
+    spec = kvs.policy(name)
+    recorder = _Recorder()
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", recorder)
+    # The reference, independent of SidecarCache's query capture: every prompt query as the
+    # library's own attention saw it with DynamicCache; the sidecar's Score takes from them what
+    # the policy reads. `full` holds the same K/V with a policy that keeps no query state.
+    full = SidecarCache(session, model, policy="streaming_llm", budget=0)
+    small = SidecarCache(session, model, policy=spec, budget=fraction)
+    with torch.no_grad():
+        model(ids, **{CACHE: DynamicCache(config=model.config)}, use_cache=True)
+        queries = [recorder.queries[layer] for layer in range(3)]
+        model(ids, **{CACHE: full}, use_cache=True)
+        logits = model(ids, **{CACHE: small}, use_cache=True).logits
+    assert small.budget_tokens == budget
+    assert small.counts == [[budget] * 3] * 2
+    for row in range(2):
+        attn = kvs.attention(torch.stack([q[row] for q in queries]).numpy(),
+                             query_positions=list(range(PROMPT)))
+        for layer in range(3):
+            kept = _score_kept(session, full.sequence_ids[row], layer, budget, spec, attn)
+            _, _, pos = _layer_state(session, small.sequence_ids[row], layer)
+            assert [sorted(p) for p in pos.tolist()] == kept, (row, layer)
+    # A decode step: each layer's attention reads exactly the arena's slots, in slot order,
+    # then the new token; the sidecar then evicts back to the budget.
+    for step in range(4):
+        small.sync()
+        before = [[_layer_state(session, seq, layer) for layer in range(3)]
+                  for seq in small.sequence_ids]
+        tok = logits[:, -1:].argmax(-1)
+        with torch.no_grad():
+            logits = model(tok, **{CACHE: small}, use_cache=True).logits
+        for row in range(2):
+            for layer in range(3):
+                k, v, pos = before[row][layer]
+                n = k.shape[1]
+                assert n == budget
+                got_k = recorder.keys[layer][row]
+                got_v = recorder.values[layer][row]
+                assert got_k.shape[1] == n + 1
+                assert np.array_equal(got_k[:, :n].numpy(), k), (step, row, layer)
+                assert np.array_equal(got_v[:, :n].numpy(), v), (step, row, layer)
+        after = small.counts
+        assert after == [[budget] * 3] * 2
+        assert small.get_seq_length() == PROMPT + step + 1
+    # The new token was appended at its true position and the kept positions are real ones.
+    _, _, pos = _layer_state(session, small.sequence_ids[0], 0)
+    assert pos.max() <= PROMPT + 3 and len(set(pos[0].tolist())) == budget
+    full.release()
+    small.release()
+
+
+def test_batch_of_four_generates_under_a_budget(session):
+    model = make_model()
+    ids = prompts(4, 32, seed=5)
+    cache = SidecarCache(session, model, policy="snapkv", budget=16)
+    out = _generate(model, ids, cache, steps=10)
+    assert out.sequences.shape == (4, 42)
+    assert cache.counts == [[16] * 3] * 4
+    # Each row is its own sequence: the same prompt alone gives the same tokens.
+    solo = SidecarCache(session, model, policy="snapkv", budget=16)
+    one = _generate(model, ids[2:3], solo, steps=10)
+    assert torch.equal(one.sequences[0], out.sequences[2])
+    cache.release()
+    solo.release()
+
+
+def test_sampling_with_a_fixed_seed(session):
+    model = make_model("qwen2")
+    ids = prompts(2, 24)
+    runs = []
+    for budget in (0, 0, 8):
+        cache = SidecarCache(session, model, policy="tova", budget=budget)
+        torch.manual_seed(123)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE: cache},
+                                 max_new_tokens=8, min_new_tokens=8, do_sample=True, top_k=20,
+                                 temperature=1.5, pad_token_id=0)
+        runs.append(out)
+        cache.release()
+    torch.manual_seed(123)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids),
+                             **{CACHE: DynamicCache(config=model.config)},
+                             max_new_tokens=8, min_new_tokens=8, do_sample=True, top_k=20,
+                             temperature=1.5, pad_token_id=0)
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], ref)
+    assert runs[2].shape == (2, 32)
+
+
+def test_unsupported_models_and_calls_are_named(session):
+    torch.manual_seed(0)
+    mistral = MistralForCausalLM(MistralConfig(**_common(sliding_window=16)))
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        SidecarCache(session, mistral)
+    qwen_sliding = Qwen2ForCausalLM(Qwen2Config(**_common(
+        use_sliding_window=True, sliding_window=16, max_window_layers=1)))
+    with pytest.raises(UnsupportedModelError, match="sliding_attention"):
+        SidecarCache(session, qwen_sliding)
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1,
+                                             num_heads=2, d_kv=8))
+    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
+        SidecarCache(session, t5)
+    bigger = LlamaForCausalLM(LlamaConfig(**dict(_common(), num_hidden_layers=4)))
+    with pytest.raises(UnsupportedModelError, match="does not match"):
+        SidecarCache(session, bigger)
+    model = make_model()
+    with pytest.raises(UnsupportedModelError, match="omnikv"):
+        SidecarCache(session, model, policy="omnikv")
+    # Padding (rows of unequal length) is refused before anything is committed.
+    ids = prompts(2, 16)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    cache = SidecarCache(session, model, policy="snapkv", budget=8)
+    with pytest.raises(UnsupportedModelError, match="padded"):
+        with torch.no_grad():
+            model(ids, attention_mask=mask, **{CACHE: cache}, use_cache=True)
+    cache.release()
+    # Beam search reorders the cache: refused by name.
+    cache = SidecarCache(session, model, policy="snapkv", budget=8)
+    with pytest.raises(UnsupportedModelError, match="beam search|num_beams"):
+        with torch.no_grad():
+            model.generate(ids[:1], **{CACHE: cache}, max_new_tokens=4, num_beams=2,
+                           pad_token_id=0)
+    cache.release()
+    # The model still runs with other caches after all of that.
+    with torch.no_grad():
+        model(ids, **{CACHE: DynamicCache(config=model.config)}, use_cache=True)
+
+
+@pytest.mark.parametrize("dtype,tol", [("fp16", 0.05), ("bf16", 0.5)])
+def test_half_precision_arena_reads_back_what_it_stored(server, monkeypatch, dtype, tol):
+    """fp16 / bf16 sessions: the model attends to its K/V rounded as stored (new tokens too),
+    read back from the arena bit for bit; logits stay close to the fp32 DynamicCache."""
+    model = make_model()
+    ids = prompts(1, 24)
+    recorder = _Recorder()
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", recorder)
+    with kvs.Client(server.address, timeout=60) as client, \
+            client.attach(layout_for(model, dtype), num_blocks=blocks_for(model, 64)) as s:
+        cache = SidecarCache(s, model, policy="keydiff", budget=0)
+        ref = DynamicCache(config=model.config)
+        with torch.no_grad():
+            a = model(ids, **{CACHE: cache}, use_cache=True).logits
+            b = model(ids, **{CACHE: ref}, use_cache=True).logits
+            assert float((a - b).abs().max()) <= tol
+            for step in range(3):
+                tok = a[:, -1:].argmax(-1)
+                cache.sync()
+                layout = s.get_layout(cache.sequence_ids[0])
+                stored = [s.read_layer(layout, layer) for layer in range(3)]
+                a = model(tok, **{CACHE: cache}, use_cache=True).logits
+                for layer in range(3):
+                    k = recorder.keys[layer][0]
+                    n = stored[layer].k.shape[1]
+                    want = torch.from_numpy(stored[layer].k.copy())
+                    want = want.view(torch.bfloat16) if dtype == "bf16" else want
+                    assert n == 24 + step and torch.equal(k[:, :n], want.float())
+                    # The new token is read as it will be stored.
+                    assert torch.equal(k[:, n:], k[:, n:].to(want.dtype).float())
+                b = model(tok, **{CACHE: ref}, use_cache=True).logits
+                assert float((a - b).abs().max()) <= tol
+        cache.release()
