@@ -203,6 +203,8 @@ def cmd_stage(build: Path, source: Path, stage: Path) -> int:
 
     git = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True,
                          text=True)
+    dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain",
+                            "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
     cache = {}
     for line in (build / "CMakeCache.txt").read_text().splitlines():
         m = re.match(r"^(CMAKE_BUILD_TYPE|KVS_WITH_CUDA|CMAKE_CUDA_ARCHITECTURES):[A-Z]+=(.*)$",
@@ -210,7 +212,7 @@ def cmd_stage(build: Path, source: Path, stage: Path) -> int:
         if m:
             cache[m.group(1)] = m.group(2)
     manifest = {
-        "commit": git.stdout.strip(),
+        "commit": git.stdout.strip() + ("-dirty" if dirty else ""),
         "build": cache,
         "programs": programs,
         "libs": sorted(libs),
