@@ -79,7 +79,8 @@ if [ "$wheel" = 1 ]; then
     --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$top/python" \
     "grpcio==$grpcio_version" "protobuf==$protobuf_version" >&2
-  unzip -l "$top/python"/kvsidecar-*.whl | grep -q 'kvsidecar/v1/sidecar_pb2_grpc.py' ||
+  contents=$(unzip -l "$top/python"/kvsidecar-*.whl)
+  grep -q 'kvsidecar/v1/sidecar_pb2_grpc.py' <<<"$contents" ||
     { echo "bundle.sh: the client wheel has no generated stubs" >&2; exit 1; }
 fi
 
