@@ -68,10 +68,10 @@ if [ ! -f "$archive" ]; then
   echo "no bundle at $archive (make it with deploy/gpu/bundle.sh; carry .gpu)" | tee "$env_log"
   exit 1
 fi
-case "$archive" in
-  *.xz) tar -C "$work" -xJf "$archive" ;;
-  *) tar -C "$work" -xf "$archive" ;;
-esac
+# tar's xz filter needs the xz program; Python's lzma where it is missing.
+tar -C "$work" -xf "$archive" 2>/dev/null ||
+  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+    "$archive" "$work" || { echo "cannot unpack $archive" | tee "$env_log"; exit 1; }
 bundle="$work/kvs-gpu-bundle"
 bin="$bundle/build"
 export root bundle bin work
@@ -87,10 +87,10 @@ if [ -z "$cublas_dir" ]; then
     [ -n "$f" ] && { cublas_dir=$(dirname "$f"); break; }
   done
 fi
-export cublas_dir LD_LIBRARY_PATH="$bundle/lib${cublas_dir:+:$cublas_dir}"
-# The server as a Python worker starts it: the bundle's libraries for it alone (torch keeps its own).
+# The bundle's programs get its libraries; nothing else does (python3 with torch keeps its own).
+export cublas_dir ld_path="$bundle/lib${cublas_dir:+:$cublas_dir}"
 mkdir -p "$work/bin"
-printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$LD_LIBRARY_PATH" \
+printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$ld_path" \
   "$bin/service/kvsidecar" >"$work/bin/kvsidecar"
 chmod +x "$work/bin/kvsidecar"
 
@@ -118,10 +118,12 @@ want machine && step "machine, bundle libraries" 40 "$env_log" env_info
 tests_log="$out/tests.log"
 want tests && step "CUDA parity, IPC, backend=auto" 100 "$tests_log" \
   python3 "$root/deploy/gpu/run_tests.py" "$bundle" "$root" --group parity --group ipc \
-  --group backend --jobs 4 --timeout 90 --fail-on-skip --log "$out/failures.log"
+  --group backend --jobs 4 --timeout 90 --fail-on-skip --library-path "$ld_path" \
+  --log "$out/failures.log"
 want suites && step "/cuda suites" 170 "$tests_log" \
   python3 "$root/deploy/gpu/run_tests.py" "$bundle" "$root" --group cuda_suite --jobs 8 \
-  --timeout 120 --deadline 160 --fail-on-skip --log "$out/failures.log"
+  --timeout 120 --deadline 160 --fail-on-skip --library-path "$ld_path" \
+  --log "$out/failures.log"
 
 # --- 3. Python CudaArena with torch ----------------------------------------------------------
 py_log="$out/python.log"
@@ -154,8 +156,8 @@ fi
 
 # --- 4. cuda_bench -------------------------------------------------------------------------------
 cuda_bench() {
-  "$bin/bench/cuda_bench" --benchmark_out="$work/cuda_bench.json" --benchmark_out_format=json ||
-    return 1
+  LD_LIBRARY_PATH=$ld_path "$bin/bench/cuda_bench" --benchmark_out="$work/cuda_bench.json" \
+    --benchmark_out_format=json || return 1
   # Google Benchmark exits 0 after a benchmark's SkipWithError: an error fails the step.
   ! grep -q '"error_occurred": true' "$work/cuda_bench.json"
 }
@@ -174,8 +176,8 @@ decode() {
   local backend rc=0
   for backend in cuda cpu; do
     echo "-- --backend=$backend"
-    KVS_BENCH_BACKEND=$backend KVS_SERVER_BINARY="$bin/service/kvsidecar" \
-      "$bin/bench/service_bench" --benchmark_filter='BM_DecodeStep' \
+    LD_LIBRARY_PATH=$ld_path KVS_BENCH_BACKEND=$backend \
+      KVS_SERVER_BINARY="$bin/service/kvsidecar" "$bin/bench/service_bench" --benchmark_filter='BM_DecodeStep' \
       --benchmark_out="$work/decode_$backend.json" --benchmark_out_format=json || rc=1
     ! grep -q '"error_occurred": true' "$work/decode_$backend.json" 2>/dev/null || rc=1
   done

@@ -4,7 +4,7 @@ ctest would on the build machine: same command, environment, working directory a
 build and source paths of that machine replaced by the bundle's and this checkout's.
 
   run_tests.py BUNDLE_DIR SOURCE_DIR [--group G ...] [--jobs N] [--timeout S] [--deadline S]
-               [--log FILE]
+               [--log FILE] [--fail-on-skip] [--library-path PATH]
 
 Prints one line per test (PASS / FAIL / SKIP / TIMEOUT / NOT RUN) and a summary
 `tests: <group> passed=.. failed=.. skipped=.. not_run=..`; the log gets the output of every test
@@ -24,8 +24,10 @@ import time
 from pathlib import Path
 
 
-def _env_for(entry, build: str, source: str):
+def _env_for(entry, build: str, source: str, library_path: str):
     env = dict(os.environ)
+    if library_path:
+        env["LD_LIBRARY_PATH"] = library_path
     sub = lambda v: v.replace("@BUILD@", build).replace("@SOURCE@", source)  # noqa: E731
     for key, value in entry["env"].items():
         env[key] = sub(value)
@@ -50,7 +52,7 @@ def _env_for(entry, build: str, source: str):
     return env
 
 
-def _run(entry, build: str, source: str, timeout: float, deadline: float):
+def _run(entry, build: str, source: str, library_path: str, timeout: float, deadline: float):
     sub = lambda v: v.replace("@BUILD@", build).replace("@SOURCE@", source)  # noqa: E731
     if time.monotonic() >= deadline:
         return entry, "NOT RUN", 0.0, "deadline reached before this test started\n"
@@ -59,7 +61,7 @@ def _run(entry, build: str, source: str, timeout: float, deadline: float):
     cwd = sub(entry.get("working_directory") or build)
     start = time.monotonic()
     try:
-        done = subprocess.run(command, cwd=cwd, env=_env_for(entry, build, source),
+        done = subprocess.run(command, cwd=cwd, env=_env_for(entry, build, source, library_path),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=limit)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace")
@@ -87,6 +89,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=120, help="per test, seconds")
     parser.add_argument("--deadline", type=float, default=1e9, help="whole run, seconds")
     parser.add_argument("--log", help="output of every test that did not pass")
+    parser.add_argument("--library-path", default="",
+                        help="LD_LIBRARY_PATH of the tests (default: the bundle's lib/)")
     parser.add_argument("--fail-on-skip", action="store_true",
                         help="a skipped test fails the run (on a GPU machine: no device found)")
     args = parser.parse_args()
@@ -99,7 +103,9 @@ def main() -> int:
     counts = {}
     log = open(args.log, "a") if args.log else None
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [pool.submit(_run, e, build, source, args.timeout, deadline) for e in entries]
+        library_path = args.library_path or str(bundle / "lib")
+        futures = [pool.submit(_run, e, build, source, library_path, args.timeout, deadline)
+                   for e in entries]
         for future in concurrent.futures.as_completed(futures):
             entry, result, seconds, out = future.result()
             group = counts.setdefault(entry["group"], {"PASS": 0, "FAIL": 0, "SKIP": 0,
