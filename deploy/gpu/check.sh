@@ -2,8 +2,12 @@
 # The one GPU-machine command: unpacks the bundle made by deploy/gpu/bundle.sh and, in under 8
 # minutes, runs every CUDA check of the project, writing logs and a figures table into $OUT.
 #
-# The device tool call (the bundle in .gpu/, made beforehand with deploy/gpu/bundle.sh):
-#   run(command="bash deploy/gpu/check.sh", carry=[".gpu"], timeout_s=540)
+# The device tool call (the bundle in .gpu/ of the checkout the call sends, made beforehand with
+# deploy/gpu/bundle.sh; about 21 MB, the 64 MiB the call carries includes the working tree):
+#   run(command="bash deploy/gpu/check.sh", carry=[".gpu"], timeout_s=510)
+# A rerun of failed steps only, while the machine is warm (see KVS_CHECK_ONLY below):
+#   run(command="KVS_CHECK_ONLY=suites,python bash deploy/gpu/check.sh", carry=[".gpu"],
+#       timeout_s=400)
 #
 # Steps, each under its own timeout (a hang costs that step only; a failure is recorded and the
 # next step runs):
