@@ -2,6 +2,9 @@
 // gRPC stubs and a shared-memory mapping of the arena (what a worker does):
 // - BM_DecodeCommit: one decode token for 64 sequences x 32 layers — BatchReserve, K/V written
 //   into the mapped arena, BatchCommit — with p50/p99 of the BatchCommit call and of the step.
+// - BM_DecodeStep: one DecodeStep of 64 sequences x 32 layers (K/V and the query inline, H2O at
+//   its budget, so every step scores and evicts in every layer), p50/p99, on the backend named by
+//   $KVS_BENCH_BACKEND (default cpu; cuda on a GPU machine, deploy/gpu/check.sh).
 // - BM_Append / BM_Export: inline K/V throughput in GB/s for 1, 2 and 4 MiB chunks, next to
 //   memcpy bandwidth measured in the same run.
 #include <benchmark/benchmark.h>
@@ -10,7 +13,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -52,11 +57,16 @@ struct Connection {
   pb::AttachResponse attach;
   uint8_t* arena = nullptr;
 
-  explicit Connection(int num_blocks) {
+  // `backend`: the server's --backend (empty = its default, cpu); a device backend exports no
+  // shared-memory arena, so nothing is mapped then (`arena` stays null).
+  explicit Connection(int num_blocks, const std::string& backend = "") {
     const uint64_t arena_bytes =
         static_cast<uint64_t>(num_blocks) * 2 * kKvHeads * kBlockTokens * kHeadDim * 2;
-    server = std::make_unique<ServerProcess>(std::vector<std::string>{
-        "--arena_capacity_bytes=" + std::to_string(arena_bytes + (64 << 20))});
+    // At least the server's default session size (256 MiB), which it checks against this.
+    const uint64_t capacity = std::max<uint64_t>(arena_bytes + (64 << 20), uint64_t{320} << 20);
+    std::vector<std::string> server_args = {"--arena_capacity_bytes=" + std::to_string(capacity)};
+    if (!backend.empty()) server_args.push_back("--backend=" + backend);
+    server = std::make_unique<ServerProcess>(server_args);
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);
     args.SetMaxSendMessageSize(64 << 20);
@@ -68,6 +78,7 @@ struct Connection {
     request.set_num_blocks(num_blocks);
     request.set_lease_ms(600000);
     Check(stub->Attach(&context, request, &attach), "Attach");
+    if (attach.arena().shm_path().empty()) return;
     const int fd = open(attach.arena().shm_path().c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) std::abort();
     void* base =
@@ -76,14 +87,18 @@ struct Connection {
     if (base == MAP_FAILED) std::abort();
     arena = static_cast<uint8_t*>(base);
   }
-  ~Connection() { munmap(arena, attach.arena().size_bytes()); }
+  ~Connection() {
+    if (arena != nullptr) munmap(arena, attach.arena().size_bytes());
+  }
 
-  void CreateSequence(const std::string& id) {
+  void CreateSequence(const std::string& id, const std::string& policy = "streaming_llm",
+                      int budget_tokens = 0) {
     grpc::ClientContext context;
     pb::CreateSequenceRequest request;
     request.set_session_id(attach.session_id());
     request.set_sequence_id(id);
-    request.mutable_policy()->set_name("streaming_llm");
+    request.mutable_policy()->set_name(policy);
+    if (budget_tokens > 0) request.mutable_budget()->set_tokens_per_layer(budget_tokens);
     pb::CreateSequenceResponse response;
     Check(stub->CreateSequence(&context, request, &response), "CreateSequence");
   }
@@ -179,6 +194,86 @@ BENCHMARK(BM_DecodeCommit)
     ->ArgName("sequences")
     ->Arg(64)
     ->Iterations(512)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+int EnvInt(const char* name, int fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr && value[0] != '\0' ? std::atoi(value) : fallback;
+}
+
+// One decode step of a batch as a worker on any backend sends it: per sequence the new token's
+// K/V ([L][2][H][1][D]) and its query ([L][Hq][1][D]) inline in one DecodeStep. H2O at its budget:
+// the step commits the token, scores it and every kept key with the query in every layer and
+// evicts one token per (layer, head). $KVS_BENCH_DECODE_SEQUENCES / _PREFILL shrink it (smoke
+// runs); the request size is reported, as loopback gRPC moves it at the BM_Append rate.
+void BM_DecodeStep(benchmark::State& state) {
+  const char* backend_env = std::getenv("KVS_BENCH_BACKEND");
+  const std::string backend = backend_env != nullptr ? backend_env : "cpu";
+  const int sequences = EnvInt("KVS_BENCH_DECODE_SEQUENCES", static_cast<int>(state.range(0)));
+  const int prefill = EnvInt("KVS_BENCH_DECODE_PREFILL", 512);  // = the budget
+  const int blocks = sequences * kLayers * (prefill / kBlockTokens + 2);
+  Connection connection(blocks, backend);
+  const uint64_t row_bytes = uint64_t{kHeadDim} * kDtypeBytes;
+  // Prefill: every sequence gets `prefill` tokens in one Append (H2O needs no attention until
+  // it is over budget).
+  std::vector<uint8_t> payload(uint64_t{kLayers} * 2 * kKvHeads * prefill * row_bytes);
+  for (size_t i = 0; i < payload.size(); i += 2) {
+    payload[i] = static_cast<uint8_t>(i * 2654435761u >> 24);
+    payload[i + 1] = 0x3c;  // fp16 values of magnitude ~1
+  }
+  for (int s = 0; s < sequences; ++s) {
+    const std::string id = "d" + std::to_string(s);
+    connection.CreateSequence(id, "h2o", prefill);
+    grpc::ClientContext context;
+    pb::AppendResponse response;
+    auto writer = connection.stub->Append(&context, &response);
+    pb::AppendChunk chunk;
+    chunk.mutable_header()->set_session_id(connection.attach.session_id());
+    chunk.mutable_header()->set_sequence_id(id);
+    chunk.mutable_header()->set_num_tokens(prefill);
+    chunk.mutable_header()->set_payload_bytes(payload.size());
+    writer->Write(chunk);
+    for (uint64_t offset = 0; offset < payload.size(); offset += 4 << 20) {
+      chunk.set_data(payload.data() + offset,
+                     std::min<uint64_t>(4 << 20, payload.size() - offset));
+      writer->Write(chunk);
+    }
+    writer->WritesDone();
+    Check(writer->Finish(), "Append (prefill)");
+  }
+  const std::string kv(uint64_t{kLayers} * 2 * kKvHeads * row_bytes, '\x3c');
+  std::string queries(uint64_t{kLayers} * kQHeads * row_bytes, '\0');
+  for (size_t i = 1; i < queries.size(); i += 2) queries[i] = static_cast<char>(0x30 + i % 7);
+  pb::DecodeStepRequest request;
+  for (int s = 0; s < sequences; ++s) {
+    auto* item = request.add_items();
+    item->set_session_id(connection.attach.session_id());
+    item->set_sequence_id("d" + std::to_string(s));
+    item->set_inline_kv(kv);
+    item->mutable_attention()->set_num_queries(1);
+    item->mutable_attention()->set_softmax_scale(0.08838834764f);
+    item->mutable_attention()->set_inline_queries(queries);
+  }
+  std::vector<double> step_us;
+  for (auto _ : state) {
+    grpc::ClientContext context;
+    pb::DecodeStepResponse response;
+    const auto start = Clock::now();
+    Check(connection.stub->DecodeStep(&context, request, &response), "DecodeStep");
+    step_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+    if (response.items_size() != sequences) std::abort();
+  }
+  state.SetLabel(backend);
+  state.counters["sequences"] = sequences;
+  state.counters["request_MiB"] = request.ByteSizeLong() / double(1 << 20);
+  state.counters["step_p50_us"] = Percentile(step_us, 0.50);
+  state.counters["step_p99_us"] = Percentile(step_us, 0.99);
+}
+BENCHMARK(BM_DecodeStep)
+    ->ArgName("sequences")
+    ->Arg(64)
+    ->Iterations(200)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
