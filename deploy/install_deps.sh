@@ -8,6 +8,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev librocksdb-dev libgtest-dev libgmock-dev libbenchmark-dev
   libyaml-cpp-dev libcpp-httplib-dev openssl
+  libcli11-dev
 )
 # tests/deploy: a venv for kubernetes-validate, and kubectl to render the Kubernetes manifests. Any
 # kubectl will do; Debian's kubernetes-client only when none is installed (another kubectl package
