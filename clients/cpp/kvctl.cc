@@ -102,7 +102,8 @@ constexpr char kFooter[] = R"(Commands:
 
 SIZE is a Kubernetes quantity, the same as in the sidecar's flags and YAML file: plain bytes, or
 Ki Mi Gi Ti Pi Ei (powers of 1024) or k M G T P E (powers of 1000); fractions that come to whole
-bytes are allowed (1.5Gi); KiB.. and KB.. are accepted as aliases of Ki.. and k...
+bytes are allowed (1.5Gi); KiB, MiB, ... and KB, MB, ... are accepted as aliases of Ki, Mi, ...
+and k, M, ... (GiB = 2^30, GB = 10^9).
 
 Environment: KVCTL_ADMIN (default of --admin), KVCTL_TOKEN (token when neither --token nor
 --token-file is given).
@@ -848,7 +849,6 @@ Output Health(Admin& admin, const std::string& service) {
 
 int Run(int argc, char** argv) {
   CLI::App app(kDescription, "kvctl");
-  app.footer(kFooter);
   app.set_version_flag("--version", VersionText(), "Print the version, git revision and build type");
   app.require_subcommand(1, 1);
   // Global flags may follow the command (`kvctl status --json`): a subcommand hands the flags it
@@ -984,6 +984,9 @@ int Run(int argc, char** argv) {
   health->callback([&] { action = [&](Admin& a) { return Health(a, service); }; });
   bool help_command = false;
   app.add_subcommand("help", "This text")->callback([&] { help_command = true; });
+  // After the subcommands: they copy their parent's footer when made, and `COMMAND --help` shows
+  // only that command.
+  app.footer(kFooter);
 
   try {
     app.parse(argc, argv);
