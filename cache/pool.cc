@@ -21,6 +21,27 @@ namespace kvs {
 namespace {
 // Debian's Abseil is built with its own string_view type, distinct from std::string_view.
 absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+// A sequence of a session that is spilled to the host or disk tier: where it is, and what it was
+// when it left the arena (Admin lists it with its own policy, budget and kept tokens; they do not
+// change until it is restored).
+struct SpilledSequenceInfo {
+  StorageTier tier = StorageTier::kHost;
+  PolicyConfig policy;
+  BudgetConfig budget;
+  std::vector<int32_t> tokens_per_layer;
+  absl::Time created;
+  absl::Time last_used;
+
+  static SpilledSequenceInfo Of(const Sequence& sequence, StorageTier tier) {
+    return {tier,
+            sequence.policy_config(),
+            sequence.budget(),
+            sequence.counts(),
+            sequence.created(),
+            sequence.last_used()};
+  }
+};
 }  // namespace
 
 // One attached worker: its arena cut into blocks, its sequences, its lease. Identity fields are
@@ -82,9 +103,10 @@ class Session {
   absl::Mutex mu;
   BlockAllocator allocator ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences ABSL_GUARDED_BY(mu);
-  // Sequences spilled out of the arena (KvPool::Spill) -> their tier. Their bytes live in
-  // PoolOptions::tiers under {tenant, id, sequence id}; they still count as the session's.
-  absl::flat_hash_map<std::string, StorageTier> spilled ABSL_GUARDED_BY(mu);
+  // Sequences spilled out of the arena (KvPool::Spill) -> their tier and what Admin lists of them.
+  // Their bytes live in PoolOptions::tiers under {tenant, id, sequence id}; they still count as
+  // the session's.
+  absl::flat_hash_map<std::string, SpilledSequenceInfo> spilled ABSL_GUARDED_BY(mu);
   // Stores / drops the pinned host-tier entries of this session's sequences (OmniKV's offloaded
   // prompt, retain_evicted chunks) under {tenant, id, ...}; empty without tiers. Set at Attach.
   HostPin host_pin;
@@ -629,8 +651,8 @@ absl::StatusOr<Reservation> KvPool::Reserve(std::string_view session_id,
               !options_.tiers->Put(StorageTier::kHost, key, *std::move(data)).ok()) {
             break;
           }
+          s.spilled[key.sequence_id] = SpilledSequenceInfo::Of(*victim, StorageTier::kHost);
           victim->Release(env);
-          s.spilled[key.sequence_id] = StorageTier::kHost;
           s.sequences.erase(key.sequence_id);
           ++spilled_on_pressure_;
           reservation = sequence.Reserve(env, s.next_reservation_id, num_tokens, positions, layers);
@@ -725,7 +747,9 @@ PoolStats KvPool::GetStats() const {
   for (const std::shared_ptr<Session>& session : sessions) {
     absl::MutexLock lock(&session->mu);
     if (session->dead) continue;
-    stats.sequences += static_cast<int32_t>(session->sequences.size());
+    stats.sequences +=
+        static_cast<int32_t>(session->sequences.size() + session->spilled.size());
+    stats.sequences_spilled += static_cast<int32_t>(session->spilled.size());
     stats.arena_bytes_used +=
         static_cast<uint64_t>(session->allocator.used_blocks()) * session->block_bytes;
   }
@@ -757,7 +781,8 @@ std::vector<SessionInfo> KvPool::ListSessions() const {
       absl::MutexLock lock(&session->mu);
       if (session->dead) continue;
       info.free_blocks = session->allocator.free_blocks();
-      info.sequences = static_cast<int32_t>(session->sequences.size());
+      info.sequences = static_cast<int32_t>(session->sequences.size() + session->spilled.size());
+      info.sequences_spilled = static_cast<int32_t>(session->spilled.size());
     }
     result.push_back(std::move(info));
   }
@@ -795,19 +820,26 @@ std::vector<SequenceInfo> KvPool::ListSequences(std::string_view session_id) con
       info.last_used = sequence->last_used();
       result.push_back(std::move(info));
     }
-    for (const auto& [id, tier] : session->spilled) {
+    for (const auto& [id, spilled_info] : session->spilled) {
       SequenceInfo info;
       info.session_id = session->id;
       info.sequence_id = id;
       info.tenant = session->tenant;
-      info.tier = tier;
+      // Policy, budget and kept tokens as they were when it left the arena (a spilled sequence
+      // does not change until it is restored).
+      info.policy = spilled_info.policy;
+      info.budget = spilled_info.budget;
+      info.tokens_per_layer = spilled_info.tokens_per_layer;
+      info.tier = spilled_info.tier;
+      info.created = spilled_info.created;
+      info.last_used = spilled_info.last_used;
       if (options_.tiers != nullptr) {
         if (std::optional<SpilledInfo> spilled =
                 options_.tiers->Find(SpillKey{session->tenant, session->id, id})) {
           info.tier = spilled->tier;  // the tiers may have demoted it since
           (spilled->tier == StorageTier::kHost ? info.host_bytes : info.disk_bytes) =
               spilled->bytes;
-          info.created = info.last_used = spilled->spilled;
+          info.last_used = spilled->spilled;
         }
       }
       result.push_back(std::move(info));
@@ -1297,10 +1329,10 @@ absl::StatusOr<SpillResult> KvPool::Spill(std::string_view session_id, std::stri
     // Already spilled: move it between the tiers (Put replaces the other tier's copy).
     KVS_ASSIGN_OR_RETURN(std::shared_ptr<const SpilledSequence> data, options_.tiers->Get(key));
     const uint64_t bytes = data->bytes();
-    if (spilled->second != target) {
+    if (spilled->second.tier != target) {
       KVS_RETURN_IF_ERROR(CheckTierQuota(session->tenant, target == StorageTier::kHost, bytes));
       KVS_RETURN_IF_ERROR(options_.tiers->Put(target, key, SpilledSequence(*data)));
-      spilled->second = target;
+      spilled->second.tier = target;
     }
     return SpillResult{target, bytes};
   }
@@ -1320,9 +1352,9 @@ absl::StatusOr<SpillResult> KvPool::Spill(std::string_view session_id, std::stri
   const uint64_t bytes = data.bytes();
   KVS_RETURN_IF_ERROR(CheckTierQuota(session->tenant, target == StorageTier::kHost, bytes));
   KVS_RETURN_IF_ERROR(options_.tiers->Put(target, key, std::move(data)));
+  session->spilled[key.sequence_id] = SpilledSequenceInfo::Of(*it->second, target);
   it->second->Release(env);
   session->sequences.erase(it);
-  session->spilled[key.sequence_id] = target;
   session->free_blocks_hint = session->allocator.free_blocks();
   return SpillResult{target, bytes};
 }
@@ -1393,7 +1425,7 @@ absl::StatusOr<SpillResult> KvPool::Restore(std::string_view session_id,
           absl::StrCat("sequence ", Sv(sequence_id), " not found in session ", session->id));
     }
     const std::optional<SpilledInfo> info = options_.tiers->Find(key);
-    const SpillResult result{info ? info->tier : spilled->second, info ? info->bytes : 0};
+    const SpillResult result{info ? info->tier : spilled->second.tier, info ? info->bytes : 0};
     KVS_RETURN_IF_ERROR(RestoreSpilledLocked(*session, sequence_id, *backend_, options_));
     return result;
   }

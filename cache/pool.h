@@ -270,7 +270,8 @@ struct SessionInfo {
   ModelLayout layout;
   int32_t num_blocks = 0;
   int32_t free_blocks = 0;
-  int32_t sequences = 0;
+  int32_t sequences = 0;          // in the arena and spilled
+  int32_t sequences_spilled = 0;  // of `sequences`, those in the host or disk tier
   absl::Time attached;
   absl::Time last_heartbeat;
   absl::Time lease_expires;
@@ -286,8 +287,8 @@ struct SequenceInfo {
   uint64_t arena_bytes = 0;
   absl::Time created;
   absl::Time last_used;
-  // A spilled sequence (KvPool::Spill) is listed with its tier and bytes there; its policy,
-  // budget and tokens_per_layer are then left empty (they are inside the spilled copy).
+  // A spilled sequence (KvPool::Spill) is listed with its tier and bytes there, and with the
+  // policy, budget and tokens_per_layer it had when it left the arena (unchanged since).
   StorageTier tier = StorageTier::kArena;
   uint64_t host_bytes = 0;
   uint64_t disk_bytes = 0;
@@ -301,7 +302,10 @@ struct SpillResult {
 
 struct PoolStats {
   int32_t sessions = 0;
+  // Sequences of attached sessions, in the arena and spilled (as counted for tenants' quotas);
+  // sequences_spilled of them are in the host or disk tier.
   int32_t sequences = 0;
+  int32_t sequences_spilled = 0;
   uint64_t arena_bytes_capacity = 0;
   uint64_t arena_bytes_reserved = 0;  // sum of session arenas
   uint64_t arena_bytes_used = 0;      // blocks in use * block bytes

@@ -8,6 +8,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev librocksdb-dev libgtest-dev libgmock-dev libbenchmark-dev
   libyaml-cpp-dev libcpp-httplib-dev openssl
+  libcli11-dev
 )
 # Prometheus metrics (service/metrics.h).
 packages+=(prometheus-cpp-dev)

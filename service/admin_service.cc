@@ -325,6 +325,7 @@ grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* co
     const PoolStats stats = pool_->GetStats();
     response->set_sessions(stats.sessions);
     response->set_sequences(stats.sequences);
+    response->set_sequences_spilled(stats.sequences_spilled);
     response->set_arena_bytes_capacity(stats.arena_bytes_capacity);
     response->set_arena_bytes_used(stats.arena_bytes_used);
     response->set_arena_bytes_reserved(stats.arena_bytes_reserved);

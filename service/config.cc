@@ -18,6 +18,7 @@
 #include "gpu/backend_factory.h"
 #include "gpu/base/status_macros.h"
 #include "service/convert.h"
+#include "service/quantity.h"
 #include "yaml-cpp/yaml.h"
 
 namespace kvs {
@@ -36,46 +37,7 @@ std::string YamlQuote(absl::string_view value) {
 }  // namespace
 
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text, absl::string_view flag) {
-  const absl::string_view trimmed = absl::StripAsciiWhitespace(text);
-  size_t digits = 0;
-  while (digits < trimmed.size() && absl::ascii_isdigit(trimmed[digits])) ++digits;
-  const absl::string_view number = trimmed.substr(0, digits);
-  const absl::string_view suffix = trimmed.substr(digits);
-  uint64_t value = 0;
-  if (number.empty() || !absl::SimpleAtoi(number, &value)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, " must be a byte size such as 1073741824, 1G or 256MiB, got '", text, "'"));
-  }
-  static const std::pair<absl::string_view, uint64_t> kSuffixes[] = {
-      {"", 1},
-      {"K", uint64_t{1} << 10},
-      {"Ki", uint64_t{1} << 10},
-      {"KiB", uint64_t{1} << 10},
-      {"M", uint64_t{1} << 20},
-      {"Mi", uint64_t{1} << 20},
-      {"MiB", uint64_t{1} << 20},
-      {"G", uint64_t{1} << 30},
-      {"Gi", uint64_t{1} << 30},
-      {"GiB", uint64_t{1} << 30},
-      {"T", uint64_t{1} << 40},
-      {"Ti", uint64_t{1} << 40},
-      {"TiB", uint64_t{1} << 40},
-      {"KB", 1000},
-      {"MB", 1000 * 1000},
-      {"GB", 1000 * 1000 * 1000},
-      {"TB", uint64_t{1000} * 1000 * 1000 * 1000},
-      {"B", 1}};
-  for (const auto& [name, multiplier] : kSuffixes) {
-    if (suffix != name) continue;
-    uint64_t bytes = 0;
-    if (__builtin_mul_overflow(value, multiplier, &bytes)) {
-      return absl::InvalidArgumentError(absl::StrCat(flag, " overflows 64 bits: '", text, "'"));
-    }
-    return bytes;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat(flag, " has an unknown size suffix '", suffix,
-                   "' (use K, M, G, T, KiB, MiB, GiB or KB, MB, GB)"));
+  return ParseQuantityBytes(text, flag);
 }
 
 absl::StatusOr<int64_t> ParseInteger(absl::string_view text, absl::string_view flag) {

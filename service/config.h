@@ -85,8 +85,8 @@ struct BackendChoice {
 };
 
 // Flag text parsers (main.cc takes numbers as strings so that a bad value gets a message naming
-// the flag and exit code 2). Byte sizes: plain bytes, or K/M/G/T (also Ki/KiB, Mi/MiB, ...) =
-// powers of 1024, KB/MB/GB/TB = powers of 1000; overflow is an error.
+// the flag and exit code 2). Byte sizes are Kubernetes quantities (service/quantity.h): Ki, Mi,
+// Gi, ... = powers of 1024, k, M, G, ... = powers of 1000, plain numbers = bytes.
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text, absl::string_view flag);
 absl::StatusOr<int64_t> ParseInteger(absl::string_view text, absl::string_view flag);
 

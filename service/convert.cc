@@ -449,6 +449,13 @@ absl::StatusOr<std::optional<PolicyConfig>> PolicyFromProto(const v1::PolicySpec
         prefix, "name",
         absl::StrCat("'", name, "' is not a known policy; known: ", ContractPolicyNames()));
   }
+  // Parameters of another policy are a mistake (a spec edited from another one), not something to
+  // ignore: they would silently fall back to the named policy's defaults.
+  if (!params_field.empty() && params_field != name) {
+    return Invalid(prefix, params_field,
+                   absl::StrCat("is set but ", prefix, "name is '", name, "': set ", prefix, name,
+                                " (or no parameters) for policy ", name));
+  }
   if (!IsImplementedPolicy(name)) {
     return absl::UnimplementedError(absl::StrCat(
         prefix, "name \"", name,
@@ -1156,6 +1163,7 @@ void SessionInfoToProto(const SessionInfo& info, v1::SessionInfo* out) {
   out->set_num_blocks(info.num_blocks);
   out->set_free_blocks(info.free_blocks);
   out->set_sequences(info.sequences);
+  out->set_sequences_spilled(info.sequences_spilled);
   out->set_attached_unix_ms(UnixMillisOf(info.attached));
   out->set_last_heartbeat_unix_ms(UnixMillisOf(info.last_heartbeat));
   out->set_lease_expires_unix_ms(UnixMillisOf(info.lease_expires));

@@ -21,7 +21,9 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
@@ -32,6 +34,7 @@
 #include "gpu/cpu/shm_arena.h"
 #include "service/config.h"
 #include "service/log.h"
+#include "service/build_info.h"
 #include "service/server.h"
 #include "storage/tier_manager.h"
 
@@ -42,11 +45,12 @@ ABSL_FLAG(std::string, admin_listen, "127.0.0.1:50052",
 ABSL_FLAG(std::string, data_dir, "./kvsidecar-data",
           "Directory for the sidecar's files (created if missing).");
 ABSL_FLAG(std::string, shm_dir, "/dev/shm", "Directory of the shared-memory arena files.");
-ABSL_FLAG(std::string, arena_capacity_bytes, "1G",
-          "Total bytes of all session arenas (e.g. 1073741824, 1G, 512MiB).");
-ABSL_FLAG(std::string, default_session_bytes, "256M",
+ABSL_FLAG(std::string, arena_capacity_bytes, "1Gi",
+          "Total bytes of all session arenas, a Kubernetes quantity: 1073741824, 1Gi (2^30), 1G "
+          "(10^9), 512Mi, 1.5Gi.");
+ABSL_FLAG(std::string, default_session_bytes, "256Mi",
           "Arena bytes of a session that asks for 0 blocks.");
-ABSL_FLAG(std::string, host_tier_bytes, "1G",
+ABSL_FLAG(std::string, host_tier_bytes, "1Gi",
           "Host-memory tier capacity for spilled sequences (Spill to TIER_HOST).");
 ABSL_FLAG(std::string, disk_tier_bytes, "0",
           "Disk (RocksDB, <data_dir>/rocksdb) tier capacity for spilled sequences; 0 = unlimited.");
@@ -87,6 +91,31 @@ ABSL_FLAG(std::string, tenant_tokens_file, "",
 namespace {
 
 constexpr int kExitBadFlags = 2;
+
+// --help and --helpshort list the flags of this file (Abseil's default looks for a file named
+// after the binary and finds none); --version names the release, the git revision it was built
+// from and the build type.
+void ConfigureUsage() {
+  absl::FlagsUsageConfig usage;
+  const auto ours = [](absl::string_view file) { return absl::EndsWith(file, "service/main.cc"); };
+  usage.contains_help_flags = ours;
+  usage.contains_helpshort_flags = ours;
+  usage.normalize_filename = [](absl::string_view file) {
+    const size_t at = file.rfind("service/");
+    return std::string(at == absl::string_view::npos ? file : file.substr(at));
+  };
+  usage.version_string = [] {
+    return absl::StrCat("kvsidecar ", KVS_VERSION, "\ngit revision: ", KVS_GIT_REVISION,
+                        "\nbuild type: ", KVS_BUILD_TYPE, "\n");
+  };
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage(
+      "owns the KV-cache memory of model workers and keeps sequences inside their budgets.\n\n"
+      "Usage: kvsidecar [--config=FILE.yaml] [--flag=value ...]\n\n"
+      "Flags given explicitly override the YAML file (deploy/kvsidecar.example.yaml). Byte sizes "
+      "are Kubernetes quantities: Ki, Mi, Gi, Ti (powers of 1024), k, M, G, T (powers of 1000), "
+      "plain numbers are bytes. --version prints the version, git revision and build type.");
+}
 
 int Fail(absl::string_view message, int code) {
   std::fprintf(stderr, "kvsidecar: %.*s\n", static_cast<int>(message.size()), message.data());
@@ -141,10 +170,7 @@ int main(int argc, char** argv) {
   // throughput; keep such buffers on the heap and keep up to 256 MiB of freed heap for reuse.
   mallopt(M_MMAP_THRESHOLD, 64 << 20);
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
-  absl::SetProgramUsageMessage(
-      "kvsidecar: owns the KV-cache memory of model workers and keeps sequences inside their "
-      "budgets.\nUsage: kvsidecar [--listen=127.0.0.1:50051] [--admin_listen=127.0.0.1:50052] "
-      "[--backend=auto] ...");
+  ConfigureUsage();
   if (std::string unknown = FirstUnknownFlag(argc, argv); !unknown.empty()) {
     return Fail(absl::StrCat("unknown flag --", unknown, " (see --help)"), kExitBadFlags);
   }

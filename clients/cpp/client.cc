@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -28,6 +29,7 @@ std::shared_ptr<grpc::Channel> OpenChannel(const std::string& target,
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
   args.SetMaxSendMessageSize(-1);
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
   auto credentials = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
   return grpc::CreateCustomChannel(target, credentials, args);
 }
@@ -48,14 +50,24 @@ void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
   context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }
 
-// One unary call with the client's deadline, the gRPC status converted at this edge.
+// The bearer token of `options`, if any, as the call's authorization metadata.
+void AddToken(grpc::ClientContext* context, const ClientOptions& options) {
+  if (!options.bearer_token.empty()) {
+    context->AddMetadata("authorization", absl::StrCat("Bearer ", options.bearer_token));
+  }
+}
+
+// One unary call with the client's deadline (or `timeout`) and token, the gRPC status converted
+// at this edge.
 template <typename StubT, typename Request, typename Response>
 absl::StatusOr<Response> Unary(StubT* stub,
                                grpc::Status (StubT::*method)(grpc::ClientContext*, const Request&,
                                                              Response*),
-                               const Request& request, absl::Duration timeout) {
+                               const Request& request, const ClientOptions& options,
+                               std::optional<absl::Duration> timeout = std::nullopt) {
   grpc::ClientContext context;
-  SetDeadline(&context, timeout);
+  SetDeadline(&context, timeout.value_or(options.rpc_timeout));
+  AddToken(&context, options);
   Response response;
   grpc::Status status = (stub->*method)(&context, request, &response);
   if (!status.ok()) return ToStatus(status);
@@ -208,6 +220,7 @@ Session::~Session() {
 
 void Session::PrepareContext(grpc::ClientContext* context) const {
   SetDeadline(context, options_.rpc_timeout);
+  AddToken(context, options_);
 }
 
 absl::Status Session::CheckAttached() const {
@@ -262,6 +275,7 @@ absl::Status Session::Start() {
   // server reclaims the session without waiting for the lease. Wait for the server to bind it so
   // that a caller that dies right after Attach is still reclaimed promptly.
   watch_context_ = std::make_unique<grpc::ClientContext>();
+  AddToken(watch_context_.get(), options_);
   watch_thread_ = std::thread([this] { WatchLoop(); });
   {
     absl::MutexLock lock(&mu_);
@@ -346,7 +360,7 @@ void Session::HeartbeatLoop() {
     // A heartbeat that arrives after the lease is useless, so its deadline is the lease.
     v1::HeartbeatRequest request;
     request.set_session_id(session_id());
-    auto response = Unary(stub_.get(), &v1::Sidecar::Stub::Heartbeat, request,
+    auto response = Unary(stub_.get(), &v1::Sidecar::Stub::Heartbeat, request, options_,
                           std::min(options_.rpc_timeout, absl::Milliseconds(lease_ms)));
     mu_.Lock();
     if (!response.ok() && !stopping_) health_ = response.status();
@@ -400,7 +414,7 @@ absl::StatusOr<v1::DetachResponse> Session::Detach() {
   if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
   v1::DetachRequest request;
   request.set_session_id(session_id());
-  auto response = Unary(stub_.get(), &v1::Sidecar::Stub::Detach, request, options_.rpc_timeout);
+  auto response = Unary(stub_.get(), &v1::Sidecar::Stub::Detach, request, options_);
   StopBackground();
   detached_.store(true);
   Unmap();
@@ -411,7 +425,7 @@ absl::StatusOr<v1::HeartbeatResponse> Session::Heartbeat() {
   KVS_RETURN_IF_ERROR(CheckAttached());
   v1::HeartbeatRequest request;
   request.set_session_id(session_id());
-  return Unary(stub_.get(), &v1::Sidecar::Stub::Heartbeat, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Heartbeat, request, options_);
 }
 
 absl::StatusOr<v1::CreateSequenceResponse> Session::CreateSequence(
@@ -428,7 +442,7 @@ absl::StatusOr<v1::CreateSequenceResponse> Session::CreateSequence(
     v1::CreateSequenceRequest request) {
   KVS_RETURN_IF_ERROR(CheckAttached());
   request.set_session_id(session_id());
-  return Unary(stub_.get(), &v1::Sidecar::Stub::CreateSequence, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::CreateSequence, request, options_);
 }
 
 absl::StatusOr<v1::ReleaseSequenceResponse> Session::ReleaseSequence(
@@ -437,7 +451,7 @@ absl::StatusOr<v1::ReleaseSequenceResponse> Session::ReleaseSequence(
   v1::ReleaseSequenceRequest request;
   request.set_session_id(session_id());
   request.set_sequence_id(sequence_id);
-  return Unary(stub_.get(), &v1::Sidecar::Stub::ReleaseSequence, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::ReleaseSequence, request, options_);
 }
 
 absl::StatusOr<Reservation> Session::Reserve(const std::string& sequence_id, int32_t num_tokens,
@@ -451,7 +465,7 @@ absl::StatusOr<Reservation> Session::Reserve(const std::string& sequence_id, int
   request.mutable_positions()->Add(positions.begin(), positions.end());
   request.mutable_layers()->Add(layers.begin(), layers.end());
   KVS_ASSIGN_OR_RETURN(v1::ReserveResponse response, Unary(stub_.get(), &v1::Sidecar::Stub::Reserve,
-                                                           request, options_.rpc_timeout));
+                                                           request, options_));
   return Reservation(sequence_id, std::move(response), geometry_);
 }
 
@@ -482,13 +496,13 @@ absl::StatusOr<v1::CommitResponse> Session::Commit(const Reservation& reservatio
   request.set_sequence_id(reservation.sequence_id());
   request.set_reservation_id(reservation.id());
   request.set_compress_if_over_budget(compress_if_over_budget);
-  return Unary(stub_.get(), &v1::Sidecar::Stub::Commit, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Commit, request, options_);
 }
 
 absl::StatusOr<v1::CommitResponse> Session::Commit(v1::CommitRequest request) {
   KVS_RETURN_IF_ERROR(CheckAttached());
   request.set_session_id(session_id());
-  return Unary(stub_.get(), &v1::Sidecar::Stub::Commit, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Commit, request, options_);
 }
 
 absl::Status Session::CancelReservation(const Reservation& reservation) {
@@ -497,7 +511,7 @@ absl::Status Session::CancelReservation(const Reservation& reservation) {
   request.set_session_id(session_id());
   request.set_sequence_id(reservation.sequence_id());
   request.set_reservation_id(reservation.id());
-  return Unary(stub_.get(), &v1::Sidecar::Stub::CancelReservation, request, options_.rpc_timeout)
+  return Unary(stub_.get(), &v1::Sidecar::Stub::CancelReservation, request, options_)
       .status();
 }
 
@@ -514,7 +528,7 @@ absl::StatusOr<std::vector<Reservation>> Session::BatchReserve(
   }
   KVS_ASSIGN_OR_RETURN(
       v1::BatchReserveResponse response,
-      Unary(stub_.get(), &v1::Sidecar::Stub::BatchReserve, request, options_.rpc_timeout));
+      Unary(stub_.get(), &v1::Sidecar::Stub::BatchReserve, request, options_));
   if (response.responses_size() != static_cast<int>(items.size())) {
     return absl::InternalError(absl::StrCat("BatchReserve answered ", response.responses_size(),
                                             " reservations for ", items.size(), " requests"));
@@ -540,7 +554,7 @@ absl::StatusOr<v1::BatchCommitResponse> Session::BatchCommit(
     entry->set_reservation_id(reservation.id());
     entry->set_compress_if_over_budget(compress_if_over_budget);
   }
-  return Unary(stub_.get(), &v1::Sidecar::Stub::BatchCommit, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::BatchCommit, request, options_);
 }
 
 absl::StatusOr<v1::AppendResponse> Session::Append(const AppendSegment& segment,
@@ -650,7 +664,7 @@ absl::StatusOr<v1::GetLayoutResponse> Session::GetLayout(const std::string& sequ
   request.set_sequence_id(sequence_id);
   request.mutable_layers()->Add(layers.begin(), layers.end());
   request.set_omit_positions(omit_positions);
-  return Unary(stub_.get(), &v1::Sidecar::Stub::GetLayout, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::GetLayout, request, options_);
 }
 
 absl::StatusOr<v1::CompressResponse> Session::Compress(const std::string& sequence_id,
@@ -666,7 +680,7 @@ absl::StatusOr<v1::CompressResponse> Session::Compress(const std::string& sequen
 absl::StatusOr<v1::CompressResponse> Session::Compress(v1::CompressRequest request) {
   KVS_RETURN_IF_ERROR(CheckAttached());
   request.set_session_id(session_id());
-  return Unary(stub_.get(), &v1::Sidecar::Stub::Compress, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Compress, request, options_);
 }
 
 absl::StatusOr<absl::Span<const uint8_t>> Session::ReadRow(const v1::GetLayoutResponse& layout,
@@ -734,7 +748,7 @@ absl::StatusOr<v1::BatchCompressResponse> Session::BatchCompress(v1::BatchCompre
   for (v1::CompressRequest& item : *request.mutable_requests()) {
     if (item.session_id().empty()) item.set_session_id(session_id());
   }
-  return Unary(stub_.get(), &v1::Sidecar::Stub::BatchCompress, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::BatchCompress, request, options_);
 }
 
 absl::StatusOr<v1::DecodeStepResponse> Session::DecodeStep(v1::DecodeStepRequest request) {
@@ -742,13 +756,13 @@ absl::StatusOr<v1::DecodeStepResponse> Session::DecodeStep(v1::DecodeStepRequest
   for (v1::DecodeStepRequest::Item& item : *request.mutable_items()) {
     if (item.session_id().empty()) item.set_session_id(session_id());
   }
-  return Unary(stub_.get(), &v1::Sidecar::Stub::DecodeStep, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::DecodeStep, request, options_);
 }
 
 absl::StatusOr<v1::ScoreResponse> Session::Score(v1::ScoreRequest request) {
   KVS_RETURN_IF_ERROR(CheckAttached());
   request.set_session_id(session_id());
-  return Unary(stub_.get(), &v1::Sidecar::Stub::Score, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Score, request, options_);
 }
 
 absl::StatusOr<v1::SelectResponse> Session::Select(v1::SelectRequest request) {
@@ -756,25 +770,25 @@ absl::StatusOr<v1::SelectResponse> Session::Select(v1::SelectRequest request) {
   for (v1::SelectRequest::Item& item : *request.mutable_items()) {
     if (item.session_id().empty()) item.set_session_id(session_id());
   }
-  return Unary(stub_.get(), &v1::Sidecar::Stub::Select, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Select, request, options_);
 }
 
 absl::StatusOr<v1::GetRetainedResponse> Session::GetRetained(v1::GetRetainedRequest request) {
   KVS_RETURN_IF_ERROR(CheckAttached());
   request.set_session_id(session_id());
-  return Unary(stub_.get(), &v1::Sidecar::Stub::GetRetained, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::GetRetained, request, options_);
 }
 
 absl::StatusOr<v1::SpillResponse> Session::Spill(v1::SpillRequest request) {
   KVS_RETURN_IF_ERROR(CheckAttached());
   request.set_session_id(session_id());
-  return Unary(stub_.get(), &v1::Sidecar::Stub::Spill, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Spill, request, options_);
 }
 
 absl::StatusOr<v1::RestoreResponse> Session::Restore(v1::RestoreRequest request) {
   KVS_RETURN_IF_ERROR(CheckAttached());
   request.set_session_id(session_id());
-  return Unary(stub_.get(), &v1::Sidecar::Stub::Restore, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Restore, request, options_);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -806,7 +820,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::ModelLayout& l
 absl::StatusOr<std::unique_ptr<Session>> Client::Attach(v1::AttachRequest request) {
   if (request.worker_name().empty()) request.set_worker_name(options_.worker_name);
   KVS_ASSIGN_OR_RETURN(v1::AttachResponse response, Unary(stub_.get(), &v1::Sidecar::Stub::Attach,
-                                                          request, options_.rpc_timeout));
+                                                          request, options_));
   std::unique_ptr<Session> session(new Session(channel_, stub_, options_, std::move(response)));
   absl::Status started = session->Start();
   if (!started.ok()) {
@@ -833,22 +847,22 @@ absl::StatusOr<std::unique_ptr<AdminClient>> AdminClient::Connect(const std::str
 
 absl::StatusOr<v1::GetConfigResponse> AdminClient::GetConfig() {
   return Unary(stub_.get(), &v1::Admin::Stub::GetConfig, v1::GetConfigRequest(),
-               options_.rpc_timeout);
+               options_);
 }
 
 absl::StatusOr<v1::SetDefaultsResponse> AdminClient::SetDefaults(
     const v1::SetDefaultsRequest& request) {
-  return Unary(stub_.get(), &v1::Admin::Stub::SetDefaults, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Admin::Stub::SetDefaults, request, options_);
 }
 
 absl::StatusOr<v1::SetQuotaResponse> AdminClient::SetQuota(const v1::SetQuotaRequest& request) {
-  return Unary(stub_.get(), &v1::Admin::Stub::SetQuota, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Admin::Stub::SetQuota, request, options_);
 }
 
 absl::StatusOr<v1::ListSessionsResponse> AdminClient::ListSessions(const std::string& tenant) {
   v1::ListSessionsRequest request;
   request.set_tenant(tenant);
-  return Unary(stub_.get(), &v1::Admin::Stub::ListSessions, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Admin::Stub::ListSessions, request, options_);
 }
 
 absl::StatusOr<v1::ListSequencesResponse> AdminClient::ListSequences(const std::string& session_id,
@@ -856,7 +870,7 @@ absl::StatusOr<v1::ListSequencesResponse> AdminClient::ListSequences(const std::
   v1::ListSequencesRequest request;
   request.set_session_id(session_id);
   request.set_tenant(tenant);
-  return Unary(stub_.get(), &v1::Admin::Stub::ListSequences, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Admin::Stub::ListSequences, request, options_);
 }
 
 absl::StatusOr<v1::ListSpilledResponse> AdminClient::ListSpilled(const std::string& tenant,
@@ -864,16 +878,22 @@ absl::StatusOr<v1::ListSpilledResponse> AdminClient::ListSpilled(const std::stri
   v1::ListSpilledRequest request;
   request.set_tenant(tenant);
   request.set_session_id(session_id);
-  return Unary(stub_.get(), &v1::Admin::Stub::ListSpilled, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Admin::Stub::ListSpilled, request, options_);
+}
+
+absl::StatusOr<v1::GetQuotasResponse> AdminClient::GetQuotas(const std::string& tenant) {
+  v1::GetQuotasRequest request;
+  request.set_tenant(tenant);
+  return Unary(stub_.get(), &v1::Admin::Stub::GetQuotas, request, options_);
 }
 
 absl::StatusOr<v1::GetStatsResponse> AdminClient::GetStats() {
   return Unary(stub_.get(), &v1::Admin::Stub::GetStats, v1::GetStatsRequest(),
-               options_.rpc_timeout);
+               options_);
 }
 
 absl::StatusOr<v1::DrainResponse> AdminClient::Drain() {
-  return Unary(stub_.get(), &v1::Admin::Stub::Drain, v1::DrainRequest(), options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Admin::Stub::Drain, v1::DrainRequest(), options_);
 }
 
 absl::StatusOr<v1::ForceReleaseResponse> AdminClient::ForceRelease(const std::string& session_id,
@@ -881,7 +901,7 @@ absl::StatusOr<v1::ForceReleaseResponse> AdminClient::ForceRelease(const std::st
   v1::ForceReleaseRequest request;
   request.set_session_id(session_id);
   request.set_sequence_id(sequence_id);
-  return Unary(stub_.get(), &v1::Admin::Stub::ForceRelease, request, options_.rpc_timeout);
+  return Unary(stub_.get(), &v1::Admin::Stub::ForceRelease, request, options_);
 }
 
 }  // namespace kvsidecar

@@ -1,12 +1,13 @@
 // kvctl: the operator's command line for the kvsidecar Admin service (status, list, show, set,
-// drain, release, config, health). Talks to the generated Admin stub directly so that it controls
-// the channel credentials (TLS, mutual TLS) and the per-call metadata (bearer token).
+// drain, release, config, health). Built on the C++ client library (kvsidecar::AdminClient) for
+// the calls, CLI11 for the command line, protobuf's JSON printer for --json and the project's one
+// byte-size parser (service/quantity.h: Kubernetes quantities) for sizes.
 //
 // Output: a readable table or text by default; with --json exactly one JSON document on stdout
-// whose keys are stable (the proto field names of admin.proto, snake_case; every field present,
-// also when zero; 64-bit integers as strings as in the proto3 JSON mapping).
+// whose keys are stable (admin.proto responses, or the documents of kvctl/output.proto; proto
+// field names, every field present also when zero, 64-bit integers as strings).
 //
-// Exit codes (scripts rely on them; keep in sync with kUsage and deploy/README.md):
+// Exit codes (scripts rely on them; keep in sync with kFooter and deploy/README.md):
 //   0  success
 //   1  the server answered with an error (the gRPC code and message are printed), or a condition
 //      the command checks was not met (health not SERVING, drain --wait timed out, no such
@@ -19,22 +20,22 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <optional>
-#include <set>
 #include <sstream>
 #include <string>
-#include <thread>
-#include <variant>
 #include <vector>
 
+#include "CLI/CLI.hpp"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -45,12 +46,17 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "google/protobuf/util/json_util.h"
-#include "kvsidecar/v1/admin.grpc.pb.h"
+#include "kvctl/output.pb.h"
+#include "kvsidecar/client.h"
+#include "kvsidecar/v1/admin.pb.h"
 #include "kvsidecar/v1/common.pb.h"
+#include "service/build_info.h"
+#include "service/quantity.h"
 
 namespace {
 
 namespace v1 = kvsidecar::v1;
+namespace doc = kvsidecar::kvctl;
 
 enum ExitCode : int {
   kExitOk = 0,
@@ -59,56 +65,48 @@ enum ExitCode : int {
   kExitCannotConnect = 3,
 };
 
-constexpr char kUsage[] = R"(kvctl: operate a kvsidecar through its Admin service.
+constexpr char kDescription[] = "kvctl: operate a kvsidecar through its Admin service.";
 
-Usage: kvctl [global flags] COMMAND [ARGS] [flags]
-
-Commands:
-  status                          tiers, tenants and sessions as tables
+constexpr char kFooter[] = R"(Commands:
+  status                          tiers, tenants, sessions and spilled sequences
   list sessions [--tenant=T]      one line per attached session
   list sequences [--tenant=T] [--session=S]
-                                  one line per sequence
+                                  one line per sequence (spilled ones with their tier)
   list quotas [--tenant=T]        tenants with a quota or sessions: quota and usage
   list spilled [--tenant=T] [--session=S]
                                   spilled copies in the host and disk tiers, those of ended
                                   sessions and earlier runs (ATTACHED no) and lost ones included
   show session ID                 one session and its sequences
   show sequence ID [--session=S]  one sequence (--session when the id is used in several sessions)
+  show config                     as `config`
   set budget N [--strict] [--prefill-block=N] [--per-layer=N1,N2,...] [--rebudget-tenant=T]
                                   default token budget (tokens per layer) of new sequences;
                                   --rebudget-tenant also compresses that tenant's sequences to it
   set policy NAME [--spec=JSON] [--rebudget-tenant=T]
                                   default policy of new sequences (streaming_llm, keydiff, h2o,
-                                  tova, snapkv, cake, d2o, caote, omnikv); --spec is a PolicySpec
-                                  in proto JSON for its parameters, e.g. '{"h2o":{"n_recent":64}}'
+                                  tova, snapkv, cake, d2o, caote); --spec is a PolicySpec in proto
+                                  JSON whose params must be NAME's, e.g. '{"h2o":{"n_recent":64}}'
   set quota TENANT [--arena=SIZE] [--host=SIZE] [--disk=SIZE] [--sequences=N]
                  [--rebudget [--rebudget-tokens=N]]
                                   replaces the tenant's quota (an omitted limit = 0 = unlimited;
-                                  all omitted removes the quota); SIZE is bytes with an optional
-                                  K, M, G or T suffix (binary); --rebudget allows a quota below
+                                  all omitted removes the quota); --rebudget allows a quota below
                                   current use by compressing the tenant's sequences to N tokens
                                   per layer (default: the default budget)
   drain [--wait] [--wait-timeout=SECONDS]
                                   stop accepting attaches; --wait polls until no session is left
   release session ID              force-release a session and all its sequences
   release sequence ID --session=S force-release one sequence
-  config                          the effective configuration (YAML; secrets redacted; also
-                                  `show config`)
+  config                          the effective configuration (YAML; secrets redacted)
   health [--service=NAME]         gRPC health check (grpc.health.v1) of --admin; exit 0 if SERVING
-  help                            this text
+  help                            this text (COMMAND --help: that command's flags)
 
-Global flags (anywhere on the line, --flag=value or --flag value):
-  --admin=HOST:PORT        Admin address (default 127.0.0.1:50052, or $KVCTL_ADMIN)
-  --json                   machine-readable output: one JSON document on stdout with stable keys
-                           (admin.proto field names; 64-bit integers as strings)
-  --timeout=SECONDS        deadline of each call (default 30)
-  --connect-timeout=SECONDS  how long to wait for the connection (default 5)
-  --token=TOKEN            admin bearer token, sent as "authorization: Bearer TOKEN"
-  --token-file=PATH        the token from a file (trailing whitespace trimmed), or $KVCTL_TOKEN
-  --tls                    TLS with the system's root certificates
-  --ca=PATH                TLS: trust these PEM root certificates (implies --tls)
-  --cert=PATH --key=PATH   mutual TLS: this client certificate chain and private key (PEM)
-  --server-name=NAME       TLS: expect this name in the server certificate
+SIZE is a Kubernetes quantity, the same as in the sidecar's flags and YAML file: plain bytes, or
+Ki Mi Gi Ti Pi Ei (powers of 1024) or k M G T P E (powers of 1000); fractions that come to whole
+bytes are allowed (1.5Gi); KiB, MiB, ... and KB, MB, ... are accepted as aliases of Ki, Mi, ...
+and k, M, ... (GiB = 2^30, GB = 10^9).
+
+Environment: KVCTL_ADMIN (default of --admin), KVCTL_TOKEN (token when neither --token nor
+--token-file is given).
 
 Exit codes:
   0  success
@@ -118,9 +116,15 @@ Exit codes:
   3  cannot connect to the server
 )";
 
-// ---------------------------------------------------------------------------------------------
-// Command line
+std::string VersionText() {
+  return absl::StrCat("kvctl ", KVS_VERSION, "\ngit revision: ", KVS_GIT_REVISION,
+                      "\nbuild type: ", KVS_BUILD_TYPE);
+}
 
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+// A malformed command line found after CLI11's parse (a value kvctl checks itself): exit 2.
 class UsageError {
  public:
   explicit UsageError(std::string message) : message_(std::move(message)) {}
@@ -130,157 +134,40 @@ class UsageError {
   std::string message_;
 };
 
-// Flags that take no value; every other flag needs one.
-const std::set<std::string>& BoolFlags() {
-  static const auto* flags =
-      new std::set<std::string>{"json", "tls", "help", "strict", "rebudget", "wait"};
-  return *flags;
-}
-const std::set<std::string>& GlobalFlags() {
-  static const auto* flags = new std::set<std::string>{
-      "admin", "json", "timeout", "connect-timeout", "token", "token-file", "tls",
-      "ca",    "cert", "key",     "server-name",     "help"};
-  return *flags;
-}
-const std::set<std::string>& AllFlags() {
-  static const auto* flags = [] {
-    auto* all = new std::set<std::string>(GlobalFlags());
-    for (const char* name : {"tenant", "session", "strict", "prefill-block", "per-layer",
-                             "rebudget-tenant", "spec", "arena", "host", "disk", "sequences",
-                             "rebudget", "rebudget-tokens", "wait", "wait-timeout", "service"}) {
-      all->insert(name);
-    }
-    return all;
-  }();
-  return *flags;
-}
-
-struct CommandLine {
-  std::map<std::string, std::string> flags;
-  std::vector<std::string> args;  // positional: command, subcommand, ids
-
-  bool Has(const std::string& name) const { return flags.count(name) > 0; }
-  std::string Get(const std::string& name, const std::string& fallback = "") const {
-    auto it = flags.find(name);
-    return it == flags.end() ? fallback : it->second;
-  }
-  bool Bool(const std::string& name) const {
-    auto it = flags.find(name);
-    return it != flags.end() && it->second != "false" && it->second != "0";
-  }
+// A command that failed: the server's error, an unreachable server or an unmet condition.
+struct Failure {
+  int exit_code;
+  std::string code;  // gRPC code name
+  std::string message;
 };
 
-CommandLine Parse(int argc, char** argv) {
-  CommandLine line;
-  bool only_positional = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (only_positional || arg.size() < 2 || arg[0] != '-') {
-      line.args.push_back(arg);
-      continue;
-    }
-    if (arg == "--") {
-      only_positional = true;
-      continue;
-    }
-    if (arg == "-h") arg = "--help";
-    if (arg.rfind("--", 0) != 0) throw UsageError(absl::StrCat("unknown flag ", arg));
-    std::string name = arg.substr(2);
-    std::optional<std::string> value;
-    if (const size_t eq = name.find('='); eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-    }
-    std::replace(name.begin(), name.end(), '_', '-');
-    if (AllFlags().count(name) == 0) throw UsageError(absl::StrCat("unknown flag --", name));
-    if (!value.has_value()) {
-      if (BoolFlags().count(name) > 0) {
-        value = "true";
-      } else if (i + 1 < argc) {
-        value = argv[++i];
-      } else {
-        throw UsageError(absl::StrCat("flag --", name, " needs a value"));
-      }
-    } else if (BoolFlags().count(name) > 0 && *value != "true" && *value != "false" &&
-               *value != "1" && *value != "0") {
-      throw UsageError(absl::StrCat("flag --", name, " takes no value (or true/false)"));
-    }
-    line.flags[name] = *value;
-  }
-  return line;
+Failure ServerFailure(const absl::Status& status) {
+  return Failure{kExitServerError, absl::StatusCodeToString(status.code()),
+                 std::string(status.message())};
 }
 
-// The command's own flags; anything else that is not global is a usage error.
-void AllowFlags(const CommandLine& line, const std::string& command,
-                std::initializer_list<const char*> allowed) {
-  std::set<std::string> ok(GlobalFlags());
-  for (const char* name : allowed) ok.insert(name);
-  for (const auto& [name, value] : line.flags) {
-    if (ok.count(name) == 0) {
-      throw UsageError(absl::StrCat("flag --", name, " does not apply to '", command, "'"));
-    }
-  }
+// The response of a call, or the command fails with the server's error.
+template <typename T>
+T Unwrap(absl::StatusOr<T> result) {
+  if (!result.ok()) throw ServerFailure(result.status());
+  return *std::move(result);
 }
 
-void ExpectArgs(const CommandLine& line, size_t count, const std::string& form) {
-  if (line.args.size() != count) {
-    throw UsageError(absl::StrCat(line.args.size() < count ? "missing argument" : "extra argument",
-                                  ": usage: kvctl ", form));
-  }
-}
+// ---------------------------------------------------------------------------------------------
+// Values kvctl checks itself
 
-int64_t ParseInt(const std::string& text, const std::string& what, int64_t min, int64_t max) {
-  int64_t value = 0;
-  if (!absl::SimpleAtoi(text, &value) || value < min || value > max) {
-    throw UsageError(
-        absl::StrCat(what, " must be an integer in [", min, ", ", max, "], got '", text, "'"));
+int32_t ParseInt32(const std::string& text, const std::string& what) {
+  int32_t value = 0;
+  if (!absl::SimpleAtoi(text, &value)) {
+    throw UsageError(absl::StrCat(what, " must be a whole number, got '", text, "'"));
   }
   return value;
 }
 
-double ParseSeconds(const std::string& text, const std::string& what) {
-  double value = 0;
-  if (!absl::SimpleAtod(text, &value) || !(value > 0) || value > 86400 * 365) {
-    throw UsageError(absl::StrCat(what, " must be a positive number of seconds, got '", text, "'"));
-  }
-  return value;
-}
-
-// "1073741824", "512M", "4Gi", "1.5G" (binary units).
 uint64_t ParseSize(const std::string& text, const std::string& what) {
-  std::string number = absl::AsciiStrToUpper(text);
-  uint64_t unit = 1;
-  if (absl::EndsWith(number, "IB")) {
-    number.resize(number.size() - 2);
-  } else if (absl::EndsWith(number, "I") || absl::EndsWith(number, "B")) {
-    number.resize(number.size() - 1);
-  }
-  if (!number.empty()) {
-    switch (number.back()) {
-      case 'K':
-        unit = 1ull << 10;
-        break;
-      case 'M':
-        unit = 1ull << 20;
-        break;
-      case 'G':
-        unit = 1ull << 30;
-        break;
-      case 'T':
-        unit = 1ull << 40;
-        break;
-      default:
-        break;
-    }
-    if (unit != 1) number.pop_back();
-  }
-  double value = 0;
-  if (number.empty() || !absl::SimpleAtod(number, &value) || value < 0 ||
-      value * static_cast<double>(unit) >= 1.8e19) {
-    throw UsageError(
-        absl::StrCat(what, " must be a byte size like 1073741824, 512M or 4G, got '", text, "'"));
-  }
-  return static_cast<uint64_t>(value * static_cast<double>(unit));
+  absl::StatusOr<uint64_t> bytes = kvs::ParseQuantityBytes(text, what);
+  if (!bytes.ok()) throw UsageError(std::string(bytes.status().message()));
+  return *bytes;
 }
 
 std::string ReadFileOrThrow(const std::string& path, const std::string& flag) {
@@ -289,80 +176,6 @@ std::string ReadFileOrThrow(const std::string& path, const std::string& flag) {
   std::stringstream buffer;
   buffer << in.rdbuf();
   return buffer.str();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Output helpers
-
-const char* CodeName(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK:
-      return "OK";
-    case grpc::StatusCode::CANCELLED:
-      return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN:
-      return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND:
-      return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS:
-      return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED:
-      return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED:
-      return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE:
-      return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED:
-      return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL:
-      return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE:
-      return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS:
-      return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return "UNAUTHENTICATED";
-    default:
-      return "UNKNOWN";
-  }
-}
-
-std::string JsonString(absl::string_view text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += absl::StrFormat("\\u%04x", static_cast<int>(static_cast<unsigned char>(c)));
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
 }
 
 // A proto message in the proto3 JSON mapping with the proto field names and every field present.
@@ -376,34 +189,8 @@ std::string ToJson(const google::protobuf::Message& message) {
   return out;
 }
 
-// Builds one JSON object from pre-rendered values, keys in insertion order.
-class JsonObject {
- public:
-  JsonObject& Raw(absl::string_view key, absl::string_view json) {
-    parts_.push_back(absl::StrCat(JsonString(key), ":", json));
-    return *this;
-  }
-  JsonObject& Str(absl::string_view key, absl::string_view value) {
-    return Raw(key, JsonString(value));
-  }
-  JsonObject& Int(absl::string_view key, int64_t value) { return Raw(key, absl::StrCat(value)); }
-  // 64-bit values as strings, as the proto3 JSON mapping does for the proto messages.
-  JsonObject& Int64(absl::string_view key, uint64_t value) {
-    return Raw(key, absl::StrCat("\"", value, "\""));
-  }
-  JsonObject& Bool(absl::string_view key, bool value) { return Raw(key, value ? "true" : "false"); }
-  JsonObject& Msg(absl::string_view key, const google::protobuf::Message& message) {
-    return Raw(key, ToJson(message));
-  }
-  std::string Render() const { return absl::StrCat("{", absl::StrJoin(parts_, ","), "}"); }
-
- private:
-  std::vector<std::string> parts_;
-};
-
-std::string JsonArray(const std::vector<std::string>& items) {
-  return absl::StrCat("[", absl::StrJoin(items, ","), "]");
-}
+// ---------------------------------------------------------------------------------------------
+// Display
 
 std::string HumanBytes(uint64_t bytes) {
   static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
@@ -510,120 +297,85 @@ class Table {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Connection and calls
+// Connection
 
-// A command that failed; `exit_code` is what kvctl exits with.
-struct Failure {
-  int exit_code;
-  std::string code;  // gRPC code name
-  std::string message;
+struct GlobalFlags {
+  std::string admin;
+  bool json = false;
+  double timeout = 30;
+  double connect_timeout = 5;
+  std::string token;
+  std::string token_file;
+  bool tls = false;
+  std::string ca;
+  std::string cert;
+  std::string key;
+  std::string server_name;
 };
 
+// The Admin client, connected on first use: a command's usage errors (checked before its first
+// call) never wait for a connection.
 class Admin {
  public:
-  explicit Admin(const CommandLine& line) : json_(line.Bool("json")) {
-    target_ = line.Get("admin", getenv("KVCTL_ADMIN") != nullptr && getenv("KVCTL_ADMIN")[0]
-                                    ? getenv("KVCTL_ADMIN")
-                                    : "127.0.0.1:50052");
-    if (target_.empty()) throw UsageError("--admin must not be empty");
-    timeout_ = ParseSeconds(line.Get("timeout", "30"), "--timeout");
-    connect_timeout_ = ParseSeconds(line.Get("connect-timeout", "5"), "--connect-timeout");
-    if (line.Has("token") && line.Has("token-file")) {
-      throw UsageError("give --token or --token-file, not both");
+  explicit Admin(const GlobalFlags& flags) {
+    target_ = flags.admin;
+    if (target_.empty()) {
+      const char* env = std::getenv("KVCTL_ADMIN");
+      target_ = env != nullptr && env[0] != '\0' ? env : "127.0.0.1:50052";
     }
-    if (line.Has("token")) {
-      token_ = line.Get("token");
-    } else if (line.Has("token-file")) {
-      token_ = std::string(absl::StripTrailingAsciiWhitespace(
-          ReadFileOrThrow(line.Get("token-file"), "token-file")));
-    } else if (const char* env = getenv("KVCTL_TOKEN"); env != nullptr) {
-      token_ = env;
+    connect_timeout_ = flags.connect_timeout;
+    options_.connect_timeout = absl::Milliseconds(static_cast<int64_t>(flags.connect_timeout * 1e3));
+    options_.rpc_timeout = absl::Milliseconds(static_cast<int64_t>(flags.timeout * 1e3));
+    if (!flags.token.empty()) {
+      options_.bearer_token = flags.token;
+    } else if (!flags.token_file.empty()) {
+      options_.bearer_token = std::string(absl::StripTrailingAsciiWhitespace(
+          ReadFileOrThrow(flags.token_file, "token-file")));
+    } else if (const char* env = std::getenv("KVCTL_TOKEN"); env != nullptr) {
+      options_.bearer_token = env;
     }
-    if (line.Has("token") && token_.empty()) throw UsageError("--token must not be empty");
-
-    const bool tls = line.Bool("tls") || line.Has("ca") || line.Has("cert") || line.Has("key");
-    if (line.Has("cert") != line.Has("key")) {
-      throw UsageError("mutual TLS needs both --cert and --key");
-    }
-    if (line.Has("server-name") && !tls) {
+    const bool tls = flags.tls || !flags.ca.empty() || !flags.cert.empty();
+    if (!flags.server_name.empty() && !tls) {
       throw UsageError("--server-name needs TLS (--tls or --ca)");
     }
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(64 << 20);
-    std::shared_ptr<grpc::ChannelCredentials> credentials;
     if (tls) {
       grpc::SslCredentialsOptions ssl;
-      if (line.Has("ca")) ssl.pem_root_certs = ReadFileOrThrow(line.Get("ca"), "ca");
-      if (line.Has("cert")) {
-        ssl.pem_cert_chain = ReadFileOrThrow(line.Get("cert"), "cert");
-        ssl.pem_private_key = ReadFileOrThrow(line.Get("key"), "key");
+      if (!flags.ca.empty()) ssl.pem_root_certs = ReadFileOrThrow(flags.ca, "ca");
+      if (!flags.cert.empty()) {
+        ssl.pem_cert_chain = ReadFileOrThrow(flags.cert, "cert");
+        ssl.pem_private_key = ReadFileOrThrow(flags.key, "key");
       }
-      credentials = grpc::SslCredentials(ssl);
-      if (line.Has("server-name")) args.SetSslTargetNameOverride(line.Get("server-name"));
-    } else {
-      credentials = grpc::InsecureChannelCredentials();
+      options_.credentials = grpc::SslCredentials(ssl);
+      options_.tls_server_name = flags.server_name;
     }
-    channel_ = grpc::CreateCustomChannel(target_, credentials, args);
-    stub_ = v1::Admin::NewStub(channel_);
   }
 
-  bool json() const { return json_; }
-  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
-
-  // Waits up to --connect-timeout for the channel, once, before the first call; if it does not
-  // become ready, that and every later call fail at once with exit code 3. Lazy, so that a
-  // command's usage errors (checked before its first call) never wait for a connection.
-  const std::optional<Failure>& Connect() {
-    if (connected_) return unreachable_;
-    connected_ = true;
-    const auto deadline = std::chrono::system_clock::now() +
-                          std::chrono::milliseconds(static_cast<int64_t>(connect_timeout_ * 1000));
-    if (channel_->WaitForConnected(deadline)) return unreachable_;
-    unreachable_ = Failure{kExitCannotConnect, "UNAVAILABLE",
-                           absl::StrFormat("cannot connect to %s within %gs (is the server "
-                                           "running, and are the TLS settings right?)",
-                                           target_, connect_timeout_)};
-    return unreachable_;
+  kvsidecar::AdminClient& client() {
+    if (client_ != nullptr) return *client_;
+    absl::StatusOr<std::unique_ptr<kvsidecar::AdminClient>> client =
+        kvsidecar::AdminClient::Connect(target_, options_);
+    if (!client.ok()) {
+      if (client.status().code() != absl::StatusCode::kUnavailable) {
+        throw ServerFailure(client.status());
+      }
+      throw Failure{kExitCannotConnect, "UNAVAILABLE",
+                    absl::StrFormat("cannot connect to %s within %gs (is the server running, and "
+                                    "are the TLS settings right?)",
+                                    target_, connect_timeout_)};
+    }
+    client_ = *std::move(client);
+    return *client_;
   }
 
-  void Prepare(grpc::ClientContext* context) const {
-    context->set_deadline(std::chrono::system_clock::now() +
-                          std::chrono::milliseconds(static_cast<int64_t>(timeout_ * 1000)));
-    if (!token_.empty()) context->AddMetadata("authorization", absl::StrCat("Bearer ", token_));
-  }
-
-  // One unary Admin call; a failure carries the server's code and message.
-  template <typename Request, typename Response>
-  std::optional<Failure> Call(grpc::Status (v1::Admin::Stub::*method)(grpc::ClientContext*,
-                                                                      const Request&, Response*),
-                              const Request& request, Response* response) {
-    if (Connect().has_value()) return unreachable_;
-    grpc::ClientContext context;
-    Prepare(&context);
-    const grpc::Status status = (stub_.get()->*method)(&context, request, response);
-    if (status.ok()) return std::nullopt;
-    return Failure{kExitServerError, CodeName(status.error_code()), status.error_message()};
-  }
+  const std::shared_ptr<grpc::Channel>& channel() { return client().channel(); }
+  const kvsidecar::ClientOptions& options() const { return options_; }
 
  private:
-  bool json_;
   std::string target_;
-  double timeout_ = 30;
   double connect_timeout_ = 5;
-  std::string token_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Admin::Stub> stub_;
-  bool connected_ = false;  // Connect() has run
-  std::optional<Failure> unreachable_;
+  kvsidecar::ClientOptions options_;
+  std::unique_ptr<kvsidecar::AdminClient> client_;
 };
-
-#define KVCTL_CALL(admin, method, request, response)                                  \
-  do {                                                                                \
-    if (auto failure = (admin).Call(&v1::Admin::Stub::method, (request), (response)); \
-        failure.has_value()) {                                                        \
-      return *failure;                                                                \
-    }                                                                                 \
-  } while (0)
 
 // What a command prints: `text` for people, `json` for --json.
 struct Output {
@@ -631,15 +383,18 @@ struct Output {
   std::string json;
 };
 
-using Result = std::variant<Output, Failure>;
-
 // ---------------------------------------------------------------------------------------------
 // Commands
+
+std::string SequencesText(int32_t sequences, int32_t spilled) {
+  return spilled > 0 ? absl::StrCat(sequences, " (", spilled, " spilled)")
+                     : absl::StrCat(sequences);
+}
 
 void SessionRow(const v1::SessionInfo& s, Table* table) {
   table->Add({s.session_id(), s.tenant(), s.worker_name().empty() ? "-" : s.worker_name(),
               absl::StrCat(s.num_blocks() - s.free_blocks(), "/", s.num_blocks()),
-              absl::StrCat(s.sequences()), Age(s.attached_unix_ms()),
+              SequencesText(s.sequences(), s.sequences_spilled()), Age(s.attached_unix_ms()),
               Age(s.last_heartbeat_unix_ms()), Until(s.lease_expires_unix_ms())});
 }
 Table SessionTable() {
@@ -688,17 +443,12 @@ void TenantRow(const v1::TenantQuota& tenant, Table* table) {
            : "none"});
 }
 
-Result Status(const CommandLine& line, Admin& admin) {
-  AllowFlags(line, "status", {});
-  ExpectArgs(line, 1, "status");
-  v1::GetStatsResponse stats;
-  KVCTL_CALL(admin, GetStats, v1::GetStatsRequest(), &stats);
-  v1::GetConfigResponse config;
-  KVCTL_CALL(admin, GetConfig, v1::GetConfigRequest(), &config);
-  v1::ListSessionsResponse sessions;
-  KVCTL_CALL(admin, ListSessions, v1::ListSessionsRequest(), &sessions);
-  v1::ListSequencesResponse sequences;
-  KVCTL_CALL(admin, ListSequences, v1::ListSequencesRequest(), &sequences);
+Output Status(Admin& admin) {
+  kvsidecar::AdminClient& client = admin.client();
+  const v1::GetStatsResponse stats = Unwrap(client.GetStats());
+  const v1::GetConfigResponse config = Unwrap(client.GetConfig());
+  const v1::ListSessionsResponse sessions = Unwrap(client.ListSessions());
+  const v1::ListSequencesResponse sequences = Unwrap(client.ListSequences());
 
   // Tenants: the server's accounting (quota and usage) where it has it; tenants it does not list
   // but that hold sessions get their usage summed from the lists.
@@ -737,28 +487,33 @@ Result Status(const CommandLine& line, Admin& admin) {
                   BudgetText(config.default_budget()), "\n");
   absl::StrAppend(&t, "uptime: ", Duration(stats.uptime_ms()),
                   "   backend healthy: ", stats.backend_healthy() ? "yes" : "no", "\n");
-  absl::StrAppend(&t, "sessions: ", stats.sessions(), "   sequences: ", stats.sequences(),
+  absl::StrAppend(&t, "sessions: ", stats.sessions(),
+                  "   sequences: ", SequencesText(stats.sequences(), stats.sequences_spilled()),
                   "   reclaimed: ", stats.sessions_reclaimed(),
                   "   arena reserved: ", HumanBytes(stats.arena_bytes_reserved()), "\n");
   absl::StrAppend(&t, "tokens: kept ", stats.tokens_kept(), ", appended ", stats.tokens_appended(),
                   ", evicted ", stats.tokens_evicted(), ", merged ", stats.tokens_merged(),
                   "\n\nTIERS\n");
+  doc::StatusDocument document;
+  const auto add_tier = [&](const std::string& name, uint64_t used, uint64_t capacity) {
+    doc::StatusDocument::Tier* tier = document.add_tiers();
+    tier->set_tier(name);
+    tier->set_used_bytes(used);
+    tier->set_capacity_bytes(capacity);
+  };
+  add_tier("arena", stats.arena_bytes_used(), stats.arena_bytes_capacity());
+  add_tier("host", stats.host_bytes_used(), stats.host_bytes_capacity());
+  add_tier("disk", stats.disk_bytes_used(), stats.disk_bytes_capacity());
   Table tiers({"TIER", "USED", "CAPACITY", "USE%"});
-  const auto capacity = [](uint64_t bytes) {
-    return bytes == 0 ? std::string("-") : HumanBytes(bytes);
-  };
-  const auto percent = [](uint64_t used, uint64_t capacity) {
-    return capacity == 0 ? std::string("-")
-                         : absl::StrFormat("%.1f%%", 100.0 * static_cast<double>(used) /
-                                                         static_cast<double>(capacity));
-  };
-  tiers.Add({"arena", HumanBytes(stats.arena_bytes_used()),
-             HumanBytes(stats.arena_bytes_capacity()),
-             percent(stats.arena_bytes_used(), stats.arena_bytes_capacity())});
-  tiers.Add({"host", HumanBytes(stats.host_bytes_used()), capacity(stats.host_bytes_capacity()),
-             percent(stats.host_bytes_used(), stats.host_bytes_capacity())});
-  tiers.Add({"disk", HumanBytes(stats.disk_bytes_used()), capacity(stats.disk_bytes_capacity()),
-             percent(stats.disk_bytes_used(), stats.disk_bytes_capacity())});
+  for (const doc::StatusDocument::Tier& tier : document.tiers()) {
+    const uint64_t used = tier.used_bytes();
+    const uint64_t capacity = tier.capacity_bytes();
+    tiers.Add({tier.tier(), HumanBytes(used),
+               capacity == 0 ? std::string("-") : HumanBytes(capacity),
+               capacity == 0 ? std::string("-")
+                             : absl::StrFormat("%.1f%%", 100.0 * static_cast<double>(used) /
+                                                             static_cast<double>(capacity))});
+  }
   absl::StrAppend(&t, tiers.Render(), "\nTENANTS\n");
   Table tenant_table = TenantTable();
   for (const auto& [name, tenant] : tenants) TenantRow(tenant, &tenant_table);
@@ -766,104 +521,57 @@ Result Status(const CommandLine& line, Admin& admin) {
   Table session_table = SessionTable();
   for (const auto& s : sessions.sessions()) SessionRow(s, &session_table);
   absl::StrAppend(&t, session_table.Render());
+  // Which sequences are out of the arena (counted above, listed here).
+  Table spilled({"SESSION", "SEQUENCE", "TENANT", "TIER", "BYTES"});
+  for (const v1::SequenceInfo& s : sequences.sequences()) {
+    if (s.tier() != v1::TIER_HOST && s.tier() != v1::TIER_DISK) continue;
+    spilled.Add({s.session_id(), s.sequence_id(), s.tenant(), TierName(s.tier()),
+                 HumanBytes(s.host_bytes() + s.disk_bytes())});
+  }
+  absl::StrAppend(&t, "\nSPILLED SEQUENCES\n", spilled.Render());
 
-  std::vector<std::string> tier_json = {JsonObject()
-                                            .Str("tier", "arena")
-                                            .Int64("used_bytes", stats.arena_bytes_used())
-                                            .Int64("capacity_bytes", stats.arena_bytes_capacity())
-                                            .Render(),
-                                        JsonObject()
-                                            .Str("tier", "host")
-                                            .Int64("used_bytes", stats.host_bytes_used())
-                                            .Int64("capacity_bytes", stats.host_bytes_capacity())
-                                            .Render(),
-                                        JsonObject()
-                                            .Str("tier", "disk")
-                                            .Int64("used_bytes", stats.disk_bytes_used())
-                                            .Int64("capacity_bytes", stats.disk_bytes_capacity())
-                                            .Render()};
-  std::vector<std::string> tenant_json;
-  for (const auto& [name, tenant] : tenants) tenant_json.push_back(ToJson(tenant));
-  std::vector<std::string> session_json;
-  for (const auto& s : sessions.sessions()) session_json.push_back(ToJson(s));
-  out.json = JsonObject()
-                 .Msg("stats", stats)
-                 .Str("backend", config.backend())
-                 .Str("backend_reason", config.backend_reason())
-                 .Msg("default_policy", config.default_policy())
-                 .Msg("default_budget", config.default_budget())
-                 .Raw("tiers", JsonArray(tier_json))
-                 .Raw("tenants", JsonArray(tenant_json))
-                 .Raw("sessions", JsonArray(session_json))
-                 .Render();
+  *document.mutable_stats() = stats;
+  document.set_backend(config.backend());
+  document.set_backend_reason(config.backend_reason());
+  *document.mutable_default_policy() = config.default_policy();
+  *document.mutable_default_budget() = config.default_budget();
+  for (const auto& [name, tenant] : tenants) *document.add_tenants() = tenant;
+  *document.mutable_sessions() = sessions.sessions();
+  out.json = ToJson(document);
   return out;
 }
 
-Result List(const CommandLine& line, Admin& admin) {
-  if (line.args.size() < 2) {
-    throw UsageError("usage: kvctl list sessions|sequences|quotas|spilled");
+Output ListSessions(Admin& admin, const std::string& tenant) {
+  const v1::ListSessionsResponse response = Unwrap(admin.client().ListSessions(tenant));
+  Table table = SessionTable();
+  for (const auto& s : response.sessions()) SessionRow(s, &table);
+  return {table.Render(), ToJson(response)};
+}
+
+Output ListSequences(Admin& admin, const std::string& tenant, const std::string& session) {
+  const v1::ListSequencesResponse response =
+      Unwrap(admin.client().ListSequences(session, tenant));
+  Table table = SequenceTable();
+  for (const auto& s : response.sequences()) SequenceRow(s, &table);
+  return {table.Render(), ToJson(response)};
+}
+
+Output ListQuotas(Admin& admin, const std::string& tenant) {
+  const v1::GetQuotasResponse response = Unwrap(admin.client().GetQuotas(tenant));
+  Table table = TenantTable();
+  for (const auto& t : response.tenants()) TenantRow(t, &table);
+  return {table.Render(), ToJson(response)};
+}
+
+Output ListSpilled(Admin& admin, const std::string& tenant, const std::string& session) {
+  const v1::ListSpilledResponse response = Unwrap(admin.client().ListSpilled(tenant, session));
+  Table table({"SESSION", "SEQUENCE", "TENANT", "TIER", "BYTES", "SPILLED", "ATTACHED", "LOST"});
+  for (const v1::SpilledCopy& copy : response.copies()) {
+    table.Add({copy.session_id(), copy.sequence_id(), copy.tenant(), TierName(copy.tier()),
+               HumanBytes(copy.bytes()), Age(copy.spilled_unix_ms()),
+               copy.session_attached() ? "yes" : "no", copy.lost().empty() ? "-" : copy.lost()});
   }
-  Output out;
-  if (line.args[1] == "sessions") {
-    AllowFlags(line, "list sessions", {"tenant"});
-    ExpectArgs(line, 2, "list sessions [--tenant=T]");
-    v1::ListSessionsRequest request;
-    request.set_tenant(line.Get("tenant"));
-    v1::ListSessionsResponse response;
-    KVCTL_CALL(admin, ListSessions, request, &response);
-    Table table = SessionTable();
-    for (const auto& s : response.sessions()) SessionRow(s, &table);
-    out.text = table.Render();
-    out.json = ToJson(response);
-    return out;
-  }
-  if (line.args[1] == "sequences") {
-    AllowFlags(line, "list sequences", {"tenant", "session"});
-    ExpectArgs(line, 2, "list sequences [--tenant=T] [--session=S]");
-    v1::ListSequencesRequest request;
-    request.set_tenant(line.Get("tenant"));
-    request.set_session_id(line.Get("session"));
-    v1::ListSequencesResponse response;
-    KVCTL_CALL(admin, ListSequences, request, &response);
-    Table table = SequenceTable();
-    for (const auto& s : response.sequences()) SequenceRow(s, &table);
-    out.text = table.Render();
-    out.json = ToJson(response);
-    return out;
-  }
-  if (line.args[1] == "quotas") {
-    AllowFlags(line, "list quotas", {"tenant"});
-    ExpectArgs(line, 2, "list quotas [--tenant=T]");
-    v1::GetQuotasRequest request;
-    request.set_tenant(line.Get("tenant"));
-    v1::GetQuotasResponse response;
-    KVCTL_CALL(admin, GetQuotas, request, &response);
-    Table table = TenantTable();
-    for (const auto& tenant : response.tenants()) TenantRow(tenant, &table);
-    out.text = table.Render();
-    out.json = ToJson(response);
-    return out;
-  }
-  if (line.args[1] == "spilled") {
-    AllowFlags(line, "list spilled", {"tenant", "session"});
-    ExpectArgs(line, 2, "list spilled [--tenant=T] [--session=S]");
-    v1::ListSpilledRequest request;
-    request.set_tenant(line.Get("tenant"));
-    request.set_session_id(line.Get("session"));
-    v1::ListSpilledResponse response;
-    KVCTL_CALL(admin, ListSpilled, request, &response);
-    Table table({"SESSION", "SEQUENCE", "TENANT", "TIER", "BYTES", "SPILLED", "ATTACHED", "LOST"});
-    for (const v1::SpilledCopy& copy : response.copies()) {
-      table.Add({copy.session_id(), copy.sequence_id(), copy.tenant(), TierName(copy.tier()),
-                 HumanBytes(copy.bytes()), Age(copy.spilled_unix_ms()),
-                 copy.session_attached() ? "yes" : "no", copy.lost().empty() ? "-" : copy.lost()});
-    }
-    out.text = table.Render();
-    out.json = ToJson(response);
-    return out;
-  }
-  throw UsageError(
-      absl::StrCat("cannot list '", line.args[1], "': use sessions, sequences, quotas or spilled"));
+  return {table.Render(), ToJson(response)};
 }
 
 std::string SequenceDetail(const v1::SequenceInfo& s) {
@@ -882,83 +590,60 @@ std::string SequenceDetail(const v1::SequenceInfo& s) {
   return t;
 }
 
-Result Config(const CommandLine& line, Admin& admin);
-
-Result Show(const CommandLine& line, Admin& admin) {
-  if (line.args.size() < 2) throw UsageError("usage: kvctl show session|sequence ID");
-  if (line.args[1] == "config") {  // alias of `kvctl config`
-    CommandLine rest = line;
-    rest.args.erase(rest.args.begin());
-    return Config(rest, admin);
+Output ShowSession(Admin& admin, const std::string& id) {
+  const v1::ListSessionsResponse sessions = Unwrap(admin.client().ListSessions());
+  const v1::SessionInfo* found = nullptr;
+  for (const auto& s : sessions.sessions()) {
+    if (s.session_id() == id) found = &s;
   }
+  if (found == nullptr) {
+    throw Failure{kExitServerError, "NOT_FOUND", absl::StrCat("no session '", id, "'")};
+  }
+  const v1::ListSequencesResponse sequences = Unwrap(admin.client().ListSequences(id));
+  const auto& s = *found;
+  const v1::ModelLayout& layout = s.layout();
   Output out;
-  if (line.args[1] == "session") {
-    AllowFlags(line, "show session", {});
-    ExpectArgs(line, 3, "show session ID");
-    const std::string& id = line.args[2];
-    v1::ListSessionsResponse sessions;
-    KVCTL_CALL(admin, ListSessions, v1::ListSessionsRequest(), &sessions);
-    const v1::SessionInfo* found = nullptr;
-    for (const auto& s : sessions.sessions()) {
-      if (s.session_id() == id) found = &s;
-    }
-    if (found == nullptr) {
-      return Failure{kExitServerError, "NOT_FOUND", absl::StrCat("no session '", id, "'")};
-    }
-    v1::ListSequencesRequest request;
-    request.set_session_id(id);
-    v1::ListSequencesResponse sequences;
-    KVCTL_CALL(admin, ListSequences, request, &sequences);
-    const auto& s = *found;
-    const v1::ModelLayout& layout = s.layout();
-    absl::StrAppend(&out.text, "session:    ", s.session_id(), "\ntenant:     ", s.tenant(),
-                    "\nworker:     ", s.worker_name().empty() ? "-" : s.worker_name(),
-                    "\nlayout:     ", layout.num_layers(), " layers, ", layout.num_kv_heads(),
-                    " kv heads, ", layout.num_q_heads(), " q heads, head_dim ", layout.head_dim(),
-                    ", ", v1::DType_Name(layout.dtype()), ", ", layout.block_tokens(),
-                    " tokens/block", "\nblocks:     ", s.num_blocks() - s.free_blocks(),
-                    " used of ", s.num_blocks(), "\nattached:   ", Age(s.attached_unix_ms()),
-                    " ago\nheartbeat:  ", Age(s.last_heartbeat_unix_ms()),
-                    " ago\nlease:      expires in ", Until(s.lease_expires_unix_ms()),
-                    "\n\nSEQUENCES\n");
-    Table table = SequenceTable();
-    for (const auto& q : sequences.sequences()) SequenceRow(q, &table);
-    absl::StrAppend(&out.text, table.Render());
-    std::vector<std::string> items;
-    for (const auto& q : sequences.sequences()) items.push_back(ToJson(q));
-    out.json = JsonObject().Msg("session", s).Raw("sequences", JsonArray(items)).Render();
-    return out;
+  absl::StrAppend(&out.text, "session:    ", s.session_id(), "\ntenant:     ", s.tenant(),
+                  "\nworker:     ", s.worker_name().empty() ? "-" : s.worker_name(),
+                  "\nlayout:     ", layout.num_layers(), " layers, ", layout.num_kv_heads(),
+                  " kv heads, ", layout.num_q_heads(), " q heads, head_dim ", layout.head_dim(),
+                  ", ", v1::DType_Name(layout.dtype()), ", ", layout.block_tokens(),
+                  " tokens/block", "\nblocks:     ", s.num_blocks() - s.free_blocks(), " used of ",
+                  s.num_blocks(), "\nsequences:  ",
+                  SequencesText(s.sequences(), s.sequences_spilled()),
+                  "\nattached:   ", Age(s.attached_unix_ms()), " ago\nheartbeat:  ",
+                  Age(s.last_heartbeat_unix_ms()), " ago\nlease:      expires in ",
+                  Until(s.lease_expires_unix_ms()), "\n\nSEQUENCES\n");
+  Table table = SequenceTable();
+  for (const auto& q : sequences.sequences()) SequenceRow(q, &table);
+  absl::StrAppend(&out.text, table.Render());
+  doc::SessionDocument document;
+  *document.mutable_session() = s;
+  *document.mutable_sequences() = sequences.sequences();
+  out.json = ToJson(document);
+  return out;
+}
+
+Output ShowSequence(Admin& admin, const std::string& id, const std::string& session) {
+  const v1::ListSequencesResponse sequences = Unwrap(admin.client().ListSequences(session));
+  std::vector<const v1::SequenceInfo*> found;
+  for (const auto& q : sequences.sequences()) {
+    if (q.sequence_id() == id) found.push_back(&q);
   }
-  if (line.args[1] == "sequence") {
-    AllowFlags(line, "show sequence", {"session"});
-    ExpectArgs(line, 3, "show sequence ID [--session=S]");
-    const std::string& id = line.args[2];
-    v1::ListSequencesRequest request;
-    request.set_session_id(line.Get("session"));
-    v1::ListSequencesResponse sequences;
-    KVCTL_CALL(admin, ListSequences, request, &sequences);
-    std::vector<const v1::SequenceInfo*> found;
-    for (const auto& q : sequences.sequences()) {
-      if (q.sequence_id() == id) found.push_back(&q);
-    }
-    if (found.empty()) {
-      return Failure{
-          kExitServerError, "NOT_FOUND",
-          absl::StrCat(
-              "no sequence '", id, "'",
-              line.Has("session") ? absl::StrCat(" in session '", line.Get("session"), "'") : "")};
-    }
-    if (found.size() > 1) {
-      std::vector<std::string> where;
-      for (const auto* q : found) where.push_back(q->session_id());
-      throw UsageError(absl::StrCat("sequence '", id, "' exists in sessions ",
-                                    absl::StrJoin(where, ", "), ": add --session=S"));
-    }
-    out.text = SequenceDetail(*found[0]);
-    out.json = JsonObject().Msg("sequence", *found[0]).Render();
-    return out;
+  if (found.empty()) {
+    throw Failure{kExitServerError, "NOT_FOUND",
+                  absl::StrCat("no sequence '", id, "'",
+                               session.empty() ? "" : absl::StrCat(" in session '", session, "'"))};
   }
-  throw UsageError(absl::StrCat("cannot show '", line.args[1], "': use session or sequence"));
+  if (found.size() > 1) {
+    std::vector<std::string> where;
+    for (const auto* q : found) where.push_back(q->session_id());
+    throw UsageError(absl::StrCat("sequence '", id, "' exists in sessions ",
+                                  absl::StrJoin(where, ", "), ": add --session=S"));
+  }
+  doc::SequenceDocument document;
+  *document.mutable_sequence() = *found[0];
+  return {SequenceDetail(*found[0]), ToJson(document)};
 }
 
 std::string SkippedText(const google::protobuf::RepeatedPtrField<std::string>& skipped) {
@@ -982,123 +667,120 @@ Output DefaultsOutput(const v1::SetDefaultsResponse& response, const std::string
   return out;
 }
 
-Result Set(const CommandLine& line, Admin& admin) {
-  if (line.args.size() < 2) throw UsageError("usage: kvctl set budget|policy|quota ...");
-  const std::string& what = line.args[1];
-  if (what == "budget") {
-    AllowFlags(line, "set budget", {"strict", "prefill-block", "per-layer", "rebudget-tenant"});
-    ExpectArgs(line, 3, "set budget N [--strict] [--prefill-block=N] [--per-layer=...]");
-    v1::SetDefaultsRequest request;
-    v1::Budget* budget = request.mutable_default_budget();
-    // Zero and negative budgets go to the server, which refuses them with its reason.
-    budget->set_tokens_per_layer(
-        static_cast<int32_t>(ParseInt(line.args[2], "the budget N", INT32_MIN, INT32_MAX)));
-    budget->set_strict(line.Bool("strict"));
-    if (line.Has("prefill-block")) {
-      budget->set_prefill_block_tokens(static_cast<int32_t>(
-          ParseInt(line.Get("prefill-block"), "--prefill-block", 1, INT32_MAX)));
+struct BudgetArgs {
+  std::string tokens;  // text: a negative value is an argument, not a flag, and gets our message
+  bool strict = false;
+  std::optional<int32_t> prefill_block;
+  std::string per_layer;
+  std::string rebudget_tenant;
+};
+
+Output SetBudget(Admin& admin, const BudgetArgs& args) {
+  v1::SetDefaultsRequest request;
+  v1::Budget* budget = request.mutable_default_budget();
+  // Any whole number goes to the server, which refuses zero and negative budgets naming the field
+  // and the value (INVALID_ARGUMENT, exit 1).
+  budget->set_tokens_per_layer(ParseInt32(args.tokens, "the budget N (tokens per layer)"));
+  budget->set_strict(args.strict);
+  if (args.prefill_block.has_value()) budget->set_prefill_block_tokens(*args.prefill_block);
+  if (!args.per_layer.empty()) {
+    for (absl::string_view part : absl::StrSplit(args.per_layer, ',')) {
+      budget->add_per_layer_tokens(ParseInt32(std::string(absl::StripAsciiWhitespace(part)),
+                                              "--per-layer entries"));
     }
-    if (line.Has("per-layer")) {
-      for (absl::string_view part : absl::StrSplit(line.Get("per-layer"), ',')) {
-        budget->add_per_layer_tokens(static_cast<int32_t>(ParseInt(
-            std::string(absl::StripAsciiWhitespace(part)), "--per-layer entries", 0, INT32_MAX)));
-      }
-    }
-    request.set_rebudget_tenant(line.Get("rebudget-tenant"));
-    v1::SetDefaultsResponse response;
-    KVCTL_CALL(admin, SetDefaults, request, &response);
-    return DefaultsOutput(response, request.rebudget_tenant());
   }
-  if (what == "policy") {
-    AllowFlags(line, "set policy", {"spec", "rebudget-tenant"});
-    ExpectArgs(line, 3, "set policy NAME [--spec=JSON] [--rebudget-tenant=T]");
-    v1::SetDefaultsRequest request;
-    v1::PolicySpec* policy = request.mutable_default_policy();
-    if (line.Has("spec")) {
-      google::protobuf::util::JsonParseOptions options;
-      options.ignore_unknown_fields = false;
-      const auto parsed =
-          google::protobuf::util::JsonStringToMessage(line.Get("spec"), policy, options);
-      if (!parsed.ok()) {
-        throw UsageError(absl::StrCat("--spec is not a PolicySpec in JSON: ", parsed.ToString()));
-      }
-    }
-    policy->set_name(line.args[2]);
-    request.set_rebudget_tenant(line.Get("rebudget-tenant"));
-    v1::SetDefaultsResponse response;
-    KVCTL_CALL(admin, SetDefaults, request, &response);
-    return DefaultsOutput(response, request.rebudget_tenant());
-  }
-  if (what == "quota") {
-    AllowFlags(line, "set quota",
-               {"arena", "host", "disk", "sequences", "rebudget", "rebudget-tokens"});
-    ExpectArgs(line, 3,
-               "set quota TENANT [--arena=SIZE] [--host=SIZE] [--disk=SIZE] [--sequences=N]");
-    v1::SetQuotaRequest request;
-    request.set_tenant(line.args[2]);
-    v1::Quota* quota = request.mutable_quota();
-    if (line.Has("arena")) quota->set_arena_bytes(ParseSize(line.Get("arena"), "--arena"));
-    if (line.Has("host")) quota->set_host_bytes(ParseSize(line.Get("host"), "--host"));
-    if (line.Has("disk")) quota->set_disk_bytes(ParseSize(line.Get("disk"), "--disk"));
-    if (line.Has("sequences")) {
-      quota->set_sequences(
-          static_cast<int32_t>(ParseInt(line.Get("sequences"), "--sequences", 0, INT32_MAX)));
-    }
-    request.set_rebudget(line.Bool("rebudget"));
-    if (line.Has("rebudget-tokens")) {
-      if (!request.rebudget()) throw UsageError("--rebudget-tokens needs --rebudget");
-      request.set_rebudget_tokens_per_layer(static_cast<int32_t>(
-          ParseInt(line.Get("rebudget-tokens"), "--rebudget-tokens", 1, INT32_MAX)));
-    }
-    v1::SetQuotaResponse response;
-    KVCTL_CALL(admin, SetQuota, request, &response);
-    const v1::Quota& q = response.quota();
-    const auto limit = [](uint64_t bytes) {
-      return bytes == 0 ? std::string("unlimited") : HumanBytes(bytes);
-    };
-    Output out;
-    absl::StrAppend(
-        &out.text, "quota of tenant ", request.tenant(), ": arena ", limit(q.arena_bytes()),
-        ", host ", limit(q.host_bytes()), ", disk ", limit(q.disk_bytes()), ", sequences ",
-        q.sequences() == 0 ? std::string("unlimited") : absl::StrCat(q.sequences()), "\n");
-    const v1::TenantUsage& use = response.usage();
-    absl::StrAppend(&out.text, "in use: arena ", HumanBytes(use.arena_bytes()), ", host ",
-                    HumanBytes(use.host_bytes()), ", disk ", HumanBytes(use.disk_bytes()),
-                    ", sequences ", use.sequences(), ", sessions ", use.sessions(), "\n");
-    if (request.rebudget()) {
-      absl::StrAppend(&out.text, "re-budgeted ", response.sequences_rebudgeted(), " sequence(s)\n",
-                      SkippedText(response.rebudget_skipped()));
-    }
-    if (response.over_quota()) {
-      absl::StrAppend(&out.text,
-                      "warning: the tenant still uses more than the quota; new growth is "
-                      "refused until it shrinks\n");
-    }
-    // The response's fields with the tenant in front: {"tenant":...,"quota":...,"usage":...}.
-    out.json =
-        absl::StrCat("{\"tenant\":", JsonString(request.tenant()), ",", ToJson(response).substr(1));
-    return out;
-  }
-  throw UsageError(absl::StrCat("cannot set '", what, "': use budget, policy or quota"));
+  request.set_rebudget_tenant(args.rebudget_tenant);
+  return DefaultsOutput(Unwrap(admin.client().SetDefaults(request)), request.rebudget_tenant());
 }
 
-Result Drain(const CommandLine& line, Admin& admin) {
-  AllowFlags(line, "drain", {"wait", "wait-timeout"});
-  ExpectArgs(line, 1, "drain [--wait] [--wait-timeout=SECONDS]");
-  const double wait_timeout = ParseSeconds(line.Get("wait-timeout", "300"), "--wait-timeout");
-  v1::DrainResponse response;
-  KVCTL_CALL(admin, Drain, v1::DrainRequest(), &response);
-  if (line.Bool("wait") && !response.empty()) {
+struct PolicyArgs {
+  std::string name;
+  std::optional<std::string> spec;
+  std::string rebudget_tenant;
+};
+
+Output SetPolicy(Admin& admin, const PolicyArgs& args) {
+  v1::SetDefaultsRequest request;
+  v1::PolicySpec* policy = request.mutable_default_policy();
+  if (args.spec.has_value()) {
+    google::protobuf::util::JsonParseOptions options;
+    options.ignore_unknown_fields = false;
+    const auto parsed = google::protobuf::util::JsonStringToMessage(*args.spec, policy, options);
+    if (!parsed.ok()) {
+      throw UsageError(absl::StrCat("--spec is not a PolicySpec in JSON: ", parsed.ToString()));
+    }
+  }
+  // The server checks the spec as CreateSequence does (params of another policy, ranges) and
+  // answers INVALID_ARGUMENT naming the field: shown as its error, exit 1.
+  policy->set_name(args.name);
+  request.set_rebudget_tenant(args.rebudget_tenant);
+  return DefaultsOutput(Unwrap(admin.client().SetDefaults(request)), request.rebudget_tenant());
+}
+
+struct QuotaArgs {
+  std::string tenant;
+  std::optional<std::string> arena, host, disk;
+  std::optional<int32_t> sequences;
+  bool rebudget = false;
+  std::optional<int32_t> rebudget_tokens;
+};
+
+Output SetQuota(Admin& admin, const QuotaArgs& args) {
+  v1::SetQuotaRequest request;
+  request.set_tenant(args.tenant);
+  v1::Quota* quota = request.mutable_quota();
+  if (args.arena) quota->set_arena_bytes(ParseSize(*args.arena, "--arena"));
+  if (args.host) quota->set_host_bytes(ParseSize(*args.host, "--host"));
+  if (args.disk) quota->set_disk_bytes(ParseSize(*args.disk, "--disk"));
+  if (args.sequences) quota->set_sequences(*args.sequences);
+  request.set_rebudget(args.rebudget);
+  if (args.rebudget_tokens) request.set_rebudget_tokens_per_layer(*args.rebudget_tokens);
+  const v1::SetQuotaResponse response = Unwrap(admin.client().SetQuota(request));
+  const v1::Quota& q = response.quota();
+  const auto limit = [](uint64_t bytes) {
+    return bytes == 0 ? std::string("unlimited") : HumanBytes(bytes);
+  };
+  Output out;
+  absl::StrAppend(
+      &out.text, "quota of tenant ", request.tenant(), ": arena ", limit(q.arena_bytes()), ", host ",
+      limit(q.host_bytes()), ", disk ", limit(q.disk_bytes()), ", sequences ",
+      q.sequences() == 0 ? std::string("unlimited") : absl::StrCat(q.sequences()), "\n");
+  const v1::TenantUsage& use = response.usage();
+  absl::StrAppend(&out.text, "in use: arena ", HumanBytes(use.arena_bytes()), ", host ",
+                  HumanBytes(use.host_bytes()), ", disk ", HumanBytes(use.disk_bytes()),
+                  ", sequences ", use.sequences(), ", sessions ", use.sessions(), "\n");
+  if (request.rebudget()) {
+    absl::StrAppend(&out.text, "re-budgeted ", response.sequences_rebudgeted(), " sequence(s)\n",
+                    SkippedText(response.rebudget_skipped()));
+  }
+  if (response.over_quota()) {
+    absl::StrAppend(&out.text,
+                    "warning: the tenant still uses more than the quota; new growth is "
+                    "refused until it shrinks\n");
+  }
+  doc::QuotaDocument document;
+  document.set_tenant(request.tenant());
+  *document.mutable_quota() = response.quota();
+  document.set_sequences_rebudgeted(response.sequences_rebudgeted());
+  *document.mutable_usage() = response.usage();
+  document.set_over_quota(response.over_quota());
+  *document.mutable_rebudget_skipped() = response.rebudget_skipped();
+  out.json = ToJson(document);
+  return out;
+}
+
+Output Drain(Admin& admin, bool wait, double wait_timeout) {
+  v1::DrainResponse response = Unwrap(admin.client().Drain());
+  if (wait && !response.empty()) {
     const absl::Time deadline = absl::Now() + absl::Seconds(wait_timeout);
     while (!response.empty()) {
       if (absl::Now() >= deadline) {
-        return Failure{kExitServerError, "DEADLINE_EXCEEDED",
-                       absl::StrFormat("still %d session(s) attached after %gs of draining",
-                                       response.sessions_remaining(), wait_timeout)};
+        throw Failure{kExitServerError, "DEADLINE_EXCEEDED",
+                      absl::StrFormat("still %d session(s) attached after %gs of draining",
+                                      response.sessions_remaining(), wait_timeout)};
       }
       absl::SleepFor(absl::Milliseconds(200));
-      v1::GetStatsResponse stats;
-      KVCTL_CALL(admin, GetStats, v1::GetStatsRequest(), &stats);
+      const v1::GetStatsResponse stats = Unwrap(admin.client().GetStats());
       response.set_sessions_remaining(stats.sessions());
       response.set_sequences_remaining(stats.sequences());
       response.set_empty(stats.sessions() == 0);
@@ -1112,38 +794,15 @@ Result Drain(const CommandLine& line, Admin& admin) {
   return out;
 }
 
-Result Release(const CommandLine& line, Admin& admin) {
-  if (line.args.size() < 2) throw UsageError("usage: kvctl release session|sequence ID");
-  v1::ForceReleaseRequest request;
-  if (line.args[1] == "session") {
-    AllowFlags(line, "release session", {});
-    ExpectArgs(line, 3, "release session ID");
-    request.set_session_id(line.args[2]);
-  } else if (line.args[1] == "sequence") {
-    AllowFlags(line, "release sequence", {"session"});
-    ExpectArgs(line, 3, "release sequence ID --session=S");
-    if (!line.Has("session") || line.Get("session").empty()) {
-      throw UsageError("release sequence needs --session=S (the session that holds it)");
-    }
-    request.set_session_id(line.Get("session"));
-    request.set_sequence_id(line.args[2]);
-  } else {
-    throw UsageError(absl::StrCat("cannot release '", line.args[1], "': use session or sequence"));
-  }
-  v1::ForceReleaseResponse response;
-  KVCTL_CALL(admin, ForceRelease, request, &response);
-  Output out;
-  out.text = absl::StrCat("released ", response.sequences_released(), " sequence(s), ",
-                          response.blocks_released(), " block(s)\n");
-  out.json = ToJson(response);
-  return out;
+Output Release(Admin& admin, const std::string& session, const std::string& sequence) {
+  const v1::ForceReleaseResponse response = Unwrap(admin.client().ForceRelease(session, sequence));
+  return {absl::StrCat("released ", response.sequences_released(), " sequence(s), ",
+                       response.blocks_released(), " block(s)\n"),
+          ToJson(response)};
 }
 
-Result Config(const CommandLine& line, Admin& admin) {
-  AllowFlags(line, "config", {});
-  ExpectArgs(line, 1, "config");
-  v1::GetConfigResponse response;
-  KVCTL_CALL(admin, GetConfig, v1::GetConfigRequest(), &response);
+Output Config(Admin& admin) {
+  const v1::GetConfigResponse response = Unwrap(admin.client().GetConfig());
   Output out;
   out.text = response.effective_config_yaml();
   if (!out.text.empty() && out.text.back() != '\n') out.text += "\n";
@@ -1151,29 +810,19 @@ Result Config(const CommandLine& line, Admin& admin) {
   return out;
 }
 
-// grpc.health.v1.Health/Check through the generic stub (the health proto's generated code is not
-// part of Debian's gRPC): HealthCheckRequest{service=1}, HealthCheckResponse{status=1 (enum)}.
-Result Health(const CommandLine& line, Admin& admin) {
-  AllowFlags(line, "health", {"service"});
-  ExpectArgs(line, 1, "health [--service=NAME]");
-  const std::string service = line.Get("service");
-  if (service.size() > 127) throw UsageError("--service is too long");
-  std::string request;
-  if (!service.empty()) {
-    request.push_back(0x0a);
-    request.push_back(static_cast<char>(service.size()));
-    request += service;
-  }
-  if (admin.Connect().has_value()) return *admin.Connect();
-  grpc::TemplatedGenericStub<grpc::ByteBuffer, grpc::ByteBuffer> stub(admin.channel());
+// grpc.health.v1.Health/Check through the generic stub with wire-compatible messages
+// (kvctl/output.proto); no credentials needed: probes carry none.
+Output Health(Admin& admin, const std::string& service) {
+  doc::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::TemplatedGenericStub<doc::HealthCheckRequest, doc::HealthCheckResponse> stub(
+      admin.channel());
   grpc::ClientContext context;
-  admin.Prepare(&context);
+  context.set_deadline(absl::ToChronoTime(absl::Now() + admin.options().rpc_timeout));
   grpc::CompletionQueue cq;
-  grpc::Slice slice(request);
-  grpc::ByteBuffer request_buffer(&slice, 1);
-  auto call = stub.PrepareUnaryCall(&context, "/grpc.health.v1.Health/Check", request_buffer, &cq);
+  auto call = stub.PrepareUnaryCall(&context, "/grpc.health.v1.Health/Check", request, &cq);
   call->StartCall();
-  grpc::ByteBuffer response;
+  doc::HealthCheckResponse response;
   grpc::Status status;
   call->Finish(&response, &status, reinterpret_cast<void*>(1));
   void* tag = nullptr;
@@ -1182,77 +831,193 @@ Result Health(const CommandLine& line, Admin& admin) {
   cq.Shutdown();
   while (cq.Next(&tag, &ok)) {
   }
-  if (!status.ok()) {
-    return Failure{kExitServerError, CodeName(status.error_code()), status.error_message()};
-  }
-  std::vector<grpc::Slice> slices;
-  std::string bytes;
-  if (response.Dump(&slices).ok()) {
-    for (const grpc::Slice& s : slices)
-      bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  // The only field: tag 0x08 + a one-byte varint (0 UNKNOWN, 1 SERVING, 2 NOT_SERVING,
-  // 3 SERVICE_UNKNOWN); an empty message is UNKNOWN.
-  int value = 0;
-  if (bytes.size() == 2 && bytes[0] == 0x08) value = static_cast<unsigned char>(bytes[1]);
-  static const char* kNames[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
-  const std::string name = value >= 0 && value <= 3 ? kNames[value] : absl::StrCat(value);
+  if (!status.ok()) throw ServerFailure(kvsidecar::ToStatus(status));
+  const std::string name = doc::HealthCheckResponse::ServingStatus_Name(response.status());
   const std::string shown = service.empty() ? "(server)" : service;
-  if (value != 1) {
-    return Failure{kExitServerError, "UNAVAILABLE",
-                   absl::StrCat("health of ", shown, " is ", name)};
+  if (response.status() != doc::HealthCheckResponse::SERVING) {
+    throw Failure{kExitServerError, "UNAVAILABLE",
+                  absl::StrCat("health of ", shown, " is ", name)};
   }
-  Output out;
-  out.text = absl::StrCat(shown, ": ", name, "\n");
-  out.json = JsonObject().Str("service", service).Str("status", name).Render();
-  return out;
+  doc::HealthDocument document;
+  document.set_service(service);
+  document.set_status(name);
+  return {absl::StrCat(shown, ": ", name, "\n"), ToJson(document)};
 }
 
+// ---------------------------------------------------------------------------------------------
+// Command line
+
 int Run(int argc, char** argv) {
-  CommandLine line;
+  CLI::App app(kDescription, "kvctl");
+  app.set_version_flag("--version", VersionText(), "Print the version, git revision and build type");
+  app.require_subcommand(1, 1);
+  // Global flags may follow the command (`kvctl status --json`): a subcommand hands the flags it
+  // does not know to this level.
+  app.fallthrough();
+  GlobalFlags flags;
+  app.add_option("--admin", flags.admin,
+                 "Admin address HOST:PORT (default 127.0.0.1:50052, or $KVCTL_ADMIN)");
+  app.add_flag("--json", flags.json,
+               "Machine-readable output: one JSON document on stdout with stable keys");
+  app.add_option("--timeout", flags.timeout, "Deadline of each call, seconds (default 30)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--connect-timeout", flags.connect_timeout,
+                 "How long to wait for the connection, seconds (default 5)")
+      ->check(CLI::PositiveNumber);
+  CLI::Option* token =
+      app.add_option("--token", flags.token, "Admin bearer token (authorization: Bearer TOKEN)");
+  app.add_option("--token-file", flags.token_file,
+                 "The token from a file (trailing whitespace trimmed); else $KVCTL_TOKEN")
+      ->check(CLI::ExistingFile)
+      ->excludes(token);
+  app.add_flag("--tls", flags.tls, "TLS with the system's root certificates");
+  app.add_option("--ca", flags.ca, "TLS: trust these PEM root certificates (implies --tls)")
+      ->check(CLI::ExistingFile);
+  CLI::Option* cert =
+      app.add_option("--cert", flags.cert, "Mutual TLS: client certificate chain (PEM)")
+          ->check(CLI::ExistingFile);
+  CLI::Option* key = app.add_option("--key", flags.key, "Mutual TLS: private key (PEM)")
+                         ->check(CLI::ExistingFile);
+  cert->needs(key);
+  key->needs(cert);
+  app.add_option("--server-name", flags.server_name, "TLS: expect this name in the certificate");
+
+  // Each command's callback records what to run; it runs after the whole line has parsed.
+  std::function<Output(Admin&)> action;
+
+  CLI::App* status = app.add_subcommand("status", "Tiers, tenants, sessions and spilled sequences");
+  status->callback([&] { action = Status; });
+
+  CLI::App* list = app.add_subcommand("list", "List sessions, sequences, quotas or spilled copies");
+  list->require_subcommand(1, 1);
+  std::string tenant, session;
+  CLI::App* list_sessions = list->add_subcommand("sessions", "One line per attached session");
+  list_sessions->add_option("--tenant", tenant, "Only this tenant's");
+  list_sessions->callback([&] { action = [&](Admin& a) { return ListSessions(a, tenant); }; });
+  CLI::App* list_sequences = list->add_subcommand("sequences", "One line per sequence");
+  list_sequences->add_option("--tenant", tenant, "Only this tenant's");
+  list_sequences->add_option("--session", session, "Only this session's");
+  list_sequences->callback(
+      [&] { action = [&](Admin& a) { return ListSequences(a, tenant, session); }; });
+  CLI::App* list_quotas = list->add_subcommand("quotas", "Tenants' quotas and usage");
+  list_quotas->add_option("--tenant", tenant, "Only this tenant");
+  list_quotas->callback([&] { action = [&](Admin& a) { return ListQuotas(a, tenant); }; });
+  CLI::App* list_spilled = list->add_subcommand("spilled", "Spilled copies in the host and disk "
+                                                           "tiers (ended sessions and lost ones too)");
+  list_spilled->add_option("--tenant", tenant, "Only this tenant's");
+  list_spilled->add_option("--session", session, "Only this session's");
+  list_spilled->callback(
+      [&] { action = [&](Admin& a) { return ListSpilled(a, tenant, session); }; });
+
+  CLI::App* show = app.add_subcommand("show", "One session, sequence, or the configuration");
+  show->require_subcommand(1, 1);
+  std::string id;
+  CLI::App* show_session = show->add_subcommand("session", "One session and its sequences");
+  show_session->add_option("ID", id, "Session id")->required();
+  show_session->callback([&] { action = [&](Admin& a) { return ShowSession(a, id); }; });
+  CLI::App* show_sequence = show->add_subcommand("sequence", "One sequence");
+  show_sequence->add_option("ID", id, "Sequence id")->required();
+  show_sequence->add_option("--session", session, "The session (when the id is in several)");
+  show_sequence->callback([&] { action = [&](Admin& a) { return ShowSequence(a, id, session); }; });
+  show->add_subcommand("config", "As `config`")->callback([&] { action = Config; });
+
+  CLI::App* set = app.add_subcommand("set", "Change defaults or a tenant's quota");
+  set->require_subcommand(1, 1);
+  BudgetArgs budget;
+  CLI::App* set_budget = set->add_subcommand("budget", "Default budget (tokens per layer)");
+  set_budget->add_option("N", budget.tokens, "Tokens per layer of new sequences (>= 1)")
+      ->required();
+  set_budget->add_flag("--strict", budget.strict, "Strict budget (evicts during prefill)");
+  set_budget->add_option("--prefill-block", budget.prefill_block,
+                         "Strict budget: prefill block in tokens")
+      ->check(CLI::PositiveNumber);
+  set_budget->add_option("--per-layer", budget.per_layer, "N1,N2,...: tokens of each layer");
+  set_budget->add_option("--rebudget-tenant", budget.rebudget_tenant,
+                         "Also compress this tenant's sequences to the new budget");
+  set_budget->callback([&] { action = [&](Admin& a) { return SetBudget(a, budget); }; });
+  PolicyArgs policy;
+  CLI::App* set_policy = set->add_subcommand("policy", "Default policy of new sequences");
+  set_policy->add_option("NAME", policy.name, "Policy name")->required();
+  set_policy->add_option("--spec", policy.spec, "PolicySpec in proto JSON (params of NAME)");
+  set_policy->add_option("--rebudget-tenant", policy.rebudget_tenant,
+                         "Also re-budget this tenant's sequences");
+  set_policy->callback([&] { action = [&](Admin& a) { return SetPolicy(a, policy); }; });
+  QuotaArgs quota;
+  CLI::App* set_quota = set->add_subcommand("quota", "Replace a tenant's quota");
+  set_quota->add_option("TENANT", quota.tenant, "Tenant")->required();
+  set_quota->add_option("--arena", quota.arena, "Arena bytes (SIZE; 0 = unlimited)");
+  set_quota->add_option("--host", quota.host, "Host-tier bytes (SIZE; 0 = unlimited)");
+  set_quota->add_option("--disk", quota.disk, "Disk-tier bytes (SIZE; 0 = unlimited)");
+  set_quota->add_option("--sequences", quota.sequences, "Sequences (0 = unlimited)")
+      ->check(CLI::NonNegativeNumber);
+  CLI::Option* rebudget = set_quota->add_flag(
+      "--rebudget", quota.rebudget, "Allow a quota below current use by compressing sequences");
+  set_quota->add_option("--rebudget-tokens", quota.rebudget_tokens,
+                        "Tokens per layer to compress to (default: the default budget)")
+      ->check(CLI::PositiveNumber)
+      ->needs(rebudget);
+  set_quota->callback([&] { action = [&](Admin& a) { return SetQuota(a, quota); }; });
+
+  bool wait = false;
+  double wait_timeout = 300;
+  CLI::App* drain = app.add_subcommand("drain", "Stop accepting attaches");
+  drain->add_flag("--wait", wait, "Poll until no session is left");
+  drain->add_option("--wait-timeout", wait_timeout, "Give up after SECONDS (default 300)")
+      ->check(CLI::PositiveNumber);
+  drain->callback([&] { action = [&](Admin& a) { return Drain(a, wait, wait_timeout); }; });
+
+  CLI::App* release = app.add_subcommand("release", "Force-release a session or a sequence");
+  release->require_subcommand(1, 1);
+  CLI::App* release_session = release->add_subcommand("session", "A session and its sequences");
+  release_session->add_option("ID", id, "Session id")->required();
+  release_session->callback([&] { action = [&](Admin& a) { return Release(a, id, ""); }; });
+  CLI::App* release_sequence = release->add_subcommand("sequence", "One sequence");
+  release_sequence->add_option("ID", id, "Sequence id")->required();
+  release_sequence->add_option("--session", session, "The session that holds it")->required();
+  release_sequence->callback([&] { action = [&](Admin& a) { return Release(a, session, id); }; });
+
+  app.add_subcommand("config", "The effective configuration (YAML; secrets redacted)")
+      ->callback([&] { action = Config; });
+  std::string service;
+  CLI::App* health = app.add_subcommand("health", "gRPC health check; exit 0 if SERVING");
+  health->add_option("--service", service, "Service name (default: the server)");
+  health->callback([&] { action = [&](Admin& a) { return Health(a, service); }; });
+  bool help_command = false;
+  app.add_subcommand("help", "This text")->callback([&] { help_command = true; });
+  // After the subcommands: they copy their parent's footer when made, and `COMMAND --help` shows
+  // only that command.
+  app.footer(kFooter);
+
   try {
-    line = Parse(argc, argv);
-  } catch (const UsageError& error) {
-    std::cerr << "kvctl: " << error.message() << "\n(kvctl --help for usage)\n";
+    app.parse(argc, argv);
+  } catch (const CLI::Success& success) {  // --help, --version
+    return app.exit(success);
+  } catch (const CLI::ParseError& error) {
+    std::cerr << "kvctl: " << error.what() << "\n(kvctl --help for usage)\n";
     return kExitUsage;
   }
-  if (line.Bool("help") || (!line.args.empty() && line.args[0] == "help")) {
-    std::cout << kUsage;
+  if (help_command) {
+    std::cout << app.help();
     return kExitOk;
   }
-  const bool json = line.Bool("json");
   try {
-    if (line.args.empty()) throw UsageError("no command given");
-    using Command = Result (*)(const CommandLine&, Admin&);
-    static const std::map<std::string, Command> kCommands = {
-        {"status", Status}, {"list", List},       {"show", Show},     {"set", Set},
-        {"drain", Drain},   {"release", Release}, {"config", Config}, {"health", Health}};
-    const auto command = kCommands.find(line.args[0]);
-    if (command == kCommands.end()) {
-      throw UsageError(absl::StrCat("unknown command '", line.args[0], "'"));
-    }
-    Admin admin(line);
-    Result result = command->second(line, admin);
-    if (auto* output = std::get_if<Output>(&result)) {
-      std::cout << (json ? output->json + "\n" : output->text);
-      return kExitOk;
-    }
-    const Failure& error = std::get<Failure>(result);
-    std::cerr << "kvctl: " << error.code << ": " << error.message << "\n";
-    if (json) {
-      std::cout << JsonObject()
-                       .Raw("error", JsonObject()
-                                         .Str("code", error.code)
-                                         .Int("exit_code", error.exit_code)
-                                         .Str("message", error.message)
-                                         .Render())
-                       .Render()
-                << "\n";
-    }
-    return error.exit_code;
+    Admin admin(flags);
+    const Output output = action(admin);
+    std::cout << (flags.json ? output.json + "\n" : output.text);
+    return kExitOk;
   } catch (const UsageError& error) {
     std::cerr << "kvctl: " << error.message() << "\n(kvctl --help for usage)\n";
     return kExitUsage;
+  } catch (const Failure& error) {
+    std::cerr << "kvctl: " << error.code << ": " << error.message << "\n";
+    if (flags.json) {
+      doc::ErrorDocument document;
+      document.mutable_error()->set_code(error.code);
+      document.mutable_error()->set_exit_code(error.exit_code);
+      document.mutable_error()->set_message(error.message);
+      std::cout << ToJson(document) << "\n";
+    }
+    return error.exit_code;
   }
 }
 

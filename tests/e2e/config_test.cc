@@ -5,17 +5,21 @@
 
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvsidecar/client.h"
+#include "service/build_info.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace kvs_e2e {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string WriteFile(const std::string& dir, const std::string& name, const std::string& text) {
   const std::string path = dir + "/" + name;
@@ -42,6 +46,44 @@ class ConfigE2eTest : public ::testing::Test {
   void SetUp() override { dir_ = MakeTempDir("kvs-config-e2e-"); }
   std::string dir_;
 };
+
+// Runs the binary with only `args`; returns {exit code, stdout}.
+std::pair<int, std::string> RunSidecar(const std::string& dir,
+                                       const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {BuildDir() + "/service/kvsidecar"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto process = ChildProcess::Spawn(argv, dir, "kvsidecar-usage");
+  EXPECT_TRUE(process.ok()) << process.status();
+  if (!process.ok()) return {-1, ""};
+  const int status = (*process)->Wait(kStartTimeout);
+  EXPECT_TRUE(WIFEXITED(status)) << "status " << status << "\n" << (*process)->Stderr();
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, (*process)->Stdout()};
+}
+
+TEST_F(ConfigE2eTest, HelpListsTheSidecarsOwnFlagsWithTheirHelp) {
+  // Abseil's --help exits 1 after printing (its convention); the text is what matters.
+  for (const char* flag : {"--help", "--helpshort"}) {
+    const auto [code, out] = RunSidecar(dir_, {flag});
+    EXPECT_EQ(code, 1) << flag;
+    EXPECT_THAT(out, Not(HasSubstr("No flags matched"))) << flag;
+    EXPECT_THAT(out, HasSubstr("Usage: kvsidecar [--config=FILE.yaml]")) << flag;
+    EXPECT_THAT(out, HasSubstr("Flags from service/main.cc:")) << flag;
+    EXPECT_THAT(out, HasSubstr("--backend (Compute backend: cpu, auto, cuda or device-sim"))
+        << flag;
+    EXPECT_THAT(out, HasSubstr("--arena_capacity_bytes (Total bytes of all session arenas"))
+        << flag;
+    EXPECT_THAT(out, HasSubstr("--config (YAML configuration file")) << flag;
+  }
+}
+
+TEST_F(ConfigE2eTest, VersionNamesTheRevisionAndBuildType) {
+  const auto [code, out] = RunSidecar(dir_, {"--version"});
+  EXPECT_EQ(code, 0);
+  EXPECT_EQ(out, absl::StrCat("kvsidecar ", KVS_VERSION, "\ngit revision: ", KVS_GIT_REVISION,
+                              "\nbuild type: ", KVS_BUILD_TYPE, "\n"));
+  EXPECT_THAT(out, Not(HasSubstr("Debug build")));
+  EXPECT_STRNE(KVS_GIT_REVISION, "");
+}
 
 TEST_F(ConfigE2eTest, UnknownKeyExits2NamingTheKey) {
   const std::string path = WriteFile(dir_, "bad.yaml", "lease_ms: 5000\narena_capacity_byts: 1G\n");
@@ -79,7 +121,7 @@ TEST_F(ConfigE2eTest, FileValuesApplyAndExplicitFlagsWin) {
                                      "lease_ms: 5000\n"
                                      "arena_capacity_bytes: 512MiB\n"
                                      "quotas:\n"
-                                     "  team-a: {sequences: 7, arena_bytes: 1M}\n");
+                                     "  team-a: {sequences: 7, arena_bytes: 1Mi}\n");
   ServerProcess::Options options;  // passes --lease_ms=10000 explicitly
   options.extra_args = {"--config=" + path, "--default_budget_tokens=128"};
   auto server = ServerProcess::Start(options);

@@ -21,6 +21,7 @@
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
 #include "kvsidecar/client.h"
+#include "service/build_info.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace kvs_e2e {
@@ -449,7 +450,7 @@ TEST_F(KvctlTest, SetPolicyChangesTheDefault) {
 }
 
 TEST_F(KvctlTest, SetQuotaReturnsTheQuotaInForce) {
-  KvctlRun run = Kvctl({"set", "quota", "acme", "--arena=64M", "--sequences=3", "--json"});
+  KvctlRun run = Kvctl({"set", "quota", "acme", "--arena=64Mi", "--sequences=3", "--json"});
   ASSERT_EQ(run.exit_code, 0) << run;
   Struct set = ParseJson(run.out);
   EXPECT_EQ(Field(set, "tenant").string_value(), "acme");
@@ -490,6 +491,169 @@ TEST_F(KvctlTest, SetQuotaReturnsTheQuotaInForce) {
   run = Kvctl({"status"});
   ASSERT_EQ(run.exit_code, 0) << run;
   EXPECT_THAT(run.out, HasSubstr("- / - / - / 3"));
+}
+
+// A spilled sequence is listed as it was when it left the arena (its own policy, budget and kept
+// tokens, the tier it is in), and every count includes it: the session's, the tenant's and the
+// server's, with the spilled ones named.
+TEST_F(KvctlTest, SpilledSequencesAreListedAndCountedAsTheyAre) {
+  auto session = Attach("spillers");
+  ASSERT_NE(session, nullptr);
+  ASSERT_TRUE(session->CreateSequence(StreamingPolicy(4), MakeBudget(32), "hot").ok());
+  ASSERT_TRUE(WriteTokens(*session, "hot", 20, 5).ok());
+  ASSERT_TRUE(session->CreateSequence(StreamingPolicy(4), MakeBudget(32), "warm").ok());
+  ASSERT_TRUE(WriteTokens(*session, "warm", 24, 6).ok());
+  ASSERT_TRUE(session->CreateSequence(KeyDiffPolicy(), MakeBudget(48), "cold").ok());
+  ASSERT_TRUE(WriteTokens(*session, "cold", 40, 7).ok());
+  for (const auto& [id, tier] : {std::pair{"warm", v1::TIER_HOST}, {"cold", v1::TIER_DISK}}) {
+    v1::SpillRequest spill;
+    spill.set_sequence_id(id);
+    spill.set_target(tier);
+    ASSERT_TRUE(session->Spill(spill).ok()) << id;
+  }
+
+  KvctlRun run = Kvctl({"list", "sequences", "--tenant=spillers", "--json"});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  const auto listed = ParseJsonAs<v1::ListSequencesResponse>(run.out);
+  ASSERT_EQ(listed.sequences_size(), 3) << run.out;
+  for (const v1::SequenceInfo& s : listed.sequences()) {
+    SCOPED_TRACE(s.sequence_id());
+    EXPECT_EQ(s.tokens_per_layer_size(), 2) << s.DebugString();
+    if (s.tokens_per_layer_size() != 2) continue;
+    if (s.sequence_id() == "cold") {
+      EXPECT_EQ(s.tier(), v1::TIER_DISK);
+      EXPECT_EQ(s.policy().name(), "keydiff");
+      EXPECT_EQ(s.budget().tokens_per_layer(), 48);
+      EXPECT_EQ(s.tokens_per_layer(0), 40);
+      EXPECT_GT(s.disk_bytes(), 0u);
+    } else {
+      EXPECT_EQ(s.tier(), s.sequence_id() == "warm" ? v1::TIER_HOST : v1::TIER_ARENA);
+      EXPECT_EQ(s.policy().name(), "streaming_llm");
+      EXPECT_EQ(s.policy().streaming_llm().n_sink(), 4);
+      EXPECT_EQ(s.budget().tokens_per_layer(), 32);
+      EXPECT_EQ(s.tokens_per_layer(0), s.sequence_id() == "warm" ? 24 : 20);
+    }
+  }
+  run = Kvctl({"list", "sequences", "--tenant=spillers"});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  EXPECT_THAT(run.out, ::testing::ContainsRegex("warm +spillers +streaming_llm +32 +24 +host"));
+  EXPECT_THAT(run.out, ::testing::ContainsRegex("cold +spillers +keydiff +48 +40 +disk"));
+  EXPECT_THAT(run.out, Not(HasSubstr("unbounded")));
+
+  // status: the session, its tenant and the server count all three, two of them spilled.
+  run = Kvctl({"status", "--json"});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  const Struct status = ParseJson(run.out);
+  const auto stats = ParseJsonAs<v1::GetStatsResponse>(ToJsonText(Field(status, "stats")));
+  int sequences = 0, spilled = 0;
+  for (const Value& value : Field(status, "sessions").list_value().values()) {
+    const auto row = ParseJsonAs<v1::SessionInfo>(ToJsonText(value));
+    sequences += row.sequences();
+    spilled += row.sequences_spilled();
+    if (row.session_id() == session->session_id()) {
+      EXPECT_EQ(row.sequences(), 3);
+      EXPECT_EQ(row.sequences_spilled(), 2);
+    }
+  }
+  EXPECT_EQ(stats.sequences(), sequences);
+  EXPECT_EQ(stats.sequences_spilled(), spilled);
+  EXPECT_GE(stats.sequences(), 3);
+  for (const Value& value : Field(status, "tenants").list_value().values()) {
+    const auto row = ParseJsonAs<v1::TenantQuota>(ToJsonText(value));
+    if (row.tenant() == "spillers") {
+      EXPECT_EQ(row.usage().sequences(), 3);
+    }
+  }
+  run = Kvctl({"status"});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  EXPECT_THAT(run.out, HasSubstr("3 (2 spilled)"));
+  EXPECT_THAT(run.out, HasSubstr("SPILLED SEQUENCES"));
+  EXPECT_THAT(run.out, ::testing::ContainsRegex(session->session_id() + " +warm +spillers +host"));
+  EXPECT_THAT(run.out, ::testing::ContainsRegex(session->session_id() + " +cold +spillers +disk"));
+  run = Kvctl({"show", "session", session->session_id()});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  EXPECT_THAT(run.out, HasSubstr("sequences:  3 (2 spilled)"));
+}
+
+// A negative number is the command's argument, refused for its value, never taken for a flag.
+TEST_F(KvctlTest, NegativeNumbersAreValuesRefusedForWhatTheyAre) {
+  auto before = admin_->GetConfig();
+  ASSERT_TRUE(before.ok()) << before.status();
+  KvctlRun run = Kvctl({"set", "budget", "-5"});
+  EXPECT_EQ(run.exit_code, 1) << run;
+  EXPECT_THAT(run.err, HasSubstr("INVALID_ARGUMENT"));
+  EXPECT_THAT(run.err, HasSubstr("default_budget.tokens_per_layer must be >= 1, got -5"));
+  EXPECT_THAT(run.err, Not(HasSubstr("flag")));
+  run = Kvctl({"set", "quota", "acme", "--sequences", "-1"});
+  EXPECT_EQ(run.exit_code, 2) << run;
+  EXPECT_THAT(run.err, HasSubstr("-1"));
+  EXPECT_THAT(run.err, Not(HasSubstr("unknown flag")));
+  run = Kvctl({"set", "quota", "acme", "--arena", "-1Gi"});
+  EXPECT_EQ(run.exit_code, 2) << run;
+  EXPECT_THAT(run.err, HasSubstr("--arena must not be negative"));
+  auto config = admin_->GetConfig();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->default_budget().tokens_per_layer(),
+            before->default_budget().tokens_per_layer());  // unchanged
+}
+
+// The default policy is held to what CreateSequence accepts: another policy's parameters are
+// refused by the server, naming the field, and change nothing.
+TEST_F(KvctlTest, SetPolicyRefusesAnotherPolicysParams) {
+  KvctlRun run =
+      Kvctl({"set", "policy", "h2o", R"(--spec={"snapkv":{"window":32,"kernel_size":7}})"});
+  EXPECT_EQ(run.exit_code, 1) << run;
+  EXPECT_THAT(run.err, HasSubstr("INVALID_ARGUMENT"));
+  EXPECT_THAT(run.err, HasSubstr("default_policy.snapkv is set but default_policy.name is 'h2o'"));
+  auto config = admin_->GetConfig();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->default_policy().name(), "keydiff");
+  // CreateSequence refuses the same spec the same way.
+  auto session = Attach("acme");
+  ASSERT_NE(session, nullptr);
+  v1::PolicySpec spec;
+  spec.set_name("h2o");
+  spec.mutable_snapkv()->set_window(32);
+  const absl::Status created = session->CreateSequence(spec, std::nullopt, "mixed").status();
+  EXPECT_EQ(created.code(), absl::StatusCode::kInvalidArgument) << created;
+  EXPECT_THAT(created.message(), HasSubstr("policy.snapkv is set but policy.name is 'h2o'"));
+  // The policy's own parameters are accepted.
+  run = Kvctl({"set", "policy", "h2o", R"(--spec={"h2o":{"n_recent":8}})", "--json"});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  EXPECT_EQ(ParseJsonAs<v1::SetDefaultsResponse>(run.out).default_policy().h2o().n_recent(), 8);
+}
+
+// Sizes are Kubernetes quantities, as in the sidecar's flags: Gi binary, G decimal.
+TEST_F(KvctlTest, QuotaSizesAreKubernetesQuantities) {
+  KvctlRun run = Kvctl({"set", "quota", "sizes", "--arena=1.5Gi", "--host=1G", "--disk=.5G",
+                        "--json"});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  Struct set = ParseJson(run.out);
+  set.mutable_fields()->erase("tenant");
+  auto quota = ParseJsonAs<v1::SetQuotaResponse>(ToJsonText(ValueOf(set))).quota();
+  EXPECT_EQ(quota.arena_bytes(), (uint64_t{3} << 30) / 2);
+  EXPECT_EQ(quota.host_bytes(), 1'000'000'000u);
+  EXPECT_EQ(quota.disk_bytes(), 500'000'000u);
+  // The byte-spelled aliases keep their base: GB = 10^9, GiB = 2^30.
+  run = Kvctl({"set", "quota", "sizes", "--arena=2GB", "--host=1GiB", "--json"});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  set = ParseJson(run.out);
+  set.mutable_fields()->erase("tenant");
+  quota = ParseJsonAs<v1::SetQuotaResponse>(ToJsonText(ValueOf(set))).quota();
+  EXPECT_EQ(quota.arena_bytes(), 2'000'000'000u);
+  EXPECT_EQ(quota.host_bytes(), uint64_t{1} << 30);
+  for (const auto& [flag, message] :
+       {std::pair<std::string, std::string>{"--arena=0.5", "--arena must be a whole number of bytes"},
+        {"--host=1K", "--host has an unknown size suffix 'K'"},
+        {"--disk=20000000000000000000", "--disk is larger than 2^64-1 bytes"}}) {
+    run = Kvctl({"set", "quota", "sizes", flag});
+    EXPECT_EQ(run.exit_code, 2) << run;
+    EXPECT_THAT(run.err, HasSubstr(message)) << flag;
+  }
+  auto quotas = admin_->GetQuotas("sizes");
+  ASSERT_TRUE(quotas.ok()) << quotas.status();
+  ASSERT_EQ(quotas->tenants_size(), 1);
+  EXPECT_EQ(quotas->tenants(0).quota().arena_bytes(), 2'000'000'000u);  // refusals changed nothing
 }
 
 // Drain changes the server for good: a server of its own.
@@ -640,6 +804,15 @@ TEST(KvctlUsageTest, HelpDocumentsCommandsAndExitCodes) {
     EXPECT_THAT(run.out, HasSubstr(text));
   }
   EXPECT_EQ(RunKvctl({"help"}).exit_code, 0);
+}
+
+TEST(KvctlUsageTest, VersionNamesTheRevisionAndBuildType) {
+  const KvctlRun run = RunKvctl({"--version"});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  EXPECT_THAT(run.out, HasSubstr(absl::StrCat("kvctl ", KVS_VERSION)));
+  EXPECT_THAT(run.out, HasSubstr(absl::StrCat("git revision: ", KVS_GIT_REVISION)));
+  EXPECT_THAT(run.out, HasSubstr(absl::StrCat("build type: ", KVS_BUILD_TYPE)));
+  EXPECT_EQ(run.err, "");
 }
 
 TEST(KvctlUsageTest, BadUsageExitsTwoEvenWithoutAServer) {

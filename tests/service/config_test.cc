@@ -23,7 +23,9 @@ using ::testing::HasSubstr;
 
 TEST(ConfigTest, ByteSizes) {
   EXPECT_EQ(*ParseByteSize("1073741824", "--x"), uint64_t{1} << 30);
-  EXPECT_EQ(*ParseByteSize("1G", "--x"), uint64_t{1} << 30);
+  EXPECT_EQ(*ParseByteSize("1Gi", "--x"), uint64_t{1} << 30);
+  EXPECT_EQ(*ParseByteSize("1G", "--x"), uint64_t{1000000000});  // Kubernetes: G is decimal
+  EXPECT_EQ(*ParseByteSize(".5G", "--x"), uint64_t{500000000});
   EXPECT_EQ(*ParseByteSize("256MiB", "--x"), uint64_t{256} << 20);
   EXPECT_EQ(*ParseByteSize("64Ki", "--x"), uint64_t{64} << 10);
   EXPECT_EQ(*ParseByteSize("2GB", "--x"), uint64_t{2000000000});
@@ -34,7 +36,8 @@ TEST(ConfigTest, ByteSizes) {
                 "--arena_capacity_bytes");
   EXPECT_STATUS(ParseByteSize("12X", "--default_session_bytes").status(), kInvalidArgument,
                 "--default_session_bytes has an unknown size suffix 'X'");
-  EXPECT_STATUS(ParseByteSize("99999999999T", "--x").status(), kInvalidArgument, "overflows");
+  EXPECT_STATUS(ParseByteSize("99999999999T", "--x").status(), kInvalidArgument,
+                "larger than 2^64-1");
 }
 
 TEST(ConfigTest, Integers) {
@@ -196,7 +199,7 @@ TEST(ConfigTest, YamlFileSetsEveryKey) {
       "metrics_listen: 127.0.0.1:9464\n"
       "data_dir: /tmp/d\n"
       "shm_dir: /tmp/s\n"
-      "arena_capacity_bytes: 2G\n"
+      "arena_capacity_bytes: 2Gi\n"
       "default_session_bytes: 64MiB\n"
       "lease_ms: 3000\n"
       "backend: cpu\n"
@@ -206,7 +209,7 @@ TEST(ConfigTest, YamlFileSetsEveryKey) {
       "log_level: debug\n"
       "tls:\n  cert_file: /c.pem\n  key_file: /k.pem\n  client_ca_file: /ca.pem\n"
       "auth:\n  admin_token_file: /a\n  tenant_tokens_file: /t.yaml\n"
-      "quotas:\n  team-a: {arena_bytes: 1G, host_bytes: 2G, disk_bytes: 3G, sequences: 9}\n",
+      "quotas:\n  team-a: {arena_bytes: 1Gi, host_bytes: 2G, disk_bytes: 3GB, sequences: 9}\n",
       "test.yaml", &config);
   ASSERT_TRUE(status.ok()) << status;
   EXPECT_EQ(config.listen, "0.0.0.0:6000");
@@ -229,14 +232,14 @@ TEST(ConfigTest, YamlFileSetsEveryKey) {
   EXPECT_EQ(config.tenant_tokens_file, "/t.yaml");
   ASSERT_EQ(config.quotas.count("team-a"), 1u);
   EXPECT_EQ(config.quotas["team-a"].arena_bytes, uint64_t{1} << 30);
-  EXPECT_EQ(config.quotas["team-a"].host_bytes, uint64_t{2} << 30);
-  EXPECT_EQ(config.quotas["team-a"].disk_bytes, uint64_t{3} << 30);
+  EXPECT_EQ(config.quotas["team-a"].host_bytes, uint64_t{2000000000});
+  EXPECT_EQ(config.quotas["team-a"].disk_bytes, uint64_t{3000000000});
   EXPECT_EQ(config.quotas["team-a"].sequences, 9);
   EXPECT_TRUE(ValidateConfig(config).ok()) << ValidateConfig(config);
   const std::string yaml = ConfigToYaml(config, BackendChoice{"cpu", "x"});
   EXPECT_THAT(yaml, HasSubstr("  client_ca_file: \"/ca.pem\"\n"));
-  EXPECT_THAT(yaml, HasSubstr("  \"team-a\": {arena_bytes: 1073741824, host_bytes: 2147483648, "
-                              "disk_bytes: 3221225472, sequences: 9}\n"));
+  EXPECT_THAT(yaml, HasSubstr("  \"team-a\": {arena_bytes: 1073741824, host_bytes: 2000000000, "
+                              "disk_bytes: 3000000000, sequences: 9}\n"));
   EXPECT_THAT(yaml, HasSubstr("metrics_listen: \"127.0.0.1:9464\"\n"));
 }
 

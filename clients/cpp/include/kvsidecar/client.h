@@ -88,6 +88,13 @@ struct ClientOptions {
   int max_receive_message_bytes = 64 << 20;
   // Shown in Admin ListSessions.
   std::string worker_name;
+  // Sent as "authorization: Bearer <token>" on every call when not empty (the server's
+  // tenant_tokens_file / admin_token_file). Over plaintext it travels in the clear: use TLS
+  // credentials beyond loopback.
+  std::string bearer_token;
+  // TLS: expect this name in the server certificate instead of the target's host (e.g. when
+  // connecting by IP address to a certificate issued for a DNS name); empty = the target's.
+  std::string tls_server_name;
 };
 
 // The geometry of a mapped arena: everything needed to turn (block, kv, head, in-block slot)
@@ -380,6 +387,8 @@ class AdminClient {
   // Spilled copies (those of ended sessions and earlier runs, and lost ones, included).
   absl::StatusOr<v1::ListSpilledResponse> ListSpilled(const std::string& tenant = "",
                                                       const std::string& session_id = "");
+  // Tenants with a quota or sessions: the quota in force and the usage ("" = all).
+  absl::StatusOr<v1::GetQuotasResponse> GetQuotas(const std::string& tenant = "");
   absl::StatusOr<v1::GetStatsResponse> GetStats();
   absl::StatusOr<v1::DrainResponse> Drain();
   absl::StatusOr<v1::ForceReleaseResponse> ForceRelease(const std::string& session_id,
