@@ -32,7 +32,8 @@
 
 namespace kvs {
 
-class WatchReactor;  // service/sidecar_service.cc
+class WatchReactor;   // service/sidecar_service.cc
+class ArenaFdServer;  // service/arena_fd_server.h
 
 // Largest number of items one batch call (BatchReserve, BatchCommit, BatchCompress) may carry.
 inline constexpr int kMaxBatchItems = 1 << 16;
@@ -158,6 +159,8 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   // Bearer-token checks (service/auth.h); null or no tenant tokens = the data plane is open.
   // Set once before serving.
   void set_authenticator(const Authenticator* auth) { auth_ = auth; }
+  // Hands out memfd arenas; null = none (Attach then fails for a memfd arena). Must outlive this.
+  void set_arena_fd_server(ArenaFdServer* server) { arena_fd_server_ = server; }
   // OK when the data plane is open. Else UNAUTHENTICATED without a valid tenant token, and
   // PERMISSION_DENIED (same text for a missing and a foreign session) unless every session the
   // request names (session_id, and those of repeated requests / items) belongs to the caller's
@@ -187,6 +190,7 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   KvPool* const pool_;
   const std::string backend_name_;
   const Authenticator* auth_ = nullptr;
+  ArenaFdServer* arena_fd_server_ = nullptr;
   std::atomic<bool> draining_{false};
 
   mutable absl::Mutex mu_;
