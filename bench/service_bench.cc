@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "kvsidecar/client.h"
+
 #include "bench/bench_util.h"
 #include "kvsidecar/v1/sidecar.grpc.pb.h"
 
@@ -78,8 +80,16 @@ struct Connection {
     request.set_num_blocks(num_blocks);
     request.set_lease_ms(600000);
     Check(stub->Attach(&context, request, &attach), "Attach");
-    if (attach.arena().shm_path().empty()) return;
-    const int fd = open(attach.arena().shm_path().c_str(), O_RDWR | O_CLOEXEC);
+    if (attach.arena().kind() != pb::ArenaHandle::KIND_MEMFD &&
+        attach.arena().shm_path().empty()) {
+      return;  // a device arena: nothing to map on the host
+    }
+    // The arena is a memfd handed over the arena socket (or, with --arena_shm_names, a file).
+    const int fd = attach.arena().kind() == pb::ArenaHandle::KIND_MEMFD
+                       ? kvsidecar::FetchArenaFd(attach.arena().fd_socket_path(),
+                                                 attach.session_id(), attach.arena().fd_nonce())
+                             .value_or(-1)
+                       : open(attach.arena().shm_path().c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) std::abort();
     void* base =
         mmap(nullptr, attach.arena().size_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

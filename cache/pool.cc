@@ -467,6 +467,13 @@ absl::StatusOr<SessionView> KvPool::GetSession(std::string_view session_id) cons
   return session->View();
 }
 
+absl::StatusOr<int> KvPool::DuplicateArenaFd(std::string_view session_id) const {
+  // The shared pointer keeps the arena (and its descriptor) alive while it is duplicated, even if
+  // the session is detached at the same moment.
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  return session->arena->DuplicateFd();
+}
+
 absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_id,
                                                        const SequenceParams& params) {
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));

@@ -379,6 +379,10 @@ class KvPool {
   // Reclaims one session at once (its worker's connection ended). NOT_FOUND if already gone.
   absl::StatusOr<ReleaseCounts> Reclaim(std::string_view session_id);
   absl::StatusOr<SessionView> GetSession(std::string_view session_id) const;
+  // A new descriptor of the session's arena memory (the caller closes it), for the arena socket
+  // to hand to the session's worker. NOT_FOUND for an unknown session; FAILED_PRECONDITION when
+  // its arena is not a memfd (a named file or device memory).
+  absl::StatusOr<int> DuplicateArenaFd(std::string_view session_id) const;
 
   // Sequences.
   absl::StatusOr<SequenceCreated> CreateSequence(std::string_view session_id,

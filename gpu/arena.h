@@ -1,5 +1,6 @@
-// Arena: one allocation of KV memory owned by the sidecar and shared with one worker (a shared-
-// memory file on the CPU backend, a cudaMalloc exported through CUDA IPC on the CUDA backend).
+// Arena: one allocation of KV memory owned by the sidecar and shared with one worker (on the CPU
+// backend an anonymous memfd handed to that worker alone over a Unix socket, or, in the legacy
+// mode, a named shared-memory file; a cudaMalloc exported through CUDA IPC on the CUDA backend).
 // It is cut into fixed-size blocks by its owner (cache/); the arena itself knows only bytes.
 //
 // Threading: data()/size/handle are immutable after creation and safe from any thread. Read/Write
@@ -11,12 +12,15 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace kvs {
 
 // What a worker needs to map an arena (mirrors kvsidecar.v1.ArenaHandle).
 struct ArenaHandle {
-  enum class Kind { kSharedMemoryFile, kCudaIpc };
+  // kMemfd: host memory without a name; the worker receives a descriptor over the arena socket
+  // (service/arena_fd_server.h), never a path another process could open.
+  enum class Kind { kSharedMemoryFile, kCudaIpc, kMemfd };
   Kind kind = Kind::kSharedMemoryFile;
   std::string shm_path;         // kSharedMemoryFile: file to open + mmap (mode 0600)
   std::string cuda_ipc_handle;  // kCudaIpc: the raw 64-byte cudaIpcMemHandle_t
@@ -45,6 +49,12 @@ class Arena {
   // the arena (checked without overflow); nothing is copied then.
   virtual absl::Status Write(uint64_t offset, const void* source, uint64_t bytes) = 0;
   virtual absl::Status Read(uint64_t offset, void* destination, uint64_t bytes) const = 0;
+
+  // A new descriptor of the arena's memory (close-on-exec; the caller owns and closes it), for
+  // handing to the one worker that attached. FAILED_PRECONDITION for arenas that are not a memfd.
+  virtual absl::StatusOr<int> DuplicateFd() const {
+    return absl::FailedPreconditionError("this arena is not handed over as a file descriptor");
+  }
 };
 
 }  // namespace kvs

@@ -154,8 +154,13 @@ struct RowMergeJob {
 };
 
 struct ArenaOptions {
-  std::string shm_directory = "/dev/shm";  // CPU backend: where the shm file is created
-  std::string name_prefix = "kvsidecar";   // file name prefix (pid and generation are appended)
+  // CPU backend. false (default): an anonymous memfd, sealed against resizing, reachable only
+  // through a descriptor the sidecar hands out. true: the legacy named file in shm_directory,
+  // which every process of the sidecar's uid can open (no isolation between tenants in memory).
+  bool shm_names = false;
+  std::string shm_directory = "/dev/shm";  // shm_names: where the shm file is created
+  std::string name_prefix = "kvsidecar";   // file name prefix (pid and generation are appended);
+                                           // the memfd's name, shown in /proc, otherwise
 };
 
 class Backend {

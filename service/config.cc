@@ -15,6 +15,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "gpu/backend_factory.h"
 #include "gpu/base/status_macros.h"
 #include "service/convert.h"
@@ -69,6 +70,10 @@ absl::Status ValidateConfig(const SidecarConfig& config) {
   KVS_RETURN_IF_ERROR(ValidateListenAddress(config.admin_listen, "--admin_listen"));
   if (config.data_dir.empty()) return absl::InvalidArgumentError("--data_dir must not be empty");
   if (config.shm_dir.empty()) return absl::InvalidArgumentError("--shm_dir must not be empty");
+  if (config.arena_nonce_ttl_ms < 100 || config.arena_nonce_ttl_ms > 3600000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--arena_nonce_ttl_ms must be in [100, 3600000], got ", config.arena_nonce_ttl_ms));
+  }
   if (config.arena_capacity_bytes == 0) {
     return absl::InvalidArgumentError("--arena_capacity_bytes must be > 0");
   }
@@ -173,6 +178,7 @@ absl::StatusOr<PoolOptions> ToPoolOptions(const SidecarConfig& config) {
   options.default_session_bytes = config.default_session_bytes;
   options.default_lease = absl::Milliseconds(config.lease_ms);
   options.arena_options.shm_directory = config.shm_dir;
+  options.arena_options.shm_names = config.arena_shm_names;
   KVS_ASSIGN_OR_RETURN(options.default_policy,
                        DefaultPolicyNamed(config.default_policy, "--default_policy"));
   options.default_budget.tokens_per_layer = config.default_budget_tokens;
@@ -180,6 +186,11 @@ absl::StatusOr<PoolOptions> ToPoolOptions(const SidecarConfig& config) {
   options.decode_threads = config.threads;
   options.spill_on_pressure = config.spill_on_pressure;  // needs the tiers main.cc attaches
   return options;
+}
+
+std::string ArenaSocketPath(const SidecarConfig& config) {
+  if (!config.arena_socket.empty()) return config.arena_socket;
+  return absl::StrCat(absl::StripSuffix(config.data_dir, "/"), "/run/arena.sock");
 }
 
 absl::Status PrepareDirectory(const std::string& path, absl::string_view flag, bool create) {
@@ -216,6 +227,10 @@ std::string ConfigToYaml(const SidecarConfig& config, const BackendChoice& backe
   absl::StrAppend(&out, "admin_listen: ", YamlQuote(config.admin_listen), "\n");
   absl::StrAppend(&out, "data_dir: ", YamlQuote(config.data_dir), "\n");
   absl::StrAppend(&out, "shm_dir: ", YamlQuote(config.shm_dir), "\n");
+  absl::StrAppend(&out, "arena_shm_names: ", config.arena_shm_names ? "true" : "false", "\n");
+  absl::StrAppend(&out, "arena_socket: ",
+                  YamlQuote(config.arena_shm_names ? "" : ArenaSocketPath(config)), "\n");
+  absl::StrAppend(&out, "arena_nonce_ttl_ms: ", config.arena_nonce_ttl_ms, "\n");
   absl::StrAppend(&out, "arena_capacity_bytes: ", config.arena_capacity_bytes, "\n");
   absl::StrAppend(&out, "default_session_bytes: ", config.default_session_bytes, "\n");
   absl::StrAppend(&out, "host_tier_bytes: ", config.host_tier_bytes, "\n");
@@ -256,6 +271,9 @@ const std::vector<ConfigKey>& ConfigKeys() {
       {"metrics_max_tenants", "metrics_max_tenants"},
       {"data_dir", "data_dir"},
       {"shm_dir", "shm_dir"},
+      {"arena_socket", "arena_socket"},
+      {"arena_shm_names", "arena_shm_names"},
+      {"arena_nonce_ttl_ms", "arena_nonce_ttl_ms"},
       {"arena_capacity_bytes", "arena_capacity_bytes"},
       {"default_session_bytes", "default_session_bytes"},
       {"host_tier_bytes", "host_tier_bytes"},
@@ -308,6 +326,19 @@ absl::Status SetConfigValue(SidecarConfig* config, absl::string_view key, absl::
     config->data_dir = text;
   } else if (flag == "shm_dir") {
     config->shm_dir = text;
+  } else if (flag == "arena_socket") {
+    config->arena_socket = text;
+  } else if (flag == "arena_shm_names") {
+    if (text == "true") {
+      config->arena_shm_names = true;
+    } else if (text == "false") {
+      config->arena_shm_names = false;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": must be true or false, got \"", text, "\""));
+    }
+  } else if (flag == "arena_nonce_ttl_ms") {
+    KVS_ASSIGN_OR_RETURN(config->arena_nonce_ttl_ms, ParseInteger(value, name));
   } else if (flag == "arena_capacity_bytes") {
     KVS_ASSIGN_OR_RETURN(config->arena_capacity_bytes, ParseByteSize(value, name));
   } else if (flag == "default_session_bytes") {

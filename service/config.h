@@ -23,7 +23,14 @@ struct SidecarConfig {
   std::string listen = "127.0.0.1:50051";
   std::string admin_listen = "127.0.0.1:50052";  // equal to listen: one server for both
   std::string data_dir = "./kvsidecar-data";
-  std::string shm_dir = "/dev/shm";
+  std::string shm_dir = "/dev/shm";  // arena_shm_names only
+  // Arena isolation. By default each session's CPU arena is an anonymous memfd that only the
+  // worker that attached receives, over the Unix socket arena_socket ("" = <data_dir>/run/
+  // arena.sock), with a single-use nonce valid for arena_nonce_ttl_ms. arena_shm_names = true is
+  // the legacy mode: named files in shm_dir that any process of the sidecar's uid can open.
+  std::string arena_socket;
+  bool arena_shm_names = false;
+  int64_t arena_nonce_ttl_ms = 30000;
   uint64_t arena_capacity_bytes = uint64_t{1} << 30;
   uint64_t default_session_bytes = uint64_t{256} << 20;
   // Storage tiers (issue 4): host memory for spilled sequences; the RocksDB tier in
@@ -78,6 +85,9 @@ absl::Status LoadConfigFile(const std::string& path, SidecarConfig* config);
 absl::StatusOr<std::string> ReadSecretFile(const std::string& path, absl::string_view key);
 // tenant_tokens_file: a YAML map tenant -> token (distinct, non-empty tokens).
 absl::StatusOr<std::map<std::string, std::string>> ReadTenantTokens(const std::string& path);
+
+// The arena socket the sidecar serves: arena_socket, or <data_dir>/run/arena.sock when empty.
+std::string ArenaSocketPath(const SidecarConfig& config);
 
 struct BackendChoice {
   std::string name;    // "cpu"

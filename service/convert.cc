@@ -1031,6 +1031,10 @@ void ArenaHandleToProto(const SessionView& session, v1::ArenaHandle* out) {
       out->set_kind(v1::ArenaHandle::KIND_SHARED_MEMORY_FILE);
       out->set_shm_path(handle.shm_path);
       break;
+    case ArenaHandle::Kind::kMemfd:
+      // fd_socket_path and fd_nonce are the Attach handler's: they belong to that one answer.
+      out->set_kind(v1::ArenaHandle::KIND_MEMFD);
+      break;
     case ArenaHandle::Kind::kCudaIpc:
       out->set_kind(v1::ArenaHandle::KIND_CUDA_IPC);
       out->set_cuda_ipc_handle(handle.cuda_ipc_handle);

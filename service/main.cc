@@ -6,8 +6,10 @@
 #include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/prctl.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -44,7 +46,17 @@ ABSL_FLAG(std::string, admin_listen, "127.0.0.1:50052",
           "Admin address host:port (port 0 = any; equal to --listen = one server for both).");
 ABSL_FLAG(std::string, data_dir, "./kvsidecar-data",
           "Directory for the sidecar's files (created if missing).");
-ABSL_FLAG(std::string, shm_dir, "/dev/shm", "Directory of the shared-memory arena files.");
+ABSL_FLAG(std::string, shm_dir, "/dev/shm",
+          "Directory of the named shared-memory arena files (--arena_shm_names only).");
+ABSL_FLAG(std::string, arena_socket, "",
+          "Unix socket that hands each session's arena (an anonymous memfd) to the worker that "
+          "attached it; empty = <data_dir>/run/arena.sock. Created mode 0600; a missing "
+          "directory is created 0700. Workers must see it at the same path.");
+ABSL_FLAG(std::string, arena_shm_names, "false",
+          "true: legacy named arena files in --shm_dir that any process of the sidecar's uid can "
+          "open and map (no isolation between tenants in memory).");
+ABSL_FLAG(std::string, arena_nonce_ttl_ms, "30000",
+          "How long the single-use nonce of an Attach can fetch the arena over --arena_socket.");
 ABSL_FLAG(std::string, arena_capacity_bytes, "1Gi",
           "Total bytes of all session arenas, a Kubernetes quantity: 1073741824, 1Gi (2^30), 1G "
           "(10^9), 512Mi, 1.5Gi.");
@@ -223,9 +235,16 @@ int main(int argc, char** argv) {
       !status.ok()) {
     return Fail(status.message(), kExitBadFlags);
   }
-  if (absl::Status status = kvs::PrepareDirectory(config.shm_dir, "--shm_dir", false);
-      !status.ok()) {
-    return Fail(status.message(), kExitBadFlags);
+  if (config.arena_shm_names) {
+    if (absl::Status status = kvs::PrepareDirectory(config.shm_dir, "--shm_dir", false);
+        !status.ok()) {
+      return Fail(status.message(), kExitBadFlags);
+    }
+    KVS_LOG(kWarning, "arena_shm_names")
+    ("shm_dir", config.shm_dir)(
+        "msg",
+        "arenas are named files that any process of this uid can open and map: tenants are NOT "
+        "isolated in memory; leave --arena_shm_names off to hand each arena to its worker only");
   }
   auto pool_options = kvs::ToPoolOptions(config);
   if (!pool_options.ok()) return Fail(pool_options.status().message(), kExitBadFlags);
@@ -262,13 +281,25 @@ int main(int argc, char** argv) {
                                     : kvs::BackendKind::kCpu;
   auto made_backend = kvs::MakeBackend(kind, config.threads);
   if (!made_backend.ok()) return Fail(made_backend.status().message(), kExitBadFlags);
+  // A memfd arena has no name, but a process of the same uid could still take it from this
+  // process: open /proc/<pid>/fd/<n> or /proc/<pid>/map_files/*, read /proc/<pid>/mem, or
+  // ptrace it. Not dumpable, those belong to root and ptrace needs CAP_SYS_PTRACE, so only the
+  // worker the arena socket hands the descriptor to can map it. (Core dumps are off as a
+  // consequence.) Not for CUDA: its arenas are device memory exported by CUDA IPC, whose driver
+  // may need to reach this process, and there is no host arena to protect.
+  if (kind != kvs::BackendKind::kCuda) {
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) {
+      KVS_LOG(kWarning, "not_dumpable_failed")("error", std::strerror(errno));
+    }
+  }
   std::unique_ptr<kvs::Backend> backend = *std::move(made_backend);
   kvs::RealClock clock;
   kvs::KvPool pool(backend.get(), &clock, *pool_options);
   pool.SetTierUsageFn([tiers = tiers.get()](std::string_view tenant, bool host) {
     return tiers->TenantBytes(std::string(tenant), host);
   });
-  // Arenas a killed sidecar left in the shared-memory directory hold memory until removed.
+  // Arenas a killed sidecar left in the shared-memory directory hold memory until removed (also
+  // after a switch back from --arena_shm_names).
   if (const int removed = kvs::RemoveStaleShmArenas(pool_options->arena_options); removed > 0) {
     KVS_LOG(kWarning, "stale_arenas_removed")
     ("directory", pool_options->arena_options.shm_directory)("files", removed);
@@ -283,6 +314,10 @@ int main(int argc, char** argv) {
   for (const auto& [tenant, quota] : config.quotas) server_options.metrics_tenants.insert(tenant);
   for (const auto& [tenant, token] : auth.tenant_tokens) {
     server_options.metrics_tenants.insert(tenant);
+  }
+  if (!config.arena_shm_names) {
+    server_options.arena_socket = kvs::ArenaSocketPath(config);
+    server_options.arena_nonce_ttl = absl::Milliseconds(config.arena_nonce_ttl_ms);
   }
   server_options.admin_info.host_bytes_capacity = config.host_tier_bytes;
   server_options.admin_info.disk_bytes_capacity = config.disk_tier_bytes;

@@ -139,8 +139,20 @@ absl::StatusOr<std::unique_ptr<SidecarServer>> SidecarServer::Start(KvPool* pool
   auto credentials = MakeServerCredentials(options.tls);
   if (!credentials.ok()) return credentials.status();
   server->auth_ = std::make_unique<Authenticator>(options.auth);
+  if (!options.arena_socket.empty()) {
+    ArenaFdServer::Options fd_options;
+    fd_options.socket_path = options.arena_socket;
+    fd_options.nonce_ttl = options.arena_nonce_ttl;
+    auto fd_server = ArenaFdServer::Start(
+        fd_options, [pool](absl::string_view session_id) -> absl::StatusOr<int> {
+          return pool->DuplicateArenaFd(std::string_view(session_id.data(), session_id.size()));
+        });
+    if (!fd_server.ok()) return fd_server.status();
+    server->arena_fd_server_ = *std::move(fd_server);
+  }
   server->sidecar_ = std::make_unique<SidecarService>(pool, options.admin_info.backend);
   server->sidecar_->set_authenticator(server->auth_.get());
+  server->sidecar_->set_arena_fd_server(server->arena_fd_server_.get());
   SidecarServer* raw = server.get();
   AdminInfo admin_info = options.admin_info;
   admin_info.tls = !options.tls.cert_file.empty();

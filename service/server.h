@@ -30,6 +30,7 @@
 #include "service/auth.h"
 #include "service/metrics.h"
 #include "service/reflection_v1.h"
+#include "service/arena_fd_server.h"
 #include "service/sidecar_service.h"
 
 namespace kvs {
@@ -46,6 +47,10 @@ struct ServerOptions {
   // at most metrics_max_tenants others get theirs, the rest share tenant="_other".
   std::set<std::string> metrics_tenants;
   int32_t metrics_max_tenants = 100;
+  // Unix socket that hands memfd arenas to their workers (service/arena_fd_server.h); "" = none
+  // (then an Attach whose arena is a memfd fails: only named or device arenas can be served).
+  std::string arena_socket;
+  absl::Duration arena_nonce_ttl = absl::Seconds(30);
 };
 
 class SidecarServer {
@@ -89,6 +94,8 @@ class SidecarServer {
   std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<MetricsHttpServer> metrics_server_;
   std::string metrics_address_;
+  // Declared before sidecar_, which issues its nonces, so that it outlives it.
+  std::unique_ptr<ArenaFdServer> arena_fd_server_;
   uint64_t host_capacity_ = 0;
   uint64_t disk_capacity_ = 0;
   std::unique_ptr<SidecarService> sidecar_;

@@ -11,6 +11,7 @@
 #include "cache/policy/policy.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/status_macros.h"
+#include "service/arena_fd_server.h"
 #include "service/convert.h"
 #include "service/log.h"
 #include "service/rpc_guard.h"
@@ -653,8 +654,18 @@ grpc::ServerUnaryReactor* SidecarService::Attach(grpc::CallbackServerContext* co
     // The tenant of the token wins over the request's tenant field.
     if (caller.has_value()) params.tenant = *caller;
     KVS_ASSIGN_OR_RETURN(SessionView session, pool_->Attach(params));
+    if (session.arena.kind == ArenaHandle::Kind::kMemfd && arena_fd_server_ == nullptr) {
+      (void)pool_->Detach(session.session_id);  // a failed Attach leaves no session behind
+      return absl::FailedPreconditionError(
+          "this sidecar's arenas are memfds but it has no arena socket to hand them out");
+    }
     response->set_session_id(session.session_id);
     ArenaHandleToProto(session, response->mutable_arena());
+    if (session.arena.kind == ArenaHandle::Kind::kMemfd) {
+      // Only this answer, sent to the caller the token authenticated, can fetch the arena.
+      response->mutable_arena()->set_fd_socket_path(arena_fd_server_->socket_path());
+      response->mutable_arena()->set_fd_nonce(arena_fd_server_->IssueNonce(session.session_id));
+    }
     LayoutToProto(session.layout, response->mutable_layout());
     response->set_lease_ms(static_cast<int32_t>(
         std::min<int64_t>(absl::ToInt64Milliseconds(session.lease), INT32_MAX)));

@@ -34,7 +34,8 @@
 
 namespace kvs {
 
-class WatchReactor;  // service/sidecar_service.cc
+class WatchReactor;   // service/sidecar_service.cc
+class ArenaFdServer;  // service/arena_fd_server.h
 
 // Largest number of items one batch call (BatchReserve, BatchCommit, BatchCompress) may carry.
 inline constexpr int kMaxBatchItems = 1 << 16;
@@ -164,6 +165,8 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   // that succeeded, for the budget histogram of the metrics. Set once before serving.
   using BudgetObserver = std::function<void(const std::string& policy, int32_t tokens)>;
   void set_budget_observer(BudgetObserver observer) { budget_observer_ = std::move(observer); }
+  // Hands out memfd arenas; null = none (Attach then fails for a memfd arena). Must outlive this.
+  void set_arena_fd_server(ArenaFdServer* server) { arena_fd_server_ = server; }
   // OK when the data plane is open. Else UNAUTHENTICATED without a valid tenant token, and
   // PERMISSION_DENIED (same text for a missing and a foreign session) unless every session the
   // request names (session_id, and those of repeated requests / items) belongs to the caller's
@@ -194,6 +197,7 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   const std::string backend_name_;
   const Authenticator* auth_ = nullptr;
   BudgetObserver budget_observer_;
+  ArenaFdServer* arena_fd_server_ = nullptr;
   std::atomic<bool> draining_{false};
 
   mutable absl::Mutex mu_;

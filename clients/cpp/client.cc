@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -91,6 +93,75 @@ int DTypeBytes(v1::DType dtype) {
     default:
       return 0;
   }
+}
+
+absl::StatusOr<int> FetchArenaFd(const std::string& socket_path, const std::string& session_id,
+                                 const std::string& nonce, absl::Duration timeout) {
+  sockaddr_un address{};
+  if (socket_path.empty() || socket_path.size() >= sizeof(address.sun_path)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("arena socket path '", socket_path, "' is empty or too long"));
+  }
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, socket_path.data(), socket_path.size());
+  const int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (sock < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  if (timeout <= absl::ZeroDuration() || timeout == absl::InfiniteDuration()) {
+    timeout = absl::Seconds(10);
+  }
+  const timeval tv = absl::ToTimeval(timeout);
+  setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  auto fail = [&](absl::StatusCode code, const std::string& message) {
+    close(sock);
+    return absl::Status(code, absl::StrCat("arena socket ", socket_path, ": ", message));
+  };
+  if (connect(sock, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
+    return fail(absl::StatusCode::kUnavailable, std::strerror(errno));
+  }
+  const std::string request = absl::StrCat("FETCH ", session_id, " ", nonce, "\n");
+  if (send(sock, request.data(), request.size(), MSG_NOSIGNAL) !=
+      static_cast<ssize_t>(request.size())) {
+    return fail(absl::StatusCode::kUnavailable, absl::StrCat("send: ", std::strerror(errno)));
+  }
+  // The descriptor travels with the first bytes of the reply; read up to the end of its line.
+  std::string reply;
+  int fd = -1;
+  while (reply.find('\n') == std::string::npos && reply.size() < 4096) {
+    char buffer[512];
+    iovec iov{buffer, sizeof(buffer)};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+    msghdr message{};
+    message.msg_iov = &iov;
+    message.msg_iovlen = 1;
+    message.msg_control = control;
+    message.msg_controllen = sizeof(control);
+    const ssize_t n = recvmsg(sock, &message, MSG_CMSG_CLOEXEC);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    for (cmsghdr* header = CMSG_FIRSTHDR(&message); header != nullptr;
+         header = CMSG_NXTHDR(&message, header)) {
+      if (header->cmsg_level == SOL_SOCKET && header->cmsg_type == SCM_RIGHTS &&
+          header->cmsg_len >= CMSG_LEN(sizeof(int))) {
+        int received;
+        std::memcpy(&received, CMSG_DATA(header), sizeof(int));
+        if (fd >= 0) close(fd);
+        fd = received;
+      }
+    }
+    reply.append(buffer, static_cast<size_t>(n));
+  }
+  close(sock);
+  const size_t end = reply.find('\n');
+  const std::string line = reply.substr(0, end);
+  if (end != std::string::npos && line.rfind("OK ", 0) == 0 && fd >= 0) return fd;
+  if (fd >= 0) close(fd);
+  if (line.rfind("ERROR ", 0) == 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("arena socket ", socket_path, " refused: ", line.substr(6)));
+  }
+  return absl::InternalError(
+      absl::StrCat("arena socket ", socket_path, ": malformed answer '", line, "'"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -233,11 +304,12 @@ absl::Status Session::CheckAttached() const {
 absl::Status Session::Start() {
   const v1::ArenaHandle& handle = attach_.arena();
   if (handle.kind() != v1::ArenaHandle::KIND_SHARED_MEMORY_FILE &&
+      handle.kind() != v1::ArenaHandle::KIND_MEMFD &&
       handle.kind() != v1::ArenaHandle::KIND_CUDA_IPC) {
     return absl::FailedPreconditionError(
         absl::StrCat("arena.kind ", v1::ArenaHandle::Kind_Name(handle.kind()),
-                     " cannot be mapped by this client: it maps KIND_SHARED_MEMORY_FILE and "
-                     "KIND_CUDA_IPC arenas"));
+                     " cannot be mapped by this client: it maps KIND_MEMFD, "
+                     "KIND_SHARED_MEMORY_FILE and KIND_CUDA_IPC arenas"));
   }
   const v1::ModelLayout& layout = attach_.layout();
   const int dtype_bytes = DTypeBytes(layout.dtype());
@@ -302,25 +374,36 @@ absl::Status Session::MapCudaIpc() {
 
 absl::Status Session::MapSharedMemory() {
   const v1::ArenaHandle& handle = attach_.arena();
-  if (handle.shm_path().empty()) return absl::InternalError("arena.shm_path is empty");
-
-  const int fd = open(handle.shm_path().c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("cannot open arena ", handle.shm_path(), ": ", std::strerror(errno)));
+  std::string what;  // names the arena in messages
+  int fd = -1;
+  if (handle.kind() == v1::ArenaHandle::KIND_MEMFD) {
+    if (handle.fd_socket_path().empty() || handle.fd_nonce().empty()) {
+      return absl::InternalError("arena.fd_socket_path or arena.fd_nonce is empty");
+    }
+    what = absl::StrCat("of session ", session_id(), " (from ", handle.fd_socket_path(), ")");
+    KVS_ASSIGN_OR_RETURN(fd, FetchArenaFd(handle.fd_socket_path(), session_id(),
+                                          handle.fd_nonce(), options_.connect_timeout));
+  } else {
+    if (handle.shm_path().empty()) return absl::InternalError("arena.shm_path is empty");
+    what = handle.shm_path();
+    fd = open(handle.shm_path().c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot open arena ", what, ": ", std::strerror(errno)));
+    }
   }
   struct stat st;
   if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < handle.size_bytes()) {
     close(fd);
-    return absl::FailedPreconditionError(absl::StrCat(
-        "arena ", handle.shm_path(), " is smaller than arena.size_bytes ", handle.size_bytes()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("arena ", what, " is smaller than arena.size_bytes ", handle.size_bytes()));
   }
   void* base = mmap(nullptr, handle.size_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int mmap_errno = errno;
   close(fd);  // the mapping keeps the memory; the fd is not needed any more
   if (base == MAP_FAILED) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("cannot map arena ", handle.shm_path(), ": ", std::strerror(mmap_errno)));
+        absl::StrCat("cannot map arena ", what, ": ", std::strerror(mmap_errno)));
   }
   geometry_.base = static_cast<uint8_t*>(base);
   geometry_.memory = ArenaGeometry::Memory::kHost;

@@ -218,7 +218,9 @@ int main(int argc, char** argv) {
   absl::PrintF(
       "kvs_demo: attached to %s as session %s (%s backend); mapped arena %s: %d blocks of %d "
       "bytes\n",
-      target, (*session)->session_id(), (*session)->attach_response().backend(), arena.shm_path(),
+      target, (*session)->session_id(), (*session)->attach_response().backend(),
+      arena.kind() == v1::ArenaHandle::KIND_MEMFD ? "(memfd from " + arena.fd_socket_path() + ")"
+                                                  : arena.shm_path(),
       arena.num_blocks(), arena.block_bytes());
   absl::PrintF("kvs_demo: model L=%d H=%d Hq=%d D=%d fp16, block_tokens=%d\n", kLayers, kKvHeads,
                kQHeads, kHeadDim, (*session)->layout().block_tokens());

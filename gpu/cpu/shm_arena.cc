@@ -81,7 +81,7 @@ class ShmArena final : public Arena {
   ~ShmArena() override {
     munmap(base_, handle_.size_bytes);
     close(fd_);
-    unlink(handle_.shm_path.c_str());
+    if (!handle_.shm_path.empty()) unlink(handle_.shm_path.c_str());
   }
 
   ShmArena(const ShmArena&) = delete;
@@ -103,6 +103,15 @@ class ShmArena final : public Arena {
     if (auto status = CheckRange(offset, bytes, destination, "Read"); !status.ok()) return status;
     CopyInPieces(static_cast<uint8_t*>(destination), base_ + offset, bytes);
     return absl::OkStatus();
+  }
+
+  absl::StatusOr<int> DuplicateFd() const override {
+    if (handle_.kind != ArenaHandle::Kind::kMemfd) return Arena::DuplicateFd();
+    const int copy = fcntl(fd_, F_DUPFD_CLOEXEC, 0);
+    if (copy < 0) {
+      return SystemError(errno, "cannot duplicate the arena descriptor", "this process");
+    }
+    return copy;
   }
 
  private:
@@ -157,6 +166,35 @@ int ReserveStorage(int fd, uint64_t bytes) {
   return posix_fallocate(fd, 0, length);
 }
 
+// The default arena: anonymous memory no other process can open by name. The sidecar hands its
+// descriptor to the one worker that attached (service/arena_fd_server.h). The seals keep the
+// size fixed for the arena's life, so that neither side's mapping can be cut short under it (a
+// shrink would turn the other side's accesses into SIGBUS); F_SEAL_SEAL stops the worker adding
+// a write seal that would freeze the sidecar out of its own arena.
+absl::StatusOr<std::unique_ptr<Arena>> CreateMemfdArena(uint64_t bytes,
+                                                        const ArenaOptions& options) {
+  const char* const where = "an anonymous memfd";
+  const int fd = memfd_create(options.name_prefix.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return SystemError(errno, "cannot create the arena", where);
+  auto fail = [&](int error, const char* what) {
+    close(fd);
+    return SystemError(error, absl::StrCat(what, " the arena memfd (", bytes, " bytes)"), where);
+  };
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) return fail(errno, "cannot size");
+  if (int error = ReserveStorage(fd, bytes); error != 0) return fail(error, "cannot reserve");
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return fail(errno, "cannot seal");
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) return fail(errno, "cannot map");
+
+  ArenaHandle handle;
+  handle.kind = ArenaHandle::Kind::kMemfd;
+  handle.size_bytes = bytes;
+  handle.generation = g_next_generation.fetch_add(1, std::memory_order_relaxed);
+  return std::unique_ptr<Arena>(new ShmArena(fd, static_cast<uint8_t*>(base), std::move(handle)));
+}
+
 }  // namespace
 
 int RemoveStaleShmArenas(const ArenaOptions& options) {
@@ -196,6 +234,7 @@ absl::StatusOr<std::unique_ptr<Arena>> CreateShmArena(uint64_t bytes, const Aren
   if (options.name_prefix.find('/') != std::string::npos) {
     return absl::InvalidArgumentError("arena name_prefix must not contain '/'");
   }
+  if (!options.shm_names) return CreateMemfdArena(bytes, options);
   const std::string& directory = options.shm_directory;
   // The handle carries an absolute path: the worker resolves it from its own working directory.
   char resolved[PATH_MAX];

@@ -305,6 +305,8 @@ class SimArena final : public Arena {
   absl::Status Read(uint64_t offset, void* destination, uint64_t bytes) const override {
     return inner_->Read(offset, destination, bytes);
   }
+  // The worker maps the host arena behind the simulated device memory, as with the CPU backend.
+  absl::StatusOr<int> DuplicateFd() const override { return inner_->DuplicateFd(); }
 
  private:
   const std::shared_ptr<SimState> state_;

@@ -75,12 +75,12 @@ AttentionInput FilterQueries(const std::vector<int32_t>& layers, int salt = 0) {
   return input;
 }
 
-// A read-only mapping of a session's shm arena.
+// A read-only mapping of a session's arena (a memfd: the descriptor the worker would receive).
 class ArenaReader {
  public:
-  explicit ArenaReader(const SessionView& view) : size_(view.arena.size_bytes) {
-    const int fd = open(view.arena.shm_path.c_str(), O_RDONLY);
-    EXPECT_GE(fd, 0) << view.arena.shm_path;
+  ArenaReader(const KvPool& pool, const SessionView& view) : size_(view.arena.size_bytes) {
+    const int fd = pool.DuplicateArenaFd(view.session_id).value_or(-1);
+    EXPECT_GE(fd, 0) << view.session_id;
     data_ = static_cast<const uint8_t*>(mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0));
     close(fd);
   }
@@ -206,7 +206,7 @@ TEST_P(OmniKvSelectTest, Tv7PropagationStagesTheSelectedRows) {
   ASSERT_EQ(result->sparse_layers.size(), 3u);
   absl::StatusOr<SessionView> view = f.pool.pool.GetSession(f.session);
   ASSERT_TRUE(view.ok());
-  ArenaReader arena(*view);
+  ArenaReader arena(f.pool.pool, *view);
   const std::vector<std::vector<int32_t>> expected = {
       {1, 2, 5, 9, 12, 13}, {3, 6, 7, 10, 12, 13}, {3, 6, 7, 10, 12, 13}};
   for (size_t j = 0; j < 3; ++j) {
@@ -310,7 +310,7 @@ TEST(OmniKvSelect, RetriedStepReturnsTheSameSelectionAndNewTokensJoinTheTail) {
   ASSERT_EQ(after->sparse_layers.size(), 1u);
   EXPECT_EQ(after->sparse_layers[0].count, 4 + 3);
   absl::StatusOr<SessionView> view = f.pool.pool.GetSession(f.session);
-  ArenaReader arena(*view);
+  ArenaReader arena(f.pool.pool, *view);
   EXPECT_EQ(arena.At(f.layout, after->sparse_layers[0].block_table, 1, 1, 6, 2),
             Tv7(3, 1, 1, 14, 2));
 }

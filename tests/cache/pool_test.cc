@@ -96,7 +96,8 @@ TEST(PoolAttachTest, ResolvesDefaults) {
   EXPECT_EQ(sessions[0].free_blocks, view->num_blocks);
   auto again = pool.pool.GetSession(view->session_id);
   ASSERT_TRUE(again.ok());
-  EXPECT_EQ(again->arena.shm_path, view->arena.shm_path);
+  EXPECT_EQ(again->arena.generation, view->arena.generation);
+  EXPECT_EQ(again->arena.kind, ArenaHandle::Kind::kMemfd);
 }
 
 TEST(PoolAttachTest, Validation) {

@@ -81,10 +81,10 @@ TEST(BackendE2eTest, AutoPicksTheBackendAndSaysWhy) {
   EXPECT_EQ((*session)->attach_response().backend(), expected);
   EXPECT_EQ(
       (*session)->attach_response().arena().kind(),
-      CudaServes() ? v1::ArenaHandle::KIND_CUDA_IPC : v1::ArenaHandle::KIND_SHARED_MEMORY_FILE);
+      CudaServes() ? v1::ArenaHandle::KIND_CUDA_IPC : v1::ArenaHandle::KIND_MEMFD);
 }
 
-// The simulated device serves the whole data path: a shared-memory arena the worker maps, and the
+// The simulated device serves the whole data path: a memfd arena the worker maps, and the
 // sidecar's own pointers in an address space it cannot dereference on the host.
 TEST(BackendE2eTest, DeviceSimServesAndSaysSo) {
   ServerProcess::Options options;
@@ -106,7 +106,7 @@ TEST(BackendE2eTest, DeviceSimServesAndSaysSo) {
   auto session = (*client)->Attach(request);
   ASSERT_TRUE(session.ok()) << session.status();
   EXPECT_EQ((*session)->attach_response().backend(), "device-sim");
-  EXPECT_EQ((*session)->attach_response().arena().kind(), v1::ArenaHandle::KIND_SHARED_MEMORY_FILE);
+  EXPECT_EQ((*session)->attach_response().arena().kind(), v1::ArenaHandle::KIND_MEMFD);
 }
 
 TEST(BackendE2eTest, CudaExits2WithTheReason) {

@@ -1,6 +1,8 @@
 #include "tests/e2e/e2e_util.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/prctl.h>
@@ -65,7 +67,8 @@ std::string MakeTempDir(const std::string& prefix) {
 // ---------------------------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(
-    const std::vector<std::string>& argv, const std::string& log_dir, const std::string& name) {
+    const std::vector<std::string>& argv, const std::string& log_dir, const std::string& name,
+    int run_as_uid) {
   if (argv.empty()) return absl::InvalidArgumentError("argv is empty");
   if (access(argv[0].c_str(), X_OK) != 0) {
     return absl::NotFoundError(
@@ -93,7 +96,12 @@ absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(
     return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
   }
   if (pid == 0) {
-    // Never outlive the test: a crashed or killed test must not leave a server behind.
+    if (run_as_uid >= 0) {
+      const uid_t uid = static_cast<uid_t>(run_as_uid);
+      if (setgroups(0, nullptr) != 0 || setgid(uid) != 0 || setuid(uid) != 0) _exit(126);
+    }
+    // Never outlive the test: a crashed or killed test must not leave a server behind. (Set
+    // after setuid, which clears it.)
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(127);
     dup2(out, STDOUT_FILENO);
@@ -153,7 +161,14 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(const Option
                    [](const std::string& arg) { return arg.rfind("--backend", 0) == 0; })) {
     argv.push_back("--backend=" + backend);
   }
-  auto process = ChildProcess::Spawn(argv, server->dir_, "kvsidecar");
+  if (options.run_as_uid >= 0) {
+    // The server writes its data directory (and arena socket) under its own directory.
+    const uid_t uid = static_cast<uid_t>(options.run_as_uid);
+    if (chown(server->dir_.c_str(), uid, uid) != 0) {
+      return absl::InternalError(absl::StrCat("chown ", server->dir_, ": ", std::strerror(errno)));
+    }
+  }
+  auto process = ChildProcess::Spawn(argv, server->dir_, "kvsidecar", options.run_as_uid);
   if (!process.ok()) return process.status();
   server->process_ = std::move(*process);
 
@@ -217,6 +232,23 @@ kvsidecar::ClientOptions TestClientOptions() {
   options.rpc_timeout = absl::Seconds(120);
   options.worker_name = "e2e";
   return options;
+}
+
+int CountArenaMemfds(pid_t pid) {
+  const std::string directory = absl::StrCat("/proc/", pid, "/fd");
+  DIR* dir = opendir(directory.c_str());
+  if (dir == nullptr) return -1;
+  int count = 0;
+  while (const dirent* entry = readdir(dir)) {
+    char target[256];
+    const std::string link = absl::StrCat(directory, "/", entry->d_name);
+    const ssize_t n = readlink(link.c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    target[n] = '\0';
+    if (std::strncmp(target, "/memfd:kvsidecar", 16) == 0) ++count;
+  }
+  closedir(dir);
+  return count;
 }
 
 bool PollUntil(const std::function<bool()>& condition, absl::Duration timeout,

@@ -35,9 +35,12 @@ std::string MakeTempDir(const std::string& prefix);
 // dies or when the test process dies (PR_SET_PDEATHSIG).
 class ChildProcess {
  public:
+  // `run_as_uid` >= 0 (only as root): the child drops to that uid and gid (and no supplementary
+  // groups) before exec.
   static absl::StatusOr<std::unique_ptr<ChildProcess>> Spawn(const std::vector<std::string>& argv,
                                                              const std::string& log_dir,
-                                                             const std::string& name);
+                                                             const std::string& name,
+                                                             int run_as_uid = -1);
   ~ChildProcess();
 
   pid_t pid() const { return pid_; }
@@ -66,6 +69,8 @@ class ServerProcess {
   struct Options {
     int lease_ms = 10000;
     std::vector<std::string> extra_args;
+    // >= 0 (only as root): run the server as this uid/gid; its directory is chowned to it.
+    int run_as_uid = -1;
   };
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(const Options& options);
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start() { return Start(Options()); }
@@ -111,6 +116,11 @@ class SharedServerTest : public ::testing::Test {
   }
   static inline ServerProcess* server_ = nullptr;
 };
+
+// How many memfd arenas (descriptors whose /proc link reads "/memfd:kvsidecar...") process `pid`
+// holds open; -1 when its /proc/<pid>/fd cannot be read (the sidecar is not dumpable: only root
+// can read it).
+int CountArenaMemfds(pid_t pid);
 
 // Polls `condition` every `interval` until it holds (true) or `timeout` passes (false).
 bool PollUntil(const std::function<bool()>& condition, absl::Duration timeout,

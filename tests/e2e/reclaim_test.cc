@@ -1,6 +1,8 @@
 // End to end: the memory of a worker that goes away is reclaimed by the real server: a worker
 // process that is SIGKILLed (its Watch stream breaks), a session whose lease lapses without Watch
-// or heartbeat, an explicit Detach and a Session destroyed without Detach.
+// or heartbeat, an explicit Detach and a Session destroyed without Detach. The arenas are memfds
+// (the default): reclaimed means the sidecar holds no descriptor of them any more (checked through
+// /proc/<sidecar>/fd where this test may read it, i.e. as root, the sidecar being non-dumpable).
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -18,6 +20,14 @@ namespace {
 bool FileExists(const std::string& path) {
   struct stat st;
   return stat(path.c_str(), &st) == 0;
+}
+
+// The sidecar no longer holds the arena: its memfd count is back to `before` (unknown = -1: not
+// checked), or, for a named arena, its file is gone.
+bool ArenaReleased(ServerProcess& server, int before, const std::string& shm_path) {
+  if (!shm_path.empty()) return !FileExists(shm_path);
+  if (before < 0) return true;
+  return CountArenaMemfds(server.process().pid()) == before;
 }
 
 bool SessionListed(kvsidecar::AdminClient& admin, const std::string& session_id) {
@@ -51,6 +61,7 @@ class ReclaimTest : public SharedServerTest<ReclaimTest> {
 TEST_F(ReclaimTest, KilledWorkerProcessIsReclaimedWithinSeconds) {
   auto before = admin_->GetStats();
   ASSERT_TRUE(before.ok()) << before.status();
+  const int memfds = CountArenaMemfds(server_->process().pid());
   // A two-minute lease: only the broken Watch stream can explain a reclaim within seconds.
   auto worker = ChildProcess::Spawn(
       {BuildDir() + "/tests/e2e/kvs_e2e_worker", server_->data_target(), "120000"}, server_->dir(),
@@ -68,7 +79,10 @@ TEST_F(ReclaimTest, KilledWorkerProcessIsReclaimedWithinSeconds) {
   const std::string session_id = FieldOf(ready, "session");
   const std::string shm_path = FieldOf(ready, "shm");
   ASSERT_FALSE(session_id.empty());
-  ASSERT_TRUE(FileExists(shm_path)) << shm_path;
+  ASSERT_TRUE(shm_path.empty()) << "a named arena in the default mode: " << shm_path;
+  if (memfds >= 0) {
+    EXPECT_EQ(CountArenaMemfds(server_->process().pid()), memfds + 1);
+  }
 
   ASSERT_TRUE(SessionListed(*admin_, session_id));
   auto sequences = admin_->ListSequences(session_id);
@@ -84,7 +98,8 @@ TEST_F(ReclaimTest, KilledWorkerProcessIsReclaimedWithinSeconds) {
   EXPECT_TRUE(PollUntil([&] { return !SessionListed(*admin_, session_id); }, kReclaimTimeout))
       << server_->Logs();
   EXPECT_LT(absl::Now() - killed, kReclaimTimeout);
-  EXPECT_TRUE(PollUntil([&] { return !FileExists(shm_path); }, kReclaimTimeout)) << shm_path;
+  EXPECT_TRUE(PollUntil([&] { return ArenaReleased(*server_, memfds, shm_path); },
+                        kReclaimTimeout));
 
   auto after = admin_->GetStats();
   ASSERT_TRUE(after.ok());
@@ -100,6 +115,7 @@ TEST_F(ReclaimTest, KilledWorkerProcessIsReclaimedWithinSeconds) {
 TEST_F(ReclaimTest, LeaseExpiryWithoutWatchOrHeartbeatReclaims) {
   auto before = admin_->GetStats();
   ASSERT_TRUE(before.ok());
+  const int memfds = CountArenaMemfds(server_->process().pid());
   auto client = server_->Connect();
   ASSERT_TRUE(client.ok()) << client.status();
   // A bare Attach through the stub: no Watch stream, no heartbeat thread.
@@ -113,7 +129,8 @@ TEST_F(ReclaimTest, LeaseExpiryWithoutWatchOrHeartbeatReclaims) {
     ASSERT_TRUE((*client)->stub()->Attach(&context, request, &response).ok());
   }
   const std::string shm_path = response.arena().shm_path();
-  EXPECT_TRUE(FileExists(shm_path));
+  EXPECT_EQ(response.arena().kind(), v1::ArenaHandle::KIND_MEMFD);
+  EXPECT_FALSE(ArenaReleased(*server_, memfds, shm_path));
   EXPECT_EQ(response.lease_ms(), 3000);
   {
     v1::CreateSequenceRequest create;
@@ -126,7 +143,8 @@ TEST_F(ReclaimTest, LeaseExpiryWithoutWatchOrHeartbeatReclaims) {
   EXPECT_TRUE(PollUntil([&] { return !SessionListed(*admin_, response.session_id()); },
                         absl::Milliseconds(3000) + kReclaimTimeout))
       << server_->Logs();
-  EXPECT_TRUE(PollUntil([&] { return !FileExists(shm_path); }, kReclaimTimeout));
+  EXPECT_TRUE(PollUntil([&] { return ArenaReleased(*server_, memfds, shm_path); },
+                        kReclaimTimeout));
   v1::HeartbeatRequest heartbeat;
   heartbeat.set_session_id(response.session_id());
   v1::HeartbeatResponse ignored;
@@ -162,6 +180,7 @@ TEST_F(ReclaimTest, DetachAndDestructionReleaseAtOnce) {
   ASSERT_TRUE(client.ok());
   auto before = admin_->GetStats();
   ASSERT_TRUE(before.ok());
+  const int memfds = CountArenaMemfds(server_->process().pid());
   std::string shm_path, session_id;
   {
     auto session = (*client)->Attach(MakeLayout(2, 2, 2, 32, v1::DTYPE_FLOAT16), "e2e", 16, 0);
@@ -174,7 +193,7 @@ TEST_F(ReclaimTest, DetachAndDestructionReleaseAtOnce) {
     ASSERT_TRUE(detached.ok()) << detached.status();
     EXPECT_EQ(detached->sequences_released(), 2);
     EXPECT_EQ(detached->blocks_released(), 4);  // 20 tokens = 2 blocks in each of 2 layers
-    EXPECT_FALSE(FileExists(shm_path));
+    EXPECT_TRUE(ArenaReleased(*server_, memfds, shm_path));
     EXPECT_EQ((*session)->Detach().status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_EQ((*session)->Reserve("a", 1).status().code(), absl::StatusCode::kFailedPrecondition);
   }
@@ -186,7 +205,7 @@ TEST_F(ReclaimTest, DetachAndDestructionReleaseAtOnce) {
     ASSERT_TRUE(SessionListed(*admin_, session_id));
   }  // destroyed without Detach
   EXPECT_FALSE(SessionListed(*admin_, session_id));
-  EXPECT_FALSE(FileExists(shm_path));
+  EXPECT_TRUE(ArenaReleased(*server_, memfds, shm_path));
   auto after = admin_->GetStats();
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->sessions(), before->sessions());

@@ -76,7 +76,7 @@ TEST_F(RoundTripTest, KeyDiffZeroCopyCompressReadsBackBitForBit) {
   auto session = Attach(layout, 256);
   ASSERT_NE(session, nullptr);
   EXPECT_EQ(session->layout().block_tokens(), 16);
-  EXPECT_EQ(session->arena().kind(), v1::ArenaHandle::KIND_SHARED_MEMORY_FILE);
+  EXPECT_EQ(session->arena().kind(), v1::ArenaHandle::KIND_MEMFD);
   EXPECT_TRUE(PollUntil([&] { return session->watching(); }, absl::Seconds(30)));
 
   // A witness sequence that nobody compresses: must stay intact through everything below.

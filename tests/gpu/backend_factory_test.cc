@@ -2,6 +2,8 @@
 // values and statuses on every build and host (with or without CUDA, with or without a device).
 #include "gpu/backend_factory.h"
 
+#include <unistd.h>
+
 #include <string>
 
 #include "gmock/gmock.h"
@@ -46,7 +48,11 @@ TEST(BackendFactoryTest, MakesTheSimulatedDeviceAlways) {
   auto arena = (*backend)->CreateArena(4096, options);
   ASSERT_TRUE(arena.ok()) << arena.status();
   EXPECT_FALSE((*arena)->host_mapped());  // reached through Read/Write and the kernels only
-  EXPECT_EQ((*arena)->handle().kind, ArenaHandle::Kind::kSharedMemoryFile);
+  EXPECT_EQ((*arena)->handle().kind, ArenaHandle::Kind::kMemfd);
+  // The worker maps the host memory behind it, handed over as a descriptor.
+  auto fd = (*arena)->DuplicateFd();
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  close(*fd);
   // Host job arrays are staged: a KeyDiff job over host block table and scores runs.
   const float keys[4] = {1.0f, 0.0f, 0.0f, 1.0f};  // 2 slots of head_dim 2, one kv head
   ASSERT_TRUE((*arena)->Write(0, keys, sizeof(keys)).ok());

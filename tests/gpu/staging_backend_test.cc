@@ -149,8 +149,8 @@ TEST_P(StagingTest, NameAndArenaComeFromTheDevice) {
   EXPECT_TRUE(memory_->IsDeviceAccessible(dev_base() + kArenaBytes - 1));
   EXPECT_FALSE(memory_->IsDeviceAccessible(dev_base() + kArenaBytes));
   EXPECT_FALSE(memory_->IsDeviceAccessible(cpu_base()));
-  EXPECT_EQ(dev_arena_->handle().kind, ArenaHandle::Kind::kSharedMemoryFile);
-  EXPECT_FALSE(dev_arena_->handle().shm_path.empty());
+  EXPECT_EQ(dev_arena_->handle().kind, ArenaHandle::Kind::kMemfd);
+  EXPECT_TRUE(dev_arena_->handle().shm_path.empty());
   EXPECT_TRUE(staged_->Synchronize(nullptr).ok());
 }
 

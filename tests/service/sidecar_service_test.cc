@@ -107,6 +107,9 @@ class SidecarServiceTest : public ::testing::Test {
     options.arena_capacity_bytes = uint64_t{256} << 20;
     options.default_session_bytes = uint64_t{4} << 20;
     options.arena_options.name_prefix = "kvsidecar-service-test";
+    // These in-process tests map the arena by path; the memfd hand-over is tested end to end
+    // (tests/e2e/arena_isolation_test.cc).
+    options.arena_options.shm_names = true;
     pool_ = std::make_unique<KvPool>(backend_.get(), &clock_, options);
     ServerOptions server_options;
     server_options.listen = "127.0.0.1:0";

@@ -7,7 +7,10 @@ values (index 1). Slot ``s`` of a layer sits in block ``block_table[s // B]`` at
 
     b * block_bytes + (((kv * H + head) * B + in_block) * D + d) * dtype_bytes
 
-On the CPU backend the arena is a shared-memory file the client maps once (``mmap``, MAP_SHARED);
+On the CPU backend the arena is shared memory the client maps once (``mmap``, MAP_SHARED): by
+default an anonymous memfd (``KIND_MEMFD``) whose descriptor :func:`fetch_arena_fd` receives from
+the sidecar's arena socket with the single-use nonce of the Attach response (no other process can
+open it by name), or, from a sidecar run with ``--arena_shm_names``, a named file opened by path;
 :attr:`Arena.blocks` is a numpy array ``[num_blocks][2][H][B][D]`` over that mapping, so writing
 into it writes the sidecar's memory and reading it reads the sidecar's memory, with no copy and no
 RPC. bfloat16 has no numpy dtype: it is exposed as ``uint16`` bit patterns, converted with
@@ -37,12 +40,14 @@ import ctypes
 import mmap
 import os
 import re
+import socket
 import threading
 from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
-from kvsidecar.errors import FailedPrecondition, Internal, InvalidArgument, OutOfRange
+from kvsidecar.errors import (FailedPrecondition, Internal, InvalidArgument, OutOfRange,
+                              PermissionDenied, Unavailable)
 from kvsidecar.v1 import common_pb2
 
 __all__ = [
@@ -157,27 +162,37 @@ class Arena:
         num_blocks, num_kv_heads, block_tokens, head_dim, dtype: the geometry.
     """
 
-    def __init__(self, handle: "common_pb2.ArenaHandle", layout: "common_pb2.ModelLayout") -> None:
+    def __init__(self, handle: "common_pb2.ArenaHandle", layout: "common_pb2.ModelLayout",
+                 session_id: str = "") -> None:
         kind = handle.kind
         if kind == common_pb2.ArenaHandle.KIND_CUDA_IPC:
             raise InvalidArgument(
                 "a KIND_CUDA_IPC arena is device memory: map it with CudaArena (or open_arena), "
                 "not Arena (host shared memory)")
-        if kind != common_pb2.ArenaHandle.KIND_SHARED_MEMORY_FILE:
-            raise InvalidArgument(f"arena.kind {kind} cannot be mapped")
         np_dtype = _set_geometry(self, handle, layout)
-        self.path: str = handle.shm_path
-        if not self.path:
-            raise InvalidArgument("arena.shm_path is empty")
-        fd = os.open(self.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        if kind == common_pb2.ArenaHandle.KIND_MEMFD:
+            if not session_id:
+                raise InvalidArgument("a KIND_MEMFD arena needs the session id to fetch it")
+            # Anonymous memory: there is no path; the descriptor comes from the sidecar.
+            self.path: str = ""
+            what = f"of session {session_id} (from {handle.fd_socket_path})"
+            fd = fetch_arena_fd(handle.fd_socket_path, session_id, handle.fd_nonce)
+        elif kind == common_pb2.ArenaHandle.KIND_SHARED_MEMORY_FILE:
+            self.path = handle.shm_path
+            if not self.path:
+                raise InvalidArgument("arena.shm_path is empty")
+            what = self.path
+            fd = os.open(self.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        else:
+            raise InvalidArgument(f"arena.kind {kind} cannot be mapped")
         try:
             if os.fstat(fd).st_size < self.size_bytes:
                 raise InvalidArgument(
-                    f"arena {self.path} is smaller than arena.size_bytes {self.size_bytes}")
+                    f"arena {what} is smaller than arena.size_bytes {self.size_bytes}")
             self._mmap: Optional[mmap.mmap] = mmap.mmap(
                 fd, self.size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
-            os.close(fd)
+            os.close(fd)  # the mapping keeps the memory
         self.blocks: np.ndarray = np.ndarray(
             (self.num_blocks, 2, self.num_kv_heads, self.block_tokens, self.head_dim),
             dtype=np_dtype, buffer=self._mmap, offset=0)
@@ -594,4 +609,42 @@ def open_arena(handle: "common_pb2.ArenaHandle", layout: "common_pb2.ModelLayout
     """The arena of a session: :class:`Arena` (shared memory) or :class:`CudaArena`."""
     if handle.kind == common_pb2.ArenaHandle.KIND_CUDA_IPC:
         return CudaArena(handle, layout, session_id)
-    return Arena(handle, layout)
+    return Arena(handle, layout, session_id)
+
+
+def fetch_arena_fd(socket_path: str, session_id: str, nonce: str, timeout: float = 10.0) -> int:
+    """Fetches a ``KIND_MEMFD`` arena's descriptor from the sidecar's arena socket
+    (``arena.fd_socket_path``) with the Attach response's single-use ``arena.fd_nonce``: sends
+    ``FETCH <session_id> <nonce>``, receives ``OK <size>`` with the descriptor as SCM_RIGHTS, or
+    ``ERROR <reason>``. Returns the descriptor (the caller closes it). ``Unavailable`` when the
+    socket cannot be reached, ``PermissionDenied`` with the sidecar's reason when it refuses,
+    ``Internal`` for a malformed answer."""
+    if not socket_path or not nonce:
+        raise Internal("arena.fd_socket_path or arena.fd_nonce is empty")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds: List[int] = []
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(socket_path)
+            sock.sendall(f"FETCH {session_id} {nonce}\n".encode())
+            reply = b""
+            while b"\n" not in reply and len(reply) < 4096:
+                # The descriptor travels with the first bytes of the reply.
+                data, received, _, _ = socket.recv_fds(sock, 512, 1)
+                fds.extend(received)
+                if not data:
+                    break
+                reply += data
+        except OSError as error:
+            raise Unavailable(f"arena socket {socket_path}: {error}") from error
+    finally:
+        sock.close()
+    line = reply.split(b"\n", 1)[0].decode("utf-8", "replace")
+    if line.startswith("OK ") and b"\n" in reply and len(fds) == 1:
+        return fds[0]
+    for fd in fds:
+        os.close(fd)
+    if line.startswith("ERROR "):
+        raise PermissionDenied(f"arena socket {socket_path} refused: {line[6:]}")
+    raise Internal(f"arena socket {socket_path}: malformed answer {line!r}")

@@ -427,7 +427,7 @@ class Session:
             except KvsError as error:
                 self._arena_error = error
         else:
-            self._arena = Arena(response.arena, response.layout)
+            self._arena = Arena(response.arena, response.layout, response.session_id)
         self._lock = threading.Lock()
         self._detached = False
         self._stop = threading.Event()

@@ -43,9 +43,22 @@ def test_arena_geometry_matches_the_handle(client, admin, dtype, itemsize):
         assert arena.blocks.shape == (handle.num_blocks, 2, 3, 4, 8)
         assert arena.blocks.dtype.itemsize == itemsize
         assert arena.block_bytes == handle.block_bytes == 2 * 3 * 4 * 8 * itemsize
-        assert arena.path == handle.shm_path and os.path.isabs(arena.path)
+        # The default arena is an anonymous memfd fetched over the arena socket: no path.
+        assert handle.kind == kvs.common_pb2.ArenaHandle.KIND_MEMFD
+        assert arena.path == "" and handle.shm_path == ""
+        assert os.path.isabs(handle.fd_socket_path) and len(handle.fd_nonce) == 64
         with pytest.raises(kvs.errors.OutOfRange):
             arena.block(handle.num_blocks)
+
+
+def test_memfd_nonce_fetches_the_arena_once(client):
+    # attach spent the nonce fetching the arena; nobody (this process included) can use it again.
+    with client.attach(layout("fp16"), num_blocks=4) as session:
+        handle = session.attach_response.arena
+        with pytest.raises(kvs.errors.PermissionDenied, match="unknown or already used nonce"):
+            kvs.fetch_arena_fd(handle.fd_socket_path, session.session_id, handle.fd_nonce)
+        with pytest.raises(kvs.errors.PermissionDenied):
+            kvs.fetch_arena_fd(handle.fd_socket_path, session.session_id, "0" * 64)
 
 
 def test_host_arena_refuses_a_cuda_ipc_handle():

@@ -25,14 +25,15 @@ def test_attach_context_manager_detaches_and_unmaps(client, admin, server):
         assert session.session_id in session_ids(admin)
         info = next(s for s in admin.list_sessions().sessions if s.session_id == session.session_id)
         assert info.worker_name == "ctx" and info.num_blocks == 64
-        path = session.arena.path
-        assert os.path.exists(path)
-        assert os.path.dirname(path) == server.shm_dir
+        # The arena is an anonymous memfd handed to this process alone: no file for anyone else.
+        assert session.attach_response.arena.kind == kvs.common_pb2.ArenaHandle.KIND_MEMFD
+        assert session.arena.path == ""
+        assert os.listdir(server.shm_dir) == []
         seq = session.create_sequence("streaming_llm", 8).sequence_id
         session.append(seq, np.ones((2, 2, 2, 5, 16), np.float32))
     assert session.detached
     assert session.session_id not in session_ids(admin)
-    assert not os.path.exists(path), "the arena file outlived the session"
+    assert os.listdir(server.shm_dir) == []
     stats = admin.get_stats()
     assert stats.sessions == 0 and stats.sequences == 0 and stats.arena_bytes_used == 0
     with pytest.raises(kvs.errors.InvalidArgument):
@@ -65,9 +66,7 @@ def test_heartbeat_keeps_a_short_lease_alive(client, admin):
 
 def test_session_without_heartbeat_or_watch_is_reclaimed_after_its_lease(client, admin):
     session = client.attach(layout(), num_blocks=16, lease_ms=300, watch=False, heartbeat=False)
-    path = session.arena.path
     assert wait_for(lambda: session.session_id not in session_ids(admin))
-    assert wait_for(lambda: not os.path.exists(path))
     with pytest.raises(kvs.errors.NotFound):
         session.heartbeat()
     with pytest.raises(kvs.errors.NotFound):

@@ -43,12 +43,54 @@ class ShmArenaTest : public ::testing::Test {
     dir_ = pattern;
     options_.shm_directory = dir_;
     options_.name_prefix = "unit";
+    options_.shm_names = true;  // the named files; MemfdArena* tests clear it
   }
   void TearDown() override { rmdir(dir_.c_str()); }
 
   std::string dir_;
   ArenaOptions options_;
 };
+
+TEST_F(ShmArenaTest, MemfdArenaIsSealedAnonymousAndLeavesNoFile) {
+  options_.shm_names = false;
+  auto arena = CreateShmArena(8192, options_);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  const ArenaHandle& handle = (*arena)->handle();
+  EXPECT_EQ(handle.kind, ArenaHandle::Kind::kMemfd);
+  EXPECT_EQ(handle.shm_path, "");
+  EXPECT_TRUE((*arena)->host_mapped());
+  // Nothing appears in the shared-memory directory.
+  EXPECT_EQ(rmdir(dir_.c_str()), 0) << "the directory is not empty";
+  ASSERT_EQ(mkdir(dir_.c_str(), 0700), 0);
+
+  auto fd = (*arena)->DuplicateFd();
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  EXPECT_NE(fcntl(*fd, F_GETFD) & FD_CLOEXEC, 0);
+  const int seals = fcntl(*fd, F_GET_SEALS);
+  EXPECT_EQ(seals, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  EXPECT_NE(ftruncate(*fd, 4096), 0);
+  EXPECT_NE(ftruncate(*fd, 1 << 20), 0);
+  EXPECT_NE(fcntl(*fd, F_ADD_SEALS, F_SEAL_WRITE), 0) << "a worker must not freeze the arena";
+  struct stat st;
+  ASSERT_EQ(fstat(*fd, &st), 0);
+  EXPECT_EQ(st.st_size, 8192);
+  // The worker's mapping of the descriptor is the sidecar's memory.
+  void* mapped = mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  close(*fd);
+  const uint32_t value = 0xfeedbeef;
+  ASSERT_TRUE((*arena)->Write(4096, &value, sizeof(value)).ok());
+  uint32_t seen = 0;
+  std::memcpy(&seen, static_cast<uint8_t*>(mapped) + 4096, sizeof(seen));
+  EXPECT_EQ(seen, value);
+  munmap(mapped, 8192);
+}
+
+TEST_F(ShmArenaTest, NamedArenaHasNoDescriptorToHandOut) {
+  auto arena = CreateShmArena(4096, options_);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  EXPECT_EQ((*arena)->DuplicateFd().status().code(), absl::StatusCode::kFailedPrecondition);
+}
 
 TEST_F(ShmArenaTest, CreatesPrivateFileNamedByPrefixPidAndGeneration) {
   const mode_t old_umask = umask(0);  // a permissive umask must not widen the mode

@@ -4,6 +4,8 @@
 // page-locked host memory takes the device path of the staging decorator.
 #include "gpu/sim/simulated_device.h"
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -60,7 +62,10 @@ TEST_F(SimulatedDeviceDeathTest, HostAccessToArenaOrScratchFaults) {
 
 TEST_F(SimulatedDeviceTest, ArenaIsTheShmFileReachedThroughReadAndWrite) {
   EXPECT_EQ(device_.backend->name(), "device-sim");
-  EXPECT_EQ(arena_->handle().kind, ArenaHandle::Kind::kSharedMemoryFile);
+  EXPECT_EQ(arena_->handle().kind, ArenaHandle::Kind::kMemfd);
+  auto fd = arena_->DuplicateFd();  // what the worker maps
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  close(*fd);
   EXPECT_EQ(arena_->size_bytes(), 1u << 16);
   EXPECT_FALSE(arena_->host_mapped());
   const char text[] = "kv bytes";

@@ -22,6 +22,11 @@
 // locally (a handle kind it cannot map, a row outside the arena, a bad chunk size, a malformed
 // server stream).
 //
+// Host arenas: KIND_MEMFD (the default) is fetched by Attach as a descriptor from the sidecar's
+// arena socket with the Attach response's single-use nonce (FetchArenaFd), mapped, and the
+// descriptor closed; KIND_SHARED_MEMORY_FILE (a sidecar run with --arena_shm_names) is opened
+// by path. Either way the mapping lives until Detach.
+//
 // CUDA arenas (ArenaHandle.KIND_CUDA_IPC, a --backend=cuda sidecar): when the library is built
 // with CUDA, Attach opens the handle once with cudaIpcOpenMemHandle on the local device whose UUID
 // is arena.cuda_device_uuid (ordinals differ between processes), caches the mapping process-wide
@@ -76,6 +81,14 @@ absl::Status ToStatus(const grpc::Status& status);
 
 // Bytes of one element of `dtype`, or 0 for DTYPE_UNSPECIFIED / unknown values.
 int DTypeBytes(v1::DType dtype);
+
+// Fetches a KIND_MEMFD arena's descriptor from the sidecar's arena socket (ArenaHandle
+// fd_socket_path / fd_nonce; protocol in common.proto). Returns the descriptor (close-on-exec;
+// the caller closes it). UNAVAILABLE when the socket cannot be reached, PERMISSION_DENIED with
+// the sidecar's reason when it refuses, INTERNAL for a malformed answer. Attach calls it.
+absl::StatusOr<int> FetchArenaFd(const std::string& socket_path, const std::string& session_id,
+                                 const std::string& nonce,
+                                 absl::Duration timeout = absl::Seconds(10));
 
 struct ClientOptions {
   // Channel credentials; null = insecure (loopback / same pod).
