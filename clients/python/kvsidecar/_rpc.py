@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple, TypeVar
 
 import grpc
 
@@ -11,6 +11,8 @@ from kvsidecar.errors import error_from_rpc
 
 # Export chunks are up to 4 MiB; layouts and headers up to the server's 64 MiB message limit.
 MAX_MESSAGE_BYTES = 64 << 20
+
+_Response = TypeVar("_Response")
 
 
 class _CallDetails(
@@ -34,16 +36,20 @@ class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
                             getattr(details, "wait_for_ready", None),
                             getattr(details, "compression", None))
 
-    def intercept_unary_unary(self, continuation, details, request):
+    def intercept_unary_unary(self, continuation: Callable[..., Any],
+                              details: grpc.ClientCallDetails, request: Any) -> Any:
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation, details, request):
+    def intercept_unary_stream(self, continuation: Callable[..., Any],
+                               details: grpc.ClientCallDetails, request: Any) -> Any:
         return continuation(self._details(details), request)
 
-    def intercept_stream_unary(self, continuation, details, request_iterator):
+    def intercept_stream_unary(self, continuation: Callable[..., Any],
+                               details: grpc.ClientCallDetails, request_iterator: Any) -> Any:
         return continuation(self._details(details), request_iterator)
 
-    def intercept_stream_stream(self, continuation, details, request_iterator):
+    def intercept_stream_stream(self, continuation: Callable[..., Any],
+                                details: grpc.ClientCallDetails, request_iterator: Any) -> Any:
         return continuation(self._details(details), request_iterator)
 
 
@@ -86,8 +92,8 @@ def wait_ready(channel: grpc.Channel, address: str, timeout: Optional[float]) ->
 def _why_not_ready(channel: grpc.Channel) -> str:
     """gRPC's reason for the last failed connection (a refused port, a TLS handshake failure),
     read from one fail-fast health check; "" when there is none to tell."""
-    check = channel.unary_unary("/grpc.health.v1.Health/Check",
-                                request_serializer=None, response_deserializer=None)
+    check: Callable[..., Any] = channel.unary_unary(
+        "/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
     try:
         check(b"", timeout=1.0)
     except grpc.RpcError as error:
@@ -96,7 +102,7 @@ def _why_not_ready(channel: grpc.Channel) -> str:
     return ""
 
 
-def call(method: Callable[..., Any], request: Any, timeout: Optional[float]) -> Any:
+def call(method: Callable[..., _Response], request: Any, timeout: Optional[float]) -> _Response:
     """One unary call; a gRPC error becomes the matching KvsError."""
     try:
         return method(request, timeout=timeout)

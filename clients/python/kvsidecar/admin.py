@@ -6,7 +6,7 @@ Served on the sidecar's admin port (``--admin_listen``), separate from the data 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import grpc
 
@@ -55,7 +55,7 @@ class Admin:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _call(self, method: Any, request: Any) -> Any:
+    def _call(self, method: Callable[..., _rpc._Response], request: Any) -> _rpc._Response:
         return _rpc.call(method, request, self.timeout)
 
     def get_config(self) -> admin_pb2.GetConfigResponse:

@@ -57,7 +57,7 @@ __all__ = [
 
 DType = common_pb2.DType
 
-_STORAGE = {
+_STORAGE: Dict[int, np.dtype[Any]] = {
     common_pb2.DTYPE_FLOAT16: np.dtype("<f2"),
     common_pb2.DTYPE_BFLOAT16: np.dtype("<u2"),
     common_pb2.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -127,7 +127,20 @@ def to_float32(values: np.ndarray, dtype: int) -> np.ndarray:
 
 
 
-def _set_geometry(arena: Any, handle: "common_pb2.ArenaHandle",
+class _Geometry:
+    """The block geometry both arena kinds share, set from the handle by _set_geometry."""
+
+    dtype: int
+    num_kv_heads: int
+    block_tokens: int
+    head_dim: int
+    num_blocks: int
+    block_bytes: int
+    size_bytes: int
+    generation: int
+
+
+def _set_geometry(arena: _Geometry, handle: "common_pb2.ArenaHandle",
                   layout: "common_pb2.ModelLayout") -> np.dtype:
     """Sets the block geometry both arena kinds share on `arena`, checked against the layout.
 
@@ -153,7 +166,7 @@ def _set_geometry(arena: Any, handle: "common_pb2.ArenaHandle",
             f"{handle.num_blocks * handle.block_bytes}")
     return np_dtype
 
-class Arena:
+class Arena(_Geometry):
     """The mapped arena of one session (CPU backend), with its block geometry.
 
     Attributes:
@@ -206,7 +219,8 @@ class Arena:
         """Zero-copy view ``[2][H][B][D]`` of one block."""
         if not 0 <= block < self.num_blocks:
             raise OutOfRange(f"block {block} outside the arena's {self.num_blocks} blocks")
-        return self.blocks[block]
+        view: np.ndarray = self.blocks[block]
+        return view
 
     def close(self) -> bool:
         """Unmaps the arena. Returns False (and keeps the mapping alive) while numpy views of it
@@ -364,7 +378,7 @@ class _Cudart:
                 raise FailedPrecondition(
                     _CUDA_PREFIX + self.error(code, f"cudaIpcOpenMemHandle on device {device}"))
             return int(pointer.value or 0)
-        return self._with_device(device, run)
+        return int(self._with_device(device, run))
 
     def close(self, device: int, base: int) -> None:
         self._with_device(device, lambda: self.check(
@@ -462,8 +476,10 @@ def _release(session_id: str, generation: int) -> None:
 
 
 def _torch_dtype(torch: Any, dtype: int) -> Any:
-    return {common_pb2.DTYPE_FLOAT16: torch.float16, common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
-            common_pb2.DTYPE_FLOAT32: torch.float32}[dtype]
+    types: Dict[int, Any] = {
+        common_pb2.DTYPE_FLOAT16: torch.float16, common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
+        common_pb2.DTYPE_FLOAT32: torch.float32}
+    return types[dtype]
 
 
 class _ByteView:
@@ -478,7 +494,7 @@ class _ByteView:
         }
 
 
-class CudaArena:
+class CudaArena(_Geometry):
     """The mapped CUDA arena of one session (``KIND_CUDA_IPC``), with its block geometry.
 
     Attributes:

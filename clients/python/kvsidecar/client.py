@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple,
+                    Union)
 
 import grpc
 import numpy as np
@@ -75,7 +76,7 @@ def model_layout(num_layers: int, num_kv_heads: int, head_dim: int,
     return common_pb2.ModelLayout(
         num_layers=num_layers, num_kv_heads=num_kv_heads,
         num_q_heads=num_kv_heads if num_q_heads is None else num_q_heads, head_dim=head_dim,
-        dtype=_dtype(dtype), block_tokens=block_tokens)
+        dtype=common_pb2.DType.ValueType(_dtype(dtype)), block_tokens=block_tokens)
 
 
 def policy(name: str, allocator: Optional[common_pb2.LayerAllocator] = None,
@@ -204,7 +205,7 @@ class LayerKV:
 
     @property
     def count(self) -> int:
-        return self.k.shape[1]
+        return int(self.k.shape[1])
 
 
 class CallFuture:
@@ -215,7 +216,7 @@ class CallFuture:
         self._future = future
 
     def done(self) -> bool:
-        return self._future.done()
+        return bool(self._future.done())
 
     def add_done_callback(self, fn: Any) -> None:
         """Calls ``fn(self)`` when the call completes (on a gRPC thread), or now if it has."""
@@ -543,7 +544,7 @@ class Session:
         return self._call(self.stub.Heartbeat,
                           sidecar_pb2.HeartbeatRequest(session_id=self.session_id))
 
-    def _call(self, method: Any, request: Any) -> Any:
+    def _call(self, method: Callable[..., _rpc._Response], request: Any) -> _rpc._Response:
         return _rpc.call(method, request, self.timeout)
 
     # -- sequences --
@@ -927,7 +928,7 @@ class Session:
         return self._call(self.stub.GetRetained, sidecar_pb2.GetRetainedRequest(
             session_id=self.session_id, sequence_id=sequence_id, layers=list(layers or [])))
 
-    def spill(self, sequence_id: str, target: int = common_pb2.TIER_HOST
+    def spill(self, sequence_id: str, target: common_pb2.Tier.ValueType = common_pb2.TIER_HOST
               ) -> sidecar_pb2.SpillResponse:
         """Moves a sequence out of the arena to the host tier or disk (``Tier.TIER_HOST`` /
         ``TIER_DISK``); its blocks are freed. Any later data-plane call on it restores it."""

@@ -9,13 +9,15 @@ Modules: gguf_weights (GGUF reading), tokenizer (BPE from the GGUF), llama (forw
 sidecar_cache (K/V kept in the sidecar), fetch (locating the model file), worker (CLI).
 """
 
+from typing import Optional, Tuple
+
 from .fetch import model_path
 from .gguf_weights import LlamaConfig, LlamaWeights, load_gguf
 from .llama import Generation, Llama, LocalKVCache, log_softmax, perplexity
 from .tokenizer import Tokenizer
 
 
-def load_model(path: str = None):
+def load_model(path: Optional[str] = None) -> Tuple[Llama, Tokenizer]:
     """Returns (Llama, Tokenizer) for the GGUF at `path` (default: the fetched SmolLM2)."""
     weights = load_gguf(path or model_path())
     return Llama(weights), Tokenizer(weights)

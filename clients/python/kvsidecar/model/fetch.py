@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _candidate_scripts(script: Optional[str]):
+def _candidate_scripts(script: Optional[str]) -> Iterator[str]:
     if script:
         yield script
     if os.environ.get("KVS_FETCH_SCRIPT"):

@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -74,7 +74,7 @@ class LlamaWeights:
     tokenizer_pre: str
 
 
-def _field(reader, key: str, default=None):
+def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
         if default is None:
@@ -83,7 +83,7 @@ def _field(reader, key: str, default=None):
     return f.contents()
 
 
-def _dequant(tensor) -> np.ndarray:
+def _dequant(tensor: Any) -> np.ndarray:
     """Float32 numpy array in the logical (row-major, PyTorch-like) shape of a GGUF tensor."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -107,7 +107,7 @@ def _cache_dir(path: str) -> str:
     return path + ".f32"
 
 
-def _source_stamp(path: str) -> dict:
+def _source_stamp(path: str) -> Dict[str, Any]:
     st = os.stat(path)
     return {"format": _CACHE_FORMAT, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
@@ -136,8 +136,8 @@ def _save_cache(w: LlamaWeights, path: str) -> None:
             "bos_id": w.bos_id, "eos_id": w.eos_id, "chat_template": w.chat_template,
             "tokenizer_pre": w.tokenizer_pre,
         }
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f)
+        with open(os.path.join(tmp, "meta.json"), "w") as out:
+            json.dump(meta, out)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
     except OSError:
@@ -155,8 +155,10 @@ def _load_cache(path: str) -> Optional[LlamaWeights]:
         return None
     cfg = LlamaConfig(**meta["config"])
 
-    def arr(name):  # memory-mapped, read-only: the page cache is shared between processes
-        return np.load(os.path.join(d, name + ".npy"), mmap_mode="r")
+    # Memory-mapped, read-only: the page cache is shared between processes.
+    def arr(name: str) -> np.ndarray:
+        array: np.ndarray = np.load(os.path.join(d, name + ".npy"), mmap_mode="r")
+        return array
 
     try:
         tok_embd = arr("tok_embd")

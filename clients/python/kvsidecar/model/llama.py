@@ -18,7 +18,7 @@ Everything is float32 numpy; one Llama object may be used from one thread at a t
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,7 +35,7 @@ class LocalKVCache:
         self._v = [np.empty((h, capacity, d), np.float32) for _ in range(config.n_layers)]
         self._pos = np.empty(capacity, np.int32)
         self._len = 0  # committed tokens
-        self._block: Optional[np.ndarray] = None
+        self._block: np.ndarray = np.zeros(0, np.int32)  # the positions of the open block
 
     def __len__(self) -> int:
         return self._len
@@ -77,7 +77,7 @@ class LocalKVCache:
 
     def end_block(self) -> None:
         self._len += len(self._block)
-        self._block = None
+        self._block = np.zeros(0, np.int32)
 
     def get_committed(self, layer: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """K, V (Hkv, n, D) and positions (Hkv, n) of the committed tokens (outside a block)."""
@@ -88,11 +88,13 @@ class LocalKVCache:
 
 def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     var = np.mean(x * x, axis=-1, keepdims=True)
-    return (x / np.sqrt(var + eps)) * w
+    out: np.ndarray = (x / np.sqrt(var + eps)) * w
+    return out
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    out: np.ndarray = x / (1.0 + np.exp(-x))
+    return out
 
 
 class Llama:
@@ -136,25 +138,26 @@ class Llama:
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
         out = np.matmul(scores.reshape(c.n_kv_heads, g * t, -1), v)  # (Hkv, g*T, D)
-        return out.reshape(c.n_heads, t, c.head_dim).transpose(1, 0, 2).reshape(t, -1)
+        rows: np.ndarray = out.reshape(c.n_heads, t, c.head_dim).transpose(1, 0, 2).reshape(t, -1)
+        return rows
 
     # -- forward ------------------------------------------------------------------------------
 
     def forward(
-        self, tokens: Sequence[int], positions: Sequence[int], cache, all_logits: bool = False
+        self, tokens: Sequence[int], positions: Sequence[int], cache: Any, all_logits: bool = False
     ) -> np.ndarray:
         """Runs one block of new tokens through the model, adding their K/V to `cache`.
 
         Returns float32 logits: (T, vocab) if all_logits, else (vocab,) for the last token.
         """
         c = self.cfg
-        tokens = np.asarray(tokens, np.int64)
+        ids = np.asarray(tokens, np.int64)
         pos = np.asarray(positions, np.int32)
-        t = len(tokens)
+        t = len(ids)
         if t == 0 or len(pos) != t:
             raise ValueError("forward needs at least one token and one position per token")
         hq, hk, d = c.n_heads, c.n_kv_heads, c.head_dim
-        x = self.w.tok_embd[tokens]  # (T, d_model)
+        x = self.w.tok_embd[ids]  # (T, d_model)
         cache.begin_block(pos)
         for li, lw in enumerate(self.w.layers):
             h = _rms_norm(x, lw.attn_norm, c.rms_eps)
@@ -172,9 +175,11 @@ class Llama:
         if not all_logits:
             x = x[-1:]
         logits = _rms_norm(x, self.w.output_norm, c.rms_eps) @ self.w.output
-        return logits if all_logits else logits[0]
+        result: np.ndarray = logits if all_logits else logits[0]
+        return result
 
-    def forward_batch(self, tokens: Sequence, positions: Sequence, caches: Sequence) -> np.ndarray:
+    def forward_batch(self, tokens: Sequence[Any], positions: Sequence[Any],
+                      caches: Sequence[Any]) -> np.ndarray:
         """One block of new tokens for each of several sequences at once: tokens[i] (an int, or a
         list of ints) at positions[i] into caches[i] (one cache per sequence). The dense parts
         (projections, MLP, logits) run as one matrix product over every row of the batch,
@@ -226,9 +231,10 @@ class Llama:
             for cache in caches:
                 cache.end_block()
         last = x[bounds[1:] - 1]
-        return _rms_norm(last, self.w.output_norm, c.rms_eps) @ self.w.output
+        result: np.ndarray = _rms_norm(last, self.w.output_norm, c.rms_eps) @ self.w.output
+        return result
 
-    def prefill_batch(self, prompts: Sequence[Sequence[int]], caches: Sequence,
+    def prefill_batch(self, prompts: Sequence[Sequence[int]], caches: Sequence[Any],
                       block_size: int = 64) -> np.ndarray:
         """prefill(align_last=True) of several prompts in lockstep: step j runs the j-th block of
         every prompt that has one through one forward_batch (prompts are split as prefill splits
@@ -256,7 +262,7 @@ class Llama:
     def generate_batch(
         self,
         prompts: Sequence[Sequence[int]],
-        caches: Sequence,
+        caches: Sequence[Any],
         max_new_tokens: int,
         block_size: int = 64,
         stop_ids: Sequence[int] = (),
@@ -309,7 +315,7 @@ class Llama:
         return gens
 
     def prefill(
-        self, tokens: Sequence[int], cache, block_size: int = 64, start: int = 0,
+        self, tokens: Sequence[int], cache: Any, block_size: int = 64, start: int = 0,
         all_logits: bool = False, align_last: bool = False,
     ) -> np.ndarray:
         """Feeds `tokens` in blocks of block_size starting at position `start`.
@@ -324,7 +330,7 @@ class Llama:
         first = (n % block_size) if align_last and n % block_size else block_size
         bounds = [0] + list(range(first, n, block_size)) + [n]
         outs = []
-        last = None
+        last = np.zeros(0, np.float32)
         for b, e in zip(bounds[:-1], bounds[1:]):
             if e <= b:
                 continue
@@ -336,7 +342,7 @@ class Llama:
     def generate(
         self,
         prompt: Sequence[int],
-        cache,
+        cache: Any,
         max_new_tokens: int,
         block_size: int = 64,
         stop_ids: Sequence[int] = (),
@@ -365,7 +371,7 @@ class Llama:
 
     def decode(
         self,
-        cache,
+        cache: Any,
         logits: np.ndarray,
         pos: int,
         max_new_tokens: int,
@@ -398,7 +404,8 @@ class Llama:
 class Generation:
     """Result of Llama.generate: tokens, the logits each token was chosen from, timings."""
 
-    def __init__(self, tokens, logits, prefill_s, decode_s, prompt_len):
+    def __init__(self, tokens: List[int], logits: List[np.ndarray], prefill_s: float,
+                 decode_s: float, prompt_len: int) -> None:
         self.tokens: List[int] = tokens
         self.logits: List[np.ndarray] = logits
         self.prefill_s = prefill_s
@@ -419,7 +426,8 @@ class Generation:
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    out: np.ndarray = x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    return out
 
 
 def perplexity(model: Llama, tokens: Sequence[int], block_size: int = 128) -> float:

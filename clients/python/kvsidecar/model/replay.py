@@ -12,30 +12,31 @@ Not thread-safe.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .gguf_weights import LlamaConfig
 from .llama import LocalKVCache
 
 
 class RecordingCache(LocalKVCache):
     """A full local cache that also keeps, per block, the positions, K/V and queries per layer."""
 
-    def __init__(self, config, capacity: int = 256):
+    def __init__(self, config: LlamaConfig, capacity: int = 256) -> None:
         super().__init__(config, capacity)
-        self.blocks: List[Tuple[np.ndarray, list]] = []
+        self.blocks: List[Tuple[np.ndarray, List[Optional[Tuple[np.ndarray, ...]]]]] = []
 
-    def begin_block(self, positions):
+    def begin_block(self, positions: np.ndarray) -> None:
         super().begin_block(positions)
         self.blocks.append((np.asarray(positions, np.int32), [None] * self._cfg.n_layers))
 
-    def append(self, layer, k, v, q):
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray, q: np.ndarray) -> None:
         super().append(layer, k, v, q)
         self.blocks[-1][1][layer] = (k.copy(), v.copy(), q.copy())
 
 
-def replay(blocks, cache) -> None:
+def replay(blocks: Sequence[Tuple[np.ndarray, Sequence[Any]]], cache: Any) -> None:
     """Feeds recorded prefill blocks into `cache` through the cache protocol (no model
     forward), announcing the prompt length first, as Llama.generate does."""
     begin = getattr(cache, "begin_prefill", None)

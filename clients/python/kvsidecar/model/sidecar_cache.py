@@ -50,13 +50,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import numpy as np
 
 from kvsidecar.arena import dtype_bytes, storage_dtype, to_float32, to_storage
-from kvsidecar.client import (DecodeItem, ReserveItem, Session, attention, budget as make_budget,
-                              model_layout)
+from kvsidecar.client import (DecodeItem, Reservation, ReserveItem, Session, attention,
+                              budget as make_budget, model_layout)
 from kvsidecar.client import policy as make_policy
 from kvsidecar.errors import InvalidArgument
 from kvsidecar.v1 import common_pb2, sidecar_pb2
@@ -75,7 +75,8 @@ ACCUMULATING_POLICIES = {"h2o", "d2o"}
 POLICIES = ["streaming_llm", "keydiff", "h2o", "tova", "snapkv", "cake", "d2o", "caote"]
 
 
-def layout_for(cfg: LlamaConfig, dtype: str = "fp32", block_tokens: int = 16):
+def layout_for(cfg: LlamaConfig, dtype: str = "fp32",
+               block_tokens: int = 16) -> common_pb2.ModelLayout:
     """The sidecar ModelLayout of a model: L, H (kv heads), Hq, D from its GGUF metadata."""
     return model_layout(num_layers=cfg.n_layers, num_kv_heads=cfg.n_kv_heads,
                         num_q_heads=cfg.n_heads, head_dim=cfg.head_dim, dtype=dtype,
@@ -87,7 +88,7 @@ def blocks_needed(cfg: LlamaConfig, max_tokens: int, block_tokens: int = 16) -> 
     return cfg.n_layers * (math.ceil(max_tokens / block_tokens) + 2)
 
 
-def policy_spec(name: str, budget_tokens: int = 0, **params) -> common_pb2.PolicySpec:
+def policy_spec(name: str, budget_tokens: int = 0, **params: Any) -> common_pb2.PolicySpec:
     """A PolicySpec by name. H2O (and CAOTE over it) get what the H2O paper uses unless params
     say otherwise: 4 sink tokens and half the budget as the recent window (the sidecar's own
     default is none, and accumulated attention alone starves the newest tokens, which have
@@ -134,11 +135,11 @@ class SidecarKVCache:
         self._send_queries = policy.name not in KEY_ONLY_POLICIES
         self._decoding = False
         self._prefill_tokens = 0  # prompt length announced by begin_prefill (0 = unknown)
-        self._res = None
+        self._res: Optional[Reservation] = None
         self._inline = False  # this block is a decode step sent inline (no reservation)
-        self._block_pos: Optional[np.ndarray] = None
+        self._block_pos: np.ndarray = np.zeros(0, np.int32)  # positions of the open block
         self._queries: List[Optional[np.ndarray]] = [None] * cfg.n_layers
-        self._last_attention = None
+        self._last_attention: Optional[common_pb2.AttentionInputs] = None
         # The mirror: K, V [L][H][capacity][D] float32 and positions [L][H][capacity] in the
         # sidecar's slot order; slots [0, n[l]) of layer l hold its committed tokens, the next T
         # slots the block being computed. One array for all layers: a decode step's answer is
@@ -148,7 +149,7 @@ class SidecarKVCache:
         self._mv = np.empty((cfg.n_layers, h, 64, d), np.float32)
         self._mpos = np.empty((cfg.n_layers, h, 64), np.int32)
         self._n = np.zeros(cfg.n_layers, np.int64)
-        self._dirty: set = set()  # layers to read back from the arena before the next block
+        self._dirty: Set[int] = set()  # layers to read back from the arena before the next block
         # The decode token's K/V in the session dtype, [L][2][H][1][D]: DecodeStep.inline_kv.
         self._inline_kv = np.empty((cfg.n_layers, 2, h, 1, d), storage_dtype(self.dtype))
         self.resyncs = 0  # layers read back from the arena (statistics for tests and benches)
@@ -202,7 +203,7 @@ class SidecarKVCache:
         inline and reserve nothing."""
         for cache in caches:
             cache.sync()
-        by_session: dict = {}
+        by_session: Dict[int, List[SidecarKVCache]] = {}
         for cache, pos in zip(caches, positions):
             pos = np.asarray(pos, np.int32)
             cache._block_pos = pos
@@ -259,6 +260,7 @@ class SidecarKVCache:
             self._inline_kv[layer, 0] = stored_k
             self._inline_kv[layer, 1] = stored_v
         else:
+            assert self._res is not None  # begin_blocks reserved this block
             for first, kview, vview in self._res.views(layer):
                 run = kview.shape[1]
                 kview[...] = stored_k[:, first:first + run]
@@ -271,10 +273,10 @@ class SidecarKVCache:
         m = int(self._n[layer]) + len(self._block_pos)
         return self._mk[layer, :, :m], self._mv[layer, :, :m], self._mpos[layer, :, :m]
 
-    def _attention(self):
+    def _attention(self) -> Optional[common_pb2.AttentionInputs]:
         if not self._send_queries:
             return None
-        q = np.stack(self._queries)  # (L, Hq, T, D)
+        q = np.stack(cast(List[np.ndarray], self._queries))  # (L, Hq, T, D), all layers set
         return attention(q.astype(np.float32, copy=False),
                          query_positions=self._block_pos.tolist())
 
@@ -307,7 +309,7 @@ class SidecarKVCache:
     def end_block(self) -> None:
         self.end_blocks([self])
 
-    def _commit_args(self):
+    def _commit_args(self) -> Tuple[bool, Optional[common_pb2.AttentionInputs]]:
         """(compress_if_over_budget, attention) of this block's Commit."""
         t = len(self._block_pos)
         compress = self.budget_tokens > 0 and (
@@ -315,7 +317,8 @@ class SidecarKVCache:
             or (self._prefill_tokens > 0 and self._tokens_seen + t >= self._prefill_tokens))
         return compress, self._attention()
 
-    def _finish_commit(self, resp, attn) -> None:
+    def _finish_commit(self, resp: sidecar_pb2.CommitResponse,
+                       attn: Optional[common_pb2.AttentionInputs]) -> None:
         t = len(self._block_pos)
         counts = list(resp.counts)
         self._evicted_total += resp.evicted
@@ -329,20 +332,22 @@ class SidecarKVCache:
     def end_blocks(caches: Sequence["SidecarKVCache"]) -> None:
         """end_block of several caches at once (Llama.forward_batch): their decode steps go to the
         sidecar as ONE DecodeStep per session, their prefill blocks as ONE BatchCommit."""
-        steps: dict = {}
-        commits: dict = {}
+        steps: Dict[int, List[SidecarKVCache]] = {}
+        commits: Dict[int, List[SidecarKVCache]] = {}
         for cache in caches:
-            group = steps if cache._inline else commits
-            group.setdefault(id(cache.session), []).append(cache)
+            pending = steps if cache._inline else commits
+            pending.setdefault(id(cache.session), []).append(cache)
         for group in commits.values():
             session = group[0].session
             args = [cache._commit_args() for cache in group]
             if len(group) == 1:
-                responses = [session.commit(group[0]._res, compress_if_over_budget=args[0][0],
-                                            attention=args[0][1])]
+                # A block that is not a decode step was reserved by begin_blocks.
+                responses: Sequence[sidecar_pb2.CommitResponse] = [session.commit(
+                    cast(Reservation, group[0]._res), compress_if_over_budget=args[0][0],
+                    attention=args[0][1])]
             else:
                 request = sidecar_pb2.BatchCommitRequest(requests=[
-                    session._commit_request(cache._res, compress, attn)
+                    session._commit_request(cast(Reservation, cache._res), compress, attn)
                     for cache, (compress, attn) in zip(group, args)])
                 responses = session._call(session.stub.BatchCommit, request).responses
             for cache, (_, attn), resp in zip(group, args, responses):
@@ -350,7 +355,8 @@ class SidecarKVCache:
         for group in steps.values():
             SidecarKVCache._decode_step(group[0].session, group)
 
-    def _finish_decode(self, out, attn) -> None:
+    def _finish_decode(self, out: sidecar_pb2.DecodeStepResponse.Item,
+                       attn: Optional[common_pb2.AttentionInputs]) -> None:
         """Replays one DecodeStep answer on the mirror (see the module comment)."""
         pos = int(self._block_pos[0])
         if out.position != pos:
@@ -388,7 +394,8 @@ class SidecarKVCache:
                 self._mpos[ls, hi, dst] = self._mpos[ls, hi, src]
         self._finish_block(counts, attn)
 
-    def _finish_block(self, counts: List[int], attn) -> None:
+    def _finish_block(self, counts: List[int],
+                      attn: Optional[common_pb2.AttentionInputs]) -> None:
         self._last_attention = attn
         self._tokens_seen += len(self._block_pos)
         self._set_counts(counts)
@@ -414,7 +421,8 @@ class SidecarKVCache:
         pos[:, :, :keep] = self._mpos[:, :, :keep]
         self._mk, self._mv, self._mpos = k, v, pos
 
-    def _read_arena(self, entry) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _read_arena(self, entry: common_pb2.LayerLayout
+                    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """K, V [H][count][D] float32 and positions [H][count] of one GetLayout entry, gathered
         from the mapped arena by block table."""
         arena = self.session.arena
@@ -527,7 +535,7 @@ class _InflightStep:
         self.items = [cache._decode_item() for cache in self.caches]
         self.future = session.decode_step_future(self.items)
         self.sent = time.perf_counter()
-        self.wall_s = None  # send -> answer available to settle (statistics)
+        self.wall_s: Optional[float] = None  # send -> answer available to settle (statistics)
 
     def settle(self) -> None:
         caches, self.caches = self.caches, []

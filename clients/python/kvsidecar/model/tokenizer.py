@@ -30,7 +30,7 @@ class Tokenizer:
         from tokenizers import decoders, models, pre_tokenizers
 
         vocab: Dict[str, int] = {t: i for i, t in enumerate(weights.tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in weights.merges]
+        merges = [(a, b) for a, b in (m.split(" ", 1) for m in weights.merges)]
         tok = HfTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if weights.tokenizer_pre in _DIGIT_SPLIT_PRE:

@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from typing import List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -41,7 +41,7 @@ def _parse_budget(text: str, prompt_len: int) -> int:
     return n
 
 
-def kl_and_top1(ref_logits: List[np.ndarray], logits: List[np.ndarray]):
+def kl_and_top1(ref_logits: List[np.ndarray], logits: List[np.ndarray]) -> Tuple[float, float]:
     """Mean KL(ref || other) in nats and the top-1 agreement over aligned steps."""
     from .llama import log_softmax
 
@@ -64,16 +64,17 @@ def common_prefix(a: List[int], b: List[int]) -> int:
     return n
 
 
-def build_prompt(tok, text: str, question: Optional[str], chat: bool) -> List[int]:
+def build_prompt(tok: Any, text: str, question: Optional[str], chat: bool) -> List[int]:
     if question:
         user = f"{text.strip()}\n\nQuestion: {question}"
     else:
         user = text
-    return tok.encode(tok.chat_prompt(user) if chat else user)
+    ids: List[int] = tok.encode(tok.chat_prompt(user) if chat else user)
+    return ids
 
 
 @contextlib.contextmanager
-def _server(address: Optional[str], binary: Optional[str], max_tokens: int):
+def _server(address: Optional[str], binary: Optional[str], max_tokens: int) -> Iterator[str]:
     if address:
         yield address
         return
@@ -83,7 +84,7 @@ def _server(address: Optional[str], binary: Optional[str], max_tokens: int):
         yield srv.address
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> Dict[str, Any]:
     import kvsidecar as kvs
 
     from . import load_model
@@ -143,7 +144,7 @@ def run(args) -> dict:
     return result
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from .sidecar_cache import POLICIES
 
