@@ -618,7 +618,11 @@ absl::Status RocksTier::Load() {
     const std::optional<SpillKey> key = ReadKeyFile(KeyFilePath(generation));
     auto it = key ? entries_.find(*key) : entries_.end();
     const bool unreadable_record = it != entries_.end() && it->second.generation == 0;
-    if (unreadable_record || !corruption_.empty()) {
+    // With a damaged log, a file of a key whose copy is intact is still a Put cut short (or a
+    // removal that did not finish): only a key without a usable copy lost one.
+    const bool lost_with_log =
+        !corruption_.empty() && (it == entries_.end() || !it->second.lost.empty());
+    if (unreadable_record || lost_with_log) {
       Entry entry;
       entry.generation = generation;
       entry.spilled = absl::UnixEpoch();
@@ -645,6 +649,9 @@ absl::Status RocksTier::Load() {
   }
   next_generation_ = max_generation + 1;
   if (!found_lost.empty()) {
+    // Several for one key: the newest generation is the copy the key had last.
+    std::sort(found_lost.begin(), found_lost.end(),
+              [](const auto& a, const auto& b) { return a.second.generation < b.second.generation; });
     rocksdb::WriteBatch batch;
     for (auto& [key, entry] : found_lost) {
       std::string value;
