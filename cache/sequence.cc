@@ -9,6 +9,7 @@
 #include "cache/compaction.h"
 #include "cache/omnikv.h"
 #include "gpu/base/checked_math.h"
+#include "gpu/base/finite.h"
 #include "gpu/base/status_macros.h"
 
 namespace kvs {
@@ -425,6 +426,97 @@ void Sequence::CommitPending(const SequenceEnv& env) {
   }
 }
 
+absl::Status Sequence::CheckPendingFinite(const SequenceEnv& env) const {
+  const Pending& pending = *pending_;
+  const int32_t heads = layout_.num_kv_heads;
+  const int32_t tokens = pending.num_tokens;
+  // One job per (layer, K or V), rows [head][token]: the backend reads the arena where it lives.
+  const size_t num_jobs = pending.layers.size() * 2;
+  std::vector<std::vector<uint64_t>> offsets(num_jobs);
+  std::vector<int64_t> first(num_jobs, -1);
+  std::vector<FiniteCheckJob> jobs(num_jobs);
+  for (size_t i = 0; i < pending.layers.size(); ++i) {
+    const LayerState& state = layers_[pending.layers[i]];
+    for (int kv = 0; kv < 2; ++kv) {
+      const size_t j = i * 2 + kv;
+      offsets[j].reserve(static_cast<size_t>(heads) * tokens);
+      for (int32_t h = 0; h < heads; ++h) {
+        for (int32_t t = 0; t < tokens; ++t) {
+          offsets[j].push_back(
+              layout_.SlotRowOffset(state.blocks.data(), kv, h, int64_t{state.count} + t));
+        }
+      }
+      FiniteCheckJob& job = jobs[j];
+      job.arena = env.arena.data();
+      job.row_offsets = offsets[j].data();
+      job.count = static_cast<int64_t>(offsets[j].size());
+      job.row_elements = layout_.head_dim;
+      job.dtype = layout_.dtype;
+      job.first_non_finite = &first[j];
+    }
+  }
+  KVS_RETURN_IF_ERROR(env.backend.FindNonFinite(jobs, nullptr));
+  KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
+  for (size_t j = 0; j < num_jobs; ++j) {
+    if (first[j] < 0) continue;
+    const int64_t row = first[j] / layout_.head_dim;
+    const int64_t token = row % tokens;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reservation ", pending.id, ": non-finite value (NaN or inf) in ", j % 2 == 0 ? "K" : "V",
+        " at layer ", pending.layers[j / 2], " head ", row / tokens, " token ", token,
+        " (position ", pending.positions[token], ") dim ", first[j] % layout_.head_dim,
+        " of the rows written into the arena; nothing was committed (rewrite the rows and "
+        "commit again, or cancel the reservation)"));
+  }
+  return absl::OkStatus();
+}
+
+Sequence::Checkpoint Sequence::TakeCheckpoint() {
+  rows_moved_ = false;
+  Checkpoint checkpoint;
+  checkpoint.layers = layers_;
+  checkpoint.states = states_;
+  checkpoint.allocated = allocated_;
+  checkpoint.pending = pending_;
+  checkpoint.next_position = next_position_;
+  checkpoint.version = version_;
+  checkpoint.last_committed = last_committed_;
+  checkpoint.last_cancelled = last_cancelled_;
+  checkpoint.totals = totals_;
+  return checkpoint;
+}
+
+void Sequence::RollbackIfUnmoved(const SequenceEnv& env, Checkpoint checkpoint) {
+  if (rows_moved_) return;
+  // Blocks taken since the checkpoint (an inline decode token's) go back to the allocator;
+  // nothing was freed, since freeing happens only after rows moved.
+  std::vector<int32_t> before;
+  for (const LayerState& state : checkpoint.layers) {
+    before.insert(before.end(), state.blocks.begin(), state.blocks.end());
+  }
+  std::sort(before.begin(), before.end());
+  std::vector<int32_t> taken;
+  for (const LayerState& state : layers_) {
+    for (int32_t block : state.blocks) {
+      if (!std::binary_search(before.begin(), before.end(), block)) taken.push_back(block);
+    }
+  }
+  if (!taken.empty()) (void)env.allocator.Free(taken);
+  const int64_t appended = totals_.appended - checkpoint.totals.appended;
+  if (env.tokens_appended != nullptr && appended != 0) *env.tokens_appended -= appended;
+  layers_ = std::move(checkpoint.layers);
+  states_ = std::move(checkpoint.states);
+  allocated_ = std::move(checkpoint.allocated);
+  pending_ = std::move(checkpoint.pending);
+  next_position_ = checkpoint.next_position;
+  // Nobody saw the intermediate state (the session lock is held throughout): the version is the
+  // one readers knew.
+  version_ = checkpoint.version;
+  last_committed_ = checkpoint.last_committed;
+  last_cancelled_ = checkpoint.last_cancelled;
+  totals_ = checkpoint.totals;
+}
+
 absl::StatusOr<Sequence::StepAttention> Sequence::ValidateAttention(
     const AttentionInput& input, absl::Span<const int32_t> counts, int64_t next_position,
     bool decode) const {
@@ -502,8 +594,13 @@ absl::StatusOr<Sequence::StepAttention> Sequence::ValidateAttention(
     }
     for (size_t i = 0; i < input.queries.size(); ++i) {
       if (!std::isfinite(input.queries[i])) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("attention.inline_queries[", i, "] is not finite"));
+        // [listed layers][Hq][w][D]
+        const int64_t dim = static_cast<int64_t>(i) % layout_.head_dim;
+        const int64_t row = static_cast<int64_t>(i) / layout_.head_dim;
+        return absl::InvalidArgumentError(absl::StrCat(
+            "attention.inline_queries: non-finite value at layer ", out.layers[row / w / hq],
+            " q head ", row / w % hq, " query ", row % w, " dim ", dim,
+            "; queries must be finite"));
       }
     }
   } else {
@@ -772,11 +869,22 @@ absl::StatusOr<CommitResult> Sequence::Commit(const SequenceEnv& env, uint64_t r
     KVS_RETURN_IF_ERROR(CheckAttentionCoverage(*policy_, Phase::kPrefill, budget, after, step_ptr));
   }
 
+  KVS_RETURN_IF_ERROR(CheckPendingFinite(env));
+
+  Checkpoint checkpoint = TakeCheckpoint();
+  absl::StatusOr<CommitResult> result = CommitChecked(env, step_ptr, budget, evict);
+  if (!result.ok()) RollbackIfUnmoved(env, std::move(checkpoint));
+  return result;
+}
+
+absl::StatusOr<CommitResult> Sequence::CommitChecked(const SequenceEnv& env,
+                                                     const StepAttention* step,
+                                                     const StepBudget& budget, bool evict) {
   CommitPending(env);
   CommitResult result;
-  if (step_ptr != nullptr || evict) {
+  if (step != nullptr || evict) {
     int32_t floor_applied = 0;
-    absl::StatusOr<Eviction> eviction = RunStep(env, *policy_, Phase::kPrefill, step_ptr,
+    absl::StatusOr<Eviction> eviction = RunStep(env, *policy_, Phase::kPrefill, step,
                                                 evict ? budget : StepBudget{}, &floor_applied);
     ClearStepScores();
     if (!eviction.ok()) return eviction.status();
@@ -825,10 +933,22 @@ absl::StatusOr<CompressResult> Sequence::Compress(const SequenceEnv& env,
   const StepAttention* step_ptr = step.has_value() ? &*step : nullptr;
   KVS_RETURN_IF_ERROR(CheckAttentionCoverage(policy, Phase::kPrefill, budget, counts(), step_ptr));
 
+  Checkpoint checkpoint = TakeCheckpoint();
+  absl::StatusOr<CompressResult> result =
+      CompressChecked(env, policy, step_ptr, budget, params.return_positions);
+  if (!result.ok()) RollbackIfUnmoved(env, std::move(checkpoint));
+  return result;
+}
+
+absl::StatusOr<CompressResult> Sequence::CompressChecked(const SequenceEnv& env,
+                                                         const Policy& policy,
+                                                         const StepAttention* step,
+                                                         const StepBudget& budget,
+                                                         bool return_positions) {
   CompressResult result;
   int32_t floor_applied = 0;
   absl::StatusOr<Eviction> eviction =
-      RunStep(env, policy, Phase::kPrefill, step_ptr, budget, &floor_applied);
+      RunStep(env, policy, Phase::kPrefill, step, budget, &floor_applied);
   ClearStepScores();
   if (!eviction.ok()) return eviction.status();
   result.blocks_freed = eviction->blocks_freed;
@@ -840,7 +960,7 @@ absl::StatusOr<CompressResult> Sequence::Compress(const SequenceEnv& env,
     out.kept = layers_[l].count;
     out.evicted = eviction->evicted[l];
     out.merged = eviction->merged[l];
-    if (params.return_positions) out.positions = FlatPositions(static_cast<int32_t>(l));
+    if (return_positions) out.positions = FlatPositions(static_cast<int32_t>(l));
   }
   return result;
 }
@@ -872,6 +992,7 @@ absl::Status Sequence::CheckDecode(const SequenceEnv& env, const DecodeItem& ite
                        pending_->num_tokens, " tokens in ", pending_->layers.size(),
                        " layers; a decode step commits 1 token in all ", layout_.num_layers));
     }
+    KVS_RETURN_IF_ERROR(CheckPendingFinite(env));
     after = CountsAfterPending();
     next_after = int64_t{pending_->positions.back()} + 1;
   } else if (pending_.has_value()) {
@@ -887,6 +1008,21 @@ absl::Status Sequence::CheckDecode(const SequenceEnv& env, const DecodeItem& ite
           absl::StrCat("inline_kv has ", item.inline_kv.size(), " bytes, expected ",
                        expected ? absl::StrCat(*expected) : std::string("an overflowing count"),
                        " ([layers][2][num_kv_heads][1][head_dim] in the session dtype)"));
+    }
+    // [layer][2][H][1][D]: checked here, on the request's bytes, before anything is written.
+    const int64_t bad =
+        FirstNonFinite(item.inline_kv.data(),
+                       static_cast<int64_t>(item.inline_kv.size()) / layout_.dtype_bytes(),
+                       layout_.dtype);
+    if (bad >= 0) {
+      const int64_t dim = bad % layout_.head_dim;
+      const int64_t row = bad / layout_.head_dim;  // (layer * 2 + kv) * H + head
+      const int64_t head = row % layout_.num_kv_heads;
+      const int64_t kv = row / layout_.num_kv_heads % 2;
+      const int64_t layer = row / layout_.num_kv_heads / 2;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inline_kv: non-finite value (NaN or inf) in ", kv == 0 ? "K" : "V", " at layer ",
+          layer, " head ", head, " dim ", dim, "; K/V must be finite"));
     }
     if (next_position_ > kMaxPosition) {
       return absl::InvalidArgumentError(
@@ -922,6 +1058,15 @@ absl::Status Sequence::CheckDecode(const SequenceEnv& env, const DecodeItem& ite
 absl::StatusOr<DecodeResult> Sequence::Decode(const SequenceEnv& env, const DecodeItem& item,
                                               uint64_t reservation_id) {
   KVS_RETURN_IF_ERROR(CheckDecode(env, item));
+  Checkpoint checkpoint = TakeCheckpoint();
+  absl::StatusOr<DecodeResult> result = DecodeChecked(env, item, reservation_id);
+  if (!result.ok()) RollbackIfUnmoved(env, std::move(checkpoint));
+  return result;
+}
+
+absl::StatusOr<DecodeResult> Sequence::DecodeChecked(const SequenceEnv& env,
+                                                     const DecodeItem& item,
+                                                     uint64_t reservation_id) {
   DecodeResult result;
   if (item.reservation_id != 0) {
     CommitPending(env);  // position stays -1: the worker placed this token itself
@@ -1103,8 +1248,12 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
     }
   }
   KVS_RETURN_IF_ERROR(policy.Select(env.backend, phase, selections));
-  // retain_evicted: the rows leave for the host tier before anything changes here.
-  if (retain_evicted_) KVS_RETURN_IF_ERROR(RetainEvicted(env, victims, keep, kept, scores));
+  // retain_evicted: the rows leave for the host tier before anything changes here. A retained
+  // chunk is not part of a Checkpoint, so from here on a failure is not rolled back.
+  if (retain_evicted_) {
+    rows_moved_ = true;
+    KVS_RETURN_IF_ERROR(RetainEvicted(env, victims, keep, kept, scores));
+  }
 
   // 2. Plan the hole-filling moves (no mutation), and note what each head evicts.
   std::vector<CompactionPlan> plans(victims.size());
@@ -1128,7 +1277,9 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
     }
   }
 
-  // 3. Merge evicted rows into kept ones (D2O) while every row is still in place.
+  // 3. Merge evicted rows into kept ones (D2O) while every row is still in place. From here on
+  // arena rows change: a failure can no longer be rolled back (gpu/backend.h errors only).
+  rows_moved_ = true;
   std::vector<int32_t> merged(victims.size(), 0);
   KVS_RETURN_IF_ERROR(policy.Merge(env.backend, phase, selections, absl::MakeSpan(merged)));
   for (size_t i = 0; i < victims.size(); ++i) {

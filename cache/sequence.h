@@ -15,9 +15,16 @@
 // step on copies of the states and stops after Select. The transient step scores are cleared at
 // the end of every call, whether it succeeded or not.
 //
+// K/V and queries must be finite: inline K/V is checked on the host before it is written, rows a
+// worker wrote into reserved slots are checked through Backend::FindNonFinite when they are
+// committed (Commit, DecodeStep), and attention inputs in ValidateAttention; a non-finite value
+// is INVALID_ARGUMENT naming where it is, with nothing changed.
+//
 // Threading: not thread-safe; the owning session serialises every call under its lock. A failed
-// call leaves the sequence as it was (a backend failure in the middle of a compaction excepted,
-// which reports INTERNAL).
+// call leaves the sequence as it was: everything is validated first, and a step that still fails
+// after the token was appended (a policy or allocator error) is rolled back from a checkpoint of
+// the metadata taken before the call. Only a backend failure after compaction started moving
+// rows cannot be undone; it reports INTERNAL.
 #ifndef KVSIDECAR_CACHE_SEQUENCE_H_
 #define KVSIDECAR_CACHE_SEQUENCE_H_
 
@@ -253,6 +260,33 @@ class Sequence {
   std::vector<int32_t> CountsAfterPending() const;
   // Publishes the pending reservation (no eviction).
   void CommitPending(const SequenceEnv& env);
+  // INVALID_ARGUMENT naming the layer, K or V, head, token and dim of the first non-finite value
+  // in the pending reservation's rows (read through the backend); changes nothing.
+  absl::Status CheckPendingFinite(const SequenceEnv& env) const;
+  // What a failed call must restore: the sequence's metadata before the call. The arena rows
+  // need no copy as long as rows_moved_ stays false (nothing but new, unpublished rows written).
+  struct Checkpoint {
+    std::vector<LayerState> layers;
+    std::vector<LayerPolicyState> states;
+    std::vector<int32_t> allocated;
+    std::optional<Pending> pending;
+    int64_t next_position = 0;
+    uint64_t version = 0;
+    uint64_t last_committed = 0;
+    uint64_t last_cancelled = 0;
+    Totals totals;
+  };
+  Checkpoint TakeCheckpoint();  // also clears rows_moved_
+  // Puts `checkpoint` back when no row has moved since it was taken (else leaves the sequence
+  // as it is: the caller reports the failure) and frees the blocks taken since.
+  void RollbackIfUnmoved(const SequenceEnv& env, Checkpoint checkpoint);
+  absl::StatusOr<CommitResult> CommitChecked(const SequenceEnv& env, const StepAttention* step,
+                                             const StepBudget& budget, bool evict);
+  absl::StatusOr<CompressResult> CompressChecked(const SequenceEnv& env, const Policy& policy,
+                                                 const StepAttention* step,
+                                                 const StepBudget& budget, bool return_positions);
+  absl::StatusOr<DecodeResult> DecodeChecked(const SequenceEnv& env, const DecodeItem& item,
+                                             uint64_t reservation_id);
   StepBudget SequenceBudget() const;
   // LayerLayoutView::budget of layer `l`: its explicit budget, its frozen allocation, its last
   // non-uniform allocation, or the sequence budget.
@@ -287,6 +321,9 @@ class Sequence {
   uint64_t last_cancelled_ = 0;
   std::unique_ptr<OmniKvState> omnikv_;  // OmniKV only, from the first Select
   bool retain_evicted_ = false;
+  // Set when an eviction starts changing what cannot be restored from a Checkpoint (arena rows,
+  // retained chunks); cleared by TakeCheckpoint.
+  bool rows_moved_ = false;
   // retain_evicted chunks (meta: [n] x {layer, head, position, score}; layers[0]: [n] x {K, V}
   // rows), each pinned in the host tier under retained_keys_[i].
   std::vector<std::shared_ptr<const SpilledSequence>> retained_;

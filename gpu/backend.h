@@ -153,6 +153,20 @@ struct RowMergeJob {
   int32_t num_sources = 0;
 };
 
+// Finds non-finite values (NaN, +-inf: every exponent bit set) in `count` rows of `row_elements`
+// values of `dtype` inside one arena, row i at arena + row_offsets[i]. Writes to
+// *first_non_finite the lowest flat index (i * row_elements + element) holding one, or -1 when
+// every value is finite. Reads the arena only: how K/V the worker wrote into the arena is checked
+// before it becomes part of a sequence.
+struct FiniteCheckJob {
+  const uint8_t* arena = nullptr;
+  const uint64_t* row_offsets = nullptr;  // [count]
+  int64_t count = 0;
+  int32_t row_elements = 0;  // head_dim
+  DType dtype = DType::kFloat16;
+  int64_t* first_non_finite = nullptr;  // out: one value
+};
+
 struct ArenaOptions {
   // CPU backend. false (default): an anonymous memfd, sealed against resizing, reachable only
   // through a descriptor the sidecar hands out. true: the legacy named file in shm_directory,
@@ -187,6 +201,8 @@ class Backend {
   virtual absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream stream) = 0;
   virtual absl::Status NearestKeys(absl::Span<const NearestKeyJob> jobs, Stream stream) = 0;
   virtual absl::Status MergeRows(absl::Span<const RowMergeJob> jobs, Stream stream) = 0;
+  // INVALID_ARGUMENT naming the job index and field for malformed jobs; nothing is written then.
+  virtual absl::Status FindNonFinite(absl::Span<const FiniteCheckJob> jobs, Stream stream) = 0;
   virtual absl::Status Synchronize(Stream stream) = 0;
 };
 

@@ -363,6 +363,25 @@ class StagingBackend final : public Backend {
     return Run(stager, device_jobs, stream, &Backend::MergeRows);
   }
 
+  absl::Status FindNonFinite(absl::Span<const FiniteCheckJob> jobs, Stream stream) override {
+    Stager stager(*memory_);
+    std::vector<FiniteCheckJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const FiniteCheckJob& job = jobs[i];
+      KVS_RETURN_IF_ERROR(ValidateFiniteCheckJob(job, i));
+      if (job.count == 0 || job.row_elements == 0) {
+        *job.first_non_finite = -1;  // nothing to read: answered here
+        continue;
+      }
+      KVS_RETURN_IF_ERROR(CheckArena(job.arena, absl::StrCat("finite check job ", i), "arena"));
+      FiniteCheckJob& d = device_jobs.emplace_back(job);
+      KVS_RETURN_IF_ERROR(stager.Input(&d.row_offsets, job.row_offsets, job.count));
+      KVS_RETURN_IF_ERROR(stager.Output(&d.first_non_finite, job.first_non_finite, 1));
+    }
+    return Run(stager, device_jobs, stream, &Backend::FindNonFinite);
+  }
+
  private:
   // One run of rows of a host row copy done here: `bytes` between `arena` and `host`.
   struct CopyRun {

@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -27,6 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "cache/clock.h"
@@ -182,6 +184,10 @@ int main(int argc, char** argv) {
   // throughput; keep such buffers on the heap and keep up to 256 MiB of freed heap for reuse.
   mallopt(M_MMAP_THRESHOLD, 64 << 20);
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
+  // Everything the sidecar creates (data_dir, the RocksDB files and WAL, which hold tenant,
+  // session and sequence ids, the layer files, the arenas) is its own: owner-only whatever the
+  // inherited umask says.
+  umask(077);
   ConfigureUsage();
   if (std::string unknown = FirstUnknownFlag(argc, argv); !unknown.empty()) {
     return Fail(absl::StrCat("unknown flag --", unknown, " (see --help)"), kExitBadFlags);
@@ -220,9 +226,27 @@ int main(int argc, char** argv) {
     if (!tokens.ok()) return Fail(tokens.status().message(), kExitBadFlags);
     auth.tenant_tokens = *std::move(tokens);
   }
+  // A tenant holding the admin token would pass Admin with its data-plane token.
+  for (const auto& [tenant, token] : auth.tenant_tokens) {
+    if (!auth.admin_token.empty() && token == auth.admin_token) {
+      return Fail(absl::StrCat("auth: the admin token (auth.admin_token_file=",
+                               config.admin_token_file, ") equals the token of tenant \"", tenant,
+                               "\" in auth.tenant_tokens_file=", config.tenant_tokens_file,
+                               "; the admin token must differ from every tenant token"),
+                  kExitBadFlags);
+    }
+  }
   kvs::LogLevel level = kvs::LogLevel::kInfo;
   kvs::ParseLogLevel(config.log_level, &level);
   kvs::SetLogLevel(level);
+  for (const std::string& file : {config.admin_token_file, config.tenant_tokens_file}) {
+    struct stat st;
+    if (!file.empty() && stat(file.c_str(), &st) == 0 && (st.st_mode & 077) != 0) {
+      KVS_LOG(kWarning, "token_file_readable_by_others")
+      ("file", file)("mode", absl::StrFormat("%04o", st.st_mode & 07777))(
+          "advice", "chmod 600 it: group and other users can read the secrets in it");
+    }
+  }
 
   auto backend_choice = kvs::ChooseBackend(config.backend);
   if (!backend_choice.ok()) return Fail(backend_choice.status().message(), kExitBadFlags);
@@ -234,6 +258,10 @@ int main(int argc, char** argv) {
   if (absl::Status status = kvs::PrepareDirectory(config.data_dir, "--data_dir", true);
       !status.ok()) {
     return Fail(status.message(), kExitBadFlags);
+  }
+  // A data_dir made before (or by someone else's umask) is narrowed too.
+  if (chmod(config.data_dir.c_str(), 0700) != 0) {
+    KVS_LOG(kWarning, "data_dir_mode")("path", config.data_dir)("error", std::strerror(errno));
   }
   if (config.arena_shm_names) {
     if (absl::Status status = kvs::PrepareDirectory(config.shm_dir, "--shm_dir", false);
@@ -258,6 +286,19 @@ int main(int argc, char** argv) {
     KVS_LOG(kInfo, "disk_tier")
     ("path", config.data_dir + "/rocksdb")("spilled_sequences", tiers->List().size())(
         "unfinished_spills_removed", tiers->disk()->orphans_removed());
+    if (!tiers->disk()->corruption().empty()) {
+      KVS_LOG(kError, "disk_tier_damaged")("reason", tiers->disk()->corruption());
+    }
+    for (const kvs::SpilledInfo& info : tiers->List()) {
+      if (info.lost.empty()) continue;
+      KVS_LOG(kError, "disk_copy_lost")
+      ("tenant", info.key.tenant)("session", info.key.session_id)(
+          "sequence", info.key.sequence_id)("reason", info.lost);
+    }
+    for (const std::string& file : tiers->disk()->unnamed_lost_files()) {
+      KVS_LOG(kError, "disk_copy_lost")
+      ("file", file)("reason", "no readable metadata or key file names its copy; kept");
+    }
   }
   pool_options->tiers = tiers.get();
 

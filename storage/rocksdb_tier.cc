@@ -9,6 +9,9 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
 #include <set>
 #include <utility>
 
@@ -27,6 +30,10 @@ namespace {
 constexpr uint32_t kMetaFormat = 2;
 constexpr char kMetaPrefix = 'M';
 constexpr char kDataPrefix = 'D';
+// "L" key -> generation u64 LE, then the reason: a copy found lost (a layer failing its checksum
+// on a Get, or a metadata record RocksDB could not read back), kept so that it stays reported
+// lost across restarts, with its layer file kept for inspection until the copy is released.
+constexpr char kLostPrefix = 'L';
 
 void AppendBE32(std::string* out, uint32_t v) {
   for (int i = 3; i >= 0; --i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
@@ -144,6 +151,11 @@ rocksdb::Options DbOptions() {
   options.blob_compression_type = rocksdb::kNoCompression;
   options.enable_blob_garbage_collection = true;
   options.max_background_jobs = 2;
+  // A write-ahead log record that fails its checksum fails the Open instead of ending the
+  // replay there (RocksDB's default, kPointInTimeRecovery, silently drops it and every record
+  // after it: acknowledged copies would vanish). Open then salvages (RocksTier::Open).
+  options.wal_recovery_mode = rocksdb::WALRecoveryMode::kAbsoluteConsistency;
+  options.paranoid_checks = true;
   return options;
 }
 
@@ -194,9 +206,11 @@ absl::Status SyncDirectory(const std::string& dir) {
   return absl::OkStatus();
 }
 
-// The generation a layer file's name carries; 0 for names that are not layer files.
-uint64_t GenerationOfFile(std::string_view name) {
-  constexpr std::string_view kSuffix = ".kvl";
+// The generation a layer file's (or with kKeySuffix, a key file's) name carries; 0 for other
+// names.
+constexpr std::string_view kLayerSuffix = ".kvl";
+constexpr std::string_view kKeySuffix = ".kvk";
+uint64_t GenerationOfFile(std::string_view name, std::string_view kSuffix = kLayerSuffix) {
   if (name.size() != 16 + kSuffix.size() || name.substr(16) != kSuffix) return 0;
   uint64_t generation = 0;
   for (char c : name.substr(0, 16)) {
@@ -213,6 +227,182 @@ uint64_t GenerationOfFile(std::string_view name) {
   return generation;
 }
 
+// Writes `bytes` to `path` (mode 0600) and makes them durable (fdatasync).
+absl::Status WriteSmallFile(const std::string& path, const std::string& bytes,
+                            absl::string_view what) {
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return FromErrno(errno, absl::StrCat(what, ": creating ", path));
+  absl::Status status = WriteAll(fd, bytes.data(), bytes.size(), what);
+  if (status.ok() && fdatasync(fd) != 0) status = FromErrno(errno, what);
+  close(fd);
+  return status;
+}
+
+// The key a key file names (crc32c u32 LE of the encoded key, then the key); nullopt when the
+// file is missing or fails its checksum.
+std::optional<SpillKey> ReadKeyFile(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  std::string bytes;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = read(fd, buffer, sizeof(buffer))) > 0 && bytes.size() < (1u << 20)) {
+    bytes.append(buffer, static_cast<size_t>(n));
+  }
+  close(fd);
+  if (bytes.size() < 4) return std::nullopt;
+  uint32_t crc = 0;
+  std::memcpy(&crc, bytes.data(), sizeof(crc));
+  std::string_view rest = std::string_view(bytes).substr(4);
+  if (Crc32c(rest) != crc) return std::nullopt;
+  SpillKey key;
+  if (!DecodeKey(&rest, &key) || !rest.empty()) return std::nullopt;
+  return key;
+}
+
+// Collects the metadata ("M") and lost ("L") records of write batches into `records`, applying
+// puts and deletes in order; everything else (legacy data records and their range deletion) is
+// skipped.
+class SalvageHandler final : public rocksdb::WriteBatch::Handler {
+ public:
+  explicit SalvageHandler(std::map<std::string, std::string>* records) : records_(records) {}
+  rocksdb::Status PutCF(uint32_t family, const rocksdb::Slice& key,
+                        const rocksdb::Slice& value) override {
+    if (Ours(family, key)) (*records_)[key.ToString()] = value.ToString();
+    return rocksdb::Status::OK();
+  }
+  rocksdb::Status DeleteCF(uint32_t family, const rocksdb::Slice& key) override {
+    if (Ours(family, key)) records_->erase(key.ToString());
+    return rocksdb::Status::OK();
+  }
+  rocksdb::Status SingleDeleteCF(uint32_t family, const rocksdb::Slice& key) override {
+    return DeleteCF(family, key);
+  }
+  rocksdb::Status DeleteRangeCF(uint32_t, const rocksdb::Slice&, const rocksdb::Slice&) override {
+    return rocksdb::Status::OK();
+  }
+  rocksdb::Status PutBlobIndexCF(uint32_t, const rocksdb::Slice&, const rocksdb::Slice&) override {
+    return rocksdb::Status::OK();
+  }
+
+ private:
+  static bool Ours(uint32_t family, const rocksdb::Slice& key) {
+    return family == 0 && key.size() > 0 && (key[0] == kMetaPrefix || key[0] == kLostPrefix);
+  }
+  std::map<std::string, std::string>* records_;
+};
+
+// Replays the write-ahead log files of the damaged database in `dir` into `records`, record by
+// record, past damaged ones. RocksDB's own reader, even in kSkipAnyCorruptedRecords, drops the
+// rest of a 32 KiB log block after a record that fails its checksum, taking intact records of
+// other copies with it; here only the damaged physical record is skipped. Format (RocksDB's
+// log_format.h): 32 KiB blocks of records [masked crc32c u32 LE][length u16 LE][type u8][payload],
+// type 1 a whole write batch, 2/3/4 its first/middle/last fragment.
+void ReplayWalSalvage(const std::string& dir, std::map<std::string, std::string>* records) {
+  std::vector<std::string> logs;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    if (entry.path().extension() == ".log") logs.push_back(entry.path().string());
+  }
+  std::sort(logs.begin(), logs.end());  // zero-padded log numbers: oldest first
+  constexpr size_t kBlock = 32768;
+  constexpr size_t kHeader = 7;
+  SalvageHandler handler(records);
+  auto apply = [&](const std::string& rep) {
+    if (rep.size() < 12) return;  // sequence number u64 + count u32
+    rocksdb::WriteBatch batch(rep);
+    (void)batch.Iterate(&handler);  // a malformed batch stops at its first bad entry
+  };
+  for (const std::string& log : logs) {
+    std::ifstream in(log, std::ios::binary);
+    const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::string pending;
+    bool fragment = false;
+    for (size_t block = 0; block < data.size(); block += kBlock) {
+      const size_t end = std::min(block + kBlock, data.size());
+      size_t pos = block;
+      while (pos + kHeader <= end) {
+        const auto* h = reinterpret_cast<const uint8_t*>(data.data() + pos);
+        const uint32_t masked = uint32_t{h[0]} | uint32_t{h[1]} << 8 | uint32_t{h[2]} << 16 |
+                                uint32_t{h[3]} << 24;
+        const size_t length = size_t{h[4]} | size_t{h[5]} << 8;
+        const uint8_t type = h[6];
+        if (type == 0 && length == 0) break;  // the zero-filled tail of a block
+        if (pos + kHeader + length > end) {   // a damaged length: nothing more in this block
+          fragment = false;
+          pending.clear();
+          break;
+        }
+        const uint32_t rotated = masked - 0xa282ead8u;
+        const uint32_t expected = (rotated >> 17) | (rotated << 15);
+        const uint32_t actual = Crc32cExtend(Crc32cExtend(0, &type, 1), h + kHeader, length);
+        const std::string_view payload(data.data() + pos + kHeader, length);
+        pos += kHeader + length;
+        if (actual != expected) {  // this record only
+          fragment = false;
+          pending.clear();
+          continue;
+        }
+        switch (type) {
+          case 1:
+            apply(std::string(payload));
+            fragment = false;
+            break;
+          case 2:
+            pending.assign(payload);
+            fragment = true;
+            break;
+          case 3:
+            if (fragment) pending.append(payload);
+            break;
+          case 4:
+            if (fragment) apply(pending.append(payload));
+            fragment = false;
+            pending.clear();
+            break;
+          default:
+            break;
+        }
+      }
+    }
+  }
+}
+
+// Moves every entry of the database directory `path` but the layer files' directory and earlier
+// quarantines into a new quarantine directory, returned.
+absl::StatusOr<std::string> Quarantine(const std::string& path, const std::string& layer_dir) {
+  const std::string target =
+      absl::StrCat(path, "/quarantine-", absl::ToUnixNanos(absl::Now()));
+  std::error_code error;
+  std::filesystem::create_directories(target, error);
+  if (error) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create ", target, ": ", error.message()));
+  }
+  std::filesystem::permissions(target, std::filesystem::perms::owner_all,
+                               std::filesystem::perm_options::replace, error);
+  std::vector<std::filesystem::path> entries;
+  for (const auto& entry : std::filesystem::directory_iterator(path, error)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.path() == std::filesystem::path(layer_dir) || name.rfind("quarantine-", 0) == 0) {
+      continue;
+    }
+    entries.push_back(entry.path());
+  }
+  if (error) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot list ", path, ": ", error.message()));
+  }
+  for (const std::filesystem::path& from : entries) {
+    std::filesystem::rename(from, std::filesystem::path(target) / from.filename(), error);
+    if (error) {
+      return absl::FailedPreconditionError(absl::StrCat("cannot move ", from.string(), " to ",
+                                                        target, ": ", error.message()));
+    }
+  }
+  return target;
+}
+
 }  // namespace
 
 std::string RocksTier::MetaKey(const SpillKey& key) {
@@ -225,6 +415,24 @@ std::string RocksTier::FilePath(uint64_t generation) const {
   char name[32];
   std::snprintf(name, sizeof(name), "%016llx.kvl", static_cast<unsigned long long>(generation));
   return absl::StrCat(LayerDir(options_.path), "/", name);
+}
+
+std::string RocksTier::LostKey(const SpillKey& key) {
+  std::string out(1, kLostPrefix);
+  out += EncodeKey(key);
+  return out;
+}
+
+std::string RocksTier::KeyFilePath(uint64_t generation) const {
+  std::string path = FilePath(generation);
+  path.replace(path.size() - kLayerSuffix.size(), kLayerSuffix.size(), kKeySuffix);
+  return path;
+}
+
+void RocksTier::RemoveFiles(uint64_t generation) const {
+  if (generation == 0) return;
+  unlink(FilePath(generation).c_str());
+  unlink(KeyFilePath(generation).c_str());
 }
 
 std::string RocksTier::LayerFile(const SpillKey& key) const {
@@ -256,13 +464,57 @@ absl::StatusOr<std::unique_ptr<RocksTier>> RocksTier::Open(const Options& option
     return absl::FailedPreconditionError(absl::StrCat("cannot create the disk tier directory ",
                                                       options.path, ": ", error.message()));
   }
+  // The database, its WAL and the layer files hold tenant, session and sequence ids: owner only.
+  std::filesystem::permissions(options.path, std::filesystem::perms::owner_all,
+                               std::filesystem::perm_options::replace, error);
+  std::filesystem::permissions(LayerDir(options.path), std::filesystem::perms::owner_all,
+                               std::filesystem::perm_options::replace, error);
   rocksdb::DB* raw = nullptr;
-  const rocksdb::Status status = rocksdb::DB::Open(DbOptions(), options.path, &raw);
+  rocksdb::Status status = rocksdb::DB::Open(DbOptions(), options.path, &raw);
+  std::map<std::string, std::string> salvaged;
+  std::string corruption;
+  if (status.IsCorruption()) {
+    // A damaged record (a flipped byte in the WAL, a torn write): the database is moved aside
+    // untouched, every record still readable in it is carried into a fresh one, and the copies
+    // whose records are gone are found from their key files and reported lost (Load).
+    corruption = status.ToString();
+    KVS_ASSIGN_OR_RETURN(const std::string quarantine,
+                         Quarantine(options.path, LayerDir(options.path)));
+    corruption = absl::StrCat(corruption, " (the damaged database is kept in ", quarantine, ")");
+    rocksdb::Options salvage = DbOptions();
+    salvage.create_if_missing = false;
+    salvage.paranoid_checks = false;
+    salvage.wal_recovery_mode = rocksdb::WALRecoveryMode::kSkipAnyCorruptedRecords;
+    rocksdb::DB* old_db = nullptr;
+    if (rocksdb::DB::OpenForReadOnly(salvage, quarantine, &old_db).ok()) {
+      std::unique_ptr<rocksdb::DB> old(old_db);
+      std::unique_ptr<rocksdb::Iterator> it(old->NewIterator(rocksdb::ReadOptions()));
+      for (it->SeekToFirst(); it->Valid(); it->Next()) {
+        const char prefix = it->key().size() > 0 ? it->key()[0] : 0;
+        if (prefix == kMetaPrefix || prefix == kLostPrefix) {
+          salvaged[it->key().ToString()] = it->value().ToString();
+        }
+      }
+    }
+    // What the read-only open replayed is replayed again (same order: the same end state), and
+    // the records past the damage with it.
+    ReplayWalSalvage(quarantine, &salvaged);
+    status = rocksdb::DB::Open(DbOptions(), options.path, &raw);
+  }
   if (!status.ok()) {
     return absl::FailedPreconditionError(absl::StrCat("cannot open the disk tier (RocksDB) at ",
                                                       options.path, ": ", status.ToString()));
   }
   std::unique_ptr<RocksTier> tier(new RocksTier(options, std::unique_ptr<rocksdb::DB>(raw)));
+  if (!salvaged.empty()) {
+    rocksdb::WriteBatch batch;
+    for (const auto& [key, value] : salvaged) batch.Put(key, value);
+    rocksdb::WriteOptions synced;
+    synced.sync = true;
+    KVS_RETURN_IF_ERROR(
+        FromRocks(tier->db_->Write(synced, &batch), "carrying the salvaged disk tier records"));
+  }
+  tier->corruption_ = corruption;
   KVS_RETURN_IF_ERROR(tier->Load());
   return tier;
 }
@@ -302,6 +554,26 @@ absl::Status RocksTier::Load() {
     }
     KVS_RETURN_IF_ERROR(FromRocks(it->status(), "scanning the disk tier"));
   }
+  // Copies found lost before: they stay lost (their layer file is kept until released).
+  {
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+    for (it->Seek(std::string(1, kLostPrefix)); it->Valid() && it->key()[0] == kLostPrefix;
+         it->Next()) {
+      std::string_view rest = View(it->key()).substr(1);
+      SpillKey key;
+      std::string_view value = View(it->value());
+      if (!DecodeKey(&rest, &key) || !rest.empty() || value.size() < 8) continue;
+      uint64_t generation = 0;
+      std::memcpy(&generation, value.data(), sizeof(generation));
+      Entry& entry = entries_[key];
+      if (entry.generation != 0 && entry.generation != generation) continue;  // replaced since
+      if (entry.lost.empty()) used_bytes_ -= std::min(used_bytes_, entry.bytes);
+      entry.generation = generation;
+      entry.lost = std::string(value.substr(8));
+      max_generation = std::max(max_generation, generation);
+    }
+    KVS_RETURN_IF_ERROR(FromRocks(it->status(), "scanning the disk tier"));
+  }
   // Data records of record format 1 (this build keeps layers in files): removed, with the
   // metadata of that format reported lost above.
   {
@@ -320,27 +592,78 @@ absl::Status RocksTier::Load() {
       orphans_removed_ += legacy;
     }
   }
-  // Layer files no readable metadata names: a Put cut short, a removal that did not finish, or
-  // the data of a copy whose metadata is lost (unusable without it).
+  // Layer files no readable metadata names. Their key file says whose they are. A copy whose
+  // metadata record could not be read (unreadable, or lost with a damaged WAL) keeps its file and
+  // is reported lost, persistently; a file of a key with no record, in an undamaged database, is
+  // a Put cut short or a removal that did not finish: removed.
   std::set<uint64_t> referenced;
   for (const auto& [key, entry] : entries_) {
     if (entry.generation != 0) referenced.insert(entry.generation);
   }
   std::error_code error;
+  std::vector<std::pair<SpillKey, Entry>> found_lost;
   for (const auto& file : std::filesystem::directory_iterator(LayerDir(options_.path), error)) {
-    const uint64_t generation = GenerationOfFile(file.path().filename().string());
-    if (generation == 0) continue;  // not ours
+    const std::string name = file.path().filename().string();
+    uint64_t generation = GenerationOfFile(name);
+    if (generation == 0) {
+      // A key file whose layer file is gone: the end of a removal.
+      const uint64_t key_generation = GenerationOfFile(name, kKeySuffix);
+      if (key_generation != 0 && !std::filesystem::exists(FilePath(key_generation))) {
+        unlink(file.path().c_str());
+      }
+      continue;  // not a layer file
+    }
     max_generation = std::max(max_generation, generation);
     if (referenced.contains(generation)) continue;
-    std::error_code removed;
-    std::filesystem::remove(file.path(), removed);
-    if (!removed) ++orphans_removed_;
+    const std::optional<SpillKey> key = ReadKeyFile(KeyFilePath(generation));
+    auto it = key ? entries_.find(*key) : entries_.end();
+    const bool unreadable_record = it != entries_.end() && it->second.generation == 0;
+    // With a damaged log, a file of a key whose copy is intact is still a Put cut short (or a
+    // removal that did not finish): only a key without a usable copy lost one.
+    const bool lost_with_log =
+        !corruption_.empty() && (it == entries_.end() || !it->second.lost.empty());
+    if (unreadable_record || lost_with_log) {
+      Entry entry;
+      entry.generation = generation;
+      entry.spilled = absl::UnixEpoch();
+      entry.lost = unreadable_record
+                       ? absl::StrCat(it->second.lost, "; its layer file ", file.path().string(),
+                                      " is kept")
+                       : absl::StrCat("its metadata record could not be read back from the "
+                                      "RocksDB write-ahead log: ",
+                                      corruption_, "; its layer file ", file.path().string(),
+                                      " is kept");
+      if (key) {
+        found_lost.emplace_back(*key, std::move(entry));
+      } else {
+        unnamed_lost_files_.push_back(file.path().string());  // kept; no key to list it under
+      }
+      continue;
+    }
+    RemoveFiles(generation);
+    ++orphans_removed_;
   }
   if (error) {
     return absl::UnavailableError(absl::StrCat("cannot list the disk tier's layer files in ",
                                                LayerDir(options_.path), ": ", error.message()));
   }
   next_generation_ = max_generation + 1;
+  if (!found_lost.empty()) {
+    // Several for one key: the newest generation is the copy the key had last.
+    std::sort(found_lost.begin(), found_lost.end(),
+              [](const auto& a, const auto& b) { return a.second.generation < b.second.generation; });
+    rocksdb::WriteBatch batch;
+    for (auto& [key, entry] : found_lost) {
+      std::string value;
+      AppendLE<uint64_t>(&value, entry.generation);
+      value += entry.lost;
+      batch.Put(LostKey(key), value);
+      entries_[key] = std::move(entry);
+    }
+    rocksdb::WriteOptions synced;
+    synced.sync = true;
+    KVS_RETURN_IF_ERROR(FromRocks(db_->Write(synced, &batch), "recording lost disk copies"));
+  }
   return absl::OkStatus();
 }
 
@@ -377,9 +700,17 @@ absl::Status RocksTier::Put(const SpillKey& key, const SpilledSequence& data, ab
     }
     if (status.ok() && fdatasync(fd) != 0) status = FromErrno(errno, what);
     close(fd);
+    // Whose file this is, for the day its metadata record cannot be read (Load).
+    if (status.ok()) {
+      const std::string encoded = EncodeKey(key);
+      std::string key_file;
+      AppendLE<uint32_t>(&key_file, Crc32c(encoded));
+      key_file += encoded;
+      status = WriteSmallFile(KeyFilePath(generation), key_file, what);
+    }
     if (status.ok()) status = SyncDirectory(LayerDir(options_.path));
     if (!status.ok()) {
-      unlink(file.c_str());
+      RemoveFiles(generation);
       return status;
     }
   }
@@ -399,8 +730,11 @@ absl::Status RocksTier::Put(const SpillKey& key, const SpilledSequence& data, ab
   value += body;
   rocksdb::WriteOptions synced;
   synced.sync = true;
-  if (rocksdb::Status status = db_->Put(synced, MetaKey(key), value); !status.ok()) {
-    unlink(file.c_str());
+  rocksdb::WriteBatch batch;
+  batch.Put(MetaKey(key), value);
+  if (previous && !previous->lost.empty()) batch.Delete(LostKey(key));  // replaced by this copy
+  if (rocksdb::Status status = db_->Write(synced, &batch); !status.ok()) {
+    RemoveFiles(generation);
     return FromRocks(status, what);
   }
   {
@@ -411,7 +745,7 @@ absl::Status RocksTier::Put(const SpillKey& key, const SpilledSequence& data, ab
     used_bytes_ += bytes;
   }
   // 3. The previous generation's file (a crash before this leaves a file Open removes).
-  if (previous && previous->generation != 0) unlink(FilePath(previous->generation).c_str());
+  if (previous) RemoveFiles(previous->generation);
   return absl::OkStatus();
 }
 
@@ -426,6 +760,14 @@ absl::Status RocksTier::MarkLost(const SpillKey& key, uint64_t generation,
       used_bytes_ -= it->second.bytes;
     }
   }
+  // Recorded, so that the copy is listed lost after a restart too (best effort: the checksum
+  // would find it again on the next Get anyway).
+  std::string value;
+  AppendLE<uint64_t>(&value, generation);
+  value += reason;
+  rocksdb::WriteOptions synced;
+  synced.sync = true;
+  (void)db_->Put(synced, LostKey(key), value);
   return absl::DataLossError(
       absl::StrCat("the disk copy of sequence ", key.sequence_id, " is corrupt: ", reason));
 }
@@ -503,14 +845,17 @@ absl::Status RocksTier::Erase(const SpillKey& key) {
   }
   rocksdb::WriteOptions synced;
   synced.sync = true;
-  KVS_RETURN_IF_ERROR(FromRocks(db_->Delete(synced, MetaKey(key)), "deleting from the disk tier"));
+  rocksdb::WriteBatch batch;
+  batch.Delete(MetaKey(key));
+  batch.Delete(LostKey(key));
+  KVS_RETURN_IF_ERROR(FromRocks(db_->Write(synced, &batch), "deleting from the disk tier"));
   {
     absl::MutexLock lock(&mu_);
     if (entry->lost.empty()) used_bytes_ -= entry->bytes;
     entries_.erase(key);
   }
   // What is left after a crash here is an orphan Open removes.
-  if (entry->generation != 0) unlink(FilePath(entry->generation).c_str());
+  RemoveFiles(entry->generation);
   return absl::OkStatus();
 }
 

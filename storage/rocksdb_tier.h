@@ -5,17 +5,27 @@
 // Records (every one checksummed with CRC-32C):
 //   "M" key -> crc32c(rest) u32 LE, format u32 (2), gen u64, spilled unix ns i64, layers u32,
 //              per layer (bytes u64, crc32c of its bytes u32), meta bytes
+//   "L" key -> gen u64 LE, reason: a copy found lost, so that it stays lost across restarts
 //   <path>/kvs-layers/<gen, 16 hex digits>.kvl: the layers' bytes, concatenated in layer order
+//   <path>/kvs-layers/<gen>.kvk: crc32c u32 LE, key: whose layer file it is
 // where key = for tenant, session id and sequence id: length u32 BE then the bytes.
 // A Put writes the layer file of a fresh generation with plain write()s and one fdatasync (the
 // bulk bytes pass through memory once, as in a raw sequential write: RocksDB's memtable and
 // flush copied them twice more), syncs the directory entry, then writes the metadata record
 // through the WAL with sync, then removes the previous generation's file: a crash leaves the old
-// or the new version, never a mix. Open removes layer files no metadata names (a Put cut short,
-// or a removal that did not finish) and data records of the earlier record format (format 1 kept
-// layers as RocksDB records), and reports as lost the metadata that fails its checksum or whose
-// layer file is missing or has the wrong size; a layer that fails its checksum on a Get is
-// reported lost from then on. Lost copies are listed (SpilledInfo::lost) and never served.
+// or the new version, never a mix. Open removes layer files of keys no metadata names (a Put cut
+// short, or a removal that did not finish) and data records of the earlier record format (format
+// 1 kept layers as RocksDB records), and reports as lost the metadata that fails its checksum or
+// whose layer file is missing or has the wrong size; a layer that fails its checksum on a Get is
+// reported lost from then on. Lost copies are listed (SpilledInfo::lost), never served, recorded
+// ("L") so that they stay lost across restarts, and keep their layer file until released.
+//
+// Damage to RocksDB itself: it opens with kAbsoluteConsistency WAL recovery and paranoid
+// checks, so a damaged log record fails the open instead of silently ending the replay there
+// (which dropped every later record: acknowledged copies vanished and their layer files were
+// removed as orphans). Open then moves the damaged database to <path>/quarantine-<ns>/, replays
+// its intact records (past the damaged one) into a fresh database, and reports the copies whose
+// record is gone lost, found by their key files; their layer files are kept.
 //
 // Settings for the metadata: no compression; the records are small.
 //
@@ -66,6 +76,12 @@ class RocksTier {
   uint64_t capacity_bytes() const { return options_.capacity_bytes; }
   // Metadata/data records Open removed or reported (for logs and tests).
   int orphans_removed() const { return orphans_removed_; }
+  // Non-empty when Open found the database damaged (RocksDB's reason and where the damaged copy
+  // was moved); the copies it cost are listed lost. For the start-up log (at ERROR).
+  const std::string& corruption() const { return corruption_; }
+  // Layer files kept although no copy could be named for them (no readable key file).
+  const std::vector<std::string>& unnamed_lost_files() const { return unnamed_lost_files_; }
+  static std::string LostKey(const SpillKey& key);
 
   // Record keys and file names, for tests that corrupt records through RocksDB or the files.
   static std::string MetaKey(const SpillKey& key);
@@ -85,12 +101,18 @@ class RocksTier {
   RocksTier(Options options, std::unique_ptr<rocksdb::DB> db);
   absl::Status Load();
   std::string FilePath(uint64_t generation) const;
+  // <gen>.kvk beside the layer file: the copy's key (crc32c + EncodeKey), so that a layer file
+  // whose metadata record is unreadable is still known as that copy's.
+  std::string KeyFilePath(uint64_t generation) const;
+  void RemoveFiles(uint64_t generation) const;  // the layer and key files of `generation`
   // Marks `key`'s copy of `generation` lost with `reason` (a failed Get) and returns DATA_LOSS.
   absl::Status MarkLost(const SpillKey& key, uint64_t generation, const std::string& reason) const;
 
   const Options options_;
   const std::unique_ptr<rocksdb::DB> db_;
   int orphans_removed_ = 0;
+  std::string corruption_;
+  std::vector<std::string> unnamed_lost_files_;
   mutable absl::Mutex mu_;
   // Mutable: a Get that finds a corrupt copy marks it lost.
   mutable std::map<SpillKey, Entry> entries_ ABSL_GUARDED_BY(mu_);

@@ -1,6 +1,6 @@
-// Validation of the row-copy jobs (Backend::CopyRows, Backend::CopyHostRows; gpu/backend.h),
-// shared by the CPU backend and the host-validating backends (gpu/staging_backend.h) so that
-// their INVALID_ARGUMENT messages agree. The arena's size is not part of a job, so offsets are
+// Validation of the row jobs (Backend::CopyRows, Backend::CopyHostRows, Backend::FindNonFinite;
+// gpu/backend.h), shared by the CPU backend and the host-validating backends
+// (gpu/staging_backend.h) so that their INVALID_ARGUMENT messages agree. The arena's size is not part of a job, so offsets are
 // not range-checked here (the CPU backend trusts them, as it trusts every arena offset).
 //
 // Threading: pure functions.
@@ -20,6 +20,13 @@ absl::Status ValidateRowCopyJob(const RowCopyJob& job, size_t index);
 
 // INVALID_ARGUMENT "host row copy job <index>: ..." likewise (null arena, host or offsets).
 absl::Status ValidateHostRowCopyJob(const HostRowCopyJob& job, size_t index);
+
+// INVALID_ARGUMENT "finite check job <index>: ..." for a negative count or row_elements, a null
+// output, or null arena/offsets when the job reads anything. Reads no offsets.
+absl::Status ValidateFiniteCheckJob(const FiniteCheckJob& job, size_t index);
+
+// The job's result, computed on the host (the CPU backend's kernel; row offsets trusted).
+void FindNonFiniteRows(const FiniteCheckJob& job);
 
 }  // namespace kvs
 

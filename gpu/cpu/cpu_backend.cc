@@ -160,6 +160,21 @@ class CpuBackend final : public Backend {
     return RunMergeRows(jobs, pool_);
   }
 
+  absl::Status FindNonFinite(absl::Span<const FiniteCheckJob> jobs, Stream) override {
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      if (auto status = ValidateFiniteCheckJob(jobs[i], i); !status.ok()) return status;
+      bytes += static_cast<uint64_t>(jobs[i].count) * jobs[i].row_elements *
+               DTypeBytes(jobs[i].dtype);
+    }
+    // One job per (layer, K or V) of a commit: they spread over the pool; a decode token's few
+    // rows are checked inline.
+    pool_.ParallelFor(
+        static_cast<int64_t>(jobs.size()), [&](int64_t i) { FindNonFiniteRows(jobs[i]); },
+        bytes < kParallelCopyMinBytes ? 1 : 0);
+    return absl::OkStatus();
+  }
+
   absl::Status Synchronize(Stream) override { return absl::OkStatus(); }
 
  private:

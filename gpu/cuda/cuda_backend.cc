@@ -298,6 +298,27 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  absl::Status FindNonFinite(absl::Span<const FiniteCheckJob> jobs, Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const FiniteCheckJob& job = jobs[i];
+      KVS_RETURN_IF_ERROR(ValidateFiniteCheckJob(job, i));
+      const std::string context = absl::StrCat("finite check job ", i);
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.first_non_finite, context, "first_non_finite"));
+      if (job.count == 0 || job.row_elements == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena, context, "arena"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.row_offsets, context, "row_offsets"));
+    }
+    for (const FiniteCheckJob& job : jobs) {
+      KVS_RETURN_IF_ERROR(Launched(
+          cuda::LaunchFindNonFinite(job.arena, job.row_offsets, job.count, job.row_elements,
+                                    static_cast<int32_t>(job.dtype), job.first_non_finite,
+                                    ToStream(stream)),
+          "FindNonFinite"));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status CopyHostRows(absl::Span<const HostRowCopyJob> jobs, Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
     // The device's address of each job's host buffer: the same pointer for cudaHostAlloc'd

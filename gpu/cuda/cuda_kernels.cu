@@ -412,6 +412,31 @@ __global__ void CopyHostRowsKernel(uint8_t* arena, uint8_t* host, const uint64_t
   }
 }
 
+// Finite check: one block per row (grid-strided); every thread tests the exponent bits of its
+// elements and the lowest flat index wins through an unsigned atomicMin over a result preset to
+// all ones (which reads as -1 when no value is non-finite).
+__global__ void FindNonFiniteKernel(const uint8_t* arena, const uint64_t* row_offsets,
+                                    int64_t count, int32_t row_elements, int32_t dtype,
+                                    unsigned long long* first) {
+  for (int64_t r = blockIdx.x; r < count; r += gridDim.x) {
+    const uint8_t* row = arena + row_offsets[r];
+    for (int32_t e = threadIdx.x; e < row_elements; e += kThreads) {
+      bool bad;
+      if (dtype == 3) {
+        const uint32_t bits = reinterpret_cast<const uint32_t*>(row)[e];
+        bad = (bits & 0x7f800000u) == 0x7f800000u;
+      } else {
+        const uint16_t bits = reinterpret_cast<const uint16_t*>(row)[e];
+        const uint16_t mask = dtype == 1 ? 0x7c00u : 0x7f80u;
+        bad = (bits & mask) == mask;
+      }
+      if (bad) {
+        atomicMin(first, static_cast<unsigned long long>(r * row_elements + e));
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attention: one block per (query head, query) row: logits, then the row's max and sum.
 
@@ -635,6 +660,19 @@ cudaError_t LaunchCopyHostRows(uint8_t* arena, uint8_t* host, const uint64_t* ar
   if (count <= 0 || row_bytes == 0) return cudaSuccess;
   CopyHostRowsKernel<<<GridFor(count), kThreads, 0, stream>>>(
       arena, host, arena_offsets, host_offsets, count, row_bytes, to_host);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFindNonFinite(const uint8_t* arena, const uint64_t* row_offsets, int64_t count,
+                                int32_t row_elements, int32_t dtype, int64_t* first_non_finite,
+                                cudaStream_t stream) {
+  // All ones = -1 as int64 and the largest value for the unsigned atomicMin.
+  cudaError_t error = cudaMemsetAsync(first_non_finite, 0xff, sizeof(int64_t), stream);
+  if (error != cudaSuccess) return error;
+  if (count <= 0 || row_elements <= 0) return cudaSuccess;
+  FindNonFiniteKernel<<<GridFor(count), kThreads, 0, stream>>>(
+      arena, row_offsets, count, row_elements, dtype,
+      reinterpret_cast<unsigned long long*>(first_non_finite));
   return cudaGetLastError();
 }
 

@@ -41,6 +41,12 @@ cudaError_t LaunchTopK(const float* scores, const int32_t* positions, const uint
 cudaError_t LaunchCopyRows(uint8_t* arena, const uint64_t* src_offsets, const uint64_t* dst_offsets,
                            int64_t count, uint64_t row_bytes, cudaStream_t stream);
 
+// FindNonFinite (gpu/backend.h): writes to *first_non_finite the lowest flat index of a value with
+// every exponent bit set, or -1. dtype: 1 fp16, 2 bf16, 3 fp32.
+cudaError_t LaunchFindNonFinite(const uint8_t* arena, const uint64_t* row_offsets, int64_t count,
+                                int32_t row_elements, int32_t dtype, int64_t* first_non_finite,
+                                cudaStream_t stream);
+
 // `host` must be device-accessible page-locked host memory (cudaHostAlloc / cudaHostRegister).
 cudaError_t LaunchCopyHostRows(uint8_t* arena, uint8_t* host, const uint64_t* arena_offsets,
                                const uint64_t* host_offsets, int64_t count, uint64_t row_bytes,

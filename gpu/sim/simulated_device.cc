@@ -483,6 +483,18 @@ class SimBackend final : public Backend {
     return cpu_->MergeRows(real, stream);
   }
 
+  absl::Status FindNonFinite(absl::Span<const FiniteCheckJob> jobs, Stream stream) override {
+    std::vector<FiniteCheckJob> real(jobs.begin(), jobs.end());
+    for (size_t i = 0; i < real.size(); ++i) {
+      FiniteCheckJob& j = real[i];
+      const Translator t(*state_, absl::StrCat("finite check job ", i));
+      KVS_RETURN_IF_ERROR(t(j.arena, 0, "arena"));
+      KVS_RETURN_IF_ERROR(t(j.row_offsets, Extent({j.count}, 8), "row_offsets"));
+      KVS_RETURN_IF_ERROR(t(j.first_non_finite, Extent({1}, 8), "first_non_finite"));
+    }
+    return cpu_->FindNonFinite(real, stream);
+  }
+
   absl::Status Synchronize(Stream stream) override { return cpu_->Synchronize(stream); }
 
  private:

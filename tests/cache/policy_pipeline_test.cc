@@ -489,7 +489,7 @@ TEST(PolicyPipelineTest, AttentionValidationNamesFieldsAndChangesNothing) {
          a.queries.assign(7, 0.5f);
          a.softmax_scale = 1.0f;
        }},
-      {"attention.inline_queries[2]",
+      {"attention.inline_queries: non-finite value at layer 0 q head 0 query 0 dim 2",
        [](AttentionInput& a) {
          a.scores.clear();
          a.queries.assign(2 * 4 * 2 * 4, 0.5f);

@@ -158,6 +158,9 @@ class TestBackend final : public Backend {
   absl::Status CopyRows(absl::Span<const RowCopyJob> jobs, Stream stream) override {
     return cpu_->CopyRows(jobs, stream);
   }
+  absl::Status FindNonFinite(absl::Span<const FiniteCheckJob> jobs, Stream stream) override {
+    return cpu_->FindNonFinite(jobs, stream);
+  }
   absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream stream) override {
     return cpu_->AttentionProbs(jobs, stream);
   }

@@ -762,5 +762,54 @@ TEST(CpuBackendTest, Identity) {
   EXPECT_TRUE(backend->Synchronize(nullptr).ok());
 }
 
+// FindNonFinite: the lowest flat index of a value with every exponent bit set (NaN, +-inf), in
+// every dtype; finite extremes (largest, subnormal, -0) are finite; -1 when all are.
+TEST(CpuBackendTest, FindNonFiniteFindsTheFirstNaNOrInfInEveryDtype) {
+  auto backend = MakeCpuBackend(2);
+  constexpr int kRow = 300;  // more than one 256-value run
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+    SCOPED_TRACE(std::string(DTypeName(dtype)));
+    const int bytes = DTypeBytes(dtype);
+    std::vector<uint8_t> arena(4 * kRow * bytes, 0);
+    auto set = [&](int element, uint32_t bits) {
+      std::memcpy(arena.data() + element * bytes, &bits, bytes);  // little-endian host
+    };
+    const uint32_t largest = dtype == DType::kFloat32 ? 0x7f7fffffu
+                             : dtype == DType::kFloat16 ? 0x7bffu : 0x7f7fu;
+    const uint32_t inf = dtype == DType::kFloat32 ? 0xff800000u
+                         : dtype == DType::kFloat16 ? 0xfc00u : 0xff80u;  // -inf
+    const uint32_t nan = dtype == DType::kFloat32 ? 0x7fc00001u
+                         : dtype == DType::kFloat16 ? 0x7e01u : 0x7fc1u;
+    set(3, largest);
+    set(5, 1);                          // subnormal
+    set(6, dtype == DType::kFloat32 ? 0x80000000u : 0x8000u);  // -0
+    // Rows read in the order of the offsets: row 0 = arena row 2, row 1 = arena row 1.
+    const std::vector<uint64_t> offsets = {2ull * kRow * bytes, 1ull * kRow * bytes};
+    int64_t first = 7;
+    FiniteCheckJob job;
+    job.arena = arena.data();
+    job.row_offsets = offsets.data();
+    job.count = 2;
+    job.row_elements = kRow;
+    job.dtype = dtype;
+    job.first_non_finite = &first;
+    ASSERT_TRUE(backend->FindNonFinite({job}, nullptr).ok());
+    EXPECT_EQ(first, -1);
+    set(kRow + 290, inf);      // arena row 1, element 290: job row 1
+    set(2 * kRow + 299, nan);  // arena row 2, element 299: job row 0, found first
+    ASSERT_TRUE(backend->FindNonFinite({job}, nullptr).ok());
+    EXPECT_EQ(first, 299);
+    set(2 * kRow + 299, 0);
+    ASSERT_TRUE(backend->FindNonFinite({job}, nullptr).ok());
+    EXPECT_EQ(first, kRow + 290);
+  }
+  FiniteCheckJob bad;
+  bad.count = 1;
+  bad.row_elements = 4;
+  int64_t out = 0;
+  bad.first_non_finite = &out;
+  EXPECT_EQ(backend->FindNonFinite({bad}, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvs

@@ -1,0 +1,234 @@
+// A step that fails after validation (here: the backend's TopK fails while the policy selects,
+// after the new token was appended and the step's attention observed) leaves the sequence as it
+// was: counts, positions, next position, version, the pending reservation and the session's free
+// blocks; the next call succeeds. For DecodeStep (inline and reserved tokens), Commit and
+// Compress, for every evicting policy.
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cache/pool.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/cache/cache_test_util.h"
+
+namespace kvs {
+namespace {
+
+using testing_util::BuildPayload;
+using testing_util::HashValue;
+using testing_util::MakeLayout;
+
+// The CPU backend, with TopK failing while `fail_topk` is set.
+class FailingBackend final : public Backend {
+ public:
+  FailingBackend() : cpu_(MakeCpuBackend(1)) {}
+  std::string_view name() const override { return cpu_->name(); }
+  bool healthy() const override { return true; }
+  absl::StatusOr<std::unique_ptr<Arena>> CreateArena(uint64_t bytes,
+                                                     const ArenaOptions& options) override {
+    return cpu_->CreateArena(bytes, options);
+  }
+  absl::Status KeyDiffScores(absl::Span<const KeyDiffScoreJob> jobs, Stream s) override {
+    return cpu_->KeyDiffScores(jobs, s);
+  }
+  absl::Status TopK(absl::Span<const TopKJob> jobs, Stream s) override {
+    if (fail_topk) return absl::InternalError("injected TopK failure");
+    return cpu_->TopK(jobs, s);
+  }
+  absl::Status CopyRows(absl::Span<const RowCopyJob> jobs, Stream s) override {
+    return cpu_->CopyRows(jobs, s);
+  }
+  absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream s) override {
+    return cpu_->AttentionProbs(jobs, s);
+  }
+  absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream s) override {
+    return cpu_->AttentionLogits(jobs, s);
+  }
+  absl::Status CopyHostRows(absl::Span<const HostRowCopyJob> jobs, Stream s) override {
+    return cpu_->CopyHostRows(jobs, s);
+  }
+  absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream s) override {
+    return cpu_->CaoteScores(jobs, s);
+  }
+  absl::Status NearestKeys(absl::Span<const NearestKeyJob> jobs, Stream s) override {
+    return cpu_->NearestKeys(jobs, s);
+  }
+  absl::Status MergeRows(absl::Span<const RowMergeJob> jobs, Stream s) override {
+    return cpu_->MergeRows(jobs, s);
+  }
+  absl::Status FindNonFinite(absl::Span<const FiniteCheckJob> jobs, Stream s) override {
+    return cpu_->FindNonFinite(jobs, s);
+  }
+  absl::Status Synchronize(Stream s) override { return cpu_->Synchronize(s); }
+
+  std::atomic<bool> fail_topk{false};
+
+ private:
+  std::unique_ptr<Backend> cpu_;
+};
+
+constexpr int32_t kBudget = 8;
+
+class RollbackTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    PoolOptions options = testing_util::TestPool::DefaultOptions();
+    pool_ = std::make_unique<KvPool>(&backend_, &clock_, options);
+    layout_ = MakeLayout(2, 2, 16, DType::kFloat16, 4);
+    AttachParams attach;
+    attach.layout = layout_;
+    attach.num_blocks = 64;
+    auto view = pool_->Attach(attach);
+    ASSERT_TRUE(view.ok()) << view.status();
+    session_ = view->session_id;
+    SequenceParams params;
+    params.policy = PolicyConfig{};
+    params.policy->name = GetParam();
+    params.budget = testing_util::Budget(kBudget);
+    params.sequence_id = "seq";
+    ASSERT_TRUE(pool_->CreateSequence(session_, params).ok());
+    // kBudget + 2 tokens, over the budget: the next step evicts.
+    Append(kBudget + 2);
+  }
+
+  void Append(int32_t tokens) {
+    auto reservation = pool_->Reserve(session_, "seq", tokens, {}, {});
+    ASSERT_TRUE(reservation.ok()) << reservation.status();
+    const std::vector<int32_t> layers = {0, 1};
+    const auto payload = BuildPayload(layout_, layers, reservation->positions, HashValue);
+    ASSERT_TRUE(
+        pool_->WriteReserved(session_, "seq", reservation->reservation_id, 0, payload).ok());
+    ASSERT_TRUE(pool_->Commit(session_, "seq", reservation->reservation_id, false).ok());
+  }
+
+  AttentionInput Query(int32_t num_queries) const {
+    AttentionInput attention;
+    attention.num_queries = num_queries;
+    attention.softmax_scale = 0.25f;
+    attention.queries.resize(static_cast<size_t>(layout_.num_layers) * layout_.num_q_heads *
+                             num_queries * layout_.head_dim);
+    for (size_t i = 0; i < attention.queries.size(); ++i) {
+      attention.queries[i] = 0.5f * std::sin(static_cast<float>(i));
+    }
+    return attention;
+  }
+
+  // Everything a failed call must leave as it was.
+  struct State {
+    std::vector<LayerLayoutView> layers;
+    int32_t next_position;
+    uint64_t version;
+    int32_t free_blocks;
+  };
+  State Snapshot() const {
+    auto layout = pool_->GetLayout(session_, "seq", {}, true);
+    EXPECT_TRUE(layout.ok()) << layout.status();
+    int32_t free_blocks = -1;
+    for (const SessionInfo& info : pool_->ListSessions()) free_blocks = info.free_blocks;
+    return State{layout->layers, layout->next_position, layout->version, free_blocks};
+  }
+  void ExpectSame(const State& a, const State& b) const {
+    ASSERT_EQ(a.layers.size(), b.layers.size());
+    for (size_t l = 0; l < a.layers.size(); ++l) {
+      EXPECT_EQ(a.layers[l].count, b.layers[l].count) << "layer " << l;
+      EXPECT_EQ(a.layers[l].block_table, b.layers[l].block_table) << "layer " << l;
+      EXPECT_EQ(a.layers[l].positions, b.layers[l].positions) << "layer " << l;
+    }
+    EXPECT_EQ(a.next_position, b.next_position);
+    EXPECT_EQ(a.version, b.version);
+    EXPECT_EQ(a.free_blocks, b.free_blocks);
+  }
+
+  DecodeItem InlineToken(int32_t position) const {
+    DecodeItem item;
+    item.session_id = session_;
+    item.sequence_id = "seq";
+    item.attention = Query(1);
+    item.inline_kv = BuildPayload(layout_, std::vector<int32_t>{0, 1}, {position}, HashValue);
+    return item;
+  }
+
+  FailingBackend backend_;
+  FakeClock clock_;
+  std::unique_ptr<KvPool> pool_;
+  ModelLayout layout_;
+  std::string session_;
+};
+
+TEST_P(RollbackTest, FailedDecodeStepChangesNothing) {
+  const State before = Snapshot();
+  backend_.fail_topk = true;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    auto step = pool_->DecodeStep({InlineToken(before.next_position)});
+    ASSERT_FALSE(step.ok()) << "attempt " << attempt;
+    EXPECT_THAT(step.status().message(), ::testing::HasSubstr("injected TopK failure"));
+    ExpectSame(before, Snapshot());
+  }
+  backend_.fail_topk = false;
+  auto step = pool_->DecodeStep({InlineToken(before.next_position)});
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_THAT(step->at(0).counts, ::testing::Each(kBudget));
+  EXPECT_EQ(Snapshot().next_position, before.next_position + 1);
+}
+
+TEST_P(RollbackTest, FailedReservedDecodeStepKeepsTheReservationPending) {
+  auto reservation = pool_->Reserve(session_, "seq", 1, {}, {});
+  ASSERT_TRUE(reservation.ok()) << reservation.status();
+  const auto payload =
+      BuildPayload(layout_, std::vector<int32_t>{0, 1}, reservation->positions, HashValue);
+  ASSERT_TRUE(pool_->WriteReserved(session_, "seq", reservation->reservation_id, 0, payload).ok());
+  const State before = Snapshot();
+  DecodeItem item;
+  item.session_id = session_;
+  item.sequence_id = "seq";
+  item.attention = Query(1);
+  item.reservation_id = reservation->reservation_id;
+  backend_.fail_topk = true;
+  ASSERT_FALSE(pool_->DecodeStep({item}).ok());
+  ExpectSame(before, Snapshot());
+  EXPECT_TRUE(pool_->CheckReservation(session_, "seq", reservation->reservation_id).ok());
+  backend_.fail_topk = false;
+  auto step = pool_->DecodeStep({item});
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_THAT(step->at(0).counts, ::testing::Each(kBudget));
+}
+
+TEST_P(RollbackTest, FailedCommitAndCompressChangeNothing) {
+  auto reservation = pool_->Reserve(session_, "seq", 2, {}, {});
+  ASSERT_TRUE(reservation.ok()) << reservation.status();
+  const auto payload =
+      BuildPayload(layout_, std::vector<int32_t>{0, 1}, reservation->positions, HashValue);
+  ASSERT_TRUE(pool_->WriteReserved(session_, "seq", reservation->reservation_id, 0, payload).ok());
+  const AttentionInput attention = Query(2);
+  const State before = Snapshot();
+  backend_.fail_topk = true;
+  ASSERT_FALSE(
+      pool_->Commit(session_, "seq", reservation->reservation_id, true, &attention).ok());
+  ExpectSame(before, Snapshot());
+  EXPECT_TRUE(pool_->CheckReservation(session_, "seq", reservation->reservation_id).ok());
+  backend_.fail_topk = false;
+  ASSERT_TRUE(pool_->Commit(session_, "seq", reservation->reservation_id, false).ok());
+
+  const State committed = Snapshot();
+  CompressParams params;
+  params.attention = Query(2);
+  backend_.fail_topk = true;
+  ASSERT_FALSE(pool_->Compress(session_, "seq", params).ok());
+  ExpectSame(committed, Snapshot());
+  backend_.fail_topk = false;
+  auto compressed = pool_->Compress(session_, "seq", params);
+  ASSERT_TRUE(compressed.ok()) << compressed.status();
+  for (const LayerCompressResult& layer : compressed->layers) EXPECT_EQ(layer.kept, kBudget);
+}
+
+INSTANTIATE_TEST_SUITE_P(EvictingPolicies, RollbackTest,
+                         ::testing::Values("keydiff", "h2o", "tova", "snapkv", "cake", "caote"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+}  // namespace
+}  // namespace kvs
