@@ -124,7 +124,7 @@ def layout_for(model: Any, dtype: str = "fp32", block_tokens: int = 16
 
 def blocks_for(model: Any, max_tokens: int, batch_size: int = 1, block_tokens: int = 16) -> int:
     """Arena blocks for `batch_size` sequences of up to `max_tokens` tokens held in full."""
-    layers = _text_config(model).num_hidden_layers
+    layers = int(_text_config(model).num_hidden_layers)
     return batch_size * layers * (math.ceil(max_tokens / block_tokens) + 2)
 
 
@@ -208,7 +208,9 @@ def _make_wrapper(original: str) -> Any:
 def install(model: Any) -> str:
     """Routes the model's attention through the kvsidecar wrapper of its implementation (sdpa or
     eager); returns the original name. Calls without a SidecarCache are unchanged."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
+    if config is None:
+        raise UnsupportedModelError("the model has no config")
     name = getattr(config, "_attn_implementation", None) or "eager"
     if name.startswith(_WRAPPED_PREFIX):
         return name[len(_WRAPPED_PREFIX):]
@@ -237,7 +239,8 @@ def _as_torch(array: Any, dtype: int) -> Any:
     return t
 
 
-class _SidecarLayer(CacheLayerMixin):
+# transformers' own classes are not annotated: subclassing and initialising them are untyped calls.
+class _SidecarLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     """One layer as the library's Cache bookkeeping sees it (the data is in the sidecar)."""
 
     is_sliding = False
@@ -246,7 +249,7 @@ class _SidecarLayer(CacheLayerMixin):
     supports_early_init = False
 
     def __init__(self, cache: "SidecarCache", layer: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._cache = cache
         self._layer = layer
 
@@ -327,13 +330,13 @@ class SidecarCache(Cache):
         self.budget_tokens = 0          # resolved at the first block
         self.sequence_ids: List[str] = []
         self._seen = 0                  # tokens of every row ever appended
-        self._counts: Optional[np.ndarray] = None   # [B][L] tokens held
+        self._counts: Any = None   # [B][L] tokens held (np.ndarray once a batch started)
         self._step: Optional[_Step] = None
         self._inflight: Optional[Tuple[Any, List[DecodeItem], np.ndarray]] = None
         self._arena_t: Any = None
         self._name = self.policy.name if self.policy is not None else ""
         self._query_window = self._window()
-        self._mask_sizes: Optional[Tuple[int, int]] = None
+        self._mask_sizes: Optional[Tuple[int, int, int]] = None
         self.last_attention: List[Optional[common_pb2.AttentionInputs]] = []
         super().__init__(layers=[_SidecarLayer(self, i) for i in range(lay.num_layers)])
 
@@ -494,6 +497,7 @@ class SidecarCache(Cache):
     def _store(self, layer: int, states: Any, kv: int) -> Any:
         """Writes one layer's new K (kv=0) or V (kv=1) of every row; returns them as stored."""
         step = self._step
+        assert step is not None, "no forward pass in progress"
         stored = states.detach().to(self._storage_torch_dtype())
         if step.decode:
             for row, buf in enumerate(step.inline):
@@ -510,6 +514,7 @@ class SidecarCache(Cache):
         """[B][H][held_max + T][D]: each row's held K/V in slot order (rows holding fewer are
         padded; the wrapper masks the padding), then the new block."""
         step = self._step
+        assert step is not None, "no forward pass in progress"
         held = [row[layer] for row in step.held]
         width = max(held)
         if width == 0:
@@ -535,6 +540,7 @@ class SidecarCache(Cache):
     def _layer_mask(self, layer: int, given: Any, query: Any, original: str) -> Any:
         """The mask of one layer of the compacted cache (None when nothing needs masking)."""
         step = self._step
+        assert step is not None, "no forward pass in progress"
         t = query.shape[2]
         held = torch.as_tensor([row[layer] for row in step.held])
         width = int(held.max())
@@ -575,6 +581,7 @@ class SidecarCache(Cache):
         if self._query_window == 0:
             return
         step = self._step
+        assert step is not None, "no forward pass in progress"
         w = 1 if step.decode else self._query_window
         if scale is not None:
             step.scale = float(scale)
@@ -587,6 +594,7 @@ class SidecarCache(Cache):
 
     def _attended(self, layer: int) -> None:
         step = self._step
+        assert step is not None, "no forward pass in progress"
         step.attended = layer
         if layer == self.num_layers - 1:
             self._end_step()
@@ -603,6 +611,7 @@ class SidecarCache(Cache):
 
     def _end_step(self) -> None:
         step = self._step
+        assert step is not None, "no forward pass in progress"
         self._step = None
         attns = [self._attention_of(step, row, self.num_layers)
                  for row in range(len(self.sequence_ids))]
