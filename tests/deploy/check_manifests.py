@@ -135,8 +135,8 @@ def main():
           "the two containers do not share one /run/kvsidecar volume")
     run = volumes.get(next(iter(run_names)), {}) if len(run_names) == 1 else {}
     check("emptyDir" in run, "/run/kvsidecar is not an emptyDir")
-    check("--arena_socket=/run/kvsidecar/arena.sock" in sidecar.get("args", []),
-          "the sidecar is not started with --arena_socket=/run/kvsidecar/arena.sock")
+    check("--arena_socket=/run/kvsidecar/private/arena.sock" in sidecar.get("args", []),
+          "the sidecar is not started with --arena_socket=/run/kvsidecar/private/arena.sock")
 
     # Configuration from the ConfigMap, secrets from the Secret.
     config_maps = {c["metadata"]["name"]: c for c in by_kind["ConfigMap"]}
