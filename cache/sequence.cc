@@ -1251,8 +1251,9 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
   // retain_evicted: the rows leave for the host tier before anything changes here. A retained
   // chunk is not part of a Checkpoint, so from here on a failure is not rolled back.
   if (retain_evicted_) {
-    rows_moved_ = true;
+    // A failed RetainEvicted keeps nothing (its chunk is pinned last), so the step still rolls back.
     KVS_RETURN_IF_ERROR(RetainEvicted(env, victims, keep, kept, scores));
+    rows_moved_ = true;
   }
 
   // 2. Plan the hole-filling moves (no mutation), and note what each head evicts.

@@ -10,6 +10,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -22,6 +24,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "service/log.h"
 
 namespace kvs {
@@ -280,7 +284,17 @@ void ArenaFdServer::Serve(int connection) {
   std::string request;
   bool complete = false;
   char buffer[256];
+  // One deadline for the whole request line, not one per read: a client trickling a byte at a
+  // time must not hold one of the few connection slots (and with them every other worker's
+  // arena hand-out) for longer than io_timeout.
+  const absl::Time deadline = absl::Now() + options_.io_timeout;
   while (request.size() <= kMaxRequestBytes) {
+    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    if (left_ms <= 0) break;
+    pollfd readable = {connection, POLLIN, 0};
+    const int ready = poll(&readable, 1, static_cast<int>(std::min<int64_t>(left_ms, 1 << 30)));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) break;
     const ssize_t n = recv(connection, buffer, sizeof(buffer), 0);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;

@@ -36,7 +36,7 @@ class ArenaFdServer {
   struct Options {
     std::string socket_path;                    // absolute or relative; at most 107 bytes
     absl::Duration nonce_ttl = absl::Seconds(30);
-    absl::Duration io_timeout = absl::Seconds(2);  // per connection, each read and write
+    absl::Duration io_timeout = absl::Seconds(2);  // reading the request line; each write
   };
   // Returns a new descriptor of the session's arena (the server closes it after sending), or the
   // reason it cannot (unknown session, not a memfd arena).

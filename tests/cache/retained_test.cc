@@ -158,6 +158,39 @@ TEST(RetainEvicted, HostTierTooSmallEvictsNothing) {
   EXPECT_EQ(f.tiers->GetStats().host_bytes_used, 0u);
 }
 
+// A decode step whose evictions cannot be retained (host tier full) fails without a trace: the
+// token it brought is not appended, so the worker may retry the same step.
+TEST(RetainEvicted, DecodeStepThatCannotRetainLeavesTheSequenceAsItWas) {
+  Fixture f(/*host_bytes=*/100);
+  const std::string seq = f.Create(StreamingLlm(1), 4, "s");
+  ASSERT_TRUE(Append(f.pool.pool, f.session, seq, 4, f.layout, HashValue).ok());
+  const int32_t free_before = f.pool.FreeBlocks(f.session);
+  std::vector<DecodeItem> items(1);
+  items[0].session_id = f.session;
+  items[0].sequence_id = seq;
+  items[0].inline_kv.resize(f.layout.token_bytes() * f.layout.num_layers);
+  for (int l = 0; l < f.layout.num_layers; ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int h = 0; h < 2; ++h) {
+        const std::vector<uint8_t> row = RowBytes(f.layout, HashValue, l, kv, h, 4);
+        std::copy(row.begin(), row.end(),
+                  items[0].inline_kv.begin() + ((l * 2 + kv) * 2 + h) * f.layout.row_bytes());
+      }
+    }
+  }
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    EXPECT_THAT(f.pool.pool.DecodeStep(items).status(),
+                StatusIs(absl::StatusCode::kResourceExhausted, "nothing was evicted"));
+    absl::StatusOr<SequenceLayout> layout = f.pool.pool.GetLayout(f.session, seq, {}, true);
+    ASSERT_TRUE(layout.ok());
+    for (const LayerLayoutView& layer : layout->layers) {
+      EXPECT_EQ(layer.count, 4) << "attempt " << attempt;
+    }
+    EXPECT_EQ(f.pool.FreeBlocks(f.session), free_before) << "attempt " << attempt;
+  }
+  EXPECT_EQ(f.tiers->GetStats().host_bytes_used, 0u);
+}
+
 TEST(RetainEvicted, RefusedWhereItCannotApply) {
   Fixture f;
   const std::string plain = f.Create(StreamingLlm(1), 4, "plain", /*retain=*/false);

@@ -7,6 +7,7 @@
 // permission checks under test; otherwise both run as the current uid.
 #include <dirent.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -21,6 +22,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvsidecar/client.h"
@@ -213,6 +216,46 @@ TEST(ArenaIsolationTest, LegacyShmNamesFlagStillServesNamedFiles) {
   ASSERT_TRUE((*session)->Detach().ok());
   struct stat st;
   EXPECT_NE(stat(path.c_str(), &st), 0) << path << " outlived Detach";
+}
+
+// A client that trickles its request line a byte at a time is cut off one io_timeout (2 s) after
+// it connected, not after 2 s of silence: otherwise a few such clients of the sidecar's uid would
+// hold every connection slot, and with them every other worker's arena hand-out.
+TEST(ArenaIsolationTest, TrickledRequestIsCutOffAtOneDeadline) {
+  auto server = StartServer();
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = (*server)->Connect();
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto attached = RawAttach(**client);
+  ASSERT_TRUE(attached.ok()) << attached.status();
+  const std::string socket_path = attached->arena().fd_socket_path();
+
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  ASSERT_LT(socket_path.size(), sizeof(address.sun_path));
+  std::strcpy(address.sun_path, socket_path.c_str());
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  const absl::Time start = absl::Now();
+  bool cut_off = false;
+  while (absl::Now() - start < absl::Seconds(6)) {
+    // A byte every 300 ms, never the newline.
+    if (send(fd, "F", 1, MSG_NOSIGNAL) != 1) {
+      cut_off = true;
+      break;
+    }
+    pollfd readable = {fd, POLLIN, 0};
+    if (poll(&readable, 1, 300) > 0) {  // the server's ERROR line, or the connection closed
+      cut_off = true;
+      break;
+    }
+  }
+  const absl::Duration held = absl::Now() - start;
+  close(fd);
+  EXPECT_TRUE(cut_off) << "a trickling client held its connection for " << held;
+  EXPECT_LT(held, absl::Milliseconds(3500));
+  EXPECT_THAT((*server)->Logs(), HasSubstr("no complete request line"));
 }
 
 TEST(ArenaIsolationTest, ArenaSocketBelongsToOneLiveSidecar) {
