@@ -473,11 +473,26 @@ absl::StatusOr<std::unique_ptr<RocksTier>> RocksTier::Open(const Options& option
   rocksdb::Status status = rocksdb::DB::Open(DbOptions(), options.path, &raw);
   std::map<std::string, std::string> salvaged;
   std::string corruption;
+  // Written before a damaged database is moved aside and removed only once Load has recorded
+  // the lost copies: a crash in between must not make the next start take the fresh, partly
+  // filled database for a healthy one and delete the layer files only the damaged one named.
+  const std::string salvage_marker = LayerDir(options.path) + "/salvage-pending";
+  const bool salvage_interrupted = std::filesystem::exists(salvage_marker);
   if (status.IsCorruption()) {
     // A damaged record (a flipped byte in the WAL, a torn write): the database is moved aside
     // untouched, every record still readable in it is carried into a fresh one, and the copies
     // whose records are gone are found from their key files and reported lost (Load).
     corruption = status.ToString();
+    {
+      const int fd = open(salvage_marker.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+      if (fd < 0 || fsync(fd) != 0) {
+        if (fd >= 0) close(fd);
+        return absl::UnavailableError(absl::StrCat("cannot write ", salvage_marker, ": ",
+                                                   std::strerror(errno)));
+      }
+      close(fd);
+      KVS_RETURN_IF_ERROR(SyncDirectory(LayerDir(options.path)));
+    }
     KVS_ASSIGN_OR_RETURN(const std::string quarantine,
                          Quarantine(options.path, LayerDir(options.path)));
     corruption = absl::StrCat(corruption, " (the damaged database is kept in ", quarantine, ")");
@@ -514,8 +529,16 @@ absl::StatusOr<std::unique_ptr<RocksTier>> RocksTier::Open(const Options& option
     KVS_RETURN_IF_ERROR(
         FromRocks(tier->db_->Write(synced, &batch), "carrying the salvaged disk tier records"));
   }
+  if (corruption.empty() && salvage_interrupted) {
+    corruption = "a salvage of a damaged database did not finish (the damaged database is kept "
+                 "in a quarantine folder beside it)";
+  }
   tier->corruption_ = corruption;
   KVS_RETURN_IF_ERROR(tier->Load());
+  if (std::filesystem::exists(salvage_marker)) {
+    unlink(salvage_marker.c_str());
+    SyncDirectory(LayerDir(options.path)).IgnoreError();  // a marker left: the next start re-checks
+  }
   return tier;
 }
 
@@ -597,8 +620,10 @@ absl::Status RocksTier::Load() {
   // is reported lost, persistently; a file of a key with no record, in an undamaged database, is
   // a Put cut short or a removal that did not finish: removed.
   std::set<uint64_t> referenced;
+  bool any_unreadable_record = false;
   for (const auto& [key, entry] : entries_) {
     if (entry.generation != 0) referenced.insert(entry.generation);
+    if (entry.generation == 0) any_unreadable_record = true;
   }
   std::error_code error;
   std::vector<std::pair<SpillKey, Entry>> found_lost;
@@ -622,7 +647,10 @@ absl::Status RocksTier::Load() {
     // removal that did not finish): only a key without a usable copy lost one.
     const bool lost_with_log =
         !corruption_.empty() && (it == entries_.end() || !it->second.lost.empty());
-    if (unreadable_record || lost_with_log) {
+    // A file with no readable key file (older builds wrote none) may be the copy of a record that
+    // could not be read: never removed then.
+    const bool maybe_unreadable = !key && any_unreadable_record;
+    if (unreadable_record || lost_with_log || maybe_unreadable) {
       Entry entry;
       entry.generation = generation;
       entry.spilled = absl::UnixEpoch();
@@ -636,7 +664,14 @@ absl::Status RocksTier::Load() {
       if (key) {
         found_lost.emplace_back(*key, std::move(entry));
       } else {
-        unnamed_lost_files_.push_back(file.path().string());  // kept; no key to list it under
+        // Kept under a name no later start takes for a layer file (so no later start, with the
+        // damage no longer in sight, removes it as an orphan); no key to list it under.
+        const std::string kept = file.path().string() + ".lost";
+        if (rename(file.path().c_str(), kept.c_str()) == 0) {
+          unnamed_lost_files_.push_back(kept);
+        } else {
+          unnamed_lost_files_.push_back(file.path().string());
+        }
       }
       continue;
     }
@@ -754,20 +789,22 @@ absl::Status RocksTier::MarkLost(const SpillKey& key, uint64_t generation,
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(key);
-    // Only the copy that was read: a concurrent Put may have replaced it.
+    // Only the copy that was read: a concurrent Put may have replaced it, a concurrent Erase
+    // removed it (then nothing is recorded: a lost record of a released sequence would bring it
+    // back as a lost copy after a restart). Erase deletes under the same lock.
     if (it != entries_.end() && it->second.generation == generation && it->second.lost.empty()) {
       it->second.lost = reason;
       used_bytes_ -= it->second.bytes;
+      // Recorded, so that the copy is listed lost after a restart too (best effort: the
+      // checksum would find it again on the next Get anyway).
+      std::string value;
+      AppendLE<uint64_t>(&value, generation);
+      value += reason;
+      rocksdb::WriteOptions synced;
+      synced.sync = true;
+      (void)db_->Put(synced, LostKey(key), value);
     }
   }
-  // Recorded, so that the copy is listed lost after a restart too (best effort: the checksum
-  // would find it again on the next Get anyway).
-  std::string value;
-  AppendLE<uint64_t>(&value, generation);
-  value += reason;
-  rocksdb::WriteOptions synced;
-  synced.sync = true;
-  (void)db_->Put(synced, LostKey(key), value);
   return absl::DataLossError(
       absl::StrCat("the disk copy of sequence ", key.sequence_id, " is corrupt: ", reason));
 }
@@ -838,19 +875,17 @@ absl::StatusOr<std::shared_ptr<const SpilledSequence>> RocksTier::Get(const Spil
 absl::Status RocksTier::Erase(const SpillKey& key) {
   std::optional<Entry> entry;
   {
+    // The records and the entry go together, under the lock MarkLost records under.
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(key);
     if (it == entries_.end()) return absl::OkStatus();
     entry = it->second;
-  }
-  rocksdb::WriteOptions synced;
-  synced.sync = true;
-  rocksdb::WriteBatch batch;
-  batch.Delete(MetaKey(key));
-  batch.Delete(LostKey(key));
-  KVS_RETURN_IF_ERROR(FromRocks(db_->Write(synced, &batch), "deleting from the disk tier"));
-  {
-    absl::MutexLock lock(&mu_);
+    rocksdb::WriteOptions synced;
+    synced.sync = true;
+    rocksdb::WriteBatch batch;
+    batch.Delete(MetaKey(key));
+    batch.Delete(LostKey(key));
+    KVS_RETURN_IF_ERROR(FromRocks(db_->Write(synced, &batch), "deleting from the disk tier"));
     if (entry->lost.empty()) used_bytes_ -= entry->bytes;
     entries_.erase(key);
   }

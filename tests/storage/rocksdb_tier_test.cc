@@ -224,6 +224,84 @@ TEST(RocksTierTest, CorruptedMetadataIsReportedLostAtOpen) {
   EXPECT_EQ(tier->List().size(), 1u);
 }
 
+// A crash after a damaged database was moved aside, before its records were carried over, leaves
+// a fresh database that names nothing: the salvage marker makes the next start keep every layer
+// file and report its copy lost (persistently), instead of removing them all as orphans.
+TEST(RocksTierTest, InterruptedSalvageKeepsEveryCopyAndReportsItLost) {
+  TempDir dir;
+  std::mt19937 gen(5);
+  const SpillKey x{"t", "s", "x"}, y{"t", "s", "y"};
+  std::string x_file, y_file;
+  {
+    std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+    ASSERT_TRUE(tier->Put(x, RandomSequence(gen, 2, 1000), absl::Now()).ok());
+    ASSERT_TRUE(tier->Put(y, RandomSequence(gen, 2, 1000), absl::Now()).ok());
+    x_file = tier->LayerFile(x);
+    y_file = tier->LayerFile(y);
+  }
+  {
+    // The fresh database the interrupted salvage had opened: no records.
+    rocksdb::DB* raw = nullptr;
+    rocksdb::Options options;
+    options.enable_blob_files = true;
+    ASSERT_TRUE(rocksdb::DB::Open(options, dir.path(), &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    std::vector<std::string> keys;
+    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) keys.push_back(it->key().ToString());
+    it.reset();
+    for (const std::string& key : keys) ASSERT_TRUE(db->Delete({}, key).ok());
+    ASSERT_TRUE(db->Close().ok());
+  }
+  const std::string marker = RocksTier::LayerDir(dir.path()) + "/salvage-pending";
+  std::ofstream(marker) << "";
+  for (int open = 0; open < 2; ++open) {
+    std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+    ASSERT_NE(tier, nullptr);
+    EXPECT_EQ(tier->orphans_removed(), 0) << "open " << open;
+    for (const SpillKey& key : {x, y}) {
+      std::optional<SpilledInfo> info = tier->Find(key);
+      ASSERT_TRUE(info.has_value()) << "open " << open;
+      EXPECT_NE(info->lost.find("salvage"), std::string::npos) << info->lost;
+      EXPECT_EQ(tier->Get(key).status().code(), absl::StatusCode::kDataLoss);
+    }
+    EXPECT_TRUE(std::filesystem::exists(x_file));
+    EXPECT_TRUE(std::filesystem::exists(y_file));
+    EXPECT_FALSE(std::filesystem::exists(marker)) << "removed once the lost copies are recorded";
+  }
+}
+
+// A layer file with no key file (older builds wrote none) is never removed while a metadata
+// record cannot be read: it may be that record's copy. It is kept across restarts.
+TEST(RocksTierTest, UnnamedFileIsKeptWhileAnyRecordIsUnreadable) {
+  TempDir dir;
+  std::mt19937 gen(6);
+  const SpillKey key{"t", "s", "x"};
+  std::string file;
+  {
+    std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+    ASSERT_TRUE(tier->Put(key, RandomSequence(gen, 2, 1000), absl::Now()).ok());
+    file = tier->LayerFile(key);
+  }
+  std::string key_file = file;
+  key_file.replace(key_file.size() - 4, 4, ".kvk");
+  ASSERT_TRUE(std::filesystem::remove(key_file)) << key_file;
+  const std::string target = RocksTier::MetaKey(key);
+  EXPECT_EQ(1, EditRecords(dir.path(), 'M', [&](const std::string& k, std::string& value) {
+              if (k != target) return false;
+              value[value.size() - 1] ^= 0x80;
+              return true;
+            }));
+  for (int open = 0; open < 2; ++open) {
+    std::unique_ptr<RocksTier> tier = OpenTier(dir.path());
+    ASSERT_NE(tier, nullptr);
+    EXPECT_EQ(tier->orphans_removed(), 0) << "open " << open;
+    EXPECT_EQ(tier->Get(key).status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_TRUE(std::filesystem::exists(file) || std::filesystem::exists(file + ".lost"))
+        << "open " << open;
+  }
+}
+
 TEST(RocksTierTest, UnfinishedSpillsAreRemovedAtOpen) {
   TempDir dir;
   std::mt19937 gen(3);
