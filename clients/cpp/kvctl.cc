@@ -16,7 +16,6 @@
 //   3  cannot connect to the server within --connect-timeout
 //
 // Single-threaded; one process per command.
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -46,6 +45,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "google/protobuf/util/json_util.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "kvctl/output.pb.h"
 #include "kvsidecar/client.h"
 #include "kvsidecar/v1/admin.pb.h"
@@ -810,31 +810,23 @@ Output Config(Admin& admin) {
   return out;
 }
 
-// grpc.health.v1.Health/Check through the generic stub with wire-compatible messages
-// (kvctl/output.proto); no credentials needed: probes carry none.
+// grpc.health.v1.Health/Check (gRPC's public health proto, compiled in proto/); no credentials
+// needed: probes carry none.
 Output Health(Admin& admin, const std::string& service) {
-  doc::HealthCheckRequest request;
+  using grpc::health::v1::HealthCheckResponse;
+  grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
-  grpc::TemplatedGenericStub<doc::HealthCheckRequest, doc::HealthCheckResponse> stub(
-      admin.channel());
+  std::unique_ptr<grpc::health::v1::Health::Stub> stub =
+      grpc::health::v1::Health::NewStub(admin.channel());
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + admin.options().rpc_timeout));
-  grpc::CompletionQueue cq;
-  auto call = stub.PrepareUnaryCall(&context, "/grpc.health.v1.Health/Check", request, &cq);
-  call->StartCall();
-  doc::HealthCheckResponse response;
-  grpc::Status status;
-  call->Finish(&response, &status, reinterpret_cast<void*>(1));
-  void* tag = nullptr;
-  bool ok = false;
-  cq.Next(&tag, &ok);
-  cq.Shutdown();
-  while (cq.Next(&tag, &ok)) {
+  HealthCheckResponse response;
+  if (const grpc::Status status = stub->Check(&context, request, &response); !status.ok()) {
+    throw ServerFailure(kvsidecar::ToStatus(status));
   }
-  if (!status.ok()) throw ServerFailure(kvsidecar::ToStatus(status));
-  const std::string name = doc::HealthCheckResponse::ServingStatus_Name(response.status());
+  const std::string name = HealthCheckResponse::ServingStatus_Name(response.status());
   const std::string shown = service.empty() ? "(server)" : service;
-  if (response.status() != doc::HealthCheckResponse::SERVING) {
+  if (response.status() != HealthCheckResponse::SERVING) {
     throw Failure{kExitServerError, "UNAVAILABLE",
                   absl::StrCat("health of ", shown, " is ", name)};
   }
