@@ -19,7 +19,7 @@
 #include "gpu/backend_factory.h"
 #include "gpu/base/status_macros.h"
 #include "service/convert.h"
-#include "service/quantity.h"
+#include "gpu/base/quantity.h"
 #include "yaml-cpp/yaml.h"
 
 namespace kvs {

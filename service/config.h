@@ -95,7 +95,7 @@ struct BackendChoice {
 };
 
 // Flag text parsers (main.cc takes numbers as strings so that a bad value gets a message naming
-// the flag and exit code 2). Byte sizes are Kubernetes quantities (service/quantity.h): Ki, Mi,
+// the flag and exit code 2). Byte sizes are Kubernetes quantities (gpu/base/quantity.h): Ki, Mi,
 // Gi, ... = powers of 1024, k, M, G, ... = powers of 1000, plain numbers = bytes.
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text, absl::string_view flag);
 absl::StatusOr<int64_t> ParseInteger(absl::string_view text, absl::string_view flag);

@@ -38,7 +38,7 @@
 #include "gpu/cpu/shm_arena.h"
 #include "service/config.h"
 #include "service/log.h"
-#include "service/build_info.h"
+#include "gpu/base/build_info.h"
 #include "service/server.h"
 #include "storage/tier_manager.h"
 

@@ -1,7 +1,7 @@
 // kvctl: the operator's command line for the kvsidecar Admin service (status, list, show, set,
 // drain, release, config, health). Built on the C++ client library (kvsidecar::AdminClient) for
 // the calls, CLI11 for the command line, protobuf's JSON printer for --json and the project's one
-// byte-size parser (service/quantity.h: Kubernetes quantities) for sizes.
+// byte-size parser (gpu/base/quantity.h: Kubernetes quantities) for sizes.
 //
 // Output: a readable table or text by default; with --json exactly one JSON document on stdout
 // whose keys are stable (admin.proto responses, or the documents of kvctl/output.proto; proto
@@ -50,8 +50,8 @@
 #include "kvsidecar/client.h"
 #include "kvsidecar/v1/admin.pb.h"
 #include "kvsidecar/v1/common.pb.h"
-#include "service/build_info.h"
-#include "service/quantity.h"
+#include "gpu/base/build_info.h"
+#include "gpu/base/quantity.h"
 
 namespace {
 

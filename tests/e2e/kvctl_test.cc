@@ -21,7 +21,7 @@
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
 #include "kvsidecar/client.h"
-#include "service/build_info.h"
+#include "gpu/base/build_info.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace kvs_e2e {

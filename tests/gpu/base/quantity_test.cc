@@ -1,7 +1,7 @@
 // The byte-size parser shared by the sidecar's configuration and kvctl: Kubernetes quantity
 // rules (binary Ki..Ei, decimal k..E, exponents, fractions that come to whole bytes), the
 // compatibility aliases, and every refusal with its message.
-#include "service/quantity.h"
+#include "gpu/base/quantity.h"
 
 #include <cstdint>
 #include <limits>

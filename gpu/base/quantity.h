@@ -14,8 +14,8 @@
 // No suffix means bytes. Refused, with a message naming the field: negatives, fractions of a byte
 // ("0.5", "1.5"), results above 2^64-1, unknown suffixes (among them "K", "m" and "B", which
 // Kubernetes does not define as byte units here), empty text.
-#ifndef KVSIDECAR_SERVICE_QUANTITY_H_
-#define KVSIDECAR_SERVICE_QUANTITY_H_
+#ifndef KVSIDECAR_GPU_BASE_QUANTITY_H_
+#define KVSIDECAR_GPU_BASE_QUANTITY_H_
 
 #include <cstdint>
 
@@ -30,4 +30,4 @@ absl::StatusOr<uint64_t> ParseQuantityBytes(absl::string_view text, absl::string
 
 }  // namespace kvs
 
-#endif  // KVSIDECAR_SERVICE_QUANTITY_H_
+#endif  // KVSIDECAR_GPU_BASE_QUANTITY_H_

@@ -1,4 +1,4 @@
-#include "service/quantity.h"
+#include "gpu/base/quantity.h"
 
 #include <limits>
 

@@ -1,0 +1,156 @@
+# The layering check (ctest layering_check): every `#include "..."` of every source and header in
+# the layer folders of cmake/layers.cmake must name a header of the file's own folder or of a folder
+# the table allows; the table itself must allow none of the forbidden directions. Run as
+#   cmake -DSOURCE_DIR=<repository root> -P cmake/check_layers.cmake
+# Exits non-zero listing every offending line (file:line: from -> to).
+cmake_minimum_required(VERSION 3.25)
+if(NOT SOURCE_DIR)
+  message(FATAL_ERROR "check_layers.cmake: pass -DSOURCE_DIR=<repository root>")
+endif()
+include(${SOURCE_DIR}/cmake/layers.cmake)
+
+# The layer folder that owns a repository-relative path: the longest layer folder containing it.
+function(kvs_owning_layer path out)
+  set(best "")
+  foreach(layer IN LISTS KVS_LAYERS)
+    string(LENGTH "${layer}" n)
+    string(LENGTH "${best}" m)
+    if(path MATCHES "^${layer}/" AND n GREATER m)
+      set(best "${layer}")
+    endif()
+  endforeach()
+  set(${out} "${best}" PARENT_SCOPE)
+endfunction()
+
+# "file:line" of the first line of `file` that includes `inc` (only for the report).
+function(kvs_where file inc out)
+  file(READ "${SOURCE_DIR}/${file}" text)
+  string(FIND "${text}" "\"${inc}\"" at)
+  string(SUBSTRING "${text}" 0 ${at} before)
+  string(REGEX REPLACE "[^\n]" "" newlines "${before}")
+  string(LENGTH "${newlines}" n)
+  math(EXPR n "${n} + 1")
+  set(${out} "${file}:${n}" PARENT_SCOPE)
+endfunction()
+
+# True when folder `path` is `prefix` or lies below it.
+function(kvs_under path prefix out)
+  if(path STREQUAL prefix OR path MATCHES "^${prefix}/")
+    set(${out} TRUE PARENT_SCOPE)
+  else()
+    set(${out} FALSE PARENT_SCOPE)
+  endif()
+endfunction()
+
+set(problems "")
+
+# 1. The table allows no forbidden direction.
+foreach(layer IN LISTS KVS_LAYERS)
+  foreach(dep IN LISTS KVS_LAYER_DEPS_${layer})
+    if(NOT dep IN_LIST KVS_LAYERS)
+      list(APPEND problems "cmake/layers.cmake: ${layer} -> ${dep}: ${dep} is not a layer folder")
+    endif()
+    foreach(rule IN LISTS KVS_LAYER_FORBIDDEN)
+      string(REPLACE ">" ";" pair "${rule}")
+      list(GET pair 0 from)
+      list(GET pair 1 to)
+      kvs_under("${layer}" "${from}" from_hit)
+      kvs_under("${dep}" "${to}" to_hit)
+      if(from_hit AND to_hit)
+        string(CONCAT problem "cmake/layers.cmake: the table allows ${layer} -> ${dep}, "
+                              "which the design forbids (${from} -> ${to})")
+        list(APPEND problems "${problem}")
+      endif()
+    endforeach()
+  endforeach()
+endforeach()
+
+# 2. Every quoted include of every file in a layer folder.
+set(tops "")
+foreach(layer IN LISTS KVS_LAYERS)
+  if(EXISTS "${SOURCE_DIR}/${layer}")
+    list(APPEND tops "${SOURCE_DIR}/${layer}/*.h" "${SOURCE_DIR}/${layer}/*.cc"
+      "${SOURCE_DIR}/${layer}/*.cu" "${SOURCE_DIR}/${layer}/*.cuh" "${SOURCE_DIR}/${layer}/*.cpp"
+      "${SOURCE_DIR}/${layer}/*.hpp")
+  endif()
+endforeach()
+file(GLOB_RECURSE files RELATIVE "${SOURCE_DIR}" ${tops})
+list(REMOVE_DUPLICATES files)
+list(SORT files)
+# Top-level folders of the repository: an include whose first component is one of them is a project
+# header; anything else (absl/, grpcpp/, httplib.h) is a third-party header and not checked here.
+file(GLOB top_entries RELATIVE "${SOURCE_DIR}" LIST_DIRECTORIES true "${SOURCE_DIR}/*")
+set(top_folders "")
+foreach(entry IN LISTS top_entries)
+  if(IS_DIRECTORY "${SOURCE_DIR}/${entry}" AND NOT entry MATCHES "^\\.")
+    list(APPEND top_folders "${entry}")
+  endif()
+endforeach()
+
+# Records a forbidden include of `inc` in `file` (a macro: it appends to the caller's list).
+macro(kvs_forbid why)
+  kvs_where("${file}" "${inc}" where)
+  list(APPEND problems "${where}: #include \"${inc}\": ${why}")
+endmacro()
+
+set(checked 0)
+foreach(file IN LISTS files)
+  kvs_owning_layer("${file}" from)
+  get_filename_component(file_dir "${file}" DIRECTORY)
+  file(STRINGS "${SOURCE_DIR}/${file}" lines REGEX "^[ \t]*#[ \t]*include[ \t]*\"")
+  foreach(line IN LISTS lines)
+    string(REGEX REPLACE "^[ \t]*#[ \t]*include[ \t]*\"([^\"]*)\".*$" "\\1" inc "${line}")
+    math(EXPR checked "${checked} + 1")
+    set(to "")
+    string(REGEX REPLACE "/.*$" "" first "${inc}")
+    if(inc MATCHES "(^|/)\\.\\.(/|$)")
+      kvs_forbid("climbs out of its folder (name headers from the repository root)")
+      continue()
+    elseif(EXISTS "${SOURCE_DIR}/${file_dir}/${inc}"
+           AND NOT IS_DIRECTORY "${SOURCE_DIR}/${file_dir}/${inc}")
+      # Found beside the including file (the compiler looks there first).
+      kvs_owning_layer("${file_dir}/${inc}" to)
+    elseif(inc MATCHES "\\.pb\\.h$")
+      # Generated protobuf code: the contract (proto/), or a folder's own .proto.
+      string(REGEX REPLACE "(\\.grpc)?\\.pb\\.h$" ".proto" proto_file "${inc}")
+      if(EXISTS "${SOURCE_DIR}/proto/${proto_file}")
+        set(to proto)
+      elseif(EXISTS "${SOURCE_DIR}/${from}/${proto_file}")
+        set(to "${from}")
+      else()
+        kvs_forbid("no .proto in the repository generates it")
+        continue()
+      endif()
+    elseif(inc MATCHES "/" AND first IN_LIST top_folders)
+      kvs_owning_layer("${inc}" to)
+      if(to STREQUAL "")
+        kvs_forbid("${from} may include only headers of the layer folders")
+        continue()
+      endif()
+    else()
+      # A layer's public header root (clients/cpp/include/kvsidecar/client.h is
+      # "kvsidecar/client.h"), or else a third-party header, not checked here.
+      foreach(layer IN LISTS KVS_LAYERS)
+        if(EXISTS "${SOURCE_DIR}/${layer}/include/${inc}")
+          set(to "${layer}")
+        endif()
+      endforeach()
+      if(to STREQUAL "")
+        continue()
+      endif()
+    endif()
+    if(NOT to STREQUAL from AND NOT to IN_LIST KVS_LAYER_DEPS_${from})
+      kvs_forbid("${from} -> ${to} is not an allowed direction (cmake/layers.cmake)")
+    endif()
+  endforeach()
+endforeach()
+
+list(LENGTH files nfiles)
+list(LENGTH problems nproblems)
+if(nproblems GREATER 0)
+  foreach(problem IN LISTS problems)
+    message("FORBIDDEN ${problem}")
+  endforeach()
+  message(FATAL_ERROR "layering check: ${nproblems} forbidden include(s) in ${nfiles} files")
+endif()
+message(STATUS "layering check: ${checked} includes in ${nfiles} files follow cmake/layers.cmake")
