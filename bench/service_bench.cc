@@ -1,7 +1,9 @@
 // Service-level benchmarks against the real kvsidecar binary on loopback, through the generated
 // gRPC stubs and a shared-memory mapping of the arena (what a worker does):
 // - BM_DecodeCommit: one decode token for 64 sequences x 32 layers — BatchReserve, K/V written
-//   into the mapped arena, BatchCommit — with p50/p99 of the BatchCommit call and of the step.
+//   into the mapped arena, BatchCommit — with p50/p99 of the BatchCommit call and of the step,
+//   and of an empty call (gRPC health Check) on the same channel in the same run: the floor a
+//   unary call costs on this machine, which BatchCommit's figure is read against.
 // - BM_DecodeStep: one DecodeStep of 64 sequences x 32 layers (K/V and the query inline, H2O at
 //   its budget, so every step scores and evicts in every layer), p50/p99, on the backend named by
 //   $KVS_BENCH_BACKEND (default cpu; cuda on a GPU machine, deploy/gpu/check.sh).
@@ -24,6 +26,7 @@
 #include "kvsidecar/client.h"
 
 #include "bench/bench_util.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "kvsidecar/v1/sidecar.grpc.pb.h"
 
 namespace kvs::bench {
@@ -56,6 +59,7 @@ pb::ModelLayout BenchLayout() {
 struct Connection {
   std::unique_ptr<ServerProcess> server;
   std::unique_ptr<pb::Sidecar::Stub> stub;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health;  // same channel
   pb::AttachResponse attach;
   uint8_t* arena = nullptr;
 
@@ -72,8 +76,10 @@ struct Connection {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);
     args.SetMaxSendMessageSize(64 << 20);
-    stub = pb::Sidecar::NewStub(
-        grpc::CreateCustomChannel(server->data_target(), grpc::InsecureChannelCredentials(), args));
+    std::shared_ptr<grpc::Channel> channel =
+        grpc::CreateCustomChannel(server->data_target(), grpc::InsecureChannelCredentials(), args);
+    stub = pb::Sidecar::NewStub(channel);
+    health = grpc::health::v1::Health::NewStub(channel);
     grpc::ClientContext context;
     pb::AttachRequest request;
     *request.mutable_layout() = BenchLayout();
@@ -131,7 +137,7 @@ void BM_DecodeCommit(benchmark::State& state) {
   const uint64_t row_bytes = uint64_t{kHeadDim} * kDtypeBytes;
   std::vector<uint8_t> row(row_bytes, 0x3c);
 
-  std::vector<double> reserve_us, commit_us, step_us;
+  std::vector<double> reserve_us, commit_us, step_us, empty_us;
   int round_tokens = kTokensPerRound;
   for (auto _ : state) {
     if (round_tokens == kTokensPerRound) {
@@ -191,6 +197,15 @@ void BM_DecodeCommit(benchmark::State& state) {
     const auto end = Clock::now();
     commit_us.push_back(std::chrono::duration<double, std::micro>(end - commit_start).count());
     step_us.push_back(std::chrono::duration<double, std::micro>(end - step_start).count());
+    {
+      grpc::ClientContext context;
+      grpc::health::v1::HealthCheckRequest request;  // empty service name: the whole server
+      grpc::health::v1::HealthCheckResponse response;
+      const auto empty_start = Clock::now();
+      Check(connection.health->Check(&context, request, &response), "Health.Check");
+      empty_us.push_back(
+          std::chrono::duration<double, std::micro>(Clock::now() - empty_start).count());
+    }
     ++round_tokens;
   }
   state.counters["reserve_p50_us"] = Percentile(reserve_us, 0.50);
@@ -199,6 +214,8 @@ void BM_DecodeCommit(benchmark::State& state) {
   state.counters["commit_p99_us"] = Percentile(commit_us, 0.99);
   state.counters["step_p50_us"] = Percentile(step_us, 0.50);
   state.counters["step_p99_us"] = Percentile(step_us, 0.99);
+  state.counters["empty_call_p50_us"] = Percentile(empty_us, 0.50);
+  state.counters["empty_call_p99_us"] = Percentile(empty_us, 0.99);
 }
 BENCHMARK(BM_DecodeCommit)
     ->ArgName("sequences")

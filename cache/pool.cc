@@ -709,6 +709,94 @@ absl::StatusOr<CommitResult> KvPool::Commit(std::string_view session_id,
                       });
 }
 
+CommitBatchResult KvPool::CommitBatch(absl::Span<const CommitItem> items) {
+  CommitBatchResult out;
+  auto fail = [&out](size_t i, const absl::Status& status) {
+    out.failed = static_cast<int32_t>(i);
+    out.status = status;
+  };
+  // The batch's sessions, each looked up once (a decode batch names one session many times).
+  std::vector<std::shared_ptr<Session>> sessions;
+  std::vector<size_t> session_of(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    size_t k = 0;
+    while (k < sessions.size() && sessions[k]->id != items[i].session_id) ++k;
+    if (k == sessions.size()) {
+      absl::StatusOr<std::shared_ptr<Session>> session = FindSession(items[i].session_id);
+      if (!session.ok()) {
+        fail(i, session.status());
+        return out;
+      }
+      sessions.push_back(*std::move(session));
+    }
+    session_of[i] = k;
+  }
+  // Locked together, in id order as DecodeStep does, so that what is checked is what commits.
+  std::vector<size_t> lock_order(sessions.size());
+  for (size_t k = 0; k < lock_order.size(); ++k) lock_order[k] = k;
+  std::sort(lock_order.begin(), lock_order.end(),
+            [&](size_t a, size_t b) { return sessions[a]->id < sessions[b]->id; });
+  for (size_t k : lock_order) sessions[k]->mu.Lock();
+
+  // 1. Every item's sequence (restored first when spilled) and pending reservation.
+  std::vector<Sequence*> sequences(items.size(), nullptr);
+  for (size_t i = 0; i < items.size() && out.status.ok(); ++i) {
+    Session& session = *sessions[session_of[i]];
+    session.mu.AssertHeld();
+    absl::Status status;
+    if (session.dead) {
+      status = SessionGone(session.id);
+    } else if (!session.sequences.contains(Sv(items[i].sequence_id)) &&
+               session.spilled.contains(Sv(items[i].sequence_id))) {
+      status = RestoreSpilledLocked(session, items[i].sequence_id, *backend_, options_);
+    }
+    auto it = session.sequences.find(Sv(items[i].sequence_id));
+    if (status.ok() && it == session.sequences.end()) {
+      status = absl::NotFoundError(absl::StrCat("sequence ", Sv(items[i].sequence_id),
+                                                " not found in session ", session.id));
+    }
+    if (status.ok()) {
+      sequences[i] = it->second.get();
+      for (size_t j = 0; j < i && status.ok(); ++j) {
+        if (sequences[j] == sequences[i]) {
+          status = absl::InvalidArgumentError(absl::StrCat(
+              "sequence ", Sv(items[i].sequence_id), " is already committed by item ", j));
+        }
+      }
+    }
+    if (status.ok()) status = sequences[i]->CheckPending(items[i].reservation_id);
+    if (!status.ok()) fail(i, status);
+  }
+
+  // 2. Commit them in order.
+  const absl::Time now = clock_->Now();
+  out.results.reserve(items.size());
+  for (size_t i = 0; i < items.size() && out.status.ok(); ++i) {
+    Session& session = *sessions[session_of[i]];
+    session.mu.AssertHeld();
+    const SequenceEnv env{session.layout,    *session.arena,   session.allocator,
+                          *backend_,         session.id,       options_.max_tokens_per_call,
+                          &tokens_appended_, &tokens_evicted_, &session.host_pin};
+    sequences[i]->Touch(now);
+    absl::StatusOr<CommitResult> result =
+        sequences[i]->Commit(env, items[i].reservation_id, items[i].compress_if_over_budget,
+                             items[i].attention);
+    if (!result.ok()) {
+      fail(i, result.status());
+    } else {
+      out.results.push_back(*std::move(result));
+    }
+  }
+
+  for (auto it = lock_order.rbegin(); it != lock_order.rend(); ++it) {
+    Session& session = *sessions[*it];
+    session.mu.AssertHeld();
+    session.free_blocks_hint = session.allocator.free_blocks();
+    session.mu.Unlock();
+  }
+  return out;
+}
+
 absl::StatusOr<CompressResult> KvPool::Compress(std::string_view session_id,
                                                 std::string_view sequence_id,
                                                 const CompressParams& params) {

@@ -149,6 +149,23 @@ struct CommitResult {
   int32_t evicted = 0;          // evicted per layer by compression (max over layers)
 };
 
+// One item of CommitBatch: the arguments of one Commit.
+struct CommitItem {
+  std::string_view session_id;
+  std::string_view sequence_id;
+  uint64_t reservation_id = 0;
+  bool compress_if_over_budget = false;
+  const AttentionInput* attention = nullptr;  // may be null
+};
+
+// What CommitBatch did: items [0, results.size()) were committed, in order; `failed` is the item
+// whose error `status` is (-1 and OK when every item was committed).
+struct CommitBatchResult {
+  std::vector<CommitResult> results;
+  absl::Status status;
+  int32_t failed = -1;
+};
+
 struct CompressParams {
   int32_t budget_tokens = 0;           // 0 = the sequence's budget
   std::optional<PolicyConfig> policy;  // nullopt = the sequence's policy
@@ -420,6 +437,12 @@ class KvPool {
   absl::StatusOr<CommitResult> Commit(std::string_view session_id, std::string_view sequence_id,
                                       uint64_t reservation_id, bool compress_if_over_budget,
                                       const AttentionInput* attention = nullptr);
+  // The commits of one BatchCommit, each as Commit does it, with one lookup per session: the
+  // batch's sessions are locked (in id order) for the whole call; every item's sequence and
+  // pending reservation is checked before any item is committed (a failure there commits
+  // nothing), then the items are committed in order, and a failing item stops the batch with
+  // the items before it committed. A sequence named twice is INVALID_ARGUMENT.
+  CommitBatchResult CommitBatch(absl::Span<const CommitItem> items);
 
   absl::StatusOr<CompressResult> Compress(std::string_view session_id, std::string_view sequence_id,
                                           const CompressParams& params);

@@ -603,12 +603,6 @@ absl::Status SidecarService::CheckSequenceExists(const std::string& session_id,
   return pool_->GetLayout(session_id, sequence_id, first_layer, /*with_positions=*/false).status();
 }
 
-absl::Status SidecarService::CheckPendingReservation(const std::string& session_id,
-                                                     const std::string& sequence_id,
-                                                     uint64_t reservation_id) const {
-  return pool_->CheckReservation(session_id, sequence_id, reservation_id);
-}
-
 absl::StatusOr<uint64_t> SidecarService::EstimateCompressResponseBytes(
     const v1::CompressRequest& request, const CompressParams& params) const {
   KVS_ASSIGN_OR_RETURN(SequenceLayout counts,
@@ -905,42 +899,44 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     const int n = request->requests_size();
     KVS_RETURN_IF_ERROR(CheckBatchSize(n));
+    // One validation pass over the request here; the pool then looks each session up once and
+    // checks every reservation before committing any (KvPool::CommitBatch).
     absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
+    absl::flat_hash_map<std::string, SessionView> layouts;  // of the sessions sending attention
     std::vector<std::optional<AttentionInput>> attention(n);
+    std::vector<CommitItem> items(n);
     for (int i = 0; i < n; ++i) {
       const v1::CommitRequest& item = request->requests(i);
       KVS_RETURN_IF_ERROR(ValidateCommitRequest(item, absl::StrCat(Item(i), ".")));
       KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
       if (item.has_attention()) {
-        absl::StatusOr<SessionView> session = pool_->GetSession(item.session_id());
-        KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
+        auto known = layouts.find(item.session_id());
+        if (known == layouts.end()) {
+          absl::StatusOr<SessionView> session = pool_->GetSession(item.session_id());
+          KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
+          known = layouts.emplace(item.session_id(), *std::move(session)).first;
+        }
         KVS_ASSIGN_OR_RETURN(attention[i],
-                             AttentionFromProto(item.attention(), session->layout,
+                             AttentionFromProto(item.attention(), known->second.layout,
                                                 absl::StrCat(Item(i), ".attention.")));
       }
-      const absl::Status pending =
-          CheckPendingReservation(item.session_id(), item.sequence_id(), item.reservation_id());
-      if (!pending.ok()) {
-        return absl::Status(pending.code(), absl::StrCat(Item(i), ": ", pending.message(),
-                                                         " (nothing was committed)"));
-      }
+      items[i] = CommitItem{item.session_id(), item.sequence_id(), item.reservation_id(),
+                            item.compress_if_over_budget(),
+                            attention[i].has_value() ? &*attention[i] : nullptr};
     }
-    for (int i = 0; i < n; ++i) {
-      const v1::CommitRequest& item = request->requests(i);
-      auto result = pool_->Commit(item.session_id(), item.sequence_id(), item.reservation_id(),
-                                  item.compress_if_over_budget(),
-                                  attention[i].has_value() ? &*attention[i] : nullptr);
-      if (!result.ok()) {
-        std::string note =
-            i == 0 ? absl::StrCat(" (nothing was committed)")
-                   : absl::StrCat(" (requests[0..", i - 1, "] were committed; requests[", i, "..",
-                                  n - 1, "] were not)");
-        return absl::Status(result.status().code(),
-                            absl::StrCat(Item(i), ": ", result.status().message(), note));
-      }
-      CommitResultToProto(*result, response->add_responses());
+    CommitBatchResult done = pool_->CommitBatch(items);
+    for (const CommitResult& result : done.results) {
+      CommitResultToProto(result, response->add_responses());
     }
-    return absl::OkStatus();
+    if (done.status.ok()) return absl::OkStatus();
+    const int i = done.failed;
+    const std::string note =
+        done.results.empty()
+            ? std::string(" (nothing was committed)")
+            : absl::StrCat(" (requests[0..", i - 1, "] were committed; requests[", i, "..", n - 1,
+                           "] were not)");
+    return absl::Status(done.status.code(),
+                        absl::StrCat(Item(i), ": ", done.status.message(), note));
   });
 }
 

@@ -183,11 +183,6 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   // NOT_FOUND unless both exist; cheap (one layer, no positions).
   absl::Status CheckSequenceExists(const std::string& session_id,
                                    const std::string& sequence_id) const;
-  // NOT_FOUND / FAILED_PRECONDITION (as Commit would answer) unless `reservation_id` is the
-  // sequence's pending reservation. Changes nothing.
-  absl::Status CheckPendingReservation(const std::string& session_id,
-                                       const std::string& sequence_id,
-                                       uint64_t reservation_id) const;
   // Upper bound of the CompressResponse bytes of `request` (positions if it asks for them), from
   // the counts and budgets only.
   absl::StatusOr<uint64_t> EstimateCompressResponseBytes(

@@ -420,6 +420,52 @@ TEST_F(PoolTest, ReservationStateErrorsChangeNothing) {
   EXPECT_TRUE(Snap(pool_, session_, seq_) == committed);
 }
 
+// BatchCommit's pool half: every item is checked before any is committed, then the items commit
+// in order and the first failing one stops the batch with the earlier ones committed.
+TEST_F(PoolTest, CommitBatchChecksEveryItemThenCommitsInOrder) {
+  const std::string seq2 = pool_.Create(session_, KeyDiff(), Budget(0), "seq-2");
+  auto r1 = pool_.pool.Reserve(session_, seq_, 2, {}, {});
+  auto r2 = pool_.pool.Reserve(session_, seq2, 2, {}, {});
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  const Snapshot pending1 = Snap(pool_, session_, seq_);
+  const Snapshot pending2 = Snap(pool_, session_, seq2);
+
+  std::vector<CommitItem> items = {{session_, seq_, r1->reservation_id},
+                                   {session_, seq2, r2->reservation_id + 100}};
+  CommitBatchResult not_pending = pool_.pool.CommitBatch(items);
+  EXPECT_EQ(not_pending.failed, 1);
+  EXPECT_THAT(not_pending.status, StatusIs(absl::StatusCode::kNotFound, "reservation"));
+  EXPECT_TRUE(not_pending.results.empty());
+  items[1] = {session_, seq_, r1->reservation_id};
+  CommitBatchResult twice = pool_.pool.CommitBatch(items);
+  EXPECT_EQ(twice.failed, 1);
+  EXPECT_THAT(twice.status, StatusIs(absl::StatusCode::kInvalidArgument, "already committed"));
+  items[1] = {"no-such-session", seq2, r2->reservation_id};
+  EXPECT_EQ(pool_.pool.CommitBatch(items).status.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(Snap(pool_, session_, seq_) == pending1);
+  EXPECT_TRUE(Snap(pool_, session_, seq2) == pending2);
+
+  // A NaN in seq-2's reserved rows: seq-1 commits, seq-2 fails and stays pending.
+  const std::vector<uint8_t> nan = {0xff, 0x7f};
+  ASSERT_TRUE(pool_.pool.WriteReserved(session_, seq2, r2->reservation_id, 0, nan).ok());
+  items[1] = {session_, seq2, r2->reservation_id};
+  CommitBatchResult partial = pool_.pool.CommitBatch(items);
+  EXPECT_EQ(partial.failed, 1);
+  EXPECT_THAT(partial.status, StatusIs(absl::StatusCode::kInvalidArgument, "non-finite"));
+  ASSERT_EQ(partial.results.size(), 1u);
+  EXPECT_THAT(partial.results[0].counts, ElementsAre(2, 2));
+  EXPECT_TRUE(Snap(pool_, session_, seq2) == pending2);
+  EXPECT_TRUE(pool_.pool.CheckReservation(session_, seq2, r2->reservation_id).ok());
+
+  const std::vector<uint8_t> zero = {0, 0};
+  ASSERT_TRUE(pool_.pool.WriteReserved(session_, seq2, r2->reservation_id, 0, zero).ok());
+  CommitBatchResult done = pool_.pool.CommitBatch(absl::MakeConstSpan(items).subspan(1));
+  ASSERT_TRUE(done.status.ok()) << done.status;
+  EXPECT_EQ(done.failed, -1);
+  ASSERT_EQ(done.results.size(), 1u);
+  EXPECT_THAT(done.results[0].counts, ElementsAre(2, 2));
+}
+
 TEST_F(PoolTest, StrictReserveThatCannotFitEvictsNothing) {
   // 40 blocks of 4 tokens, 2 layers. A strict N = 6, N_b = 8 sequence holding 8 tokens per layer
   // (2 blocks each) must evict to 6 (still 2 blocks) and then needs 2 more blocks per layer; the
