@@ -2,6 +2,10 @@
 
 #include <hiredis/hiredis.h>
 #include <sys/time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <thread>
@@ -305,14 +309,36 @@ absl::StatusOr<std::vector<Reply>> Client::Exchange(
       return absl::UnavailableError(absl::StrCat("Redis at ", node.address, ": ", why));
     }
   }
+  // Send everything, then read with large reads: hiredis' own redisGetReply reads 16 KiB at a
+  // time, which for multi-MiB chunk values costs hundreds of reads and buffer regrowths each.
+  auto lost = [&](const std::string& why) {
+    node.Drop();
+    return absl::UnavailableError(absl::StrCat("Redis at ", node.address, ": ", why));
+  };
+  int done = 0;
+  while (done == 0) {
+    if (redisBufferWrite(c, &done) != REDIS_OK) {
+      return lost(c->errstr[0] != '\0' ? c->errstr : "write failed");
+    }
+  }
   std::vector<Reply> replies;
   replies.reserve(commands.size());
+  std::vector<char> buffer;
   for (size_t i = 0; i < asking_reply.size(); ++i) {
     void* raw = nullptr;
-    if (redisGetReply(c, &raw) != REDIS_OK || raw == nullptr) {
-      const std::string why = c->errstr[0] != '\0' ? c->errstr : "connection lost";
-      node.Drop();
-      return absl::UnavailableError(absl::StrCat("Redis at ", node.address, ": ", why));
+    while (true) {
+      if (redisReaderGetReply(c->reader, &raw) != REDIS_OK) return lost("protocol error");
+      if (raw != nullptr) break;
+      if (buffer.empty()) buffer.resize(size_t{4} << 20);
+      const ssize_t n = read(c->fd, buffer.data(), buffer.size());
+      if (n == 0) return lost("the server closed the connection");
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return lost(errno == EAGAIN || errno == EWOULDBLOCK ? "timed out" : std::strerror(errno));
+      }
+      if (redisReaderFeed(c->reader, buffer.data(), static_cast<size_t>(n)) != REDIS_OK) {
+        return lost("protocol error");
+      }
     }
     Reply reply = Convert(static_cast<redisReply*>(raw));
     freeReplyObject(raw);
