@@ -282,7 +282,8 @@ absl::StatusOr<Client::Node*> Client::NodeForSlot(uint16_t slot) {
 }
 
 absl::StatusOr<std::vector<Reply>> Client::Exchange(
-    Node& node, const std::vector<std::vector<std::string>>& commands, bool asking) {
+    Node& node, const std::vector<std::vector<std::string>>& commands, bool asking,
+    const BulkSink* sink) {
   redisContext* c = node.context;
   std::vector<const char*> argv;
   std::vector<size_t> lens;
@@ -340,7 +341,15 @@ absl::StatusOr<std::vector<Reply>> Client::Exchange(
         return lost("protocol error");
       }
     }
-    Reply reply = Convert(static_cast<redisReply*>(raw));
+    const redisReply* r = static_cast<const redisReply*>(raw);
+    Reply reply;
+    if (sink != nullptr && *sink && !asking_reply[i] && r->type == REDIS_REPLY_STRING) {
+      (*sink)(replies.size(), std::string_view(r->str, r->len));
+      reply.type = Reply::Type::kString;
+      reply.integer = static_cast<int64_t>(r->len);
+    } else {
+      reply = Convert(r);
+    }
     freeReplyObject(raw);
     if (!asking_reply[i]) replies.push_back(std::move(reply));
   }
@@ -348,7 +357,8 @@ absl::StatusOr<std::vector<Reply>> Client::Exchange(
 }
 
 absl::StatusOr<std::vector<Reply>> Client::Run(
-    std::string_view slot_key, const std::vector<std::vector<std::string>>& commands) {
+    std::string_view slot_key, const std::vector<std::vector<std::string>>& commands,
+    const BulkSink& sink) {
   const uint16_t slot = KeySlot(slot_key);
   const absl::Time deadline = absl::Now() + options_.deadline;
   absl::MutexLock lock(&mu_);
@@ -360,7 +370,7 @@ absl::StatusOr<std::vector<Reply>> Client::Run(
     if (attempt > 0 && absl::Now() >= deadline) break;
     absl::StatusOr<Node*> node = ask ? NodeAt(redirect) : NodeForSlot(slot);
     absl::StatusOr<std::vector<Reply>> replies =
-        node.ok() ? Exchange(**node, commands, ask) : node.status();
+        node.ok() ? Exchange(**node, commands, ask, &sink) : node.status();
     ask = false;
     if (!replies.ok()) {
       last = replies.status();

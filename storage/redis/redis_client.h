@@ -17,6 +17,7 @@
 #define KVSIDECAR_STORAGE_REDIS_REDIS_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -77,11 +78,17 @@ class Client {
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
+  // Receives the bytes of the bulk-string reply to command `index` straight from hiredis' reply
+  // (one copy fewer than Reply::str, for multi-MiB values); the Reply then holds the size in
+  // `integer` and no bytes. Called again for the same index when the pipeline is retried.
+  using BulkSink = std::function<void(size_t index, std::string_view bytes)>;
+
   // Runs `commands` (a pipeline) on the node serving the slot of `slot_key`, following
   // MOVED/ASK and retrying on connection failures within the options' bounds. Returns one reply
   // per command (error replies included, except redirections, which are followed).
   absl::StatusOr<std::vector<Reply>> Run(std::string_view slot_key,
-                                         const std::vector<std::vector<std::string>>& commands);
+                                         const std::vector<std::vector<std::string>>& commands,
+                                         const BulkSink& sink = nullptr);
   // One command (an error reply becomes its status).
   absl::StatusOr<Reply> Command(std::string_view slot_key, const std::vector<std::string>& argv);
 
@@ -97,7 +104,8 @@ class Client {
   // Sends the pipeline to `node` (with ASKING first when `asking`) and reads every reply.
   absl::StatusOr<std::vector<Reply>> Exchange(Node& node,
                                               const std::vector<std::vector<std::string>>& commands,
-                                              bool asking) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                                              bool asking, const BulkSink* sink = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ClientOptions options_;
   absl::Mutex mu_;

@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "cache/spill_buffers.h"
 #include "storage/crc32c.h"
 
 namespace kvs::storage {
@@ -326,54 +327,71 @@ absl::StatusOr<std::shared_ptr<const SpilledSequence>> RemoteTier::Get(const Spi
     Release(key);
     return meta.status();
   }
-  auto result = std::make_shared<SpilledSequence>();
-  result->meta = meta->snapshot;
-  result->layers.resize(meta->layer_bytes.size());
-  for (size_t layer = 0; layer < meta->layer_bytes.size(); ++layer) {
-    result->layers[layer].reserve(meta->layer_bytes[layer]);
+  SpilledSequence result;
+  result.meta = meta->snapshot;
+  result.layers.reserve(meta->layer_bytes.size());
+  // Layer buffers from the spill buffer cache (pages already mapped), filled in place.
+  for (uint64_t bytes : meta->layer_bytes) {
+    result.layers.push_back(SpillBuffers::Default().Take(bytes));
   }
+  auto give_back = [&] { SpillBuffers::Default().Give(std::move(result.layers)); };
   const std::vector<std::pair<uint32_t, uint64_t>> chunks = meta->Chunks();
   const uint32_t per_batch =
       static_cast<uint32_t>(std::max<uint64_t>(1, kPipelineBytes / meta->chunk_bytes));
+  std::vector<uint32_t> crcs(chunks.size(), 0);
   for (uint32_t start = 0; start < chunks.size(); start += per_batch) {
     std::vector<std::vector<std::string>> batch;
     const uint32_t end = std::min<uint32_t>(chunks.size(), start + per_batch);
     for (uint32_t n = start; n < end; ++n) {
       batch.push_back({"GET", ChunkKey(key, meta->generation, n)});
     }
-    absl::StatusOr<std::vector<Reply>> replies = client_->Run(Tag(key), batch);
+    auto expected_bytes = [&](uint32_t n) {
+      const auto [layer, offset] = chunks[n];
+      return std::min<uint64_t>(meta->chunk_bytes, meta->layer_bytes[layer] - offset);
+    };
+    // Each chunk is checksummed and copied into its place in the layer as it arrives (a retried
+    // pipeline writes the same places again).
+    auto sink = [&](size_t index, std::string_view bytes) {
+      const uint32_t n = start + static_cast<uint32_t>(index);
+      if (n >= end || bytes.size() != expected_bytes(n)) return;
+      const auto [layer, offset] = chunks[n];
+      crcs[n] = Crc32c(bytes);
+      std::memcpy(result.layers[layer].data() + offset, bytes.data(), bytes.size());
+    };
+    absl::StatusOr<std::vector<Reply>> replies = client_->Run(Tag(key), batch, sink);
     if (!replies.ok()) {
+      give_back();
       Release(key);
       return replies.status();
     }
     for (uint32_t n = start; n < end; ++n) {
       const Reply& reply = (*replies)[n - start];
-      const auto [layer, offset] = chunks[n];
-      const uint64_t expected =
-          std::min<uint64_t>(meta->chunk_bytes, meta->layer_bytes[layer] - offset);
+      const uint64_t expected = expected_bytes(n);
       std::string why;
       if (reply.is_error()) {
+        give_back();
         Release(key);
         return redis::ErrorReplyStatus(what, reply.str);
       }
       if (reply.is_nil()) {
         why = "is missing";
-      } else if (reply.str.size() != expected) {
-        why = absl::StrCat("has ", reply.str.size(), " bytes, not ", expected);
-      } else if (Crc32c(reply.str) != meta->chunk_crcs[n]) {
+      } else if (static_cast<uint64_t>(reply.integer) != expected) {
+        why = absl::StrCat("has ", reply.integer, " bytes, not ", expected);
+      } else if (crcs[n] != meta->chunk_crcs[n]) {
         why = "fails its checksum";
       }
       if (!why.empty()) {
+        give_back();
         Release(key);
         return absl::DataLossError(absl::StrCat(
             "the remote copy of sequence ", key.sequence_id, " is lost: chunk ", n, " (layer ",
-            layer, ", ", ChunkKey(key, meta->generation, n), ") ", why,
+            chunks[n].first, ", ", ChunkKey(key, meta->generation, n), ") ", why,
             "; it is never served (spill the sequence again, or erase it)"));
       }
-      result->layers[layer].append(reply.str);
     }
   }
-  return result;
+  // The layer buffers go back to the spill buffer cache when the restore is done with them.
+  return SpillBuffers::Default().Share(std::move(result));
 }
 
 void RemoteTier::Release(const SpillKey& key) {
