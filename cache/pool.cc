@@ -1379,6 +1379,13 @@ absl::StatusOr<SpillResult> KvPool::Spill(std::string_view session_id, std::stri
   const SpillKey key{session->tenant, session->id, std::string(sequence_id)};
   if (auto spilled = session->spilled.find(Sv(sequence_id)); spilled != session->spilled.end()) {
     // Already spilled: move it between the tiers (Put replaces the other tier's copy).
+    if (target == StorageTier::kRemote && spilled->second.tier == StorageTier::kRemote) {
+      // Already there: no need to read (and claim) the whole copy back to say so.
+      if (const std::optional<SpilledInfo> info = options_.tiers->Find(key);
+          info && info->lost.empty() && info->tier == StorageTier::kRemote) {
+        return SpillResult{target, info->bytes};
+      }
+    }
     KVS_ASSIGN_OR_RETURN(std::shared_ptr<const SpilledSequence> data, options_.tiers->Get(key));
     const uint64_t bytes = data->bytes();
     if (spilled->second.tier != target) {

@@ -284,7 +284,9 @@ std::string ConfigToYaml(const SidecarConfig& config, const BackendChoice& backe
   for (const auto& [tenant, quota] : config.quotas) {
     absl::StrAppend(&out, "  ", YamlQuote(tenant), ": {arena_bytes: ", quota.arena_bytes,
                     ", host_bytes: ", quota.host_bytes, ", disk_bytes: ", quota.disk_bytes,
-                    ", remote_bytes: ", quota.remote_bytes,
+                    // Only when set: the line stays as it was for configurations without it.
+                    quota.remote_bytes != 0 ? absl::StrCat(", remote_bytes: ", quota.remote_bytes)
+                                            : std::string(),
                     ", sequences: ", quota.sequences, "}\n");
   }
   absl::StrAppend(&out, "config_file: ", YamlQuote(config.config_file), "\n");
@@ -507,7 +509,7 @@ absl::Status ApplyConfigYaml(absl::string_view yaml, absl::string_view source,
         KVS_RETURN_IF_ERROR(ApplyQuotas(value, source, config));
         continue;
       }
-      if (key == "tls" || key == "auth") {
+      if (key == "tls" || key == "auth" || key == "remote_tier") {
         if (value.IsNull()) continue;
         if (!value.IsMap()) {
           return absl::InvalidArgumentError(absl::StrCat(source, ": ", key, ": must be a map"));

@@ -95,8 +95,7 @@ absl::StatusOr<std::vector<std::string>> ParseRedisUrl(std::string_view url,
   absl::string_view rest = Sv(url);
   if (!absl::ConsumePrefix(&rest, "redis://")) {
     return absl::InvalidArgumentError(absl::StrCat(
-        Sv(flag), ": must be redis://host:port[,host:port...] (the seed nodes), got \"",
-        Sv(url).substr(0, 200), "\""));
+        Sv(flag), ": must be redis://host:port[,host:port...] (the seed nodes)"));
   }
   std::vector<std::string> seeds;
   for (absl::string_view part : absl::StrSplit(rest, ',')) {
@@ -106,9 +105,11 @@ absl::StatusOr<std::vector<std::string>> ParseRedisUrl(std::string_view url,
     if (part.empty() || colon == absl::string_view::npos || colon == 0 ||
         !absl::SimpleAtoi(part.substr(colon + 1), &port) || port <= 0 || port > 65535 ||
         part.find('@') != absl::string_view::npos || part.find('/') != absl::string_view::npos) {
+      // A part with '@' may hold a password: never echoed.
+      const bool secret = part.find('@') != absl::string_view::npos;
       return absl::InvalidArgumentError(absl::StrCat(
-          Sv(flag), ": \"", part.substr(0, 200),
-          "\" is not host:port (credentials go in --remote_tier_user and "
+          Sv(flag), ": ", secret ? "a seed" : absl::StrCat("\"", part.substr(0, 200), "\""),
+          " is not host:port (credentials go in --remote_tier_user and "
           "--remote_tier_password_file, never in the URL)"));
     }
     seeds.emplace_back(part);

@@ -40,6 +40,7 @@ TEST(ParseRedisUrlTest, SeedsAndErrors) {
   // A password in the URL is not echoed back.
   auto secret = ParseRedisUrl("redis://u:hunter2@host:6379", "--remote_tier");
   EXPECT_THAT(secret.status().message(), HasSubstr("never in the URL"));
+  EXPECT_THAT(secret.status().message(), ::testing::Not(HasSubstr("hunter2")));
 }
 
 TEST(ErrorReplyStatusTest, MapsRedisErrors) {
