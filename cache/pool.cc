@@ -932,8 +932,10 @@ std::vector<SequenceInfo> KvPool::ListSequences(std::string_view session_id) con
         if (std::optional<SpilledInfo> spilled =
                 options_.tiers->Find(SpillKey{session->tenant, session->id, id})) {
           info.tier = spilled->tier;  // the tiers may have demoted it since
-          (spilled->tier == StorageTier::kHost ? info.host_bytes : info.disk_bytes) =
-              spilled->bytes;
+          if (spilled->tier != StorageTier::kRemote) {
+            (spilled->tier == StorageTier::kHost ? info.host_bytes : info.disk_bytes) =
+                spilled->bytes;
+          }
           info.last_used = spilled->spilled;
         }
       }
@@ -1269,6 +1271,41 @@ absl::Status KvPool::CheckTierQuota(std::string_view tenant, bool host,
                                                    host ? "host_bytes" : "disk_bytes", " ", limit));
 }
 
+absl::Status KvPool::CheckTierQuota(std::string_view tenant, StorageTier tier,
+                                    uint64_t extra_bytes) const {
+  if (tier != StorageTier::kRemote) {
+    return CheckTierQuota(tenant, tier == StorageTier::kHost, extra_bytes);
+  }
+  uint64_t limit = 0;
+  {
+    absl::MutexLock lock(&quota_mu_);
+    auto it = quotas_.find(Sv(tenant));
+    if (it == quotas_.end()) return absl::OkStatus();
+    limit = it->second.remote_bytes;
+  }
+  if (limit == 0) return absl::OkStatus();
+  const uint64_t used = TenantRemoteBytes(tenant);
+  if (used + extra_bytes <= limit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "tenant ", Sv(tenant), " holds ", used, " remote tier bytes, ", extra_bytes,
+      " more would exceed its quota remote_bytes ", limit));
+}
+
+void KvPool::SetRemoteUsageFn(std::function<uint64_t(std::string_view tenant)> fn) {
+  absl::MutexLock lock(&quota_mu_);
+  remote_usage_fn_ = std::move(fn);
+}
+
+uint64_t KvPool::TenantRemoteBytes(std::string_view tenant) const {
+  std::function<uint64_t(std::string_view)> fn;
+  {
+    absl::MutexLock lock(&quota_mu_);
+    fn = remote_usage_fn_;
+  }
+  // Outside quota_mu_: the hook asks Redis.
+  return fn ? fn(tenant) : 0;
+}
+
 absl::Status KvPool::AddTenantSequence(const std::string& tenant) {
   absl::MutexLock lock(&quota_mu_);
   int32_t& count = tenant_sequences_[tenant];
@@ -1379,9 +1416,16 @@ absl::Status RestoreKeyLocked(Session& session, const SpillKey& key, Backend& ba
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu) {
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<const SpilledSequence> data, options.tiers->Get(key));
   const SequenceEnv env = EnvOf(session, backend, options);
-  KVS_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> sequence, Sequence::Restore(env, *data));
+  absl::StatusOr<std::unique_ptr<Sequence>> restored = Sequence::Restore(env, *data);
+  if (!restored.ok()) {
+    // The copy stays: give up the claim a remote Get took, for a later restore.
+    options.tiers->Release(key);
+    return restored.status();
+  }
+  std::unique_ptr<Sequence> sequence = *std::move(restored);
   if (sequence->id() != key.sequence_id) {
     sequence->Release(env);
+    options.tiers->Release(key);
     return absl::DataLossError(absl::StrCat("the spilled copy of sequence ", key.sequence_id,
                                             " holds sequence ", sequence->id()));
   }
@@ -1412,9 +1456,10 @@ absl::Status RestoreSpilledLocked(Session& session, std::string_view sequence_id
 absl::StatusOr<SpillResult> KvPool::Spill(std::string_view session_id, std::string_view sequence_id,
                                           StorageTier target) {
   if (options_.tiers == nullptr) return NoTiers();
-  if (target != StorageTier::kHost && target != StorageTier::kDisk) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("target must be TIER_HOST or TIER_DISK, got ", static_cast<int>(target)));
+  if (target != StorageTier::kHost && target != StorageTier::kDisk &&
+      target != StorageTier::kRemote) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "target must be TIER_HOST, TIER_DISK or TIER_REMOTE, got ", static_cast<int>(target)));
   }
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
   absl::MutexLock lock(&session->mu);
@@ -1422,12 +1467,28 @@ absl::StatusOr<SpillResult> KvPool::Spill(std::string_view session_id, std::stri
   const SpillKey key{session->tenant, session->id, std::string(sequence_id)};
   if (auto spilled = session->spilled.find(Sv(sequence_id)); spilled != session->spilled.end()) {
     // Already spilled: move it between the tiers (Put replaces the other tier's copy).
+    if (target == StorageTier::kRemote && spilled->second.tier == StorageTier::kRemote) {
+      // Already there: no need to read (and claim) the whole copy back to say so.
+      if (const std::optional<SpilledInfo> info = options_.tiers->Find(key);
+          info && info->lost.empty() && info->tier == StorageTier::kRemote) {
+        return SpillResult{target, info->bytes};
+      }
+    }
     KVS_ASSIGN_OR_RETURN(std::shared_ptr<const SpilledSequence> data, options_.tiers->Get(key));
     const uint64_t bytes = data->bytes();
     if (spilled->second.tier != target) {
-      KVS_RETURN_IF_ERROR(CheckTierQuota(session->tenant, target == StorageTier::kHost, bytes));
-      KVS_RETURN_IF_ERROR(options_.tiers->Put(target, key, SpilledSequence(*data)));
+      if (absl::Status quota = CheckTierQuota(session->tenant, target, bytes); !quota.ok()) {
+        options_.tiers->Release(key);
+        return quota;
+      }
+      if (absl::Status put = options_.tiers->Put(target, key, SpilledSequence(*data));
+          !put.ok()) {
+        options_.tiers->Release(key);
+        return put;
+      }
       spilled->second.tier = target;
+    } else {
+      options_.tiers->Release(key);  // nothing moves: give up a remote claim Get took
     }
     return SpillResult{target, bytes};
   }
@@ -1445,7 +1506,7 @@ absl::StatusOr<SpillResult> KvPool::Spill(std::string_view session_id, std::stri
   }
   KVS_ASSIGN_OR_RETURN(SpilledSequence data, it->second->Spill(env));
   const uint64_t bytes = data.bytes();
-  KVS_RETURN_IF_ERROR(CheckTierQuota(session->tenant, target == StorageTier::kHost, bytes));
+  KVS_RETURN_IF_ERROR(CheckTierQuota(session->tenant, target, bytes));
   KVS_RETURN_IF_ERROR(options_.tiers->Put(target, key, std::move(data)));
   session->spilled[key.sequence_id] = SpilledSequenceInfo::Of(*it->second, target);
   it->second->Release(env);

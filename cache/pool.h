@@ -335,15 +335,18 @@ struct PoolStats {
 // A tenant's limits (Admin.SetQuota); 0 = unlimited. arena_bytes bounds the arena blocks in use
 // by the tenant's sequences (checked before every Reserve and DecodeStep: a tenant at or above
 // it may not grow; and before every restore, explicit or automatic, with the copy's bytes);
-// sequences bounds CreateSequence; host_bytes and disk_bytes bound the spill
-// tiers (checked through CheckTierQuota by whoever spills).
+// sequences bounds CreateSequence; host_bytes, disk_bytes and remote_bytes bound the spill
+// tiers (checked through CheckTierQuota by whoever spills). remote_bytes counts the tenant's
+// copies in the remote tier from every sidecar sharing it.
 struct TenantQuota {
   uint64_t arena_bytes = 0;
   uint64_t host_bytes = 0;
   uint64_t disk_bytes = 0;
   int32_t sequences = 0;
+  uint64_t remote_bytes = 0;
   bool unlimited() const {
-    return arena_bytes == 0 && host_bytes == 0 && disk_bytes == 0 && sequences == 0;
+    return arena_bytes == 0 && host_bytes == 0 && disk_bytes == 0 && sequences == 0 &&
+           remote_bytes == 0;
   }
 };
 
@@ -355,6 +358,8 @@ struct TenantUsage {
   uint64_t disk_bytes = 0;
   int32_t sequences = 0;
   int32_t sessions = 0;
+  // Only filled by TenantRemoteBytes' callers (it asks Redis): 0 in AllTenantUsage.
+  uint64_t remote_bytes = 0;
 };
 
 // Layer-token totals of one policy over the pool's lifetime (live + released sequences), and
@@ -487,7 +492,8 @@ class KvPool {
                           uint64_t payload_offset, absl::Span<uint8_t> out) const;
 
   // Tiers (PoolOptions::tiers; UNIMPLEMENTED without). Spill moves a sequence out of the arena to
-  // kHost or kDisk (its blocks are freed; a spilled sequence can move between the two tiers);
+  // kHost, kDisk or kRemote (its blocks are freed; a spilled sequence can move between the
+  // tiers);
   // FAILED_PRECONDITION with a pending reservation or when the disk tier is unavailable,
   // RESOURCE_EXHAUSTED when the tier or the tenant's tier quota is full. Every data-plane call
   // on a spilled sequence (Reserve, Commit, Append, Compress, DecodeStep, Score, GetLayout,
@@ -497,7 +503,10 @@ class KvPool {
   // Brings a spilled sequence back into the session's arena (new block table; K/V, positions and
   // policy state bit-identical) and deletes the spilled copy. Already in the arena: OK, tier
   // kArena. `from_session_id` (empty = `session_id`) adopts a disk copy left by a session that
-  // ended (detached, reclaimed, or the sidecar restarted): same tenant and model layout required,
+  // ended (detached, reclaimed, or the sidecar restarted), or a remote copy spilled by any
+  // sidecar sharing the remote tier (a remote copy is named by tenant and sequence id, so any
+  // from_session_id not attached here names it; by convention the spilling session's id): same
+  // tenant and model layout required,
   // FAILED_PRECONDITION while that session is still attached; ABORTED while another session
   // adopts the same copy (one adoption wins). RESOURCE_EXHAUSTED when the arena lacks blocks or
   // the copy would take the tenant past its arena_bytes quota (the spilled copy stays); DATA_LOSS
@@ -534,6 +543,13 @@ class KvPool {
   // Tier usage hook: (tenant, host) -> bytes the tenant holds in that tier. Set once at start by
   // whoever owns the tiers; null = 0.
   void SetTierUsageFn(std::function<uint64_t(std::string_view tenant, bool host)> fn);
+  // The same for `tier` (kHost, kDisk or kRemote: its quota field).
+  absl::Status CheckTierQuota(std::string_view tenant, StorageTier tier,
+                              uint64_t extra_bytes) const;
+  // Remote tier usage hook: tenant -> bytes of its remote copies (a Redis round trip, so it is
+  // asked only by Spill to the remote tier and by Admin). Null = 0.
+  void SetRemoteUsageFn(std::function<uint64_t(std::string_view tenant)> fn);
+  uint64_t TenantRemoteBytes(std::string_view tenant) const;
   // Gives every sequence of `tenant` ("*" = every tenant) the budget `tokens_per_layer` (explicit
   // per-layer budgets cleared; strictness and prefill block kept) and compresses it to that
   // budget with its own policy. A sequence that cannot take it (capacity, a pending reservation,
@@ -577,6 +593,7 @@ class KvPool {
   absl::flat_hash_map<std::string, TenantQuota> quotas_ ABSL_GUARDED_BY(quota_mu_);
   absl::flat_hash_map<std::string, int32_t> tenant_sequences_ ABSL_GUARDED_BY(quota_mu_);
   std::function<uint64_t(std::string_view, bool)> tier_usage_fn_ ABSL_GUARDED_BY(quota_mu_);
+  std::function<uint64_t(std::string_view)> remote_usage_fn_ ABSL_GUARDED_BY(quota_mu_);
   absl::flat_hash_map<std::string, PolicyTokenTotals> retired_ ABSL_GUARDED_BY(quota_mu_);
 
   // Leaf lock: spilled copies being adopted (Restore with from_session_id) -> the adopting

@@ -1,12 +1,15 @@
 // SequenceTiers: the interface through which the cache core (KvPool) moves a whole sequence out
-// of its session's arena and back: to the host memory tier or to the disk tier. storage/
+// of its session's arena and back: to the host memory tier, the disk tier or the remote tier
+// (Redis, shared between sidecars). storage/
 // implements it (storage/tier_manager.h); cache/ sees only this header, so it never depends on
 // RocksDB or on the storage library.
 //
 // A spilled sequence is an opaque metadata blob (cache/sequence_snapshot.h encodes it) plus the
 // K/V bytes of each layer (its blocks, whole, in block-table order). It is addressed by
 // (tenant, session that spilled it, sequence id): sessions die with their worker or with a
-// restart, so the disk tier keeps the session id only as part of the name.
+// restart, so the disk tier keeps the session id only as part of the name, and the remote tier
+// names a copy by (tenant, sequence id) alone (so that a session on another sidecar can adopt
+// it; storage/redis/remote_tier.h).
 //
 // Threading: implementations are thread-safe. Data handed to Put is owned by the tier afterwards;
 // what Get returns is immutable and shared.
@@ -27,7 +30,7 @@
 namespace kvs {
 
 // Where a sequence's bytes live. The values match kvsidecar.v1.Tier.
-enum class StorageTier { kArena = 1, kHost = 2, kDisk = 3 };
+enum class StorageTier { kArena = 1, kHost = 2, kDisk = 3, kRemote = 4 };
 
 const char* StorageTierName(StorageTier tier);
 
@@ -77,8 +80,8 @@ class SequenceTiers {
  public:
   virtual ~SequenceTiers() = default;
 
-  // Stores `data` under `key` in `tier` (kHost or kDisk), replacing any copy under that key in
-  // either tier. RESOURCE_EXHAUSTED when the tier is full, FAILED_PRECONDITION when the tier is
+  // Stores `data` under `key` in `tier` (kHost, kDisk or kRemote), replacing any copy under that
+  // key in another tier. RESOURCE_EXHAUSTED when the tier is full, FAILED_PRECONDITION when the tier is
   // unavailable (the disk tier could not be opened), INVALID_ARGUMENT for kArena. A failed Put
   // leaves the previous copy (if any) as it was.
   virtual absl::Status Put(StorageTier tier, const SpillKey& key, SpilledSequence data) = 0;
@@ -88,8 +91,12 @@ class SequenceTiers {
   // RESOURCE_EXHAUSTED when the host tier cannot hold it.
   virtual absl::Status PutPinnedHost(const SpillKey& key,
                                      std::shared_ptr<const SpilledSequence> data) = 0;
-  // The stored copy: NOT_FOUND when there is none, DATA_LOSS when it fails its checksum.
+  // The stored copy: NOT_FOUND when there is none, DATA_LOSS when it fails its checksum. A copy
+  // in the remote tier is claimed for the caller (ABORTED while another sidecar holds the claim)
+  // until Erase, or Release when the restore that read it fails.
   virtual absl::StatusOr<std::shared_ptr<const SpilledSequence>> Get(const SpillKey& key) = 0;
+  // Gives up the claim a Get took (a restore that failed after it); a no-op for local tiers.
+  virtual void Release(const SpillKey& key) { (void)key; }
   // Deletes the copy (a no-op when there is none).
   virtual absl::Status Erase(const SpillKey& key) = 0;
   // The entry of `key`, if any.
@@ -106,6 +113,8 @@ inline const char* StorageTierName(StorageTier tier) {
       return "host";
     case StorageTier::kDisk:
       return "disk";
+    case StorageTier::kRemote:
+      return "remote";
   }
   return "unknown";
 }

@@ -12,6 +12,9 @@ packages=(
 )
 # Prometheus metrics (service/metrics.h).
 packages+=(prometheus-cpp-dev)
+# The remote tier on Redis (storage/redis/): the hiredis client, and redis-server / redis-cli /
+# redis-benchmark for its tests and benchmark.
+packages+=(libhiredis-dev redis-server redis-tools)
 # tests/deploy: a venv for kubernetes-validate, and kubectl to render the Kubernetes manifests.
 # They need kubectl 1.22+ (kustomize `labels`). Debian's kubernetes-client (1.20) only when none
 # is installed (another kubectl package would conflict with it); the test then asks for a newer

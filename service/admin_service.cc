@@ -23,6 +23,7 @@ void QuotaToProto(const TenantQuota& quota, v1::Quota* out) {
   out->set_host_bytes(quota.host_bytes);
   out->set_disk_bytes(quota.disk_bytes);
   out->set_sequences(quota.sequences);
+  out->set_remote_bytes(quota.remote_bytes);
 }
 
 void UsageToProto(const TenantUsage& usage, v1::TenantUsage* out) {
@@ -32,6 +33,7 @@ void UsageToProto(const TenantUsage& usage, v1::TenantUsage* out) {
   out->set_sequences(usage.sequences);
   out->set_sessions(usage.sessions);
   out->set_arena_bytes_reserved(usage.arena_bytes_reserved);
+  out->set_remote_bytes(usage.remote_bytes);
 }
 
 // The first limit of `quota` that `usage` exceeds, as "quota.<field> N is below the M ... tenant
@@ -48,6 +50,7 @@ std::string FirstExceeded(absl::string_view tenant, const TenantQuota& quota,
        {below("arena_bytes", quota.arena_bytes, usage.arena_bytes, "arena bytes"),
         below("host_bytes", quota.host_bytes, usage.host_bytes, "host-tier bytes"),
         below("disk_bytes", quota.disk_bytes, usage.disk_bytes, "disk bytes"),
+        below("remote_bytes", quota.remote_bytes, usage.remote_bytes, "remote tier bytes"),
         below("sequences", static_cast<uint64_t>(quota.sequences),
               static_cast<uint64_t>(usage.sequences), "sequences")}) {
     if (!reason.empty()) return reason;
@@ -206,8 +209,11 @@ grpc::ServerUnaryReactor* AdminService::SetQuota(grpc::CallbackServerContext* co
     quota.host_bytes = q.host_bytes();
     quota.disk_bytes = q.disk_bytes();
     quota.sequences = q.sequences();
+    quota.remote_bytes = q.remote_bytes();
     const std::string& tenant = request->tenant();
-    const std::string exceeded = FirstExceeded(tenant, quota, pool_->GetTenantUsage(tenant));
+    TenantUsage before = pool_->GetTenantUsage(tenant);
+    if (quota.remote_bytes != 0) before.remote_bytes = pool_->TenantRemoteBytes(tenant);
+    const std::string exceeded = FirstExceeded(tenant, quota, before);
     int32_t tokens = 0;
     if (!exceeded.empty()) {
       if (!request->rebudget()) {
@@ -229,13 +235,15 @@ grpc::ServerUnaryReactor* AdminService::SetQuota(grpc::CallbackServerContext* co
       response->set_sequences_rebudgeted(result.rebudgeted);
       for (const std::string& skipped : result.skipped) response->add_rebudget_skipped(skipped);
     }
-    const TenantUsage usage = pool_->GetTenantUsage(tenant);
+    TenantUsage usage = pool_->GetTenantUsage(tenant);
+    usage.remote_bytes = pool_->TenantRemoteBytes(tenant);
     QuotaToProto(quota, response->mutable_quota());
     UsageToProto(usage, response->mutable_usage());
     response->set_over_quota(!FirstExceeded(tenant, quota, usage).empty());
     KVS_LOG(kInfo, "admin_set_quota")
     ("tenant", tenant)("arena_bytes", quota.arena_bytes)("host_bytes", quota.host_bytes)(
-        "disk_bytes", quota.disk_bytes)("sequences", quota.sequences)(
+        "disk_bytes", quota.disk_bytes)("remote_bytes", quota.remote_bytes)(
+        "sequences", quota.sequences)(
         "rebudgeted", response->sequences_rebudgeted())("over_quota", response->over_quota());
     return absl::OkStatus();
   });
@@ -248,6 +256,10 @@ grpc::ServerUnaryReactor* AdminService::GetQuotas(grpc::CallbackServerContext* c
     KVS_RETURN_IF_ERROR(CheckAdmin(*context));
     KVS_RETURN_IF_ERROR(ValidateName(request->tenant(), "tenant", false));
     FillTenants(request->tenant(), response->mutable_tenants());
+    // Remote tier usage asks Redis: here only, not in GetStats' tenant list.
+    for (v1::TenantQuota& item : *response->mutable_tenants()) {
+      item.mutable_usage()->set_remote_bytes(pool_->TenantRemoteBytes(item.tenant()));
+    }
     return absl::OkStatus();
   });
 }

@@ -16,10 +16,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/time/time.h"
 #include "gpu/backend_factory.h"
 #include "gpu/base/status_macros.h"
 #include "service/convert.h"
 #include "gpu/base/quantity.h"
+#include "storage/redis/redis_client.h"
 #include "yaml-cpp/yaml.h"
 
 namespace kvs {
@@ -113,6 +115,28 @@ absl::Status ValidateConfig(const SidecarConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat("--metrics_max_tenants must be in [0, 100000], got ",
                      config.metrics_max_tenants));
+  }
+  if (!config.remote_tier.empty()) {
+    KVS_RETURN_IF_ERROR(
+        storage::redis::ParseRedisUrl(config.remote_tier, "--remote_tier (remote_tier.url)")
+            .status());
+  }
+  if (config.remote_tier_ttl_s < 1 || config.remote_tier_ttl_s > 365 * 24 * 3600) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--remote_tier_ttl (remote_tier.ttl) must be in [1s, 8760h], got ",
+                     config.remote_tier_ttl_s, "s"));
+  }
+  if (config.remote_tier_chunk_bytes < (uint64_t{64} << 10) ||
+      config.remote_tier_chunk_bytes > (uint64_t{256} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--remote_tier_chunk_bytes (remote_tier.chunk_bytes) must be in [64Ki, 256Mi] (Redis "
+        "values above a few MiB stall its event loop), got ",
+        config.remote_tier_chunk_bytes));
+  }
+  if (config.remote_tier.empty() &&
+      (!config.remote_tier_user.empty() || !config.remote_tier_password_file.empty())) {
+    return absl::InvalidArgumentError(
+        "--remote_tier_user / --remote_tier_password_file need --remote_tier=redis://host:port");
   }
   if (config.tls_cert_file.empty() != config.tls_key_file.empty()) {
     return absl::InvalidArgumentError(
@@ -251,10 +275,18 @@ std::string ConfigToYaml(const SidecarConfig& config, const BackendChoice& backe
   absl::StrAppend(&out, "  client_ca_file: ", YamlQuote(config.tls_client_ca_file), "\n");
   absl::StrAppend(&out, "auth:\n  admin_token_file: ", YamlQuote(config.admin_token_file), "\n");
   absl::StrAppend(&out, "  tenant_tokens_file: ", YamlQuote(config.tenant_tokens_file), "\n");
+  absl::StrAppend(&out, "remote_tier:\n  url: ", YamlQuote(config.remote_tier), "\n");
+  absl::StrAppend(&out, "  user: ", YamlQuote(config.remote_tier_user), "\n");
+  absl::StrAppend(&out, "  password_file: ", YamlQuote(config.remote_tier_password_file), "\n");
+  absl::StrAppend(&out, "  ttl: ", YamlQuote(absl::StrCat(config.remote_tier_ttl_s, "s")), "\n");
+  absl::StrAppend(&out, "  chunk_bytes: ", config.remote_tier_chunk_bytes, "\n");
   absl::StrAppend(&out, "quotas:", config.quotas.empty() ? " {}" : "", "\n");
   for (const auto& [tenant, quota] : config.quotas) {
     absl::StrAppend(&out, "  ", YamlQuote(tenant), ": {arena_bytes: ", quota.arena_bytes,
                     ", host_bytes: ", quota.host_bytes, ", disk_bytes: ", quota.disk_bytes,
+                    // Only when set: the line stays as it was for configurations without it.
+                    quota.remote_bytes != 0 ? absl::StrCat(", remote_bytes: ", quota.remote_bytes)
+                                            : std::string(),
                     ", sequences: ", quota.sequences, "}\n");
   }
   absl::StrAppend(&out, "config_file: ", YamlQuote(config.config_file), "\n");
@@ -290,6 +322,11 @@ const std::vector<ConfigKey>& ConfigKeys() {
       {"tls.client_ca_file", "tls_client_ca_file"},
       {"auth.admin_token_file", "admin_token_file"},
       {"auth.tenant_tokens_file", "tenant_tokens_file"},
+      {"remote_tier.url", "remote_tier"},
+      {"remote_tier.user", "remote_tier_user"},
+      {"remote_tier.password_file", "remote_tier_password_file"},
+      {"remote_tier.ttl", "remote_tier_ttl"},
+      {"remote_tier.chunk_bytes", "remote_tier_chunk_bytes"},
   };
   return *keys;
 }
@@ -380,6 +417,27 @@ absl::Status SetConfigValue(SidecarConfig* config, absl::string_view key, absl::
     config->admin_token_file = text;
   } else if (flag == "tenant_tokens_file") {
     config->tenant_tokens_file = text;
+  } else if (flag == "remote_tier") {
+    config->remote_tier = text;
+  } else if (flag == "remote_tier_user") {
+    config->remote_tier_user = text;
+  } else if (flag == "remote_tier_password_file") {
+    config->remote_tier_password_file = text;
+  } else if (flag == "remote_tier_ttl") {
+    // A duration ("168h", "30m", "90s") or plain seconds.
+    absl::Duration ttl;
+    int64_t seconds = 0;
+    if (absl::SimpleAtoi(text, &seconds)) {
+      config->remote_tier_ttl_s = seconds;
+    } else if (absl::ParseDuration(text, &ttl)) {
+      config->remote_tier_ttl_s = absl::ToInt64Seconds(ttl);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": must be a duration such as 168h, 30m or 90s (or seconds), got \"",
+          text.substr(0, 100), "\""));
+    }
+  } else if (flag == "remote_tier_chunk_bytes") {
+    KVS_ASSIGN_OR_RETURN(config->remote_tier_chunk_bytes, ParseByteSize(value, name));
   }
   return absl::OkStatus();
 }
@@ -392,7 +450,7 @@ absl::Status ApplyQuotas(const YAML::Node& node, absl::string_view source, Sidec
     return absl::InvalidArgumentError(
         absl::StrCat(source,
                      ": quotas: must be a map tenant -> {arena_bytes, host_bytes, "
-                     "disk_bytes, sequences}"));
+                     "disk_bytes, remote_bytes, sequences}"));
   }
   for (const auto& entry : node) {
     const std::string tenant = entry.first.as<std::string>();
@@ -416,9 +474,12 @@ absl::Status ApplyQuotas(const YAML::Node& node, absl::string_view source, Sidec
         KVS_ASSIGN_OR_RETURN(quota.disk_bytes, ParseByteSize(value, where));
       } else if (name == "sequences") {
         KVS_RETURN_IF_ERROR(SetInt32(&quota.sequences, value, where));
+      } else if (name == "remote_bytes") {
+        KVS_ASSIGN_OR_RETURN(quota.remote_bytes, ParseByteSize(value, where));
       } else {
         return absl::InvalidArgumentError(absl::StrCat(
-            where, ": unknown key (use arena_bytes, host_bytes, disk_bytes, sequences)"));
+            where,
+            ": unknown key (use arena_bytes, host_bytes, disk_bytes, remote_bytes, sequences)"));
       }
     }
     config->quotas[tenant] = quota;
@@ -448,7 +509,7 @@ absl::Status ApplyConfigYaml(absl::string_view yaml, absl::string_view source,
         KVS_RETURN_IF_ERROR(ApplyQuotas(value, source, config));
         continue;
       }
-      if (key == "tls" || key == "auth") {
+      if (key == "tls" || key == "auth" || key == "remote_tier") {
         if (value.IsNull()) continue;
         if (!value.IsMap()) {
           return absl::InvalidArgumentError(absl::StrCat(source, ": ", key, ": must be a map"));

@@ -58,6 +58,14 @@ struct SidecarConfig {
   std::string admin_token_file;  // file holding the admin bearer token; "" = Admin unauthenticated
   // YAML map tenant -> bearer token for the data plane; "" = data plane unauthenticated.
   std::string tenant_tokens_file;
+  // The remote tier on Redis (storage/redis/remote_tier.h): "redis://host:port[,host:port...]"
+  // seed nodes (a single Redis or Redis Cluster), "" = none. The password lives in a file; only
+  // its path is configuration (and shown by Admin.GetConfig).
+  std::string remote_tier;
+  std::string remote_tier_user;           // ACL user; "" = AUTH with the password only
+  std::string remote_tier_password_file;  // first line: the password; "" = no AUTH
+  int64_t remote_tier_ttl_s = 7 * 24 * 3600;  // expiry of copies no one restores
+  uint64_t remote_tier_chunk_bytes = uint64_t{8} << 20;  // the largest value written to Redis
   std::map<std::string, TenantQuota> quotas;  // initial tenant quotas (Admin.SetQuota changes them)
   std::string config_file;  // where the YAML came from ("" = flags only), for the log
 };

@@ -68,6 +68,18 @@ ABSL_FLAG(std::string, host_tier_bytes, "1Gi",
           "Host-memory tier capacity for spilled sequences (Spill to TIER_HOST).");
 ABSL_FLAG(std::string, disk_tier_bytes, "0",
           "Disk (RocksDB, <data_dir>/rocksdb) tier capacity for spilled sequences; 0 = unlimited.");
+ABSL_FLAG(std::string, remote_tier, "",
+          "The remote tier (Spill to TIER_REMOTE): redis://host:port[,host:port...], the seed "
+          "nodes of a single Redis or a Redis Cluster shared by sidecars; empty = none. hiredis "
+          "has no TLS here: reach Redis over a trusted network or a TLS tunnel (see README).");
+ABSL_FLAG(std::string, remote_tier_user, "",
+          "Redis ACL user of the remote tier; empty = AUTH with the password only.");
+ABSL_FLAG(std::string, remote_tier_password_file, "",
+          "File whose first line is the remote tier's Redis password; empty = no AUTH.");
+ABSL_FLAG(std::string, remote_tier_ttl, "168h",
+          "Remote copies expire this long after their spill (168h, 30m, 90s or seconds).");
+ABSL_FLAG(std::string, remote_tier_chunk_bytes, "8Mi",
+          "Largest value the remote tier writes to Redis: layers are cut into chunks of this.");
 ABSL_FLAG(std::string, spill_on_pressure, "false",
           "true: a Reserve that finds its session's arena full spills the session's least "
           "recently used other sequences to the host tier (restored on their next use).");
@@ -239,7 +251,15 @@ int main(int argc, char** argv) {
   kvs::LogLevel level = kvs::LogLevel::kInfo;
   kvs::ParseLogLevel(config.log_level, &level);
   kvs::SetLogLevel(level);
-  for (const std::string& file : {config.admin_token_file, config.tenant_tokens_file}) {
+  std::string remote_password;
+  if (!config.remote_tier_password_file.empty()) {
+    auto password =
+        kvs::ReadSecretFile(config.remote_tier_password_file, "remote_tier.password_file");
+    if (!password.ok()) return Fail(password.status().message(), kExitBadFlags);
+    remote_password = *std::move(password);
+  }
+  for (const std::string& file : {config.admin_token_file, config.tenant_tokens_file,
+                                  config.remote_tier_password_file}) {
     struct stat st;
     if (!file.empty() && stat(file.c_str(), &st) == 0 && (st.st_mode & 077) != 0) {
       KVS_LOG(kWarning, "token_file_readable_by_others")
@@ -278,8 +298,27 @@ int main(int argc, char** argv) {
   if (!pool_options.ok()) return Fail(pool_options.status().message(), kExitBadFlags);
   // Storage tiers. A disk tier that cannot be opened does not stop the sidecar: Spill to disk
   // then answers FAILED_PRECONDITION with the reason, everything else keeps serving.
-  std::unique_ptr<kvs::storage::TierManager> tiers = kvs::storage::TierManager::Open(
-      {config.host_tier_bytes, config.data_dir + "/rocksdb", config.disk_tier_bytes});
+  kvs::storage::TierOptions tier_options;
+  tier_options.host_capacity_bytes = config.host_tier_bytes;
+  tier_options.disk_path = config.data_dir + "/rocksdb";
+  tier_options.disk_capacity_bytes = config.disk_tier_bytes;
+  if (!config.remote_tier.empty()) {
+    // Validated by ValidateConfig.
+    tier_options.remote.client.seeds =
+        *kvs::storage::redis::ParseRedisUrl(config.remote_tier, "--remote_tier");
+    tier_options.remote.client.user = config.remote_tier_user;
+    tier_options.remote.client.password = std::move(remote_password);
+    tier_options.remote.ttl = absl::Seconds(config.remote_tier_ttl_s);
+    tier_options.remote.chunk_bytes = config.remote_tier_chunk_bytes;
+  }
+  std::unique_ptr<kvs::storage::TierManager> tiers = kvs::storage::TierManager::Open(tier_options);
+  if (tiers->remote() != nullptr) {
+    // Never the password: the user and the seeds only.
+    KVS_LOG(kInfo, "remote_tier")
+    ("seeds", config.remote_tier)("user", config.remote_tier_user)(
+        "auth", config.remote_tier_password_file.empty() ? "none" : "password file")(
+        "redis", tiers->remote()->Describe())("ttl_s", config.remote_tier_ttl_s);
+  }
   if (!tiers->disk_status().ok()) {
     KVS_LOG(kWarning, "disk_tier_unavailable")("reason", tiers->disk_status().message());
   } else {
@@ -339,6 +378,11 @@ int main(int argc, char** argv) {
   pool.SetTierUsageFn([tiers = tiers.get()](std::string_view tenant, bool host) {
     return tiers->TenantBytes(std::string(tenant), host);
   });
+  if (tiers->remote() != nullptr) {
+    pool.SetRemoteUsageFn([tiers = tiers.get()](std::string_view tenant) {
+      return tiers->TenantRemoteBytes(std::string(tenant));
+    });
+  }
   // Arenas a killed sidecar left in the shared-memory directory hold memory until removed (also
   // after a switch back from --arena_shm_names).
   if (const int removed = kvs::RemoveStaleShmArenas(pool_options->arena_options); removed > 0) {

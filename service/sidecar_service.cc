@@ -1238,8 +1238,10 @@ grpc::ServerUnaryReactor* SidecarService::Spill(grpc::CallbackServerContext* con
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
-    if (request->target() != v1::TIER_HOST && request->target() != v1::TIER_DISK) {
-      return absl::InvalidArgumentError(absl::StrCat("target must be TIER_HOST or TIER_DISK, got ",
+    if (request->target() != v1::TIER_HOST && request->target() != v1::TIER_DISK &&
+        request->target() != v1::TIER_REMOTE) {
+      return absl::InvalidArgumentError(absl::StrCat("target must be TIER_HOST, TIER_DISK or "
+                                                     "TIER_REMOTE, got ",
                                                      v1::Tier_Name(request->target()).empty()
                                                          ? absl::StrCat(request->target())
                                                          : v1::Tier_Name(request->target())));
@@ -1247,7 +1249,7 @@ grpc::ServerUnaryReactor* SidecarService::Spill(grpc::CallbackServerContext* con
     KVS_ASSIGN_OR_RETURN(
         SpillResult result,
         pool_->Spill(request->session_id(), request->sequence_id(),
-                     request->target() == v1::TIER_HOST ? StorageTier::kHost : StorageTier::kDisk));
+                     static_cast<StorageTier>(request->target())));  // values match v1::Tier
     response->set_tier(static_cast<v1::Tier>(result.tier));
     response->set_bytes(result.bytes);
     return absl::OkStatus();

@@ -35,7 +35,9 @@ TierManager::TierManager(const TierOptions& options, std::unique_ptr<RocksTier> 
     : demote_(options.demote),
       host_(options.host_capacity_bytes),
       disk_(std::move(disk)),
-      disk_status_(std::move(disk_status)) {
+      disk_status_(std::move(disk_status)),
+      remote_(options.remote.client.seeds.empty() ? nullptr
+                                                  : std::make_unique<RemoteTier>(options.remote)) {
   if (!disk_) return;
   // Copies from earlier runs, oldest first.
   std::vector<SpilledInfo> found = disk_->List();
@@ -117,7 +119,46 @@ absl::Status TierManager::PutHostLocked(const SpillKey& key,
   }
 }
 
+absl::Status TierManager::EraseRemoteIfMine(const SpillKey& key) {
+  if (!remote_) return absl::OkStatus();
+  {
+    absl::MutexLock lock(&mu_);
+    if (!remote_mine_.contains(std::make_pair(key.tenant, key.sequence_id))) {
+      return absl::OkStatus();
+    }
+  }
+  KVS_RETURN_IF_ERROR(remote_->Erase(key));
+  absl::MutexLock lock(&mu_);
+  remote_mine_.erase(std::make_pair(key.tenant, key.sequence_id));
+  return absl::OkStatus();
+}
+
 absl::Status TierManager::Put(StorageTier tier, const SpillKey& key, SpilledSequence data) {
+  if (tier == StorageTier::kRemote) {
+    if (!remote_) {
+      SpillBuffers::Default().Give(std::move(data.layers));
+      return absl::FailedPreconditionError(
+          "no remote tier is configured (start the sidecar with --remote_tier=redis://...)");
+    }
+    // Outside mu_: a large copy takes a while on the network.
+    absl::Status status = remote_->Put(key, data, absl::Now());
+    SpillBuffers::Default().Give(std::move(data.layers));
+    KVS_RETURN_IF_ERROR(status);
+    absl::MutexLock lock(&mu_);
+    remote_mine_.insert(std::make_pair(key.tenant, key.sequence_id));
+    host_.Erase(key);
+    if (disk_) KVS_RETURN_IF_ERROR(disk_->Erase(key));
+    stored_at_[key] = ++clock_;
+    deleted_.erase(key);
+    return absl::OkStatus();
+  }
+  // Stored here, the copy leaves the remote tier (if it is this sidecar's there).
+  absl::Status local = PutLocal(tier, key, std::move(data));
+  if (!local.ok()) return local;
+  return EraseRemoteIfMine(key);
+}
+
+absl::Status TierManager::PutLocal(StorageTier tier, const SpillKey& key, SpilledSequence data) {
   absl::MutexLock lock(&mu_);
   switch (tier) {
     case StorageTier::kHost:
@@ -134,7 +175,9 @@ absl::Status TierManager::Put(StorageTier tier, const SpillKey& key, SpilledSequ
       break;
     }
     case StorageTier::kArena:
-      return absl::InvalidArgumentError("a spill target must be the host or the disk tier");
+    case StorageTier::kRemote:
+      return absl::InvalidArgumentError(
+          "a spill target must be the host, the disk or the remote tier");
   }
   stored_at_[key] = ++clock_;
   deleted_.erase(key);
@@ -142,17 +185,37 @@ absl::Status TierManager::Put(StorageTier tier, const SpillKey& key, SpilledSequ
 }
 
 absl::StatusOr<std::shared_ptr<const SpilledSequence>> TierManager::Get(const SpillKey& key) {
-  absl::MutexLock lock(&mu_);
-  if (std::shared_ptr<const SpilledSequence> data = host_.Get(key)) return data;
-  if (deleted_.contains(key)) {
-    return absl::NotFoundError(
-        absl::StrCat("the spilled copy of sequence ", key.sequence_id,
-                     " was deleted, oldest first, to keep the disk tier within --disk_tier_bytes"));
+  {
+    absl::MutexLock lock(&mu_);
+    if (std::shared_ptr<const SpilledSequence> data = host_.Get(key)) return data;
+    if (deleted_.contains(key)) {
+      return absl::NotFoundError(absl::StrCat(
+          "the spilled copy of sequence ", key.sequence_id,
+          " was deleted, oldest first, to keep the disk tier within --disk_tier_bytes"));
+    }
+    if (disk_ && (!remote_ || disk_->Find(key))) return disk_->Get(key);
+    if (!remote_) {
+      return absl::NotFoundError(
+          absl::StrCat("sequence ", key.sequence_id, " has no spilled copy"));
+    }
   }
-  if (!disk_) {
-    return absl::NotFoundError(absl::StrCat("sequence ", key.sequence_id, " has no spilled copy"));
+  // The remote tier, outside mu_ (network). Get claims the copy for this sidecar.
+  absl::StatusOr<std::shared_ptr<const SpilledSequence>> data = remote_->Get(key);
+  if (data.ok()) {
+    absl::MutexLock lock(&mu_);
+    remote_mine_.insert(std::make_pair(key.tenant, key.sequence_id));
   }
-  return disk_->Get(key);
+  return data;
+}
+
+void TierManager::Release(const SpillKey& key) {
+  if (remote_) remote_->Release(key);
+}
+
+uint64_t TierManager::TenantRemoteBytes(const std::string& tenant) const {
+  if (!remote_) return 0;
+  absl::StatusOr<uint64_t> bytes = remote_->TenantBytes(tenant);
+  return bytes.ok() ? *bytes : 0;
 }
 
 absl::Status TierManager::PutPinnedHost(const SpillKey& key,
@@ -164,18 +227,29 @@ absl::Status TierManager::PutPinnedHost(const SpillKey& key,
 }
 
 absl::Status TierManager::Erase(const SpillKey& key) {
-  absl::MutexLock lock(&mu_);
-  pinned_.erase(key);
-  host_.Erase(key);
-  stored_at_.erase(key);
-  deleted_.erase(key);
-  if (disk_) return disk_->Erase(key);
-  return absl::OkStatus();
+  {
+    absl::MutexLock lock(&mu_);
+    pinned_.erase(key);
+    host_.Erase(key);
+    stored_at_.erase(key);
+    deleted_.erase(key);
+    if (disk_) KVS_RETURN_IF_ERROR(disk_->Erase(key));
+  }
+  return EraseRemoteIfMine(key);
 }
 
 std::optional<SpilledInfo> TierManager::Find(const SpillKey& key) const {
   if (std::optional<SpilledInfo> info = host_.Find(key)) return info;
-  if (disk_) return disk_->Find(key);
+  if (disk_) {
+    if (std::optional<SpilledInfo> info = disk_->Find(key)) return info;
+  }
+  if (remote_) {
+    // Under the caller's key: a remote copy has no session in its name.
+    if (std::optional<SpilledInfo> info = remote_->Find(key)) {
+      info->key = key;
+      return info;
+    }
+  }
   return std::nullopt;
 }
 
@@ -193,6 +267,10 @@ std::vector<SpilledInfo> TierManager::List() const {
     std::vector<SpilledInfo> disk = disk_->List();
     result.insert(result.end(), disk.begin(), disk.end());
   }
+  if (remote_) {
+    std::vector<SpilledInfo> remote = remote_->List();
+    result.insert(result.end(), remote.begin(), remote.end());
+  }
   std::sort(result.begin(), result.end(),
             [](const SpilledInfo& a, const SpilledInfo& b) { return a.key < b.key; });
   return result;
@@ -208,6 +286,7 @@ TierStats TierManager::GetStats() const {
   stats.host_bytes_used = host_.used_bytes();
   stats.host_bytes_capacity = host_.capacity_bytes();
   stats.disk_available = disk_ != nullptr;
+  stats.remote_configured = remote_ != nullptr;
   if (disk_) {
     stats.disk_bytes_used = disk_->used_bytes();
     stats.disk_bytes_capacity = disk_->capacity_bytes();

@@ -252,6 +252,8 @@ std::string TierName(v1::Tier tier) {
       return "host";
     case v1::TIER_DISK:
       return "disk";
+    case v1::TIER_REMOTE:
+      return "remote";
     default:
       return "-";
   }

@@ -191,6 +191,40 @@ TEST(ConfigTest, YamlShowsEveryValue) {
   EXPECT_THAT(yaml, HasSubstr("threads: 0\n"));
 }
 
+TEST(ConfigTest, RemoteTierKeysFromYamlAndFlags) {
+  SidecarConfig config;
+  ASSERT_TRUE(ApplyConfigYaml("remote_tier:\n  url: redis://10.0.0.1:6379,10.0.0.2:6379\n"
+                              "  user: kvs\n  password_file: /secrets/redis\n  ttl: 72h\n"
+                              "  chunk_bytes: 4Mi\n"
+                              "quotas:\n  t: {remote_bytes: 1Gi}\n",
+                              "test.yaml", &config)
+                  .ok());
+  EXPECT_EQ(config.remote_tier, "redis://10.0.0.1:6379,10.0.0.2:6379");
+  EXPECT_EQ(config.remote_tier_user, "kvs");
+  EXPECT_EQ(config.remote_tier_password_file, "/secrets/redis");
+  EXPECT_EQ(config.remote_tier_ttl_s, 72 * 3600);
+  EXPECT_EQ(config.remote_tier_chunk_bytes, uint64_t{4} << 20);
+  EXPECT_EQ(config.quotas["t"].remote_bytes, uint64_t{1} << 30);
+  EXPECT_TRUE(ValidateConfig(config).ok()) << ValidateConfig(config);
+  const std::string yaml = ConfigToYaml(config, BackendChoice{"cpu", "x"});
+  EXPECT_THAT(yaml, HasSubstr("  password_file: \"/secrets/redis\"\n"));
+  EXPECT_THAT(yaml, HasSubstr("remote_bytes: 1073741824"));
+  ASSERT_TRUE(SetConfigValue(&config, "remote_tier_ttl", "90", "--remote_tier_ttl").ok());
+  EXPECT_EQ(config.remote_tier_ttl_s, 90);
+
+  SidecarConfig bad = config;
+  bad.remote_tier = "redis://user:secret@host:6379";
+  EXPECT_THAT(ValidateConfig(bad).message(), HasSubstr("--remote_tier"));
+  EXPECT_THAT(ValidateConfig(bad).message(), ::testing::Not(HasSubstr("secret")));
+  bad = config;
+  bad.remote_tier_chunk_bytes = 1024;
+  EXPECT_THAT(ValidateConfig(bad).message(), HasSubstr("--remote_tier_chunk_bytes"));
+  bad = config;
+  bad.remote_tier = "";
+  EXPECT_THAT(ValidateConfig(bad).message(), HasSubstr("need --remote_tier"));
+  EXPECT_FALSE(SetConfigValue(&config, "remote_tier_ttl", "soon", "--remote_tier_ttl").ok());
+}
+
 TEST(ConfigTest, YamlFileSetsEveryKey) {
   SidecarConfig config;
   const absl::Status status = ApplyConfigYaml(

@@ -930,8 +930,9 @@ class Session:
 
     def spill(self, sequence_id: str, target: common_pb2.Tier.ValueType = common_pb2.TIER_HOST
               ) -> sidecar_pb2.SpillResponse:
-        """Moves a sequence out of the arena to the host tier or disk (``Tier.TIER_HOST`` /
-        ``TIER_DISK``); its blocks are freed. Any later data-plane call on it restores it."""
+        """Moves a sequence out of the arena to the host tier, disk or the remote tier on Redis
+        (``Tier.TIER_HOST`` / ``TIER_DISK`` / ``TIER_REMOTE``); its blocks are freed. Any later
+        data-plane call on it restores it."""
         return self._call(self.stub.Spill, sidecar_pb2.SpillRequest(
             session_id=self.session_id, sequence_id=sequence_id, target=target))
 
