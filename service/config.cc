@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/time/time.h"
 #include "gpu/backend_factory.h"
 #include "gpu/base/status_macros.h"
 #include "service/convert.h"
@@ -122,6 +123,15 @@ absl::Status ValidateConfig(const SidecarConfig& config) {
     return absl::InvalidArgumentError(
         "tls.client_ca_file (--tls_client_ca_file) needs tls.cert_file and tls.key_file: mutual "
         "TLS is TLS with client certificates");
+  }
+  if (config.drain_to != "disk" && config.drain_to != "remote" && config.drain_to != "none") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "drain.to (--drain_to) must be disk, remote or none, got \"", config.drain_to, "\""));
+  }
+  if (config.drain_grace_ms < 0 || config.drain_grace_ms > 3600000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("drain.grace (--drain_grace) must be in [0s, 1h], got ",
+                     absl::FormatDuration(absl::Milliseconds(config.drain_grace_ms))));
   }
   for (const auto& [tenant, quota] : config.quotas) {
     if (tenant.empty() || tenant.size() > 256) {
@@ -251,6 +261,8 @@ std::string ConfigToYaml(const SidecarConfig& config, const BackendChoice& backe
   absl::StrAppend(&out, "  client_ca_file: ", YamlQuote(config.tls_client_ca_file), "\n");
   absl::StrAppend(&out, "auth:\n  admin_token_file: ", YamlQuote(config.admin_token_file), "\n");
   absl::StrAppend(&out, "  tenant_tokens_file: ", YamlQuote(config.tenant_tokens_file), "\n");
+  absl::StrAppend(&out, "drain:\n  to: ", YamlQuote(config.drain_to), "\n");
+  absl::StrAppend(&out, "  grace: ", YamlQuote(absl::FormatDuration(absl::Milliseconds(config.drain_grace_ms))), "\n");
   absl::StrAppend(&out, "quotas:", config.quotas.empty() ? " {}" : "", "\n");
   for (const auto& [tenant, quota] : config.quotas) {
     absl::StrAppend(&out, "  ", YamlQuote(tenant), ": {arena_bytes: ", quota.arena_bytes,
@@ -290,6 +302,8 @@ const std::vector<ConfigKey>& ConfigKeys() {
       {"tls.client_ca_file", "tls_client_ca_file"},
       {"auth.admin_token_file", "admin_token_file"},
       {"auth.tenant_tokens_file", "tenant_tokens_file"},
+      {"drain.to", "drain_to"},
+      {"drain.grace", "drain_grace"},
   };
   return *keys;
 }
@@ -380,6 +394,21 @@ absl::Status SetConfigValue(SidecarConfig* config, absl::string_view key, absl::
     config->admin_token_file = text;
   } else if (flag == "tenant_tokens_file") {
     config->tenant_tokens_file = text;
+  } else if (flag == "drain_to") {
+    config->drain_to = text;
+  } else if (flag == "drain_grace") {
+    // A duration ("30s", "1m30s", "500ms") or a plain number of seconds.
+    absl::Duration grace;
+    int64_t seconds = 0;
+    if (absl::SimpleAtoi(text, &seconds)) {
+      grace = absl::Seconds(seconds);
+    } else if (!absl::ParseDuration(text, &grace)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": must be a duration such as 30s, 1m30s or 500ms (or seconds), got \"", text,
+          "\""));
+    }
+    config->drain_grace_ms =
+        std::clamp<int64_t>(absl::ToInt64Milliseconds(grace), -1, int64_t{1} << 40);
   }
   return absl::OkStatus();
 }
@@ -448,7 +477,7 @@ absl::Status ApplyConfigYaml(absl::string_view yaml, absl::string_view source,
         KVS_RETURN_IF_ERROR(ApplyQuotas(value, source, config));
         continue;
       }
-      if (key == "tls" || key == "auth") {
+      if (key == "tls" || key == "auth" || key == "drain") {
         if (value.IsNull()) continue;
         if (!value.IsMap()) {
           return absl::InvalidArgumentError(absl::StrCat(source, ": ", key, ": must be a map"));

@@ -58,6 +58,11 @@ struct SidecarConfig {
   std::string admin_token_file;  // file holding the admin bearer token; "" = Admin unauthenticated
   // YAML map tenant -> bearer token for the data plane; "" = data plane unauthenticated.
   std::string tenant_tokens_file;
+  // Added with the shared-tier issue. On SIGTERM/SIGINT: move every live sequence to drain_to
+  // ("disk", "remote" or "none" = exit without moving) within drain_grace_ms, report what moved,
+  // then exit (service/drain.h). Admin.Drain without a grace uses drain_grace_ms too.
+  std::string drain_to = "none";
+  int64_t drain_grace_ms = 25000;
   std::map<std::string, TenantQuota> quotas;  // initial tenant quotas (Admin.SetQuota changes them)
   std::string config_file;  // where the YAML came from ("" = flags only), for the log
 };
