@@ -32,7 +32,7 @@ namespace kvs {
 // no remote tier is configured.
 inline constexpr int kRemoteTierNumber = 4;
 
-// "disk" -> kDisk, "remote" -> the remote tier, "none" -> nullopt-like kArena (no moves);
+// "disk" -> kDisk, "remote" -> the remote tier, "none" -> kArena (meaning: move nothing);
 // anything else INVALID_ARGUMENT naming `name`.
 absl::StatusOr<StorageTier> ParseDrainTarget(absl::string_view text, absl::string_view name);
 // The name of a drain target: "disk", "remote", "none".
