@@ -9,6 +9,7 @@
 #include "cache/policy/policy.h"
 #include "gpu/base/status_macros.h"
 #include "service/convert.h"
+#include "service/drain.h"
 #include "service/log.h"
 #include "service/rpc_guard.h"
 
@@ -374,10 +375,48 @@ grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* conte
                                               v1::DrainResponse* response) {
   return RunUnary(context, "Admin.Drain", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(CheckAdmin(*context));
+    // Validated before anything changes: a refused call does not start draining.
+    const int to = static_cast<int>(request->to());
+    if (to != v1::TIER_UNSPECIFIED && to != v1::TIER_DISK && to != v1::TIER_REMOTE) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "to must be TIER_DISK or the remote tier (4), or unset to only stop attaches, got ",
+          v1::Tier_Name(request->to()).empty() ? absl::StrCat(to) : v1::Tier_Name(request->to()),
+          to == v1::TIER_HOST ? ": host copies do not outlive the process" : ""));
+    }
+    if (request->grace_ms() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("grace_ms must be >= 0 (0 = --drain_grace), got ", request->grace_ms()));
+    }
     sidecar_->StartDraining();
     std::call_once(drain_once_, [&] {
       if (on_drain_) on_drain_();
     });
+    if (to != v1::TIER_UNSPECIFIED) {
+      const StorageTier target = static_cast<StorageTier>(to);
+      const absl::Duration grace = request->grace_ms() > 0
+                                       ? absl::Milliseconds(request->grace_ms())
+                                       : info_.drain_grace;
+      KVS_LOG(kInfo, "drain_to_tier")
+      ("to", DrainTargetName(target))("grace_ms", absl::ToInt64Milliseconds(grace))(
+          "peer", context->peer());
+      const DrainReport report =
+          DrainSequences(*pool_, target, absl::Now() + grace, /*retry=*/true);
+      LogDrainReport(report, target, "drained");
+      for (const DrainedSequence& sequence : report.sequences) {
+        v1::DrainedSequence* out = response->add_sequences();
+        out->set_tenant(sequence.tenant);
+        out->set_session_id(sequence.session_id);
+        out->set_sequence_id(sequence.sequence_id);
+        out->set_moved(sequence.moved);
+        out->set_tier(static_cast<v1::Tier>(sequence.tier));
+        out->set_bytes(sequence.bytes);
+        out->set_reason(sequence.reason);
+      }
+      response->set_sequences_moved(report.moved);
+      response->set_sequences_not_moved(report.not_moved);
+      response->set_grace_expired(report.grace_expired);
+      response->set_elapsed_ms(absl::ToInt64Milliseconds(report.elapsed));
+    }
     const PoolStats stats = pool_->GetStats();
     response->set_sessions_remaining(stats.sessions);
     response->set_sequences_remaining(stats.sequences);

@@ -33,6 +33,8 @@ struct AdminInfo {
   uint64_t disk_bytes_capacity = 0;
   bool tls = false;
   bool mtls = false;
+  // Admin.Drain with a target tier and no grace_ms: how long the moves may take (--drain_grace).
+  absl::Duration drain_grace = absl::Seconds(25);
   const Authenticator* authenticator = nullptr;  // null = open; must outlive the service
 };
 
@@ -66,7 +68,9 @@ class AdminService final : public ::kvsidecar::v1::Admin::CallbackService {
                                      const ::kvsidecar::v1::GetStatsRequest* request,
                                      ::kvsidecar::v1::GetStatsResponse* response) override;
   // Stops attaches (UNAVAILABLE from then on), sends KIND_DRAINING to every watcher, and reports
-  // the sessions still attached. Call it again to poll until `empty`.
+  // the sessions still attached. Call it again to poll until `empty`. With a target tier
+  // (request.to), also moves every sequence there within the grace period (service/drain.h) and
+  // reports per sequence what moved and what did not; the call takes up to the grace period.
   grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* context,
                                   const ::kvsidecar::v1::DrainRequest* request,
                                   ::kvsidecar::v1::DrainResponse* response) override;

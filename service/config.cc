@@ -147,6 +147,15 @@ absl::Status ValidateConfig(const SidecarConfig& config) {
         "tls.client_ca_file (--tls_client_ca_file) needs tls.cert_file and tls.key_file: mutual "
         "TLS is TLS with client certificates");
   }
+  if (config.drain_to != "disk" && config.drain_to != "remote" && config.drain_to != "none") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "drain.to (--drain_to) must be disk, remote or none, got \"", config.drain_to, "\""));
+  }
+  if (config.drain_grace_ms < 0 || config.drain_grace_ms > 3600000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("drain.grace (--drain_grace) must be in [0s, 1h], got ",
+                     absl::FormatDuration(absl::Milliseconds(config.drain_grace_ms))));
+  }
   for (const auto& [tenant, quota] : config.quotas) {
     if (tenant.empty() || tenant.size() > 256) {
       return absl::InvalidArgumentError("quotas: a tenant name must have 1 to 256 bytes");
@@ -280,6 +289,8 @@ std::string ConfigToYaml(const SidecarConfig& config, const BackendChoice& backe
   absl::StrAppend(&out, "  password_file: ", YamlQuote(config.remote_tier_password_file), "\n");
   absl::StrAppend(&out, "  ttl: ", YamlQuote(absl::StrCat(config.remote_tier_ttl_s, "s")), "\n");
   absl::StrAppend(&out, "  chunk_bytes: ", config.remote_tier_chunk_bytes, "\n");
+  absl::StrAppend(&out, "drain:\n  to: ", YamlQuote(config.drain_to), "\n");
+  absl::StrAppend(&out, "  grace: ", YamlQuote(absl::FormatDuration(absl::Milliseconds(config.drain_grace_ms))), "\n");
   absl::StrAppend(&out, "quotas:", config.quotas.empty() ? " {}" : "", "\n");
   for (const auto& [tenant, quota] : config.quotas) {
     absl::StrAppend(&out, "  ", YamlQuote(tenant), ": {arena_bytes: ", quota.arena_bytes,
@@ -327,6 +338,8 @@ const std::vector<ConfigKey>& ConfigKeys() {
       {"remote_tier.password_file", "remote_tier_password_file"},
       {"remote_tier.ttl", "remote_tier_ttl"},
       {"remote_tier.chunk_bytes", "remote_tier_chunk_bytes"},
+      {"drain.to", "drain_to"},
+      {"drain.grace", "drain_grace"},
   };
   return *keys;
 }
@@ -438,6 +451,21 @@ absl::Status SetConfigValue(SidecarConfig* config, absl::string_view key, absl::
     }
   } else if (flag == "remote_tier_chunk_bytes") {
     KVS_ASSIGN_OR_RETURN(config->remote_tier_chunk_bytes, ParseByteSize(value, name));
+  } else if (flag == "drain_to") {
+    config->drain_to = text;
+  } else if (flag == "drain_grace") {
+    // A duration ("30s", "1m30s", "500ms") or a plain number of seconds.
+    absl::Duration grace;
+    int64_t seconds = 0;
+    if (absl::SimpleAtoi(text, &seconds)) {
+      grace = absl::Seconds(seconds);
+    } else if (!absl::ParseDuration(text, &grace)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": must be a duration such as 30s, 1m30s or 500ms (or seconds), got \"", text,
+          "\""));
+    }
+    config->drain_grace_ms =
+        std::clamp<int64_t>(absl::ToInt64Milliseconds(grace), -1, int64_t{1} << 40);
   }
   return absl::OkStatus();
 }
@@ -509,7 +537,7 @@ absl::Status ApplyConfigYaml(absl::string_view yaml, absl::string_view source,
         KVS_RETURN_IF_ERROR(ApplyQuotas(value, source, config));
         continue;
       }
-      if (key == "tls" || key == "auth" || key == "remote_tier") {
+      if (key == "tls" || key == "auth" || key == "remote_tier" || key == "drain") {
         if (value.IsNull()) continue;
         if (!value.IsMap()) {
           return absl::InvalidArgumentError(absl::StrCat(source, ": ", key, ": must be a map"));

@@ -66,6 +66,11 @@ struct SidecarConfig {
   std::string remote_tier_password_file;  // first line: the password; "" = no AUTH
   int64_t remote_tier_ttl_s = 7 * 24 * 3600;  // expiry of copies no one restores
   uint64_t remote_tier_chunk_bytes = uint64_t{8} << 20;  // the largest value written to Redis
+  // Added with the shared-tier issue. On SIGTERM/SIGINT: move every live sequence to drain_to
+  // ("disk", "remote" or "none" = exit without moving) within drain_grace_ms, report what moved,
+  // then exit (service/drain.h). Admin.Drain without a grace uses drain_grace_ms too.
+  std::string drain_to = "none";
+  int64_t drain_grace_ms = 25000;
   std::map<std::string, TenantQuota> quotas;  // initial tenant quotas (Admin.SetQuota changes them)
   std::string config_file;  // where the YAML came from ("" = flags only), for the log
 };

@@ -26,17 +26,21 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "cache/clock.h"
 #include "cache/pool.h"
 #include "gpu/backend.h"
 #include "gpu/backend_factory.h"
 #include "gpu/cpu/shm_arena.h"
 #include "service/config.h"
+#include "service/drain.h"
 #include "service/log.h"
 #include "gpu/base/build_info.h"
 #include "service/server.h"
@@ -113,9 +117,18 @@ ABSL_FLAG(std::string, admin_token_file, "",
 ABSL_FLAG(std::string, tenant_tokens_file, "",
           "YAML map tenant: token of data-plane bearer tokens; empty = data plane "
           "unauthenticated.");
+ABSL_FLAG(std::string, drain_to, "none",
+          "On SIGTERM/SIGINT, move every live sequence to this tier before exiting: disk (the "
+          "RocksDB tier under --data_dir, adopted by a restarted sidecar), remote (the shared "
+          "remote tier) or none (exit at once; arena and host copies are lost).");
+ABSL_FLAG(std::string, drain_grace, "25s",
+          "How long the moves of --drain_to (and of Admin.Drain without grace_ms) may take: a "
+          "duration (30s, 1m30s, 500ms) or seconds. Keep it below the orchestrator's kill "
+          "deadline (Kubernetes terminationGracePeriodSeconds) with room to shut down.");
 
 namespace {
 
+using StatusOrTier = absl::StatusOr<kvs::StorageTier>;
 constexpr int kExitBadFlags = 2;
 
 // --help and --helpshort list the flags of this file (Abseil's default looks for a file named
@@ -404,6 +417,7 @@ int main(int argc, char** argv) {
     server_options.arena_socket = kvs::ArenaSocketPath(config);
     server_options.arena_nonce_ttl = absl::Milliseconds(config.arena_nonce_ttl_ms);
   }
+  server_options.admin_info.drain_grace = absl::Milliseconds(config.drain_grace_ms);
   server_options.admin_info.host_bytes_capacity = config.host_tier_bytes;
   server_options.admin_info.disk_bytes_capacity = config.disk_tier_bytes;
   server_options.tls = {config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file};
@@ -424,7 +438,22 @@ int main(int argc, char** argv) {
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);
   KVS_LOG(kInfo, "signal")("signal", signal_number == SIGINT ? "SIGINT" : "SIGTERM");
-  (*server)->Shutdown(absl::Seconds(2));
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(config.drain_grace_ms);
+  const StatusOrTier target = kvs::ParseDrainTarget(config.drain_to, "--drain_to");
+  if (target.ok() && *target != kvs::StorageTier::kArena) {
+    // Workers hear KIND_DRAINING and get a moment to finish the calls in flight; then the
+    // servers stop (no call can bring a sequence back into the arena while it moves) and every
+    // sequence of every session still attached moves to the target tier. Sessions are not
+    // reclaimed by the shutdown: their sequences stay in the pool until moved.
+    (*server)->sidecar()->StartDraining();
+    (*server)->Shutdown(std::min(absl::Seconds(2),
+                                 absl::Milliseconds(config.drain_grace_ms) / 4));
+    const kvs::DrainReport report =
+        kvs::DrainSequences(pool, *target, deadline, /*retry=*/false);
+    kvs::LogDrainReport(report, *target, "drained_on_exit");
+  } else {
+    (*server)->Shutdown(absl::Seconds(2));
+  }
   server->reset();
   return 0;
 }

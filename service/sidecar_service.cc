@@ -1265,13 +1265,47 @@ grpc::ServerUnaryReactor* SidecarService::Restore(grpc::CallbackServerContext* c
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
     KVS_RETURN_IF_ERROR(
         ValidateName(request->from_session_id(), "from_session_id", /*required=*/false));
-    KVS_ASSIGN_OR_RETURN(
-        SpillResult result,
-        pool_->Restore(request->session_id(), request->sequence_id(), request->from_session_id()));
+    std::string from = request->from_session_id();
+    if (request->adopt_any_session()) {
+      if (!from.empty()) {
+        return absl::InvalidArgumentError(
+            "adopt_any_session: set either from_session_id or adopt_any_session, not both");
+      }
+      KVS_ASSIGN_OR_RETURN(from, FindOrphanCopy(request->session_id(), request->sequence_id()));
+    }
+    KVS_ASSIGN_OR_RETURN(SpillResult result,
+                         pool_->Restore(request->session_id(), request->sequence_id(), from));
     response->set_tier(static_cast<v1::Tier>(result.tier));
     response->set_bytes(result.bytes);
+    if (!from.empty() && from != request->session_id()) {
+      response->set_adopted_from_session_id(from);
+    }
     return absl::OkStatus();
   });
+}
+
+absl::StatusOr<std::string> SidecarService::FindOrphanCopy(const std::string& session_id,
+                                                           const std::string& sequence_id) const {
+  KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(session_id));
+  const SpilledInfo* best = nullptr;
+  const std::vector<SpilledInfo> copies = pool_->ListSpilled();
+  for (const SpilledInfo& copy : copies) {
+    if (copy.key.tenant != session.tenant || copy.key.sequence_id != sequence_id) continue;
+    // A copy of an attached session is that session's sequence, not an orphan.
+    if (pool_->GetSession(copy.key.session_id).ok()) continue;
+    // Intact copies first, then the newest; a lost one is still chosen when it is the only one
+    // (Restore then answers DATA_LOSS rather than NOT_FOUND).
+    const bool better =
+        best == nullptr || (best->lost.empty() != copy.lost.empty() ? copy.lost.empty()
+                                                                    : copy.spilled > best->spilled);
+    if (better) best = &copy;
+  }
+  if (best == nullptr) {
+    return absl::NotFoundError(absl::StrCat("no spilled copy of sequence ", sequence_id,
+                                            " left by an ended session of tenant ",
+                                            session.tenant));
+  }
+  return best->key.session_id;
 }
 
 namespace {

@@ -183,6 +183,10 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   // NOT_FOUND unless both exist; cheap (one layer, no positions).
   absl::Status CheckSequenceExists(const std::string& session_id,
                                    const std::string& sequence_id) const;
+  // Restore's adopt_any_session: the ended session of `session_id`'s tenant whose copy of
+  // `sequence_id` to adopt (intact before lost, then the newest). NOT_FOUND when there is none.
+  absl::StatusOr<std::string> FindOrphanCopy(const std::string& session_id,
+                                             const std::string& sequence_id) const;
   // Upper bound of the CompressResponse bytes of `request` (positions if it asks for them), from
   // the counts and budgets only.
   absl::StatusOr<uint64_t> EstimateCompressResponseBytes(

@@ -979,6 +979,16 @@ absl::StatusOr<v1::DrainResponse> AdminClient::Drain() {
   return Unary(stub_.get(), &v1::Admin::Stub::Drain, v1::DrainRequest(), options_);
 }
 
+absl::StatusOr<v1::DrainResponse> AdminClient::Drain(const v1::DrainRequest& request) {
+  // The moves take up to the grace period (the server's --drain_grace when grace_ms is 0, at
+  // most an hour).
+  const absl::Duration grace = request.to() == v1::TIER_UNSPECIFIED ? absl::ZeroDuration()
+                               : request.grace_ms() > 0 ? absl::Milliseconds(request.grace_ms())
+                                                        : absl::Hours(1);
+  return Unary(stub_.get(), &v1::Admin::Stub::Drain, request, options_,
+               options_.rpc_timeout + grace);
+}
+
 absl::StatusOr<v1::ForceReleaseResponse> AdminClient::ForceRelease(const std::string& session_id,
                                                                    const std::string& sequence_id) {
   v1::ForceReleaseRequest request;

@@ -92,8 +92,10 @@ constexpr char kFooter[] = R"(Commands:
                                   all omitted removes the quota); --rebudget allows a quota below
                                   current use by compressing the tenant's sequences to N tokens
                                   per layer (default: the default budget)
-  drain [--wait] [--wait-timeout=SECONDS]
-                                  stop accepting attaches; --wait polls until no session is left
+  drain [--wait] [--wait-timeout=SECONDS] [--to=disk|remote] [--grace=SECONDS]
+                                  stop accepting attaches; --wait polls until no session is left;
+                                  --to moves every live sequence to that tier within --grace
+                                  and lists what did not move
   release session ID              force-release a session and all its sequences
   release sequence ID --session=S force-release one sequence
   config                          the effective configuration (YAML; secrets redacted)
@@ -771,8 +773,16 @@ Output SetQuota(Admin& admin, const QuotaArgs& args) {
   return out;
 }
 
-Output Drain(Admin& admin, bool wait, double wait_timeout) {
-  v1::DrainResponse response = Unwrap(admin.client().Drain());
+Output Drain(Admin& admin, bool wait, double wait_timeout, const std::string& to,
+             double grace) {
+  v1::DrainRequest request;
+  if (to == "disk") {
+    request.set_to(v1::TIER_DISK);
+  } else if (to == "remote") {
+    request.set_to(v1::TIER_REMOTE);
+  }
+  request.set_grace_ms(static_cast<int64_t>(grace * 1000));
+  v1::DrainResponse response = Unwrap(admin.client().Drain(request));
   if (wait && !response.empty()) {
     const absl::Time deadline = absl::Now() + absl::Seconds(wait_timeout);
     while (!response.empty()) {
@@ -789,9 +799,21 @@ Output Drain(Admin& admin, bool wait, double wait_timeout) {
     }
   }
   Output out;
-  out.text = response.empty() ? "draining: no session attached; safe to stop\n"
-                              : absl::StrCat("draining: ", response.sessions_remaining(),
-                                             " session(s) still attached\n");
+  if (request.to() != v1::TIER_UNSPECIFIED) {
+    absl::StrAppend(&out.text, "moved to ", to, ": ", response.sequences_moved(),
+                    " sequence(s); not moved: ", response.sequences_not_moved(),
+                    response.grace_expired() ? " (the grace period ended)" : "", "\n");
+    for (const v1::DrainedSequence& s : response.sequences()) {
+      if (!s.moved()) {
+        absl::StrAppend(&out.text, "  not moved: ", s.tenant(), " ", s.session_id(), "/",
+                        s.sequence_id(), ": ", s.reason(), "\n");
+      }
+    }
+  }
+  absl::StrAppend(&out.text, response.empty()
+                                 ? "draining: no session attached; safe to stop\n"
+                                 : absl::StrCat("draining: ", response.sessions_remaining(),
+                                                " session(s) still attached\n"));
   out.json = ToJson(response);
   return out;
 }
@@ -958,7 +980,17 @@ int Run(int argc, char** argv) {
   drain->add_flag("--wait", wait, "Poll until no session is left");
   drain->add_option("--wait-timeout", wait_timeout, "Give up after SECONDS (default 300)")
       ->check(CLI::PositiveNumber);
-  drain->callback([&] { action = [&](Admin& a) { return Drain(a, wait, wait_timeout); }; });
+  std::string drain_to = "none";
+  double drain_grace = 0;
+  drain->add_option("--to", drain_to,
+                    "Also move every live sequence to this tier: disk, remote or none (default)")
+      ->check(CLI::IsMember({"disk", "remote", "none"}));
+  drain->add_option("--grace", drain_grace,
+                    "SECONDS the moves may take (default: the sidecar's --drain_grace)")
+      ->check(CLI::NonNegativeNumber);
+  drain->callback([&] {
+    action = [&](Admin& a) { return Drain(a, wait, wait_timeout, drain_to, drain_grace); };
+  });
 
   CLI::App* release = app.add_subcommand("release", "Force-release a session or a sequence");
   release->require_subcommand(1, 1);

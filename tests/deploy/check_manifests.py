@@ -2,7 +2,7 @@
 
     check_manifests.py OVERLAY RENDERED.yaml DEPLOY_DIR
 
-OVERLAY is "cpu" or "gpu" (other overlays get the common checks). Prints every problem found and
+OVERLAY is "cpu", "gpu" or "shared-tier" (other overlays get the common checks). Prints every problem found and
 exits 1 if there is any.
 """
 import os
@@ -50,6 +50,41 @@ def example_keys(deploy_dir):
 
     walk("", doc)
     return keys
+
+
+def check_shared_tier(by_kind, sidecar, volumes):
+    """The Redis Cluster of the shared tier and the sidecar pointed at it."""
+    args = sidecar.get("args", [])
+    remote = [a for a in args if a.startswith("--remote_tier=")]
+    check(len(remote) == 1 and remote[0].startswith("--remote_tier=redis://"),
+          "shared-tier: the sidecar has no --remote_tier=redis://... argument")
+    password = [a.split("=", 1)[1] for a in args
+                if a.startswith("--remote_tier_password_file=")]
+    check(len(password) == 1, "shared-tier: no --remote_tier_password_file argument")
+    secrets = {s["metadata"]["name"] for s in by_kind.get("Secret", [])}
+    if password:
+        mount = next((m for m in sidecar.get("volumeMounts", [])
+                      if password[0].startswith(m["mountPath"].rstrip("/") + "/")), None)
+        volume = volumes.get(mount["name"], {}) if mount else {}
+        check(volume.get("secret", {}).get("secretName") in secrets,
+              "shared-tier: the Redis password file is not from a rendered Secret")
+    sets = [s for s in by_kind.get("StatefulSet", []) if "redis" in s["metadata"]["name"]]
+    if check(len(sets) == 1, "shared-tier: no Redis StatefulSet"):
+        redis = sets[0]
+        check(redis["spec"].get("replicas") == 6,
+              "shared-tier: the Redis StatefulSet does not run 6 nodes (3 masters + replicas)")
+        services = {s["metadata"]["name"]: s for s in by_kind.get("Service", [])}
+        service = services.get(redis["spec"].get("serviceName"), {})
+        check(service.get("spec", {}).get("clusterIP") == "None",
+              "shared-tier: the Redis StatefulSet has no headless Service")
+        for host in remote[0].split("//", 1)[1].split(",") if remote else []:
+            check(host.split(":")[0].split(".")[1:2] == [redis["spec"].get("serviceName")],
+                  f"shared-tier: seed node {host} is not a pod of the Redis StatefulSet")
+    jobs = [j for j in by_kind.get("Job", [])
+            if "--cluster create" in " ".join(
+                " ".join(c.get("command", []) + c.get("args", []))
+                for c in j["spec"]["template"]["spec"]["containers"])]
+    check(len(jobs) == 1, "shared-tier: no Job running redis-cli --cluster create")
 
 
 def main():
@@ -118,6 +153,15 @@ def main():
           "kvsidecar.v1.Sidecar", "readiness does not check the kvsidecar.v1.Sidecar service")
     pre_stop = sidecar.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
     check("drain" in pre_stop, "the sidecar's preStop does not drain it")
+    # The preStop drain moves live sequences to a tier, then waits for the worker; the drain at
+    # SIGTERM (drain.grace) follows. All of it must fit before the kubelet's SIGKILL.
+    def seconds_of(prefix):
+        values = [a[len(prefix):] for a in pre_stop if a.startswith(prefix)]
+        return float(values[0]) if values else None
+    hook_grace = seconds_of("--grace=")
+    hook_wait = seconds_of("--wait-timeout=") if "--wait" in pre_stop else 0
+    check(any(a.startswith("--to=") for a in pre_stop),
+          "the sidecar's preStop drain does not move live sequences to a tier (--to=)")
 
     # Shared memory: one Memory emptyDir at /dev/shm in both containers.
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
@@ -166,6 +210,20 @@ def main():
                     flat.add(key)
             unknown = sorted(flat - known)
             check(not unknown, f"config keys not in deploy/kvsidecar.example.yaml: {unknown}")
+        drain = config.get("drain", {})
+        check(drain.get("to") in ("disk", "remote"),
+              f"config drain.to is {drain.get('to')}: SIGTERM would drop live sequences")
+        grace = str(drain.get("grace", "25s"))
+        grace_s = float(grace[:-2]) / 1000 if grace.endswith("ms") else (
+            float(grace[:-1]) if grace.endswith("s") else float(grace))
+        budget = pod.get("terminationGracePeriodSeconds", 30)
+        if check(hook_grace is not None, "the sidecar's preStop drain has no --grace="):
+            check(hook_grace + (hook_wait or 0) + grace_s < budget,
+                  f"preStop --grace ({hook_grace}s) + --wait-timeout ({hook_wait}s) + "
+                  f"drain.grace ({grace_s}s) do not fit terminationGracePeriodSeconds ({budget})")
+        if overlay == "shared-tier":
+            check(drain.get("to") == "remote", "shared-tier: drain.to is not remote")
+            check("--to=remote" in pre_stop, "shared-tier: the preStop drain is not --to=remote")
         for key in ("admin_token_file", "tenant_tokens_file"):
             path = config.get("auth", {}).get(key, "")
             check(path.startswith("/etc/kvsidecar/secrets/"),
@@ -177,6 +235,9 @@ def main():
     tls_volume = volumes.get(mounts(sidecar).get("/etc/kvsidecar/tls"), {})
     check(tls_volume.get("secret", {}).get("optional") is True,
           "no optional TLS Secret volume at /etc/kvsidecar/tls")
+
+    if overlay == "shared-tier":
+        check_shared_tier(by_kind, sidecar, volumes)
 
     gpu_holders = [name for name, c in containers.items()
                    if "nvidia.com/gpu" in c.get("resources", {}).get("limits", {})]

@@ -65,7 +65,8 @@ start_with_config() {  # start_with_config OVERLAY RENDERED
   mkdir -p "$dir/data"
   "$venv/bin/python" - "$rendered" "$dir/kvsidecar.yaml" <<'PY'
 import sys, yaml
-maps = [o for o in yaml.safe_load_all(open(sys.argv[1])) if o and o["kind"] == "ConfigMap"]
+maps = [o for o in yaml.safe_load_all(open(sys.argv[1]))
+        if o and o["kind"] == "ConfigMap" and "kvsidecar.yaml" in o.get("data", {})]
 open(sys.argv[2], "w").write(maps[0]["data"]["kvsidecar.yaml"])
 PY
   echo "test-admin-token" >"$dir/admin-token"

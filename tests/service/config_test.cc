@@ -277,6 +277,26 @@ TEST(ConfigTest, YamlFileSetsEveryKey) {
   EXPECT_THAT(yaml, HasSubstr("metrics_listen: \"127.0.0.1:9464\"\n"));
 }
 
+TEST(ConfigTest, DrainTargetAndGrace) {
+  SidecarConfig config;
+  ASSERT_TRUE(ApplyConfigYaml("drain:\n  to: disk\n  grace: 1m30s\n", "f.yaml", &config).ok());
+  EXPECT_EQ(config.drain_to, "disk");
+  EXPECT_EQ(config.drain_grace_ms, 90000);
+  EXPECT_TRUE(ValidateConfig(config).ok());
+  ASSERT_TRUE(SetConfigValue(&config, "drain_grace", "12", "--drain_grace").ok());
+  EXPECT_EQ(config.drain_grace_ms, 12000);
+  EXPECT_STATUS(SetConfigValue(&config, "drain_grace", "soon", "--drain_grace"), kInvalidArgument,
+                "--drain_grace: must be a duration");
+  ASSERT_TRUE(SetConfigValue(&config, "drain_grace", "2h", "--drain_grace").ok());
+  EXPECT_STATUS(ValidateConfig(config), kInvalidArgument, "drain.grace (--drain_grace)");
+  config.drain_grace_ms = 1000;
+  ASSERT_TRUE(SetConfigValue(&config, "drain_to", "tape", "--drain_to").ok());
+  EXPECT_STATUS(ValidateConfig(config), kInvalidArgument,
+                "drain.to (--drain_to) must be disk, remote or none");
+  EXPECT_STATUS(ApplyConfigYaml("drain:\n  after: 5\n", "f.yaml", &config), kInvalidArgument,
+                "f.yaml: drain.after: unknown key");
+}
+
 TEST(ConfigTest, YamlErrorsNameTheKey) {
   SidecarConfig config;
   EXPECT_STATUS(ApplyConfigYaml("lease_msec: 5\n", "f.yaml", &config), kInvalidArgument,

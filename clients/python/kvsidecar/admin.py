@@ -102,9 +102,18 @@ class Admin:
         """Server-wide counters: sessions, sequences, arena use, tokens appended/evicted."""
         return self._call(self.stub.GetStats, admin_pb2.GetStatsRequest())
 
-    def drain(self) -> admin_pb2.DrainResponse:
-        """Stops accepting attaches; says how many sessions remain."""
-        return self._call(self.stub.Drain, admin_pb2.DrainRequest())
+    def drain(self, to: int = common_pb2.TIER_UNSPECIFIED,
+              grace_ms: int = 0) -> admin_pb2.DrainResponse:
+        """Stops accepting attaches; says how many sessions remain. With ``to``
+        (``common_pb2.TIER_DISK``, or 4 for the remote tier) also moves every live sequence there
+        within ``grace_ms`` (0 = the sidecar's --drain_grace) and reports per sequence what moved
+        and what did not, and why; the call then takes up to the grace period."""
+        request = admin_pb2.DrainRequest(to=to, grace_ms=grace_ms)  # type: ignore[arg-type]
+        if to == common_pb2.TIER_UNSPECIFIED:
+            return self._call(self.stub.Drain, request)
+        grace_s = grace_ms / 1000 if grace_ms > 0 else 3600.0
+        timeout = None if self.timeout is None else self.timeout + grace_s
+        return _rpc.call(self.stub.Drain, request, timeout)
 
     def force_release(self, session_id: str, sequence_id: str = ""
                       ) -> admin_pb2.ForceReleaseResponse:

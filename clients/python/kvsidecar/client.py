@@ -936,11 +936,16 @@ class Session:
         return self._call(self.stub.Spill, sidecar_pb2.SpillRequest(
             session_id=self.session_id, sequence_id=sequence_id, target=target))
 
-    def restore(self, sequence_id: str, from_session_id: str = "") -> sidecar_pb2.RestoreResponse:
+    def restore(self, sequence_id: str, from_session_id: str = "",
+                adopt_any_session: bool = False) -> sidecar_pb2.RestoreResponse:
         """Brings a spilled sequence back into the arena (a new block table; K/V and positions
         bit-identical). The response's tier is where it came from (TIER_ARENA: it was not
-        spilled). ``from_session_id``: adopt the disk copy of an ended session of this tenant."""
+        spilled). ``from_session_id``: adopt the disk copy of an ended session of this tenant.
+        ``adopt_any_session``: adopt the newest copy of ``sequence_id`` left by any ended session
+        of this tenant (after a drain or a restart, when the old session id is not known)."""
         request = sidecar_pb2.RestoreRequest(session_id=self.session_id, sequence_id=sequence_id)
         if from_session_id:
             request.from_session_id = from_session_id
+        if adopt_any_session:
+            request.adopt_any_session = True
         return self._call(self.stub.Restore, request)

@@ -108,3 +108,31 @@ def test_bearer_tokens_for_tenants_and_admin(tmp_path):
                 assert session.export(seq).layer(0).count == 3
                 assert [s.tenant for s in admin.list_sessions().sessions] == ["team-a"]
             assert admin.get_stats().sessions == 0
+
+
+def test_drain_to_disk_reports_moves_and_a_new_session_adopts_the_copy():
+    # Its own server: a drained server accepts no attaches.
+    from kvsidecar.server import LocalServer
+    from kvsidecar.v1 import common_pb2
+    with LocalServer() as srv, kvs.Client(srv.address) as client, \
+            kvs.Admin(srv.admin_address) as admin:
+        old = client.attach(layout("fp16"), num_blocks=16, tenant="dr")
+        new = client.attach(layout("fp16"), num_blocks=16, tenant="dr")
+        seq = old.create_sequence("keydiff", 64, sequence_id="conv-1").sequence_id
+        old.append(seq, random_kv("fp16", (2, 2, 2, 20, 16), seed=3))
+        before = old.export(seq)
+        with pytest.raises(kvs.errors.InvalidArgument):
+            admin.drain(to=common_pb2.TIER_HOST)
+        assert not admin.get_stats().draining
+        drained = admin.drain(to=common_pb2.TIER_DISK, grace_ms=20000)
+        assert drained.sequences_moved == 1 and drained.sequences_not_moved == 0
+        [moved] = drained.sequences
+        assert (moved.sequence_id, moved.moved, moved.tier) == (seq, True, common_pb2.TIER_DISK)
+        old.detach()  # its disk copy stays, adoptable by the tenant
+        restored = new.restore(seq, adopt_any_session=True)
+        assert restored.adopted_from_session_id == old.session_id
+        after = new.export(seq)
+        assert after.payload == before.payload
+        assert [list(l.positions) for l in after.header.layers] == \
+            [list(l.positions) for l in before.header.layers]
+        new.detach()

@@ -404,6 +404,9 @@ class AdminClient {
   absl::StatusOr<v1::GetQuotasResponse> GetQuotas(const std::string& tenant = "");
   absl::StatusOr<v1::GetStatsResponse> GetStats();
   absl::StatusOr<v1::DrainResponse> Drain();
+  // Drain with a target tier and grace (admin.proto DrainRequest); the call takes up to the
+  // grace period, so the deadline is the grace plus the client's default.
+  absl::StatusOr<v1::DrainResponse> Drain(const v1::DrainRequest& request);
   absl::StatusOr<v1::ForceReleaseResponse> ForceRelease(const std::string& session_id,
                                                         const std::string& sequence_id = "");
 
