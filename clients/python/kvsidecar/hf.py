@@ -272,7 +272,9 @@ def _capture_mask(module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) ->
     """Forward pre-hook of the model: hands the call's 2D attention_mask to its SidecarCache,
     which reads the padding of the new block from it (the attention layers only see the 4D
     mask, after the cache had to place the block)."""
-    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    cache = kwargs.get("past_key_values")
+    if cache is None:
+        cache = kwargs.get("cache")
     if isinstance(cache, SidecarCache):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         cache._input_mask = mask
@@ -715,8 +717,9 @@ class SidecarCache(Cache):
             expect &= kv_pos > q_pos - self.windows[layer]
         if not bool((visible == expect.to(visible.device)).all()):
             raise UnsupportedModelError(
-                "padded batches are not supported: the attention_mask masks some tokens; pass "
-                "rows of equal length (no padding)")
+                "the attention mask masks some tokens, and the cache was not given the call's "
+                "2D attention_mask (padding is read from it: call the model the SidecarCache "
+                "was built with, passing attention_mask); custom masks are not supported")
 
     def _take_queries(self, layer: int, query: Any, scale: Optional[float]) -> None:
         if self._query_window == 0:
