@@ -559,6 +559,23 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
       }
     }
   }
+  if (!params.layer_windows.empty()) {
+    if (omnikv) {
+      return absl::InvalidArgumentError(
+          "layer_windows does not apply to policy omnikv, which never evicts");
+    }
+    if (params.layer_windows.size() != static_cast<size_t>(session->layout.num_layers)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer_windows has ", params.layer_windows.size(), " entries, the model has ",
+                       session->layout.num_layers, " layers"));
+    }
+    for (size_t l = 0; l < params.layer_windows.size(); ++l) {
+      if (params.layer_windows[l] < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer_windows[", l, "] must be >= 0 (0 = no window), got ", params.layer_windows[l]));
+      }
+    }
+  }
   if (!params.sequence_id.empty()) KVS_RETURN_IF_ERROR(ValidateSequenceId(params.sequence_id));
 
   absl::MutexLock lock(&session->mu);
@@ -585,6 +602,11 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
   auto sequence =
       std::make_unique<Sequence>(id, session->layout, std::move(policy), budget, clock_->Now());
   sequence->set_retain_evicted(params.retain_evicted);
+  // All zeros is no window at all: the sequence then runs exactly as one without.
+  if (std::any_of(params.layer_windows.begin(), params.layer_windows.end(),
+                  [](int32_t w) { return w > 0; })) {
+    sequence->set_layer_windows(params.layer_windows);
+  }
   session->sequences.emplace(id, std::move(sequence));
   return created;
 }

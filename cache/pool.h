@@ -105,6 +105,10 @@ struct SequenceParams {
   // sequence cannot be spilled. A host tier or quota too full for an eviction's tokens fails the
   // evicting call with RESOURCE_EXHAUSTED, changing nothing.
   bool retain_evicted = false;
+  // Per-layer sliding windows: empty, or one per layer of the session, each >= 0 (0 = a global
+  // layer). A layer with W > 0 holds exactly its last W tokens, whatever the policy and budget
+  // (Sequence::set_layer_windows). Not with omnikv (INVALID_ARGUMENT).
+  std::vector<int32_t> layer_windows;
 };
 
 struct SequenceCreated {
@@ -226,6 +230,7 @@ struct LayerLayoutView {
   std::vector<int32_t> block_table;  // ceil(count / B) blocks
   std::vector<int32_t> positions;    // [H][count], slot order (empty if not asked)
   int32_t budget = 0;                // 0 = unbounded
+  int32_t window = 0;                // sliding window (SequenceParams::layer_windows), 0 = none
 };
 
 struct SequenceLayout {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -643,9 +644,13 @@ absl::StatusOr<std::vector<int32_t>> Sequence::KeepFor(const Policy& policy, Pha
     for (size_t l = 0; l < keep.size(); ++l) {
       keep[l] = std::min(keep[l], budget.per_layer[l]);
     }
+    ApplyWindows(counts, keep);
     return keep;
   }
-  if (budget.tokens <= 0) return keep;
+  if (budget.tokens <= 0) {
+    ApplyWindows(counts, keep);
+    return keep;
+  }
   AllocationRequest request;
   request.phase = phase;
   request.budget = budget.tokens;
@@ -660,17 +665,39 @@ absl::StatusOr<std::vector<int32_t>> Sequence::KeepFor(const Policy& policy, Pha
   }
   for (size_t l = 0; l < keep.size(); ++l) keep[l] = std::clamp(allocation.keep[l], 0, counts[l]);
   *floor_applied = allocation.floor_applied_layers;
+  ApplyWindows(counts, keep);
   return keep;
+}
+
+void Sequence::ApplyWindows(absl::Span<const int32_t> counts, std::vector<int32_t>& keep) const {
+  for (size_t l = 0; l < windows_.size(); ++l) {
+    if (windows_[l] > 0) keep[l] = std::min(counts[l], windows_[l]);
+  }
+}
+
+void Sequence::KeepNewest(int32_t l, int32_t keep, absl::Span<int32_t> kept) const {
+  const LayerState& state = layers_[l];
+  std::vector<int32_t> order(state.count);
+  for (int32_t h = 0; h < layout_.num_kv_heads; ++h) {
+    const std::vector<int32_t>& positions = state.positions[h];
+    std::iota(order.begin(), order.end(), 0);
+    // Positions are distinct within a head: the newest `keep` are the top `keep` by position.
+    std::nth_element(order.begin(), order.begin() + (state.count - keep), order.end(),
+                     [&](int32_t a, int32_t b) { return positions[a] < positions[b]; });
+    std::sort(order.begin() + (state.count - keep), order.end());  // kept slots in slot order
+    std::copy(order.begin() + (state.count - keep), order.end(),
+              kept.begin() + int64_t{h} * keep);
+  }
 }
 
 absl::Status Sequence::CoverageError(const Policy& policy, Phase phase,
                                      absl::Span<const int32_t> keep,
                                      absl::Span<const int32_t> counts,
                                      absl::Span<const LayerPolicyState> states,
-                                     const StepAttention* attention) {
+                                     const StepAttention* attention) const {
   if (!policy.attention(phase).needed) return absl::OkStatus();
   for (size_t l = 0; l < keep.size(); ++l) {
-    if (keep[l] >= counts[l]) continue;
+    if (keep[l] >= counts[l] || Window(l) > 0) continue;
     // A layer not listed now may still evict from what earlier steps left in its state (CAKE's
     // cascade re-selects earlier layers from their prefill indicator, cake.md TV3); a policy
     // whose choice is this step's attention only (TOVA, SnapKV) keeps nothing between calls.
@@ -827,7 +854,7 @@ absl::StatusOr<Sequence::Eviction> Sequence::RunStep(const SequenceEnv& env, con
     KVS_RETURN_IF_ERROR(Observe(env, policy, phase, *attention, absl::MakeSpan(states_)));
   }
   const std::vector<int32_t> current = counts();
-  if (!budget.any()) {
+  if (!budget.any() && windows_.empty()) {
     Eviction none;
     none.evicted.assign(layers_.size(), 0);
     none.merged.assign(layers_.size(), 0);
@@ -842,7 +869,11 @@ absl::StatusOr<Sequence::Eviction> Sequence::RunStep(const SequenceEnv& env, con
   KVS_RETURN_IF_ERROR(CoverageError(policy, phase, keep, current, states_, attention));
   // What GetLayout reports as a layer's budget: an allocation other than the uniform one.
   for (size_t l = 0; l < keep.size(); ++l) {
-    allocated_[l] = keep[l] != std::min(budget.tokens, current[l]) ? keep[l] : 0;
+    // A window is not an allocation, and without a budget (windows only) nothing is allocated.
+    allocated_[l] =
+        budget.any() && Window(l) == 0 && keep[l] != std::min(budget.tokens, current[l])
+            ? keep[l]
+            : 0;
   }
   return Evict(env, policy, phase, keep);
 }
@@ -882,7 +913,8 @@ absl::StatusOr<CommitResult> Sequence::CommitChecked(const SequenceEnv& env,
                                                      const StepBudget& budget, bool evict) {
   CommitPending(env);
   CommitResult result;
-  if (step != nullptr || evict) {
+  // A windowed layer drops what fell out of its window at every commit, budget or not.
+  if (step != nullptr || evict || !windows_.empty()) {
     int32_t floor_applied = 0;
     absl::StatusOr<Eviction> eviction = RunStep(env, *policy_, Phase::kPrefill, step,
                                                 evict ? budget : StepBudget{}, &floor_applied);
@@ -1187,7 +1219,8 @@ absl::StatusOr<std::vector<LayerScores>> Sequence::Score(const SequenceEnv& env,
 
   const int32_t heads = layout_.num_kv_heads;
   std::vector<LayerScores> result(targets.size());
-  std::vector<LayerSelection> selections(targets.size());
+  std::vector<LayerSelection> selections;  // the policy's layers (windowed ones are not)
+  selections.reserve(targets.size());
   for (size_t i = 0; i < targets.size(); ++i) {
     const int32_t l = targets[i];
     LayerScores& out = result[i];
@@ -1196,7 +1229,11 @@ absl::StatusOr<std::vector<LayerScores>> Sequence::Score(const SequenceEnv& env,
     out.positions = FlatPositions(l);
     out.scores.assign(static_cast<size_t>(heads) * current[l], 0.0f);
     out.kept_slots.assign(static_cast<size_t>(heads) * keep[l], 0);
-    LayerSelection& selection = selections[i];
+    if (Window(l) > 0) {
+      KeepNewest(l, keep[l], absl::MakeSpan(out.kept_slots));
+      continue;
+    }
+    LayerSelection& selection = selections.emplace_back();
     selection.layer = l;
     selection.keys = KeysView(env, l);
     selection.positions = out.positions;
@@ -1207,7 +1244,9 @@ absl::StatusOr<std::vector<LayerScores>> Sequence::Score(const SequenceEnv& env,
     selection.writable_arena = nullptr;  // a dry run writes nothing
     selection.scores_out = out.scores.data();
   }
-  KVS_RETURN_IF_ERROR(policy.Select(env.backend, Phase::kPrefill, selections));
+  if (!selections.empty()) {
+    KVS_RETURN_IF_ERROR(policy.Select(env.backend, Phase::kPrefill, selections));
+  }
   return result;
 }
 
@@ -1228,12 +1267,18 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
   std::vector<std::vector<int32_t>> flat_positions(victims.size());
   std::vector<std::vector<int32_t>> kept(victims.size());
   std::vector<std::vector<float>> scores(retain_evicted_ ? victims.size() : 0);
-  std::vector<LayerSelection> selections(victims.size());
+  std::vector<LayerSelection> selections;  // the policy's layers (windowed ones are not)
+  selections.reserve(victims.size());
   for (size_t i = 0; i < victims.size(); ++i) {
     const int32_t l = victims[i];
     flat_positions[i] = FlatPositions(l);
     kept[i].resize(static_cast<size_t>(heads) * keep[l]);
-    LayerSelection& selection = selections[i];
+    if (Window(l) > 0) {
+      KeepNewest(l, keep[l], absl::MakeSpan(kept[i]));
+      if (retain_evicted_) scores[i].assign(static_cast<size_t>(heads) * layers_[l].count, 0.0f);
+      continue;
+    }
+    LayerSelection& selection = selections.emplace_back();
     selection.layer = l;
     selection.keys = KeysView(env, l);
     selection.positions = flat_positions[i];
@@ -1247,7 +1292,9 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
       selection.scores_out = scores[i].data();
     }
   }
-  KVS_RETURN_IF_ERROR(policy.Select(env.backend, phase, selections));
+  if (!selections.empty()) {
+    KVS_RETURN_IF_ERROR(policy.Select(env.backend, phase, selections));
+  }
   // retain_evicted: the rows leave for the host tier before anything changes here. A retained
   // chunk is not part of a Checkpoint, so from here on a failure is not rolled back.
   if (retain_evicted_) {
@@ -1281,10 +1328,12 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
   // 3. Merge evicted rows into kept ones (D2O) while every row is still in place. From here on
   // arena rows change: a failure can no longer be rolled back (gpu/backend.h errors only).
   rows_moved_ = true;
-  std::vector<int32_t> merged(victims.size(), 0);
-  KVS_RETURN_IF_ERROR(policy.Merge(env.backend, phase, selections, absl::MakeSpan(merged)));
-  for (size_t i = 0; i < victims.size(); ++i) {
-    eviction.merged[victims[i]] = merged[i];
+  std::vector<int32_t> merged(selections.size(), 0);
+  if (!selections.empty()) {
+    KVS_RETURN_IF_ERROR(policy.Merge(env.backend, phase, selections, absl::MakeSpan(merged)));
+  }
+  for (size_t i = 0; i < selections.size(); ++i) {
+    eviction.merged[selections[i].layer] = merged[i];
     totals_.merged += merged[i];
   }
 
@@ -1342,6 +1391,7 @@ absl::StatusOr<SequenceLayout> Sequence::GetLayout(const SequenceEnv& env,
       }
     }
     view.budget = LayerBudget(layer);
+    view.window = Window(layer);
     result.layers.push_back(std::move(view));
   }
   result.next_position = static_cast<int32_t>(std::min(next_position_, kMaxPosition));

@@ -165,6 +165,11 @@ class Sequence {
   // fails the evicting call before anything changes.
   void set_retain_evicted(bool retain) { retain_evicted_ = retain; }
   bool retain_evicted() const { return retain_evicted_; }
+  // Per-layer sliding windows (empty or one per layer, validated by the caller; 0 = none): a
+  // layer with a window holds exactly its last W tokens, chosen by position, never by the
+  // policy. Set once, before the first append.
+  void set_layer_windows(std::vector<int32_t> windows) { windows_ = std::move(windows); }
+  const std::vector<int32_t>& layer_windows() const { return windows_; }
   // The retained tokens of `layers` (empty = all), per (layer, head).
   absl::StatusOr<std::vector<RetainedHead>> Retained(absl::Span<const int32_t> layers) const;
 
@@ -232,12 +237,19 @@ class Sequence {
   absl::Status CheckAttentionCoverage(const Policy& policy, Phase phase, const StepBudget& budget,
                                       absl::Span<const int32_t> counts,
                                       const StepAttention* attention) const;
-  // The same check on a computed keep.
-  static absl::Status CoverageError(const Policy& policy, Phase phase,
+  // The window of layer `l` (0 = none).
+  int32_t Window(size_t l) const { return windows_.empty() ? 0 : windows_[l]; }
+  // Caps every windowed layer's keep at its window (and lifts any lower keep to it): the policy
+  // does not choose in those layers.
+  void ApplyWindows(absl::Span<const int32_t> counts, std::vector<int32_t>& keep) const;
+  // Fills `kept` ([H][keep] slots) with the slots of the `keep` highest positions of each head.
+  void KeepNewest(int32_t l, int32_t keep, absl::Span<int32_t> kept) const;
+  // The same check on a computed keep (windowed layers need no attention).
+  absl::Status CoverageError(const Policy& policy, Phase phase,
                                     absl::Span<const int32_t> keep,
                                     absl::Span<const int32_t> counts,
                                     absl::Span<const LayerPolicyState> states,
-                                    const StepAttention* attention);
+                                    const StepAttention* attention) const;
   // Observes `attention` on `states` (one per layer of the model).
   absl::Status Observe(const SequenceEnv& env, const Policy& policy, Phase phase,
                        const StepAttention& attention, absl::Span<LayerPolicyState> states) const;
@@ -321,6 +333,7 @@ class Sequence {
   uint64_t last_cancelled_ = 0;
   std::unique_ptr<OmniKvState> omnikv_;  // OmniKV only, from the first Select
   bool retain_evicted_ = false;
+  std::vector<int32_t> windows_;  // per layer, or empty (no windows)
   // Set when an eviction starts changing what cannot be restored from a Checkpoint (arena rows,
   // retained chunks); cleared by TakeCheckpoint.
   bool rows_moved_ = false;

@@ -4,6 +4,7 @@
 #include <emmintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -251,6 +252,7 @@ std::string EncodeSnapshot(const SequenceSnapshot& s) {
     w.Put(st.frozen_budget);
     w.Put(st.frozen_for);
   }
+  if (!s.layer_windows.empty()) w.PutVector(s.layer_windows);
   return w.Take();
 }
 
@@ -316,6 +318,14 @@ absl::StatusOr<SequenceSnapshot> DecodeSnapshot(std::string_view bytes) {
       }
     }
   }
+  if (!r.done()) {
+    if (!r.GetVector(&s.layer_windows) ||
+        s.layer_windows.size() != static_cast<size_t>(s.layout.num_layers) ||
+        std::any_of(s.layer_windows.begin(), s.layer_windows.end(),
+                    [](int32_t w) { return w < 0; })) {
+      return Malformed("layer windows");
+    }
+  }
   if (!r.done()) return Malformed("trailing bytes");
   return s;
 }
@@ -331,6 +341,7 @@ absl::StatusOr<SpilledSequence> Sequence::Spill(const SequenceEnv& env) const {
   snapshot.layout = layout_;
   snapshot.policy = policy_->config();
   snapshot.budget = budget_;
+  snapshot.layer_windows = windows_;
   snapshot.created = created_;
   snapshot.last_used = last_used_;
   snapshot.next_position = next_position_;
@@ -430,6 +441,7 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Restore(const SequenceEnv& e
   }
   auto sequence = std::make_unique<Sequence>(snapshot.id, want, std::move(policy), snapshot.budget,
                                              snapshot.created);
+  sequence->windows_ = std::move(snapshot.layer_windows);
   size_t next = 0;
   for (size_t l = 0; l < snapshot.layers.size(); ++l) {
     SequenceSnapshot::Layer& from = snapshot.layers[l];

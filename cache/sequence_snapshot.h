@@ -45,6 +45,9 @@ struct SequenceSnapshot {
   uint64_t last_committed = 0;
   uint64_t last_cancelled = 0;
   std::vector<Layer> layers;
+  // Per-layer sliding windows (empty = none). Encoded last, after the layers, so that snapshots
+  // written before windows existed decode as having none.
+  std::vector<int32_t> layer_windows;
 
   // Blocks layer `l` holds: ceil(count / block_tokens).
   int64_t LayerBlocks(size_t l) const {

@@ -859,6 +859,7 @@ absl::StatusOr<SequenceParams> SequenceParamsFromProto(const v1::CreateSequenceR
         out.budget, BudgetFromProto(request.budget(), max_tokens_per_call, "budget.", num_layers));
   }
   out.retain_evicted = request.retain_evicted();
+  out.layer_windows.assign(request.layer_windows().begin(), request.layer_windows().end());
   return out;
 }
 
@@ -1148,6 +1149,7 @@ void LayerLayoutToProto(const LayerLayoutView& layer, v1::LayerLayout* out) {
   out->mutable_block_table()->Add(layer.block_table.begin(), layer.block_table.end());
   out->mutable_positions()->Add(layer.positions.begin(), layer.positions.end());
   out->set_budget(layer.budget);
+  out->set_window(layer.window);
 }
 
 void SequenceLayoutToProto(const SequenceLayout& layout, v1::GetLayoutResponse* out) {

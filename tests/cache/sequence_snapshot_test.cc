@@ -505,5 +505,30 @@ TEST(SequenceSnapshotTest, MalformedMetadataIsDataLoss) {
   EXPECT_EQ(DecodeSnapshot(bytes + "x").status().code(), absl::StatusCode::kDataLoss);
 }
 
+TEST(SequenceSnapshotTest, LayerWindowsRoundTripAndOlderSnapshotsHaveNone) {
+  SequenceSnapshot snapshot;
+  snapshot.id = "s";
+  snapshot.layout = MakeLayout(2, 2, 8, DType::kFloat16, 16);
+  snapshot.layers.resize(2);
+  const std::string without = EncodeSnapshot(snapshot);
+  snapshot.layer_windows = {0, 7};
+  const std::string with = EncodeSnapshot(snapshot);
+  // Windows go last: a snapshot without them is byte-for-byte what was written before they
+  // existed, and decodes with none.
+  EXPECT_EQ(with.substr(0, without.size()), without);
+  absl::StatusOr<SequenceSnapshot> decoded = DecodeSnapshot(with);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->layer_windows, (std::vector<int32_t>{0, 7}));
+  decoded = DecodeSnapshot(without);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_TRUE(decoded->layer_windows.empty());
+  // A window list of the wrong length or with a negative window is DATA_LOSS.
+  for (const std::vector<int32_t>& bad : {std::vector<int32_t>{7}, std::vector<int32_t>{0, -1}}) {
+    snapshot.layer_windows = bad;
+    EXPECT_EQ(DecodeSnapshot(EncodeSnapshot(snapshot)).status().code(),
+              absl::StatusCode::kDataLoss);
+  }
+}
+
 }  // namespace
 }  // namespace kvs

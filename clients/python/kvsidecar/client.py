@@ -551,12 +551,17 @@ class Session:
 
     def create_sequence(self, policy: PolicyLike = None, budget: BudgetLike = None,
                         sequence_id: str = "",
-                        retain_evicted: bool = False) -> sidecar_pb2.CreateSequenceResponse:
+                        retain_evicted: bool = False,
+                        layer_windows: Optional[Sequence[int]] = None
+                        ) -> sidecar_pb2.CreateSequenceResponse:
         """Creates a sequence. ``policy``: a ``PolicySpec`` or a policy name (None = the server
         default); ``budget``: a ``Budget`` or tokens per layer (None = unbounded);
-        ``sequence_id`` empty = server-generated (read it from the response)."""
+        ``sequence_id`` empty = server-generated (read it from the response);
+        ``layer_windows``: per layer, the sliding window W that layer keeps (its last W tokens,
+        whatever the policy), 0 = a global layer; None = no windows."""
         request = sidecar_pb2.CreateSequenceRequest(
-            session_id=self.session_id, sequence_id=sequence_id, retain_evicted=retain_evicted)
+            session_id=self.session_id, sequence_id=sequence_id, retain_evicted=retain_evicted,
+            layer_windows=list(layer_windows or ()))
         spec, bud = _policy(policy), _budget(budget)
         if spec is not None:
             request.policy.CopyFrom(spec)

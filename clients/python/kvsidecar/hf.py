@@ -17,7 +17,7 @@ What happens in one forward of B rows and T new tokens:
 
   layer 0          the previous step's DecodeStep answer is applied (see "overlap"); a prefill
                    block (T > 1, or the first block) is reserved in every layer of every row
-                   with ONE BatchReserve; the block table of what each row holds is read with
+                   with ONE BatchReserve (a left-padded row: its real tokens only); the block table of what each row holds is read with
                    one GetLayout per row (skipped while nothing is held).
   every layer      the model calls ``update(k, v, layer)`` with its post-RoPE K/V. A prefill
                    block is written into the reserved arena slots through torch views of the
@@ -47,6 +47,23 @@ query i iff j <= i. ``get_mask_sizes`` returns (held + T, seen - held), which ma
 own causal mask exactly that; the wrapper builds the same mask per layer itself (layers and rows
 may hold different counts; a row holding fewer than another gets masked padding slots).
 
+Sliding-window layers (Gemma 2/3, Mistral, Qwen2 with use_sliding_window). A layer whose config
+type is 'sliding_attention' lets a token see itself and the W - 1 tokens before it (W =
+``sliding_window``). Each row's sidecar sequence is created with ``layer_windows`` = W - 1 for
+those layers (0 for 'full_attention' ones): the sidecar keeps exactly the last W - 1 tokens of a
+sliding layer whatever the policy and budget (the policy and budget apply to the global layers),
+so a decode step's window is the held slots plus the new token. The wrapper masks a new block of
+T > 1 tokens by the window too (query i sees block slot j iff i - W < j <= i, and a held slot
+iff its position, read with the layout, is > seen + i - W).
+
+Padded batches. Rows of unequal length padded on the left (``tokenizer.padding_side = 'left'``,
+with the ``attention_mask``) are served: the cache reads the call's 2D attention_mask (a forward
+pre-hook on the model), places only each row's real tokens in its sequence, at the positions of
+their columns (so every row's order, and the sliding windows, are those of the model's own mask),
+sends the policy the queries of real tokens only, and masks the padding columns of the block.
+The model's position ids (from the mask) decide RoPE; the sidecar's positions only order the
+tokens. Padding after the first block, or on the right, is refused.
+
 Queries sent per policy (as `AttentionInputs`, post-RoPE, fp32, with their positions and the
 model's softmax scale): streaming_llm and keydiff none; tova the last query of the block; snapkv
 and cake the last ``window`` (their spec's, default 32); h2o, d2o, caote and the d2o/cake layer
@@ -55,10 +72,11 @@ allocators every query of the block. A decode step always sends its one query.
 Overlap: the DecodeStep is sent without waiting; its answer is applied when the cache is next
 used (the model computes its logits meanwhile). `sync()` waits for it.
 
-Not supported, with an error naming it: sliding-window, chunked or linear-attention layers,
-cross-attention and encoder-decoder models, quantized KV caches, attention implementations other
-than sdpa and eager, padded batches (rows of unequal length), beam search and other cache
-reordering or cropping, the OmniKV policy (it needs Select).
+Not supported, with an error naming it: chunked or linear-attention layers (any layer type but
+'full_attention' and 'sliding_attention'), bidirectional attention, cross-attention and
+encoder-decoder models, quantized KV caches, attention implementations other than sdpa and eager,
+right or interior padding, beam search and other cache reordering or cropping, the OmniKV policy
+(it needs Select).
 
 Not thread-safe: one cache is used by one thread at a time.
 """
@@ -86,7 +104,7 @@ from kvsidecar.client import budget as make_budget
 from kvsidecar.client import policy as make_policy
 from kvsidecar.v1 import common_pb2, sidecar_pb2
 
-__all__ = ["SidecarCache", "UnsupportedModelError", "layout_for", "blocks_for"]
+__all__ = ["SidecarCache", "UnsupportedModelError", "layout_for", "blocks_for", "layer_windows"]
 
 # Policies that score keys only: no queries are sent.
 KEY_ONLY_POLICIES = {"streaming_llm", "keydiff"}
@@ -128,6 +146,37 @@ def blocks_for(model: Any, max_tokens: int, batch_size: int = 1, block_tokens: i
     return batch_size * layers * (math.ceil(max_tokens / block_tokens) + 2)
 
 
+def layer_windows(model: Any) -> List[int]:
+    """Per layer, the sliding window W of the model's attention (a token sees itself and the
+    W - 1 tokens before it), 0 for a global layer. From the config's ``layer_types``
+    ('sliding_attention' / 'full_attention', as Gemma 2/3 and Qwen2 give them) and
+    ``sliding_window``; a config with a sliding window and no layer types (Mistral) slides in
+    every layer. Raises UnsupportedModelError for any other layer type (chunked, linear...)."""
+    config = _text_config(model)
+    num_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    uses = getattr(config, "use_sliding_window", True) is not False
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        kinds = ["sliding_attention" if window and uses else "full_attention"] * num_layers
+    else:
+        kinds = list(layer_types)
+    odd = [(i, t) for i, t in enumerate(kinds)
+           if t not in ("full_attention", "sliding_attention")]
+    if odd:
+        i, kind = odd[0]
+        raise UnsupportedModelError(
+            f"{type(config).__name__}: layer {i} is a '{kind}' layer ({len(odd)} of "
+            f"{len(kinds)} layers are neither 'full_attention' nor 'sliding_attention'); "
+            "chunked and linear-attention layers are not supported")
+    size = int(window or 0)
+    if "sliding_attention" in kinds and size < 2:
+        raise UnsupportedModelError(
+            f"{type(config).__name__}: sliding_attention layers with sliding_window={window}; "
+            "a window of at least 2 tokens is needed")
+    return [size if t == "sliding_attention" else 0 for t in kinds]
+
+
 def check_supported(model: Any) -> None:
     """Raises UnsupportedModelError naming what the model has that SidecarCache cannot serve."""
     top = getattr(model, "config", model)
@@ -140,19 +189,11 @@ def check_supported(model: Any) -> None:
         raise UnsupportedModelError(
             f"{type(config).__name__}: cross-attention layers (add_cross_attention=True) are not "
             "supported")
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        odd = [(i, t) for i, t in enumerate(layer_types) if t != "full_attention"]
-        if odd:
-            i, kind = odd[0]
-            raise UnsupportedModelError(
-                f"{type(config).__name__}: layer {i} is a '{kind}' layer ({len(odd)} of "
-                f"{len(layer_types)} layers are not 'full_attention'); sliding-window, chunked "
-                "and linear-attention layers are not supported")
-    elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+    layer_windows(model)  # raises for layer types other than full and sliding attention
+    if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
-            f"{type(config).__name__}: sliding-window attention (sliding_window="
-            f"{config.sliding_window}) is not supported")
+            f"{type(config).__name__}: bidirectional attention (use_bidirectional_attention) "
+            "is not supported: the cache serves causal decoders")
     for name in ("attention_chunk_size",):
         if getattr(config, name, None):
             raise UnsupportedModelError(
@@ -227,6 +268,18 @@ def install(model: Any) -> str:
     return name
 
 
+def _capture_mask(module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    """Forward pre-hook of the model: hands the call's 2D attention_mask to its SidecarCache,
+    which reads the padding of the new block from it (the attention layers only see the 4D
+    mask, after the cache had to place the block)."""
+    cache = kwargs.get("past_key_values")
+    if cache is None:
+        cache = kwargs.get("cache")
+    if isinstance(cache, SidecarCache):
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        cache._input_mask = mask
+
+
 # -- the cache -------------------------------------------------------------------------------------
 
 
@@ -248,10 +301,12 @@ class _SidecarLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, cache: "SidecarCache", layer: int) -> None:
+    def __init__(self, cache: "SidecarCache", layer: int, sliding: bool) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._cache = cache
         self._layer = layer
+        # The library picks which layer sizes the sliding and the full masks by this flag.
+        self.is_sliding = sliding
 
     def lazy_initialization(self, key_states: Any, value_states: Any) -> None:
         self.is_initialized = True
@@ -275,12 +330,15 @@ class _Step:
     def __init__(self, positions: np.ndarray, decode: bool) -> None:
         self.positions = positions
         self.decode = decode
-        self.reservations: List[Any] = []
+        self.reservations: List[Any] = []           # per row (None: no real token to place)
         self.inline: List[np.ndarray] = []          # per row [L][2][H][1][D], session dtype
         self.queries: Dict[int, np.ndarray] = {}     # layer -> [B][Hq][w][D] float32
         self.scale: Optional[float] = None
         self.held: List[List[int]] = []              # per row, per layer: tokens held
         self.tables: List[List[Sequence[int]]] = []  # per row, per layer: block table
+        self.real: Optional[Any] = None              # [B][T] bool: not padding (None = all)
+        # per row, per sliding layer: the position of each held slot (chunked prefill only)
+        self.slot_positions: List[Dict[int, Any]] = []
         self.next_layer = 0                          # layer whose update() comes next
         self.attended = -1                           # last layer whose attention ran
 
@@ -319,6 +377,12 @@ class SidecarCache(Cache):
         if budget is not None and budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
         self._attn_original = install(model)
+        if not getattr(model, "_kvsidecar_mask_hook", False):
+            model.register_forward_pre_hook(_capture_mask, with_kwargs=True)
+            model._kvsidecar_mask_hook = True
+        self._input_mask: Any = None    # the 2D attention_mask of the forward in progress
+        self._padded = False            # some row was left-padded: the library's mask over held
+                                        # slots no longer lines up with them (not checked)
         self.session = session
         self.policy = spec
         self.budget = budget
@@ -336,9 +400,14 @@ class SidecarCache(Cache):
         self._arena_t: Any = None
         self._name = self.policy.name if self.policy is not None else ""
         self._query_window = self._window()
-        self._mask_sizes: Optional[Tuple[int, int, int]] = None
+        self._mask_sizes: Dict[int, Tuple[int, int, int]] = {}
         self.last_attention: List[Optional[common_pb2.AttentionInputs]] = []
-        super().__init__(layers=[_SidecarLayer(self, i) for i in range(lay.num_layers)])
+        # The model's sliding window per layer (0 = global). The sidecar keeps W - 1 tokens of a
+        # sliding layer: with the new token that is all its attention can see.
+        self.windows = layer_windows(model)
+        self.sidecar_windows = [w - 1 if w > 0 else 0 for w in self.windows]
+        super().__init__(layers=[_SidecarLayer(self, i, self.windows[i] > 0)
+                                 for i in range(lay.num_layers)])
 
     # -- policy needs --------------------------------------------------------------------------
 
@@ -375,7 +444,7 @@ class SidecarCache(Cache):
         self.sync()
         held = int(self._counts[:, layer_idx].max()) if self._counts is not None else 0
         sizes = (held + int(query_length), self._seen - held)
-        self._mask_sizes = (int(query_length),) + sizes
+        self._mask_sizes[layer_idx] = (int(query_length),) + sizes
         return sizes
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
@@ -441,7 +510,8 @@ class SidecarCache(Cache):
             for _ in range(batch):
                 resp = self.session.create_sequence(
                     policy=self.policy,
-                    budget=make_budget(self.budget_tokens) if self.budget_tokens > 0 else None)
+                    budget=make_budget(self.budget_tokens) if self.budget_tokens > 0 else None,
+                    layer_windows=self.sidecar_windows if any(self.sidecar_windows) else None)
                 made.append(resp.sequence_id)
         except Exception:
             for seq in made:
@@ -468,12 +538,21 @@ class SidecarCache(Cache):
                 "supported)")
         positions = np.arange(self._seen, self._seen + tokens, dtype=np.int32)
         step = _Step(positions, decode=self._seen > 0 and tokens == 1)
+        step.real = self._real_tokens(batch, tokens)
+        self._input_mask = None
         if self._seen > 0:
+            # A block after held tokens masks a sliding layer's held slots by position.
+            positions_needed = not step.decode and any(self.windows)
             for seq in self.sequence_ids:
-                layout = self.session.get_layout(seq, omit_positions=True)
+                layout = self.session.get_layout(seq, omit_positions=not positions_needed)
                 by_layer = sorted(layout.layers, key=lambda e: e.layer)
                 step.held.append([e.count for e in by_layer])
                 step.tables.append([e.block_table for e in by_layer])
+                if positions_needed:
+                    # Every head of a sliding layer holds the same tokens: head 0's positions.
+                    step.slot_positions.append({
+                        e.layer: torch.as_tensor(list(e.positions[:e.count]))
+                        for e in by_layer if self.windows[e.layer] > 0})
         else:
             step.held = [[0] * self.num_layers for _ in self.sequence_ids]
             step.tables = [[()] * self.num_layers for _ in self.sequence_ids]
@@ -481,14 +560,52 @@ class SidecarCache(Cache):
             sdt = self.session.arena.storage_dtype
             step.inline = [np.empty((self.num_layers, 2, self.num_kv_heads, 1, self.head_dim), sdt)
                            for _ in self.sequence_ids]
-        else:
+        elif step.real is None:
             pos = positions.tolist()
             items = [ReserveItem(seq, tokens, positions=pos) for seq in self.sequence_ids]
             step.reservations = self.session.batch_reserve(items)
+        else:
+            # Padding never reaches the sidecar: each row places its real tokens only, at the
+            # positions of their columns (the order the model's mask and window use).
+            rows = [row for row in range(batch) if bool(step.real[row].any())]
+            items = [ReserveItem(self.sequence_ids[row], int(step.real[row].sum()),
+                                 positions=positions[step.real[row].numpy()].tolist())
+                     for row in rows]
+            step.reservations = [None] * batch
+            for row, res in zip(rows, self.session.batch_reserve(items)):
+                step.reservations[row] = res
         self._step = step
+
+    def _real_tokens(self, batch: int, tokens: int) -> Any:
+        """[B][T] bool of the new block's real (unpadded) tokens from the call's 2D
+        attention_mask; None when there is no padding (or no 2D mask: a 4D mask is checked
+        by the attention wrapper)."""
+        mask = self._input_mask
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            return None
+        if mask.shape[0] != batch or mask.shape[1] < tokens:
+            raise UnsupportedModelError(
+                f"attention_mask of shape {tuple(mask.shape)} for a block of {batch} x {tokens} "
+                "tokens")
+        real = mask[:, -tokens:].detach().to(device="cpu", dtype=torch.bool)
+        if bool(real.all()):
+            return None
+        if self._seen > 0:
+            raise UnsupportedModelError(
+                "padding after the first block is not supported (the attention_mask masks a "
+                "new token): pad the prompts on the left (tokenizer.padding_side='left')")
+        as_int = real.to(torch.int8)
+        if not bool((as_int.cummax(dim=1).values == as_int).all()):
+            raise UnsupportedModelError(
+                "right or interior padding is not supported: pad the prompts on the left "
+                "(tokenizer.padding_side='left')")
+        self._padded = True
+        return real
 
     def _abandon(self, step: _Step) -> None:
         for res in step.reservations:
+            if res is None:
+                continue
             try:
                 self.session.cancel_reservation(res)
             except Exception:  # pragma: no cover - best effort on a broken step
@@ -505,9 +622,13 @@ class SidecarCache(Cache):
                 view.copy_(stored[row])
         else:
             for row, res in enumerate(step.reservations):
+                if res is None:
+                    continue
+                # A padded row's real columns (a copy of those only), else the row as it is.
+                src = stored[row] if step.real is None else stored[row][:, step.real[row]]
                 for first, kview, vview in res.views(layer):
                     view = _as_torch(kview if kv == 0 else vview, self.dtype)  # arena, no copy
-                    view.copy_(stored[row, :, first:first + view.shape[1]])
+                    view.copy_(src[:, first:first + view.shape[1]])
         return stored.to(states.dtype)
 
     def _assemble(self, layer: int, new_k: Any, new_v: Any) -> Tuple[Any, Any]:
@@ -544,38 +665,61 @@ class SidecarCache(Cache):
         t = query.shape[2]
         held = torch.as_tensor([row[layer] for row in step.held])
         width = int(held.max())
-        if layer == 0 and given is not None:
-            self._check_no_padding(given, t)
-        if (held == width).all() and (t == 1 or (width == 0 and original == "sdpa")):
-            # One query over equal rows sees everything; a fresh block with no mask is causal
-            # in sdpa (is_causal); eager needs its causal mask spelled out.
+        window = self.windows[layer]
+        if layer == 0 and given is not None and not self._padded:
+            self._check_no_padding(given, t, layer)
+        if step.real is None and (held == width).all() and (t == 1 or (width == 0 and original == "sdpa"
+                                                  and (window == 0 or t <= window))):
+            # One query over equal rows sees everything (a sliding layer holds W - 1 tokens);
+            # a fresh block with no mask is causal in sdpa (is_causal), as long as it fits a
+            # sliding layer's window; eager needs its causal mask spelled out.
             return None
         slots = torch.arange(width + t)
         q = torch.arange(t)
-        visible = (slots[None, None, :] < held[:, None, None]) | (
-            (slots[None, None, :] >= width)
-            & (slots[None, None, :] - width <= q[None, :, None]))  # [B][T][S]
+        new = (slots[None, :] >= width) & (slots[None, :] - width <= q[:, None])  # [T][S]
+        if window > 0:
+            new &= slots[None, :] - width > q[:, None] - window
+        visible = (slots[None, None, :] < held[:, None, None]) | new[None]  # [B][T][S]
+        if step.real is not None:
+            # Padding columns are seen by no query; a padding query sees itself (its output is
+            # never used, but a row with nothing visible would be NaN and spread through V).
+            visible[:, :, width:] &= step.real[:, None, :]
+            diagonal = torch.arange(t)
+            visible[:, diagonal, width + diagonal] |= ~step.real
+        if window > 0 and width > 0:
+            # A held slot of a sliding layer is visible to query i (position seen + i) while its
+            # position is inside the window: p > seen + i - W.
+            for row, per_layer in enumerate(step.slot_positions):
+                pos = per_layer[layer]
+                inside = pos[None, :] > (self._seen + q)[:, None] - window  # [T][held]
+                visible[row, :, :len(pos)] &= inside
         visible = visible[:, None]  # [B][1][T][S]
         if original == "sdpa":
             return visible
         neg = torch.finfo(query.dtype).min
         return torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, neg)
 
-    def _check_no_padding(self, given: Any, t: int) -> None:
-        """The library's mask (sized by get_mask_sizes) must be plain causal: anything else is
-        padding or a custom mask, which the compacted cache cannot honour."""
-        if self._mask_sizes is None or given.dim() != 4:
+    def _check_no_padding(self, given: Any, t: int, layer: int) -> None:
+        """The library's mask (sized by get_mask_sizes) must be plain causal (within the sliding
+        window of a sliding layer): anything else is padding or a custom mask, which the
+        compacted cache cannot honour."""
+        sizes = self._mask_sizes.get(layer)
+        if sizes is None or given.dim() != 4:
             raise UnsupportedModelError("custom attention masks are not supported")
-        q, kv_len, kv_off = self._mask_sizes
+        q, kv_len, kv_off = sizes
         visible = given if given.dtype == torch.bool else given > torch.finfo(given.dtype).min / 2
         if visible.shape[-2:] != (q, kv_len):
             raise UnsupportedModelError("custom attention masks are not supported")
-        expect = (torch.arange(kv_len)[None, :] + kv_off
-                  <= torch.arange(q)[:, None] + self._seen)
+        kv_pos = torch.arange(kv_len)[None, :] + kv_off
+        q_pos = torch.arange(q)[:, None] + self._seen
+        expect = kv_pos <= q_pos
+        if self.windows[layer] > 0:
+            expect &= kv_pos > q_pos - self.windows[layer]
         if not bool((visible == expect.to(visible.device)).all()):
             raise UnsupportedModelError(
-                "padded batches are not supported: the attention_mask masks some tokens; pass "
-                "rows of equal length (no padding)")
+                "the attention mask masks some tokens, and the cache was not given the call's "
+                "2D attention_mask (padding is read from it: call the model the SidecarCache "
+                "was built with, passing attention_mask); custom masks are not supported")
 
     def _take_queries(self, layer: int, query: Any, scale: Optional[float]) -> None:
         if self._query_window == 0:
@@ -606,8 +750,14 @@ class SidecarCache(Cache):
             return None
         q = np.stack([step.queries[layer][row] for layer in range(num_layers)])
         w = q.shape[2]
-        return attention(q, query_positions=step.positions[-w:].tolist(),
-                         softmax_scale=step.scale)
+        positions = step.positions[-w:]
+        if step.real is not None:
+            # A padded row's policy reads the queries of its real tokens only.
+            real = step.real[row, -w:].numpy()
+            if not real.any():
+                return None
+            q, positions = np.ascontiguousarray(q[:, :, real]), positions[real]
+        return attention(q, query_positions=positions.tolist(), softmax_scale=step.scale)
 
     def _end_step(self) -> None:
         step = self._step
@@ -629,12 +779,14 @@ class SidecarCache(Cache):
         if self._arena().is_cuda:
             torch.cuda.synchronize()  # the K/V writes land before the Commit that publishes them
         compress = self.budget_tokens > 0
+        rows = [row for row, res in enumerate(step.reservations) if res is not None]
         request = sidecar_pb2.BatchCommitRequest(requests=[
-            self.session._commit_request(res, compress, attn)
-            for res, attn in zip(step.reservations, attns)])
-        resp = self.session._call(self.session.stub.BatchCommit, request)
-        for row, out in enumerate(resp.responses):
-            self._counts[row] = list(out.counts)
+            self.session._commit_request(step.reservations[row], compress, attns[row])
+            for row in rows])
+        if rows:
+            resp = self.session._call(self.session.stub.BatchCommit, request)
+            for row, out in zip(rows, resp.responses):
+                self._counts[row] = list(out.counts)
         self._seen += t
 
     def sync(self) -> None:
@@ -675,6 +827,7 @@ class SidecarCache(Cache):
             ids, self.sequence_ids = self.sequence_ids, []
             self._counts = None
             self._seen = 0
+            self._padded = False
             self._arena_t = None
             for seq in ids:
                 self.session.release_sequence(seq)

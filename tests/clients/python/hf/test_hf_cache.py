@@ -1,5 +1,6 @@
-"""kvsidecar.hf.SidecarCache on tiny randomly initialised transformers models (Llama and Qwen2,
-built from a config here: nothing is downloaded) against a real kvsidecar server on loopback.
+"""kvsidecar.hf.SidecarCache on tiny randomly initialised transformers models (Llama, Qwen2 and
+Gemma 3 with its sliding-window layers, built from a config here: nothing is downloaded) against
+a real kvsidecar server on loopback.
 
 Full budget: the same greedy tokens as DynamicCache and logits within LOGIT_TOL (fp32 arena:
 the K/V the model attends to are the same numbers, only gathered from the arena). Under a
@@ -11,9 +12,9 @@ import inspect
 import numpy as np
 import pytest
 import torch
-from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, T5Config,
-                          T5ForConditionalGeneration)
+from transformers import (DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, T5Config, T5ForConditionalGeneration)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kvsidecar as kvs
@@ -27,6 +28,10 @@ CACHE = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parame
 # fp32 everywhere; the only difference from DynamicCache is where K/V are read from.
 LOGIT_TOL = 1e-4
 PROMPT = 40
+# Gemma 3's sliding layers (two of three here) see a token and the SLIDING - 1 before it, fewer
+# than the prompt: the sidecar holds SLIDING - 1 tokens of them whatever the policy.
+SLIDING = 8
+GEMMA_TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
 
 
 def _common(**extra):
@@ -41,10 +46,22 @@ def make_model(family="llama", attn="sdpa"):
         model = LlamaForCausalLM(LlamaConfig(**_common()))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**_common()))
+    elif family == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**_common(
+            head_dim=16, query_pre_attn_scalar=16, sliding_window=SLIDING,
+            layer_types=GEMMA_TYPES)))
     else:
         raise ValueError(family)
     model.set_attn_implementation(attn)
     return model.eval()
+
+
+def held(family, tokens, budget=None):
+    """Tokens each of the 3 layers holds after `tokens` were appended under `budget`."""
+    full = tokens if budget is None else min(budget, tokens)
+    if family != "gemma3":
+        return [full] * 3
+    return [min(tokens, SLIDING - 1) if t == "sliding_attention" else full for t in GEMMA_TYPES]
 
 
 def prompts(batch, length=PROMPT, seed=1):
@@ -70,7 +87,8 @@ def _generate(model, ids, cache, steps=12, **kw):
 
 
 @pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"),
-                                         ("qwen2", "sdpa")])
+                                         ("qwen2", "sdpa"), ("gemma3", "sdpa"),
+                                         ("gemma3", "eager")])
 def test_full_budget_generates_what_dynamic_cache_does(server, family, attn):
     model = make_model(family, attn)
     ids = prompts(2)
@@ -84,14 +102,16 @@ def test_full_budget_generates_what_dynamic_cache_does(server, family, attn):
         assert diff <= LOGIT_TOL, diff
         # Every token but the last generated one went through the cache, nothing evicted.
         assert cache.get_seq_length() == PROMPT + 11
-        assert cache.counts == [[PROMPT + 11] * 3] * 2
+        assert cache.counts == [held(family, PROMPT + 11)] * 2
         cache.release()
 
 
-def test_plain_forward_loop_with_chunked_prefill_matches_dynamic_cache(session):
-    """Two prefill chunks (the second attends to the first from the arena, with the slot mask)
-    and decode steps in a hand-written loop."""
-    model = make_model()
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_plain_forward_loop_with_chunked_prefill_matches_dynamic_cache(session, family):
+    """Two prefill chunks (the second attends to the first from the arena, with the slot mask;
+    Gemma's sliding layers mask the held slots that left the window by position) and decode
+    steps in a hand-written loop."""
+    model = make_model(family)
     ids = prompts(2, 48)
     cache = SidecarCache(session, model, policy="h2o", budget=0)
     ref = DynamicCache(config=model.config)
@@ -106,7 +126,7 @@ def test_plain_forward_loop_with_chunked_prefill_matches_dynamic_cache(session):
             b = model(tok, **{CACHE: ref}, use_cache=True).logits
             assert float((a - b).abs().max()) <= LOGIT_TOL
             tok = a[:, -1:].argmax(-1)
-    assert cache.counts == [[53] * 3] * 2
+    assert cache.counts == [held(family, 53)] * 2
     cache.release()
 
 
@@ -141,7 +161,7 @@ def _score_kept(session, seq, layer, budget, policy, attn):
     return [sorted(pos[h][slots[h]].tolist()) for h in range(2)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("name,fraction", [("snapkv", 0.25), ("h2o", 0.5),
                                            ("streaming_llm", 0.25), ("keydiff", 0.5),
                                            ("tova", 0.25)])
@@ -164,7 +184,7 @@ def test_under_budget_attention_reads_the_layout_and_the_score_kept_set(
         model(ids, **{CACHE: full}, use_cache=True)
         logits = model(ids, **{CACHE: small}, use_cache=True).logits
     assert small.budget_tokens == budget
-    assert small.counts == [[budget] * 3] * 2
+    assert small.counts == [held(family, PROMPT, budget)] * 2
     for row in range(2):
         attn = kvs.attention(torch.stack([q[row] for q in queries]).numpy(),
                              query_positions=list(range(PROMPT)))
@@ -185,18 +205,24 @@ def test_under_budget_attention_reads_the_layout_and_the_score_kept_set(
             for layer in range(3):
                 k, v, pos = before[row][layer]
                 n = k.shape[1]
-                assert n == budget
+                assert n == held(family, PROMPT, budget)[layer]
                 got_k = recorder.keys[layer][row]
                 got_v = recorder.values[layer][row]
                 assert got_k.shape[1] == n + 1
                 assert np.array_equal(got_k[:, :n].numpy(), k), (step, row, layer)
                 assert np.array_equal(got_v[:, :n].numpy(), v), (step, row, layer)
         after = small.counts
-        assert after == [[budget] * 3] * 2
+        assert after == [held(family, PROMPT, budget)] * 2
         assert small.get_seq_length() == PROMPT + step + 1
     # The new token was appended at its true position and the kept positions are real ones.
-    _, _, pos = _layer_state(session, small.sequence_ids[0], 0)
+    _, _, pos = _layer_state(session, small.sequence_ids[0], 2)
     assert pos.max() <= PROMPT + 3 and len(set(pos[0].tolist())) == budget
+    if family == "gemma3":
+        # A sliding layer holds exactly the window's tokens, whatever the policy chose.
+        for layer in (0, 1):
+            _, _, pos = _layer_state(session, small.sequence_ids[0], layer)
+            assert [sorted(p) for p in pos.tolist()] == \
+                [list(range(PROMPT + 4 - (SLIDING - 1), PROMPT + 4))] * 2
     full.release()
     small.release()
 
@@ -214,6 +240,54 @@ def test_batch_of_four_generates_under_a_budget(session):
     assert torch.equal(one.sequences[0], out.sequences[2])
     cache.release()
     solo.release()
+
+
+def _left_padded(batch=3, length=30, seed=9):
+    """Rows of `length` - 7 * row real tokens, padded on the left (as generate wants them)."""
+    ids = prompts(batch, length, seed=seed)
+    mask = torch.ones_like(ids)
+    for row in range(batch):
+        mask[row, :7 * row] = 0
+        ids[row, :7 * row] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_left_padded_batch_generates_what_dynamic_cache_does(session, family):
+    """Padding never reaches the sidecar (each row holds its real tokens only), and the model
+    reads the same numbers as with DynamicCache: same tokens, logits within LOGIT_TOL."""
+    model = make_model(family)
+    ids, mask = _left_padded()
+    kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(ids, **{CACHE: DynamicCache(config=model.config)}, **kw)
+        cache = SidecarCache(session, model, policy="h2o", budget=0)
+        out = model.generate(ids, **{CACHE: cache}, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    diff = max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits))
+    assert diff <= LOGIT_TOL, diff
+    assert cache.counts == [held(family, 30 - 7 * row + 9) for row in range(3)]
+    cache.release()
+
+
+def test_left_padded_rows_under_a_budget_generate_what_each_row_does_alone(session):
+    """Under a budget a padded row's policy sees its real tokens and queries only: the row
+    generates what the same prompt generates unpadded, alone."""
+    model = make_model()
+    ids, mask = _left_padded()
+    for name in ("snapkv", "h2o"):
+        cache = SidecarCache(session, model, policy=name, budget=12)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, **{CACHE: cache}, max_new_tokens=8,
+                                 min_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert cache.counts == [[12] * 3] * 3
+        cache.release()
+        for row in range(3):
+            solo = SidecarCache(session, model, policy=name, budget=12)
+            one = _generate(model, ids[row:row + 1, 7 * row:], solo, steps=8)
+            assert torch.equal(one.sequences[0, -8:], out[row, -8:]), (name, row)
+            solo.release()
 
 
 def test_sampling_with_a_fixed_seed(session):
@@ -241,31 +315,47 @@ def test_sampling_with_a_fixed_seed(session):
 
 def test_unsupported_models_and_calls_are_named(session):
     torch.manual_seed(0)
+    chunked = LlamaForCausalLM(LlamaConfig(**_common()))
+    chunked.config.layer_types = ["full_attention", "chunked_attention", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match="layer 1 is a 'chunked_attention' layer"):
+        SidecarCache(session, chunked)
+    # Sliding windows are served: every layer (Mistral) or some (Qwen2's max_window_layers).
     mistral = MistralForCausalLM(MistralConfig(**_common(sliding_window=16)))
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        SidecarCache(session, mistral)
+    assert SidecarCache(session, mistral).sidecar_windows == [15, 15, 15]
     qwen_sliding = Qwen2ForCausalLM(Qwen2Config(**_common(
         use_sliding_window=True, sliding_window=16, max_window_layers=1)))
-    with pytest.raises(UnsupportedModelError, match="sliding_attention"):
-        SidecarCache(session, qwen_sliding)
+    assert SidecarCache(session, qwen_sliding).windows == [0, 16, 16]
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1,
                                              num_heads=2, d_kv=8))
     with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
         SidecarCache(session, t5)
+    cross = make_model()
+    cross.config.add_cross_attention = True
+    with pytest.raises(UnsupportedModelError, match="cross-attention"):
+        SidecarCache(session, cross)
+    quantized = make_model()
+    quantized.config.quantization_config = {"kv_cache_scheme": {"num_bits": 8}}
+    with pytest.raises(UnsupportedModelError, match="quantized KV caches"):
+        SidecarCache(session, quantized)
+    bidirectional = make_model("gemma3")
+    bidirectional.config.use_bidirectional_attention = True
+    with pytest.raises(UnsupportedModelError, match="bidirectional"):
+        SidecarCache(session, bidirectional)
     bigger = LlamaForCausalLM(LlamaConfig(**dict(_common(), num_hidden_layers=4)))
     with pytest.raises(UnsupportedModelError, match="does not match"):
         SidecarCache(session, bigger)
     model = make_model()
     with pytest.raises(UnsupportedModelError, match="omnikv"):
         SidecarCache(session, model, policy="omnikv")
-    # Padding (rows of unequal length) is refused before anything is committed.
+    # Right padding is refused before anything is committed (left padding is served).
     ids = prompts(2, 16)
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0
+    mask[0, -3:] = 0
     cache = SidecarCache(session, model, policy="snapkv", budget=8)
-    with pytest.raises(UnsupportedModelError, match="padded"):
+    with pytest.raises(UnsupportedModelError, match="pad the prompts on the left"):
         with torch.no_grad():
             model(ids, attention_mask=mask, **{CACHE: cache}, use_cache=True)
+    assert cache.counts == [[0] * 3] * 2
     cache.release()
     # Beam search reorders the cache: refused by name.
     cache = SidecarCache(session, model, policy="snapkv", budget=8)
