@@ -1,4 +1,5 @@
 #include "cache/policy/keydiff.h"
+#include "cache/policy/registry.h"
 
 #include <algorithm>
 #include <cmath>
@@ -65,5 +66,30 @@ absl::Status ResolveKeyDiffConfig(PolicyConfig& config) {
 std::unique_ptr<Policy> MakeKeyDiffPolicy(const PolicyConfig& config) {
   return std::make_unique<KeyDiffPolicy>(config);
 }
+
+
+// ---- Registry unit (cache/policy/registry.h) ----------------------------------------
+namespace {
+
+void EncodeKeyDiffParams(const PolicyConfig& config, FieldWriter& out) {
+  out.Enum(1, config.keydiff.anchor);
+  out.Enum(2, config.keydiff.metric);
+  out.F32(3, config.keydiff.recent_fraction);
+}
+bool DecodeKeyDiffParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
+  return in.Enum(1, &config->keydiff.anchor) && in.Enum(2, &config->keydiff.metric) &&
+         in.F32(3, &config->keydiff.recent_fraction);
+}
+}  // namespace
+
+extern const PolicyUnit kKeyDiffUnit;
+const PolicyUnit kKeyDiffUnit = {
+    .name = kPolicyKeyDiff,
+    .capabilities = {.needs_attention = false, .query_agnostic = true},
+    .resolve = &ResolveKeyDiffConfig,
+    .make = &MakeKeyDiffPolicy,
+    .encode_params = &EncodeKeyDiffParams,
+    .decode_params = &DecodeKeyDiffParams,
+};
 
 }  // namespace kvs

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "cache/policy/policy.h"
+#include "cache/policy/registry.h"
 #include "cache/sequence_snapshot.h"
 #include "gtest/gtest.h"
 
@@ -55,6 +56,13 @@ PolicyConfig SampleConfig(const std::string& name) {
     p.d2o.full_cache_layers = {1};
     p.d2o.merge_weighting = D2oMergeWeighting::kCode;
     p.d2o.threshold_scope = D2oThresholdScope::kLayer;
+  } else if (name == "omnikv") {
+    p.omnikv.filter_layers = {0};
+    p.omnikv.wait_layers = 1;
+    p.omnikv.selected_tokens = 2;
+    p.omnikv.selector = OmniKvSelector::kExp;
+    p.omnikv.window = 4;
+    p.allocator.kind = LayerAllocatorKind::kUniform;
   } else if (name == "caote") {
     p.caote.base = CaoteBase::kCake;
     p.caote.variant = CaoteVariant::kFast;
@@ -66,7 +74,7 @@ PolicyConfig SampleConfig(const std::string& name) {
     p.caote.snapkv = {12, 3, Pooling::kMax};
     p.caote.cake = {6, 0.75f, 1.5f, 50.0f, 3, false};
   }
-  p.allocator.kind = LayerAllocatorKind::kPyramidKv;
+  if (name != "omnikv") p.allocator.kind = LayerAllocatorKind::kPyramidKv;
   p.allocator.min_layer_tokens = 2;
   p.allocator.pyramid_beta = 10.0f;
   absl::StatusOr<PolicyConfig> resolved = ResolvePolicyConfig(p);
@@ -182,6 +190,40 @@ TEST(SnapshotFixtureTest, FirstFormatFixturesRestoreUnchanged) {
     absl::StatusOr<std::unique_ptr<Policy>> policy = MakePolicy(decoded->policy);
     EXPECT_TRUE(policy.ok()) << policy.status();
   }
+}
+
+// The current format round-trips every policy, OmniKV's parameters included (the first format
+// had no field for them, so a spilled OmniKV sequence came back without its filter layers).
+TEST(SnapshotFixtureTest, CurrentFormatRoundTripsEveryPolicy) {
+  for (const std::string& name : KnownPolicyNames()) {
+    SCOPED_TRACE(name);
+    const SequenceSnapshot want = Sample(name);
+    const std::string bytes = EncodeSnapshot(want);
+    EXPECT_EQ(bytes.substr(0, 8), "KVSSNAP2");
+    absl::StatusOr<SequenceSnapshot> decoded = DecodeSnapshot(bytes);
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    EXPECT_EQ(decoded->policy.omnikv.filter_layers, want.policy.omnikv.filter_layers);
+    EXPECT_EQ(decoded->policy.omnikv.selector, want.policy.omnikv.selector);
+    EXPECT_EQ(decoded->policy.tova.all_heads, want.policy.tova.all_heads);
+    for (size_t l = 0; l < want.layers.size(); ++l) {
+      ExpectSameState(decoded->layers[l].state, want.layers[l].state);
+    }
+    EXPECT_EQ(EncodeSnapshot(*decoded), bytes);
+    absl::StatusOr<std::unique_ptr<Policy>> policy = MakePolicy(decoded->policy);
+    EXPECT_TRUE(policy.ok()) << policy.status();
+  }
+}
+
+// A field a later build adds is skipped by this one: the snapshot still restores.
+TEST(SnapshotFixtureTest, FieldsOfALaterBuildAreSkipped) {
+  const SequenceSnapshot want = Sample("d2o");
+  std::string bytes = EncodeSnapshot(want);
+  FieldWriter extra;
+  extra.F32s(99, {1.0f, 2.0f});
+  bytes += extra.bytes();
+  absl::StatusOr<SequenceSnapshot> decoded = DecodeSnapshot(bytes);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(EncodeSnapshot(*decoded), EncodeSnapshot(want));
 }
 
 }  // namespace
