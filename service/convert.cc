@@ -151,8 +151,8 @@ CakeConfig CakeFromProto(const v1::CakeParams& params) {
   out.window = params.window();
   out.tau1 = params.tau1();
   out.tau2 = params.tau2();
-  // Proto zero is "unset": keep the spec's default (200) rather than a weightless variance.
-  if (params.gamma() != 0.0f) out.gamma = params.gamma();
+  // Unset keeps the spec's default (200); an explicit 0 drops the variance term.
+  if (params.has_gamma()) out.gamma = params.gamma();
   out.kernel_size = params.kernel_size();
   out.non_cascading = params.non_cascading();
   return out;
@@ -170,9 +170,9 @@ void CakeToProto(const CakeConfig& config, v1::CakeParams* out) {
 absl::StatusOr<D2oConfig> D2oFromProto(const v1::D2oParams& params, absl::string_view prefix) {
   D2oConfig out;
   out.rho = params.rho();
-  // Proto zero is "unset": keep the spec's defaults (recent_frac 0.25, n_sink 4).
-  if (params.recent_frac() != 0.0f) out.recent_frac = params.recent_frac();
-  if (params.n_sink() != 0) out.n_sink = params.n_sink();
+  // Unset keeps the spec's defaults (recent_frac 0.25, n_sink 4); an explicit 0 is honoured.
+  if (params.has_recent_frac()) out.recent_frac = params.recent_frac();
+  if (params.has_n_sink()) out.n_sink = params.n_sink();
   out.beta = params.beta();
   switch (params.density_mode()) {
     case v1::D2oParams::DENSITY_MODE_UNSPECIFIED:
@@ -478,68 +478,77 @@ absl::StatusOr<std::optional<PolicyConfig>> PolicyFromProto(const v1::PolicySpec
   // reads as zeros) is the oneof field named as the policy (proto contract).
   switch (PolicyParamsFieldNumber(name)) {
     case v1::PolicySpec::kStreamingLlmFieldNumber: {
-    out.streaming_llm.n_sink = spec.streaming_llm().n_sink();
+      // Unset keeps the paper's default; an explicit 0 is a pure sliding window.
+      if (spec.streaming_llm().has_n_sink())
+        out.streaming_llm.n_sink = spec.streaming_llm().n_sink();
       break;
     }
     case v1::PolicySpec::kKeydiffFieldNumber: {
-    const v1::KeyDiffParams& params = spec.keydiff();
-    KVS_ASSIGN_OR_RETURN(out.keydiff.anchor,
-                         AnchorFromProto(params.anchor(), absl::StrCat(prefix, "keydiff.anchor")));
-    KVS_ASSIGN_OR_RETURN(out.keydiff.metric,
-                         MetricFromProto(params.metric(), absl::StrCat(prefix, "keydiff.metric")));
-    out.keydiff.recent_fraction = params.recent_fraction();
+      const v1::KeyDiffParams& params = spec.keydiff();
+      KVS_ASSIGN_OR_RETURN(
+          out.keydiff.anchor,
+          AnchorFromProto(params.anchor(), absl::StrCat(prefix, "keydiff.anchor")));
+      KVS_ASSIGN_OR_RETURN(
+          out.keydiff.metric,
+          MetricFromProto(params.metric(), absl::StrCat(prefix, "keydiff.metric")));
+      out.keydiff.recent_fraction = params.recent_fraction();
       break;
     }
     case v1::PolicySpec::kH2OFieldNumber: {
-    out.h2o.n_sink = spec.h2o().n_sink();
-    out.h2o.n_recent = spec.h2o().n_recent();
+      out.h2o.n_sink = spec.h2o().n_sink();
+      out.h2o.n_recent = spec.h2o().n_recent();
       break;
     }
     case v1::PolicySpec::kTovaFieldNumber: {
-    out.tova.all_heads = spec.tova().all_heads();
+      out.tova.all_heads = spec.tova().all_heads();
       break;
     }
     case v1::PolicySpec::kSnapkvFieldNumber: {
-    KVS_ASSIGN_OR_RETURN(out.snapkv, SnapKvFromProto(spec.snapkv(), prefix, "snapkv"));
+      KVS_ASSIGN_OR_RETURN(out.snapkv, SnapKvFromProto(spec.snapkv(), prefix, "snapkv"));
       break;
     }
     case v1::PolicySpec::kCakeFieldNumber: {
-    out.cake = CakeFromProto(spec.cake());
+      out.cake = CakeFromProto(spec.cake());
       break;
     }
     case v1::PolicySpec::kD2OFieldNumber: {
-    KVS_ASSIGN_OR_RETURN(out.d2o, D2oFromProto(spec.d2o(), prefix));
+      KVS_ASSIGN_OR_RETURN(out.d2o, D2oFromProto(spec.d2o(), prefix));
       break;
     }
     case v1::PolicySpec::kCaoteFieldNumber: {
-    KVS_ASSIGN_OR_RETURN(out.caote, CaoteFromProto(spec.caote(), prefix));
+      KVS_ASSIGN_OR_RETURN(out.caote, CaoteFromProto(spec.caote(), prefix));
+      // The base's own parameters (CAOTE over TOVA), beside the wrapper's.
+      if (spec.caote().has_tova() && out.caote.base != CaoteBase::kTova) {
+        return Invalid(prefix, "caote.tova", "is set but caote.base is not BASE_TOVA");
+      }
+      out.tova.all_heads = spec.caote().tova().all_heads();
       break;
     }
     case v1::PolicySpec::kOmnikvFieldNumber: {
-    const v1::OmniKvParams& params = spec.omnikv();
-    out.omnikv.filter_layers.assign(params.filter_layers().begin(), params.filter_layers().end());
-    out.omnikv.wait_layers = params.wait_layers();
-    out.omnikv.selected_tokens = params.selected_tokens();
-    out.omnikv.selected_fraction = params.selected_fraction();
-    switch (params.selector()) {
-      case v1::OmniKvParams::SELECTOR_UNSPECIFIED:
-      case v1::OmniKvParams::SELECTOR_LAST:
-        out.omnikv.selector = OmniKvSelector::kLast;
-        break;
-      case v1::OmniKvParams::SELECTOR_SOFTMAX_BEFORE_LAST:
-        out.omnikv.selector = OmniKvSelector::kSoftmaxBeforeLast;
-        break;
-      case v1::OmniKvParams::SELECTOR_UNIFORM:
-        out.omnikv.selector = OmniKvSelector::kUniform;
-        break;
-      case v1::OmniKvParams::SELECTOR_EXP:
-        out.omnikv.selector = OmniKvSelector::kExp;
-        break;
-      default:
-        return UnknownEnum(prefix, "omnikv.selector", static_cast<int>(params.selector()));
-    }
-    out.omnikv.window = params.window();
-    out.omnikv.offload = params.offload();
+      const v1::OmniKvParams& params = spec.omnikv();
+      out.omnikv.filter_layers.assign(params.filter_layers().begin(), params.filter_layers().end());
+      out.omnikv.wait_layers = params.wait_layers();
+      out.omnikv.selected_tokens = params.selected_tokens();
+      out.omnikv.selected_fraction = params.selected_fraction();
+      switch (params.selector()) {
+        case v1::OmniKvParams::SELECTOR_UNSPECIFIED:
+        case v1::OmniKvParams::SELECTOR_LAST:
+          out.omnikv.selector = OmniKvSelector::kLast;
+          break;
+        case v1::OmniKvParams::SELECTOR_SOFTMAX_BEFORE_LAST:
+          out.omnikv.selector = OmniKvSelector::kSoftmaxBeforeLast;
+          break;
+        case v1::OmniKvParams::SELECTOR_UNIFORM:
+          out.omnikv.selector = OmniKvSelector::kUniform;
+          break;
+        case v1::OmniKvParams::SELECTOR_EXP:
+          out.omnikv.selector = OmniKvSelector::kExp;
+          break;
+        default:
+          return UnknownEnum(prefix, "omnikv.selector", static_cast<int>(params.selector()));
+      }
+      out.omnikv.window = params.window();
+      out.omnikv.offload = params.offload();
       break;
     }
     default:  // a policy without parameters
@@ -578,63 +587,68 @@ void PolicyToProto(const PolicyConfig& policy, v1::PolicySpec* out) {
   // The params field of the policy's oneof is the one named as the policy (proto contract).
   switch (PolicyParamsFieldNumber(policy.name)) {
     case v1::PolicySpec::kStreamingLlmFieldNumber: {
-    out->mutable_streaming_llm()->set_n_sink(policy.streaming_llm.n_sink);
+      out->mutable_streaming_llm()->set_n_sink(policy.streaming_llm.n_sink);
       break;
     }
     case v1::PolicySpec::kKeydiffFieldNumber: {
-    v1::KeyDiffParams* params = out->mutable_keydiff();
-    params->set_anchor(AnchorToProto(policy.keydiff.anchor));
-    params->set_metric(MetricToProto(policy.keydiff.metric));
-    params->set_recent_fraction(policy.keydiff.recent_fraction);
+      v1::KeyDiffParams* params = out->mutable_keydiff();
+      params->set_anchor(AnchorToProto(policy.keydiff.anchor));
+      params->set_metric(MetricToProto(policy.keydiff.metric));
+      params->set_recent_fraction(policy.keydiff.recent_fraction);
       break;
     }
     case v1::PolicySpec::kH2OFieldNumber: {
-    out->mutable_h2o()->set_n_sink(policy.h2o.n_sink);
-    out->mutable_h2o()->set_n_recent(policy.h2o.n_recent);
+      out->mutable_h2o()->set_n_sink(policy.h2o.n_sink);
+      out->mutable_h2o()->set_n_recent(policy.h2o.n_recent);
       break;
     }
     case v1::PolicySpec::kTovaFieldNumber: {
-    out->mutable_tova()->set_all_heads(policy.tova.all_heads);
+      out->mutable_tova()->set_all_heads(policy.tova.all_heads);
       break;
     }
     case v1::PolicySpec::kSnapkvFieldNumber: {
-    SnapKvToProto(policy.snapkv, out->mutable_snapkv());
+      SnapKvToProto(policy.snapkv, out->mutable_snapkv());
       break;
     }
     case v1::PolicySpec::kCakeFieldNumber: {
-    CakeToProto(policy.cake, out->mutable_cake());
+      CakeToProto(policy.cake, out->mutable_cake());
       break;
     }
     case v1::PolicySpec::kD2OFieldNumber: {
-    D2oToProto(policy.d2o, out->mutable_d2o());
+      D2oToProto(policy.d2o, out->mutable_d2o());
       break;
     }
     case v1::PolicySpec::kCaoteFieldNumber: {
-    CaoteToProto(policy.caote, out->mutable_caote());
+      CaoteToProto(policy.caote, out->mutable_caote());
+      // The TOVA base's parameters, when away from their defaults (an old client's spec reads
+      // back unchanged).
+      if (policy.caote.base == CaoteBase::kTova && policy.tova.all_heads) {
+        out->mutable_caote()->mutable_tova()->set_all_heads(true);
+      }
       break;
     }
     case v1::PolicySpec::kOmnikvFieldNumber: {
-    v1::OmniKvParams* params = out->mutable_omnikv();
-    for (int32_t layer : policy.omnikv.filter_layers) params->add_filter_layers(layer);
-    params->set_wait_layers(policy.omnikv.wait_layers);
-    params->set_selected_tokens(policy.omnikv.selected_tokens);
-    params->set_selected_fraction(policy.omnikv.selected_fraction);
-    switch (policy.omnikv.selector) {
-      case OmniKvSelector::kLast:
-        params->set_selector(v1::OmniKvParams::SELECTOR_LAST);
-        break;
-      case OmniKvSelector::kSoftmaxBeforeLast:
-        params->set_selector(v1::OmniKvParams::SELECTOR_SOFTMAX_BEFORE_LAST);
-        break;
-      case OmniKvSelector::kUniform:
-        params->set_selector(v1::OmniKvParams::SELECTOR_UNIFORM);
-        break;
-      case OmniKvSelector::kExp:
-        params->set_selector(v1::OmniKvParams::SELECTOR_EXP);
-        break;
-    }
-    params->set_window(policy.omnikv.window);
-    params->set_offload(policy.omnikv.offload);
+      v1::OmniKvParams* params = out->mutable_omnikv();
+      for (int32_t layer : policy.omnikv.filter_layers) params->add_filter_layers(layer);
+      params->set_wait_layers(policy.omnikv.wait_layers);
+      params->set_selected_tokens(policy.omnikv.selected_tokens);
+      params->set_selected_fraction(policy.omnikv.selected_fraction);
+      switch (policy.omnikv.selector) {
+        case OmniKvSelector::kLast:
+          params->set_selector(v1::OmniKvParams::SELECTOR_LAST);
+          break;
+        case OmniKvSelector::kSoftmaxBeforeLast:
+          params->set_selector(v1::OmniKvParams::SELECTOR_SOFTMAX_BEFORE_LAST);
+          break;
+        case OmniKvSelector::kUniform:
+          params->set_selector(v1::OmniKvParams::SELECTOR_UNIFORM);
+          break;
+        case OmniKvSelector::kExp:
+          params->set_selector(v1::OmniKvParams::SELECTOR_EXP);
+          break;
+      }
+      params->set_window(policy.omnikv.window);
+      params->set_offload(policy.omnikv.offload);
       break;
     }
     default:  // a policy without parameters

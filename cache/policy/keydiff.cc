@@ -10,11 +10,7 @@
 namespace kvs {
 
 int32_t KeyDiffPolicy::RecentTokens(int32_t keep) const {
-  // recent_fraction arrives as a float: 0.7f is 0.69999999, and 0.7 * 10 must still give 7, so
-  // the product is nudged up by about one float ulp before flooring.
-  const double product = static_cast<double>(config().keydiff.recent_fraction) * keep;
-  const double recent = std::floor(product * (1.0 + 1.2e-7));
-  return static_cast<int32_t>(std::clamp(recent, 0.0, static_cast<double>(keep)));
+  return static_cast<int32_t>(FloorFraction(config().keydiff.recent_fraction, keep));
 }
 
 ScoredPolicy::Protection KeyDiffPolicy::Protect(Phase, const LayerSelection& layer) const {

@@ -70,8 +70,7 @@ int32_t ResolveOmniKvBudget(const OmniKvConfig& config, int64_t prompt_tokens) {
   const int64_t n = std::max<int64_t>(0, prompt_tokens);
   int64_t k = config.selected_tokens > 0
                   ? config.selected_tokens
-                  : static_cast<int64_t>(std::floor(static_cast<double>(config.selected_fraction) *
-                                                    static_cast<double>(n)));
+                  : FloorFraction(config.selected_fraction, n);
   k = std::clamp<int64_t>(k, 0, n);
   return static_cast<int32_t>(std::min<int64_t>(k, std::numeric_limits<int32_t>::max()));
 }

@@ -24,7 +24,6 @@ absl::Status ResolveStreamingLlmConfig(PolicyConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat("policy.streaming_llm.n_sink must be >= 0, got ", n_sink));
   }
-  if (n_sink == 0) n_sink = kDefaultStreamingLlmSinks;  // zero values mean the spec's default
   return absl::OkStatus();
 }
 

@@ -23,8 +23,8 @@ namespace kvs {
 namespace {
 
 // Policies the first format could record (it had no field for OmniKV's parameters).
-const char* const kFixturePolicies[] = {"streaming_llm", "keydiff", "h2o",  "tova",
-                                        "snapkv",        "cake",    "d2o",  "caote"};
+const char* const kFixturePolicies[] = {"streaming_llm", "keydiff", "h2o", "tova",
+                                        "snapkv",        "cake",    "d2o", "caote"};
 
 // A resolved configuration of `name` with its parameters set away from their defaults.
 PolicyConfig SampleConfig(const std::string& name) {
