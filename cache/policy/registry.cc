@@ -18,6 +18,7 @@ extern const PolicyUnit kCakeUnit;
 extern const PolicyUnit kD2oUnit;
 extern const PolicyUnit kCaoteUnit;
 extern const PolicyUnit kOmniKvUnit;
+extern const PolicyUnit kKnormUnit;
 
 namespace {
 
@@ -138,7 +139,7 @@ std::vector<std::string_view> FieldReader::All(uint32_t tag) const {
 const std::vector<const PolicyUnit*>& PolicyUnits() {
   static const auto* const units = new std::vector<const PolicyUnit*>{
       &kStreamingLlmUnit, &kKeyDiffUnit, &kH2oUnit,   &kTovaUnit,   &kSnapKvUnit,
-      &kCakeUnit,         &kD2oUnit,     &kCaoteUnit, &kOmniKvUnit,
+      &kCakeUnit,         &kD2oUnit,     &kCaoteUnit, &kOmniKvUnit, &kKnormUnit,
   };
   return *units;
 }
@@ -225,8 +226,7 @@ absl::Status DecodePolicyConfig(const FieldReader& in, PolicyConfig* config) {
   }
   if (version < 1 || static_cast<uint32_t>(version) > (*unit)->params_version) {
     return absl::DataLossError(absl::StrCat("policy ", name, " parameters of version ", version,
-                                            "; this build reads up to ",
-                                            (*unit)->params_version));
+                                            "; this build reads up to ", (*unit)->params_version));
   }
   *config = PolicyConfig{};
   config->name = name;

@@ -81,7 +81,7 @@ TEST(PolicyFactoryTest, MakesBothPoliciesWithResolvedConfigs) {
   auto sink = MakePolicy(testing_util::StreamingLlm(0));
   ASSERT_TRUE(sink.ok());
   EXPECT_EQ((*sink)->config().streaming_llm.n_sink, 0);  // no sinks: a pure sliding window
-  EXPECT_EQ(KnownPolicyNames().size(), 9u);
+  EXPECT_EQ(KnownPolicyNames().size(), 10u);
 }
 
 TEST(PolicyTest, UniformLayerAllocationNeverExceedsCounts) {
