@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cache/sequence.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/status_macros.h"
 
@@ -38,7 +39,7 @@ int32_t FilterIndex(const OmniKvConfig& config, int32_t layer) {
 
 Sequence::~Sequence() = default;
 
-bool Sequence::never_evicts() const { return policy_->config().name == kPolicyOmniKv; }
+bool Sequence::never_evicts() const { return CapabilitiesOf(policy_->config()).never_evicts; }
 
 bool Sequence::spillable() const { return omnikv_ == nullptr && !retain_evicted_; }
 

@@ -13,6 +13,7 @@
 #include "cache/policy/omnikv.h"
 #include "cache/policy/policy.h"
 #include "cache/sequence.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/status_macros.h"
 #include "gpu/cpu/thread_pool.h"
@@ -482,7 +483,7 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
         "retain_evicted needs the host tier, which this pool was built without");
   }
   PolicyConfig policy_config = params.policy.value_or(default_policy());
-  const bool omnikv = policy_config.name == kPolicyOmniKv;
+  const bool omnikv = CapabilitiesOf(policy_config).never_evicts;
   if (omnikv) {
     if (params.retain_evicted) {
       return absl::InvalidArgumentError(

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "cache/compaction.h"
 #include "cache/omnikv.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/finite.h"
 #include "gpu/base/status_macros.h"
@@ -934,7 +935,7 @@ absl::StatusOr<CompressResult> Sequence::Compress(const SequenceEnv& env,
                      " uses policy omnikv, which never evicts: Compress does not apply (Select "
                      "chooses the tokens each decode step attends to)"));
   }
-  if (params.policy.has_value() && params.policy->name == kPolicyOmniKv) {
+  if (params.policy.has_value() && CapabilitiesOf(*params.policy).never_evicts) {
     return absl::InvalidArgumentError(
         "policy: omnikv is chosen when a sequence is created; it cannot stand in for another "
         "policy in Compress");
@@ -1170,7 +1171,7 @@ absl::StatusOr<std::vector<LayerScores>> Sequence::Score(const SequenceEnv& env,
                      " uses policy omnikv, which never evicts: Score does not apply (Select "
                      "chooses the tokens each decode step attends to)"));
   }
-  if (params.policy.has_value() && params.policy->name == kPolicyOmniKv) {
+  if (params.policy.has_value() && CapabilitiesOf(*params.policy).never_evicts) {
     return absl::InvalidArgumentError(
         "policy: omnikv is chosen when a sequence is created; it cannot stand in for another "
         "policy in Score");

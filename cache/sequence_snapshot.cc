@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "cache/policy/registry.h"
 #include "cache/sequence.h"
 #include "cache/spill_buffers.h"
 #include "gpu/base/status_macros.h"
@@ -18,36 +19,45 @@ namespace kvs {
 namespace {
 
 constexpr char kMagic[] = "KVSSNAP1";
+// The current format: the magic, then one field stream (cache/policy/registry.h).
+constexpr char kMagicV2[] = "KVSSNAP2";
 constexpr size_t kMagicBytes = 8;
 
-class Writer {
- public:
-  template <typename T>
-  void Put(T value) {
-    static_assert(std::is_trivially_copyable_v<T>);
-    if constexpr (std::is_enum_v<T>) {
-      Put(static_cast<int32_t>(value));
-    } else if constexpr (std::is_same_v<T, bool>) {
-      Put(static_cast<uint8_t>(value ? 1 : 0));
-    } else {
-      char raw[sizeof(T)];
-      std::memcpy(raw, &value, sizeof(T));
-      out_.append(raw, sizeof(T));
-    }
-  }
-  void PutString(std::string_view s) {
-    Put(static_cast<uint64_t>(s.size()));
-    out_.append(s.data(), s.size());
-  }
-  template <typename T>
-  void PutVector(const std::vector<T>& v) {
-    Put(static_cast<uint64_t>(v.size()));
-    if (!v.empty()) out_.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
-  }
-  std::string Take() { return std::move(out_); }
-
- private:
-  std::string out_;
+// Tags of the snapshot's field stream. Never reuse a tag: a removed field's tag stays retired.
+enum SnapshotTag : uint32_t {
+  kTagId = 1,
+  kTagLayout = 2,
+  kTagPolicy = 3,  // EncodePolicyConfig, through the policy's registry unit
+  kTagBudget = 4,
+  kTagCreatedNs = 5,
+  kTagLastUsedNs = 6,
+  kTagNextPosition = 7,
+  kTagVersion = 8,
+  kTagLastCommitted = 9,
+  kTagLastCancelled = 10,
+  kTagLayer = 11,  // repeated, one per layer in order
+  kTagLayerWindows = 12,  // per-layer sliding windows; absent = none
+};
+enum LayoutTag : uint32_t {
+  kTagNumLayers = 1,
+  kTagNumKvHeads = 2,
+  kTagNumQHeads = 3,
+  kTagHeadDim = 4,
+  kTagDType = 5,
+  kTagBlockTokens = 6,
+};
+enum BudgetTag : uint32_t {
+  kTagTokensPerLayer = 1,
+  kTagStrict = 2,
+  kTagPrefillBlockTokens = 3,
+  kTagPerLayerTokens = 4,
+};
+enum LayerTag : uint32_t {
+  kTagCount = 1,
+  kTagAppended = 2,
+  kTagPositions = 3,  // repeated, one per kv head
+  kTagAllocated = 4,
+  kTagState = 5,      // the policy unit's state encoding
 };
 
 class Reader {
@@ -96,63 +106,14 @@ class Reader {
   size_t pos_ = 0;
 };
 
-void PutSnapKv(Writer& w, const SnapKvConfig& c) {
-  w.Put(c.window);
-  w.Put(c.kernel_size);
-  w.Put(c.pooling);
-}
 bool GetSnapKv(Reader& r, SnapKvConfig* c) {
   return r.Get(&c->window) && r.Get(&c->kernel_size) && r.Get(&c->pooling);
-}
-void PutCake(Writer& w, const CakeConfig& c) {
-  w.Put(c.window);
-  w.Put(c.tau1);
-  w.Put(c.tau2);
-  w.Put(c.gamma);
-  w.Put(c.kernel_size);
-  w.Put(c.non_cascading);
 }
 bool GetCake(Reader& r, CakeConfig* c) {
   return r.Get(&c->window) && r.Get(&c->tau1) && r.Get(&c->tau2) && r.Get(&c->gamma) &&
          r.Get(&c->kernel_size) && r.Get(&c->non_cascading);
 }
 
-void PutPolicy(Writer& w, const PolicyConfig& p) {
-  w.PutString(p.name);
-  w.Put(p.streaming_llm.n_sink);
-  w.Put(p.keydiff.anchor);
-  w.Put(p.keydiff.metric);
-  w.Put(p.keydiff.recent_fraction);
-  w.Put(p.h2o.n_sink);
-  w.Put(p.h2o.n_recent);
-  w.Put(p.tova.all_heads);
-  PutSnapKv(w, p.snapkv);
-  PutCake(w, p.cake);
-  const D2oConfig& d = p.d2o;
-  w.Put(d.rho);
-  w.Put(d.recent_frac);
-  w.Put(d.n_sink);
-  w.Put(d.beta);
-  w.Put(d.density_mode);
-  w.Put(d.min_ratio);
-  w.Put(d.max_ratio);
-  w.PutVector(d.full_cache_layers);
-  w.Put(d.merge_weighting);
-  w.Put(d.threshold_scope);
-  const CaoteConfig& c = p.caote;
-  w.Put(c.base);
-  w.Put(c.variant);
-  w.Put(c.gqa_reduce);
-  w.Put(c.eps);
-  w.Put(c.n_sink);
-  w.Put(c.n_recent);
-  w.Put(c.greedy);
-  PutSnapKv(w, c.snapkv);
-  PutCake(w, c.cake);
-  w.Put(p.allocator.kind);
-  w.Put(p.allocator.min_layer_tokens);
-  w.Put(p.allocator.pyramid_beta);
-}
 
 bool GetPolicy(Reader& r, PolicyConfig* p) {
   D2oConfig& d = p->d2o;
@@ -212,54 +173,8 @@ absl::Status Malformed(absl::string_view what) {
   return absl::DataLossError(absl::StrCat("spilled sequence metadata is malformed: ", what));
 }
 
-}  // namespace
-
-std::string EncodeSnapshot(const SequenceSnapshot& s) {
-  Writer w;
-  std::string magic(kMagic, kMagicBytes);
-  for (char c : magic) w.Put(c);
-  w.PutString(s.id);
-  w.Put(s.layout.num_layers);
-  w.Put(s.layout.num_kv_heads);
-  w.Put(s.layout.num_q_heads);
-  w.Put(s.layout.head_dim);
-  w.Put(static_cast<int32_t>(s.layout.dtype));
-  w.Put(s.layout.block_tokens);
-  PutPolicy(w, s.policy);
-  w.Put(s.budget.tokens_per_layer);
-  w.Put(s.budget.strict);
-  w.Put(s.budget.prefill_block_tokens);
-  w.PutVector(s.budget.per_layer_tokens);
-  w.Put(absl::ToUnixNanos(s.created));
-  w.Put(absl::ToUnixNanos(s.last_used));
-  w.Put(s.next_position);
-  w.Put(s.version);
-  w.Put(s.last_committed);
-  w.Put(s.last_cancelled);
-  w.Put(static_cast<uint64_t>(s.layers.size()));
-  for (const SequenceSnapshot::Layer& layer : s.layers) {
-    w.Put(layer.count);
-    w.Put(layer.appended);
-    w.Put(static_cast<uint64_t>(layer.positions.size()));
-    for (const std::vector<int32_t>& head : layer.positions) w.PutVector(head);
-    w.Put(layer.allocated);
-    const LayerPolicyState& st = layer.state;
-    w.PutVector(st.accumulated);
-    w.PutVector(st.indicator);
-    w.PutVector(st.threshold);
-    w.Put(st.preference);
-    w.Put(st.measured);
-    w.Put(st.frozen_budget);
-    w.Put(st.frozen_for);
-  }
-  if (!s.layer_windows.empty()) w.PutVector(s.layer_windows);
-  return w.Take();
-}
-
-absl::StatusOr<SequenceSnapshot> DecodeSnapshot(std::string_view bytes) {
-  if (bytes.size() < kMagicBytes || bytes.substr(0, kMagicBytes) != std::string_view(kMagic)) {
-    return Malformed("bad magic");
-  }
+// The first format: fixed-width fields in a fixed order (kMagic). Read, never written.
+absl::StatusOr<SequenceSnapshot> DecodeSnapshotV1(std::string_view bytes) {
   Reader r(bytes.substr(kMagicBytes));
   SequenceSnapshot s;
   int32_t dtype = 0;
@@ -328,6 +243,159 @@ absl::StatusOr<SequenceSnapshot> DecodeSnapshot(std::string_view bytes) {
   }
   if (!r.done()) return Malformed("trailing bytes");
   return s;
+}
+
+}  // namespace
+
+std::string EncodeSnapshot(const SequenceSnapshot& s) {
+  FieldWriter w;
+  w.Bytes(kTagId, s.id);
+  FieldWriter layout;
+  layout.I32(kTagNumLayers, s.layout.num_layers);
+  layout.I32(kTagNumKvHeads, s.layout.num_kv_heads);
+  layout.I32(kTagNumQHeads, s.layout.num_q_heads);
+  layout.I32(kTagHeadDim, s.layout.head_dim);
+  layout.I32(kTagDType, static_cast<int32_t>(s.layout.dtype));
+  layout.I32(kTagBlockTokens, s.layout.block_tokens);
+  w.Bytes(kTagLayout, layout.bytes());
+  FieldWriter policy;
+  // A sequence's policy is always one of the registry's: its configuration was resolved by it.
+  (void)EncodePolicyConfig(s.policy, policy);
+  w.Bytes(kTagPolicy, policy.bytes());
+  FieldWriter budget;
+  budget.I32(kTagTokensPerLayer, s.budget.tokens_per_layer);
+  budget.Bool(kTagStrict, s.budget.strict);
+  budget.I32(kTagPrefillBlockTokens, s.budget.prefill_block_tokens);
+  budget.I32s(kTagPerLayerTokens, s.budget.per_layer_tokens);
+  w.Bytes(kTagBudget, budget.bytes());
+  w.I64(kTagCreatedNs, absl::ToUnixNanos(s.created));
+  w.I64(kTagLastUsedNs, absl::ToUnixNanos(s.last_used));
+  w.I64(kTagNextPosition, s.next_position);
+  w.U64(kTagVersion, s.version);
+  w.U64(kTagLastCommitted, s.last_committed);
+  w.U64(kTagLastCancelled, s.last_cancelled);
+  absl::StatusOr<const PolicyUnit*> unit = FindPolicyUnit(s.policy.name);
+  auto encode_state = unit.ok() && (*unit)->encode_state != nullptr ? (*unit)->encode_state
+                                                                     : &EncodeLayerState;
+  for (const SequenceSnapshot::Layer& layer : s.layers) {
+    FieldWriter out;
+    out.I32(kTagCount, layer.count);
+    out.I64(kTagAppended, layer.appended);
+    for (const std::vector<int32_t>& head : layer.positions) out.I32s(kTagPositions, head);
+    out.I32(kTagAllocated, layer.allocated);
+    FieldWriter state;
+    encode_state(layer.state, state);
+    out.Bytes(kTagState, state.bytes());
+    w.Bytes(kTagLayer, out.bytes());
+  }
+  if (!s.layer_windows.empty()) w.I32s(kTagLayerWindows, s.layer_windows);
+  std::string bytes(kMagicV2, kMagicBytes);
+  bytes += w.bytes();
+  return bytes;
+}
+
+namespace {
+
+absl::StatusOr<SequenceSnapshot> DecodeSnapshotV2(std::string_view bytes) {
+  FieldReader r;
+  if (!r.Parse(bytes)) return Malformed("truncated field stream");
+  SequenceSnapshot s;
+  FieldReader layout, budget, policy;
+  std::string layout_bytes, budget_bytes, policy_bytes;
+  int32_t dtype = 0;
+  int64_t created_ns = 0, last_used_ns = 0;
+  if (!(r.Bytes(kTagId, &s.id) && r.Bytes(kTagLayout, &layout_bytes) &&
+        layout.Parse(layout_bytes) && layout.I32(kTagNumLayers, &s.layout.num_layers) &&
+        layout.I32(kTagNumKvHeads, &s.layout.num_kv_heads) &&
+        layout.I32(kTagNumQHeads, &s.layout.num_q_heads) &&
+        layout.I32(kTagHeadDim, &s.layout.head_dim) && layout.I32(kTagDType, &dtype) &&
+        layout.I32(kTagBlockTokens, &s.layout.block_tokens) &&
+        r.Bytes(kTagBudget, &budget_bytes) && budget.Parse(budget_bytes) &&
+        budget.I32(kTagTokensPerLayer, &s.budget.tokens_per_layer) &&
+        budget.Bool(kTagStrict, &s.budget.strict) &&
+        budget.I32(kTagPrefillBlockTokens, &s.budget.prefill_block_tokens) &&
+        budget.I32s(kTagPerLayerTokens, &s.budget.per_layer_tokens) &&
+        r.I64(kTagCreatedNs, &created_ns) && r.I64(kTagLastUsedNs, &last_used_ns) &&
+        r.I64(kTagNextPosition, &s.next_position) && r.U64(kTagVersion, &s.version) &&
+        r.U64(kTagLastCommitted, &s.last_committed) &&
+        r.U64(kTagLastCancelled, &s.last_cancelled) && r.Bytes(kTagPolicy, &policy_bytes) &&
+        policy.Parse(policy_bytes))) {
+    return Malformed("truncated header");
+  }
+  if (!r.has(kTagLayout) || !r.has(kTagPolicy)) return Malformed("no layout or policy");
+  if (absl::Status status = DecodePolicyConfig(policy, &s.policy); !status.ok()) {
+    return Malformed(status.message());
+  }
+  if (dtype < 1 || dtype > 3) return Malformed(absl::StrCat("dtype ", dtype));
+  s.layout.dtype = static_cast<DType>(dtype);
+  if (absl::Status status = s.layout.Validate("layout."); !status.ok()) {
+    return Malformed(status.message());
+  }
+  if (!r.I32s(kTagLayerWindows, &s.layer_windows) ||
+      (!s.layer_windows.empty() &&
+       (s.layer_windows.size() != static_cast<size_t>(s.layout.num_layers) ||
+        std::any_of(s.layer_windows.begin(), s.layer_windows.end(),
+                    [](int32_t w) { return w < 0; })))) {
+    return Malformed("layer windows");
+  }
+  const std::vector<std::string_view> layers = r.All(kTagLayer);
+  if (layers.size() != static_cast<size_t>(s.layout.num_layers)) {
+    return Malformed(
+        absl::StrCat(layers.size(), " layer records for ", s.layout.num_layers, " layers"));
+  }
+  s.created = absl::FromUnixNanos(created_ns);
+  s.last_used = absl::FromUnixNanos(last_used_ns);
+  s.layers.resize(layers.size());
+  KVS_ASSIGN_OR_RETURN(const PolicyUnit* unit, FindPolicyUnit(s.policy.name));
+  auto decode_state = unit->decode_state != nullptr ? unit->decode_state : &DecodeLayerState;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    SequenceSnapshot::Layer& layer = s.layers[l];
+    FieldReader in, state;
+    std::string state_bytes;
+    if (!(in.Parse(layers[l]) && in.I32(kTagCount, &layer.count) &&
+          in.I64(kTagAppended, &layer.appended) && in.I32(kTagAllocated, &layer.allocated))) {
+      return Malformed(absl::StrCat("truncated layer ", l));
+    }
+    const std::vector<std::string_view> heads = in.All(kTagPositions);
+    if (layer.count < 0 ||
+        (!heads.empty() && heads.size() != static_cast<size_t>(s.layout.num_kv_heads))) {
+      return Malformed(absl::StrCat("layer ", l, " count ", layer.count, " heads ", heads.size()));
+    }
+    layer.positions.resize(heads.size());
+    for (size_t h = 0; h < heads.size(); ++h) {
+      if (heads[h].size() != static_cast<size_t>(layer.count) * sizeof(int32_t)) {
+        return Malformed(absl::StrCat("positions of layer ", l));
+      }
+      layer.positions[h].resize(layer.count);
+      if (layer.count > 0) std::memcpy(layer.positions[h].data(), heads[h].data(), heads[h].size());
+    }
+    if (heads.empty() && layer.count != 0) {
+      return Malformed(absl::StrCat("layer ", l, " holds tokens without positions"));
+    }
+    LayerPolicyState& st = layer.state;
+    if (!(in.Bytes(kTagState, &state_bytes) && state.Parse(state_bytes) &&
+          decode_state(state, &st))) {
+      return Malformed(absl::StrCat("policy state of layer ", l));
+    }
+    for (const std::vector<float>* v : {&st.accumulated, &st.indicator}) {
+      if (!v->empty() && (layer.count == 0 || v->size() % layer.count != 0)) {
+        return Malformed(absl::StrCat("policy state of layer ", l, " is not slot-aligned"));
+      }
+    }
+  }
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<SequenceSnapshot> DecodeSnapshot(std::string_view bytes) {
+  if (bytes.size() >= kMagicBytes && bytes.substr(0, kMagicBytes) == std::string_view(kMagicV2)) {
+    return DecodeSnapshotV2(bytes.substr(kMagicBytes));
+  }
+  if (bytes.size() >= kMagicBytes && bytes.substr(0, kMagicBytes) == std::string_view(kMagic)) {
+    return DecodeSnapshotV1(bytes);
+  }
+  return Malformed("bad magic");
 }
 
 absl::StatusOr<SpilledSequence> Sequence::Spill(const SequenceEnv& env) const {

@@ -5,9 +5,13 @@
 // implemented in sequence_snapshot.cc) capture and rebuild a sequence from it, so that a restored
 // sequence is bit-identical and behaves exactly as before.
 //
-// Encoding: "KVSSNAP1", then little-endian fixed-width fields in the order of the struct below
-// (vectors as a u64 length then the elements). Decoding checks every length against the bytes
-// left and every value range it relies on: malformed bytes are DATA_LOSS, never a crash.
+// Encoding (format 2): "KVSSNAP2", then a tagged field stream (cache/policy/registry.h) in which
+// the policy's parameters and every layer's policy state are encoded by the policy's registry
+// unit, each with its own version. A field added later reads back as its default from an older
+// snapshot and is skipped by an older build, so a restarted sidecar reads what an earlier build
+// spilled to disk. Format 1 ("KVSSNAP1": fixed-width fields in a fixed order) is still read.
+// Decoding checks every length and every value range it relies on: malformed bytes are
+// DATA_LOSS, never a crash.
 //
 // Threading: pure functions of their arguments.
 #ifndef KVSIDECAR_CACHE_SEQUENCE_SNAPSHOT_H_

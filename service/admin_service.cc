@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cache/policy/policy.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/status_macros.h"
 #include "service/convert.h"
 #include "service/drain.h"
@@ -129,7 +130,7 @@ grpc::ServerUnaryReactor* AdminService::SetDefaults(grpc::CallbackServerContext*
             "default_policy.name must name a policy (e.g. keydiff, streaming_llm)");
       }
       KVS_ASSIGN_OR_RETURN(policy, PolicyFromProto(request->default_policy(), "default_policy."));
-      if (policy.has_value() && policy->name == kPolicyOmniKv) {
+      if (policy.has_value() && CapabilitiesOf(*policy).never_evicts) {
         return absl::InvalidArgumentError(
             "default_policy: omnikv cannot be the default policy (it never evicts and its filter "
             "layers depend on the model); name it per sequence");

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cache/policy/policy.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/dtype.h"
 #include "gpu/base/status_macros.h"
@@ -20,7 +21,15 @@ absl::Status Invalid(absl::string_view prefix, absl::string_view field, absl::st
   return absl::InvalidArgumentError(absl::StrCat(prefix, field, " ", what));
 }
 
-std::string ContractPolicyNames() { return absl::StrJoin(kContractPolicyNames, ", "); }
+std::string ContractPolicyNames() { return absl::StrJoin(KnownPolicyNames(), ", "); }
+
+// The number of the PolicySpec.params field of the named policy (the field is named as the
+// policy), or 0 for a policy without a params message.
+int PolicyParamsFieldNumber(absl::string_view name) {
+  const google::protobuf::FieldDescriptor* field =
+      v1::PolicySpec::descriptor()->FindFieldByName(std::string(name));
+  return field != nullptr && field->containing_oneof() != nullptr ? field->number() : 0;
+}
 
 // Name of the params field set in the oneof, or "" if none.
 std::string SetParamsField(const v1::PolicySpec& spec) {
@@ -142,8 +151,8 @@ CakeConfig CakeFromProto(const v1::CakeParams& params) {
   out.window = params.window();
   out.tau1 = params.tau1();
   out.tau2 = params.tau2();
-  // Proto zero is "unset": keep the spec's default (200) rather than a weightless variance.
-  if (params.gamma() != 0.0f) out.gamma = params.gamma();
+  // Unset keeps the spec's default (200); an explicit 0 drops the variance term.
+  if (params.has_gamma()) out.gamma = params.gamma();
   out.kernel_size = params.kernel_size();
   out.non_cascading = params.non_cascading();
   return out;
@@ -161,9 +170,9 @@ void CakeToProto(const CakeConfig& config, v1::CakeParams* out) {
 absl::StatusOr<D2oConfig> D2oFromProto(const v1::D2oParams& params, absl::string_view prefix) {
   D2oConfig out;
   out.rho = params.rho();
-  // Proto zero is "unset": keep the spec's defaults (recent_frac 0.25, n_sink 4).
-  if (params.recent_frac() != 0.0f) out.recent_frac = params.recent_frac();
-  if (params.n_sink() != 0) out.n_sink = params.n_sink();
+  // Unset keeps the spec's defaults (recent_frac 0.25, n_sink 4); an explicit 0 is honoured.
+  if (params.has_recent_frac()) out.recent_frac = params.recent_frac();
+  if (params.has_n_sink()) out.n_sink = params.n_sink();
   out.beta = params.beta();
   switch (params.density_mode()) {
     case v1::D2oParams::DENSITY_MODE_UNSPECIFIED:
@@ -442,9 +451,7 @@ absl::StatusOr<std::optional<PolicyConfig>> PolicyFromProto(const v1::PolicySpec
                      " is set; name the policy (", ContractPolicyNames(), ")"));
   }
   const std::string& name = spec.name();
-  bool known = false;
-  for (absl::string_view candidate : kContractPolicyNames) known |= candidate == name;
-  if (!known) {
+  if (!FindPolicyUnit(name).ok()) {
     return Invalid(
         prefix, "name",
         absl::StrCat("'", name, "' is not a known policy; known: ", ContractPolicyNames()));
@@ -467,53 +474,85 @@ absl::StatusOr<std::optional<PolicyConfig>> PolicyFromProto(const v1::PolicySpec
   PolicyConfig out;
   out.name = name;
   KVS_ASSIGN_OR_RETURN(out.allocator, AllocatorFromProto(spec.allocator(), prefix));
-  if (name == kPolicyStreamingLlm) {
-    out.streaming_llm.n_sink = spec.streaming_llm().n_sink();
-  } else if (name == kPolicyKeyDiff) {
-    const v1::KeyDiffParams& params = spec.keydiff();
-    KVS_ASSIGN_OR_RETURN(out.keydiff.anchor,
-                         AnchorFromProto(params.anchor(), absl::StrCat(prefix, "keydiff.anchor")));
-    KVS_ASSIGN_OR_RETURN(out.keydiff.metric,
-                         MetricFromProto(params.metric(), absl::StrCat(prefix, "keydiff.metric")));
-    out.keydiff.recent_fraction = params.recent_fraction();
-  } else if (name == kPolicyH2o) {
-    out.h2o.n_sink = spec.h2o().n_sink();
-    out.h2o.n_recent = spec.h2o().n_recent();
-  } else if (name == kPolicyTova) {
-    out.tova.all_heads = spec.tova().all_heads();
-  } else if (name == kPolicySnapKv) {
-    KVS_ASSIGN_OR_RETURN(out.snapkv, SnapKvFromProto(spec.snapkv(), prefix, "snapkv"));
-  } else if (name == kPolicyCake) {
-    out.cake = CakeFromProto(spec.cake());
-  } else if (name == kPolicyD2o) {
-    KVS_ASSIGN_OR_RETURN(out.d2o, D2oFromProto(spec.d2o(), prefix));
-  } else if (name == kPolicyCaote) {
-    KVS_ASSIGN_OR_RETURN(out.caote, CaoteFromProto(spec.caote(), prefix));
-  } else if (name == kPolicyOmniKv) {
-    const v1::OmniKvParams& params = spec.omnikv();
-    out.omnikv.filter_layers.assign(params.filter_layers().begin(), params.filter_layers().end());
-    out.omnikv.wait_layers = params.wait_layers();
-    out.omnikv.selected_tokens = params.selected_tokens();
-    out.omnikv.selected_fraction = params.selected_fraction();
-    switch (params.selector()) {
-      case v1::OmniKvParams::SELECTOR_UNSPECIFIED:
-      case v1::OmniKvParams::SELECTOR_LAST:
-        out.omnikv.selector = OmniKvSelector::kLast;
-        break;
-      case v1::OmniKvParams::SELECTOR_SOFTMAX_BEFORE_LAST:
-        out.omnikv.selector = OmniKvSelector::kSoftmaxBeforeLast;
-        break;
-      case v1::OmniKvParams::SELECTOR_UNIFORM:
-        out.omnikv.selector = OmniKvSelector::kUniform;
-        break;
-      case v1::OmniKvParams::SELECTOR_EXP:
-        out.omnikv.selector = OmniKvSelector::kExp;
-        break;
-      default:
-        return UnknownEnum(prefix, "omnikv.selector", static_cast<int>(params.selector()));
+  // The named policy's params message (checked above to be the one set, if any; an unset one
+  // reads as zeros) is the oneof field named as the policy (proto contract).
+  switch (PolicyParamsFieldNumber(name)) {
+    case v1::PolicySpec::kStreamingLlmFieldNumber: {
+      // Unset keeps the paper's default; an explicit 0 is a pure sliding window.
+      if (spec.streaming_llm().has_n_sink())
+        out.streaming_llm.n_sink = spec.streaming_llm().n_sink();
+      break;
     }
-    out.omnikv.window = params.window();
-    out.omnikv.offload = params.offload();
+    case v1::PolicySpec::kKeydiffFieldNumber: {
+      const v1::KeyDiffParams& params = spec.keydiff();
+      KVS_ASSIGN_OR_RETURN(
+          out.keydiff.anchor,
+          AnchorFromProto(params.anchor(), absl::StrCat(prefix, "keydiff.anchor")));
+      KVS_ASSIGN_OR_RETURN(
+          out.keydiff.metric,
+          MetricFromProto(params.metric(), absl::StrCat(prefix, "keydiff.metric")));
+      out.keydiff.recent_fraction = params.recent_fraction();
+      break;
+    }
+    case v1::PolicySpec::kH2OFieldNumber: {
+      out.h2o.n_sink = spec.h2o().n_sink();
+      out.h2o.n_recent = spec.h2o().n_recent();
+      break;
+    }
+    case v1::PolicySpec::kTovaFieldNumber: {
+      out.tova.all_heads = spec.tova().all_heads();
+      break;
+    }
+    case v1::PolicySpec::kSnapkvFieldNumber: {
+      KVS_ASSIGN_OR_RETURN(out.snapkv, SnapKvFromProto(spec.snapkv(), prefix, "snapkv"));
+      break;
+    }
+    case v1::PolicySpec::kCakeFieldNumber: {
+      out.cake = CakeFromProto(spec.cake());
+      break;
+    }
+    case v1::PolicySpec::kD2OFieldNumber: {
+      KVS_ASSIGN_OR_RETURN(out.d2o, D2oFromProto(spec.d2o(), prefix));
+      break;
+    }
+    case v1::PolicySpec::kCaoteFieldNumber: {
+      KVS_ASSIGN_OR_RETURN(out.caote, CaoteFromProto(spec.caote(), prefix));
+      // The base's own parameters (CAOTE over TOVA), beside the wrapper's.
+      if (spec.caote().has_tova() && out.caote.base != CaoteBase::kTova) {
+        return Invalid(prefix, "caote.tova", "is set but caote.base is not BASE_TOVA");
+      }
+      out.tova.all_heads = spec.caote().tova().all_heads();
+      break;
+    }
+    case v1::PolicySpec::kOmnikvFieldNumber: {
+      const v1::OmniKvParams& params = spec.omnikv();
+      out.omnikv.filter_layers.assign(params.filter_layers().begin(), params.filter_layers().end());
+      out.omnikv.wait_layers = params.wait_layers();
+      out.omnikv.selected_tokens = params.selected_tokens();
+      out.omnikv.selected_fraction = params.selected_fraction();
+      switch (params.selector()) {
+        case v1::OmniKvParams::SELECTOR_UNSPECIFIED:
+        case v1::OmniKvParams::SELECTOR_LAST:
+          out.omnikv.selector = OmniKvSelector::kLast;
+          break;
+        case v1::OmniKvParams::SELECTOR_SOFTMAX_BEFORE_LAST:
+          out.omnikv.selector = OmniKvSelector::kSoftmaxBeforeLast;
+          break;
+        case v1::OmniKvParams::SELECTOR_UNIFORM:
+          out.omnikv.selector = OmniKvSelector::kUniform;
+          break;
+        case v1::OmniKvParams::SELECTOR_EXP:
+          out.omnikv.selector = OmniKvSelector::kExp;
+          break;
+        default:
+          return UnknownEnum(prefix, "omnikv.selector", static_cast<int>(params.selector()));
+      }
+      out.omnikv.window = params.window();
+      out.omnikv.offload = params.offload();
+      break;
+    }
+    default:  // a policy without parameters
+      break;
   }
   return out;
 }
@@ -533,7 +572,7 @@ absl::StatusOr<PolicyConfig> DefaultPolicyNamed(absl::string_view name, absl::st
     return absl::Status(resolved.status().code(),
                         absl::StrCat(field, ": ", resolved.status().message()));
   }
-  if (resolved->name == kPolicyOmniKv) {
+  if (CapabilitiesOf(*resolved).never_evicts) {
     return absl::InvalidArgumentError(
         absl::StrCat(field,
                      ": omnikv cannot be the default policy (it never evicts, so a default "
@@ -545,48 +584,75 @@ absl::StatusOr<PolicyConfig> DefaultPolicyNamed(absl::string_view name, absl::st
 
 void PolicyToProto(const PolicyConfig& policy, v1::PolicySpec* out) {
   out->set_name(policy.name);
-  if (policy.name == kPolicyStreamingLlm) {
-    out->mutable_streaming_llm()->set_n_sink(policy.streaming_llm.n_sink);
-  } else if (policy.name == kPolicyKeyDiff) {
-    v1::KeyDiffParams* params = out->mutable_keydiff();
-    params->set_anchor(AnchorToProto(policy.keydiff.anchor));
-    params->set_metric(MetricToProto(policy.keydiff.metric));
-    params->set_recent_fraction(policy.keydiff.recent_fraction);
-  } else if (policy.name == kPolicyH2o) {
-    out->mutable_h2o()->set_n_sink(policy.h2o.n_sink);
-    out->mutable_h2o()->set_n_recent(policy.h2o.n_recent);
-  } else if (policy.name == kPolicyTova) {
-    out->mutable_tova()->set_all_heads(policy.tova.all_heads);
-  } else if (policy.name == kPolicySnapKv) {
-    SnapKvToProto(policy.snapkv, out->mutable_snapkv());
-  } else if (policy.name == kPolicyCake) {
-    CakeToProto(policy.cake, out->mutable_cake());
-  } else if (policy.name == kPolicyD2o) {
-    D2oToProto(policy.d2o, out->mutable_d2o());
-  } else if (policy.name == kPolicyCaote) {
-    CaoteToProto(policy.caote, out->mutable_caote());
-  } else if (policy.name == kPolicyOmniKv) {
-    v1::OmniKvParams* params = out->mutable_omnikv();
-    for (int32_t layer : policy.omnikv.filter_layers) params->add_filter_layers(layer);
-    params->set_wait_layers(policy.omnikv.wait_layers);
-    params->set_selected_tokens(policy.omnikv.selected_tokens);
-    params->set_selected_fraction(policy.omnikv.selected_fraction);
-    switch (policy.omnikv.selector) {
-      case OmniKvSelector::kLast:
-        params->set_selector(v1::OmniKvParams::SELECTOR_LAST);
-        break;
-      case OmniKvSelector::kSoftmaxBeforeLast:
-        params->set_selector(v1::OmniKvParams::SELECTOR_SOFTMAX_BEFORE_LAST);
-        break;
-      case OmniKvSelector::kUniform:
-        params->set_selector(v1::OmniKvParams::SELECTOR_UNIFORM);
-        break;
-      case OmniKvSelector::kExp:
-        params->set_selector(v1::OmniKvParams::SELECTOR_EXP);
-        break;
+  // The params field of the policy's oneof is the one named as the policy (proto contract).
+  switch (PolicyParamsFieldNumber(policy.name)) {
+    case v1::PolicySpec::kStreamingLlmFieldNumber: {
+      out->mutable_streaming_llm()->set_n_sink(policy.streaming_llm.n_sink);
+      break;
     }
-    params->set_window(policy.omnikv.window);
-    params->set_offload(policy.omnikv.offload);
+    case v1::PolicySpec::kKeydiffFieldNumber: {
+      v1::KeyDiffParams* params = out->mutable_keydiff();
+      params->set_anchor(AnchorToProto(policy.keydiff.anchor));
+      params->set_metric(MetricToProto(policy.keydiff.metric));
+      params->set_recent_fraction(policy.keydiff.recent_fraction);
+      break;
+    }
+    case v1::PolicySpec::kH2OFieldNumber: {
+      out->mutable_h2o()->set_n_sink(policy.h2o.n_sink);
+      out->mutable_h2o()->set_n_recent(policy.h2o.n_recent);
+      break;
+    }
+    case v1::PolicySpec::kTovaFieldNumber: {
+      out->mutable_tova()->set_all_heads(policy.tova.all_heads);
+      break;
+    }
+    case v1::PolicySpec::kSnapkvFieldNumber: {
+      SnapKvToProto(policy.snapkv, out->mutable_snapkv());
+      break;
+    }
+    case v1::PolicySpec::kCakeFieldNumber: {
+      CakeToProto(policy.cake, out->mutable_cake());
+      break;
+    }
+    case v1::PolicySpec::kD2OFieldNumber: {
+      D2oToProto(policy.d2o, out->mutable_d2o());
+      break;
+    }
+    case v1::PolicySpec::kCaoteFieldNumber: {
+      CaoteToProto(policy.caote, out->mutable_caote());
+      // The TOVA base's parameters, when away from their defaults (an old client's spec reads
+      // back unchanged).
+      if (policy.caote.base == CaoteBase::kTova && policy.tova.all_heads) {
+        out->mutable_caote()->mutable_tova()->set_all_heads(true);
+      }
+      break;
+    }
+    case v1::PolicySpec::kOmnikvFieldNumber: {
+      v1::OmniKvParams* params = out->mutable_omnikv();
+      for (int32_t layer : policy.omnikv.filter_layers) params->add_filter_layers(layer);
+      params->set_wait_layers(policy.omnikv.wait_layers);
+      params->set_selected_tokens(policy.omnikv.selected_tokens);
+      params->set_selected_fraction(policy.omnikv.selected_fraction);
+      switch (policy.omnikv.selector) {
+        case OmniKvSelector::kLast:
+          params->set_selector(v1::OmniKvParams::SELECTOR_LAST);
+          break;
+        case OmniKvSelector::kSoftmaxBeforeLast:
+          params->set_selector(v1::OmniKvParams::SELECTOR_SOFTMAX_BEFORE_LAST);
+          break;
+        case OmniKvSelector::kUniform:
+          params->set_selector(v1::OmniKvParams::SELECTOR_UNIFORM);
+          break;
+        case OmniKvSelector::kExp:
+          params->set_selector(v1::OmniKvParams::SELECTOR_EXP);
+          break;
+      }
+      params->set_window(policy.omnikv.window);
+      params->set_offload(policy.omnikv.offload);
+      break;
+    }
+    default:  // a policy without parameters
+      break;
   }
   AllocatorToProto(policy.allocator, out->mutable_allocator());
 }

@@ -46,9 +46,8 @@ inline constexpr uint32_t kMinExportChunkBytes = 64u << 10;
 inline constexpr uint32_t kMaxExportChunkBytes = 4u << 20;
 inline constexpr uint32_t kDefaultExportChunkBytes = 1u << 20;
 
-// Every policy name of the contract, and whether this build converts it (all of them).
-inline constexpr absl::string_view kContractPolicyNames[] = {
-    "streaming_llm", "keydiff", "h2o", "tova", "snapkv", "cake", "d2o", "caote", "omnikv"};
+// Whether this build converts the named policy (every policy of the registry,
+// cache/policy/registry.h, which owns the list of names).
 bool IsImplementedPolicy(absl::string_view name);
 
 // ---- Layout ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "cache/policy/policy.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/status_macros.h"
 #include "service/arena_fd_server.h"
@@ -120,9 +121,8 @@ bool UniformSplit(const PolicyConfig& policy) {
     case LayerAllocatorKind::kUniform:
       return true;
     case LayerAllocatorKind::kDefault:
-      return policy.name == kPolicyStreamingLlm || policy.name == kPolicyKeyDiff ||
-             policy.name == kPolicyH2o || policy.name == kPolicyTova ||
-             policy.name == kPolicySnapKv;
+      return AllocatorDefaultsOf(policy).kind == LayerAllocatorKind::kUniform &&
+             !CapabilitiesOf(policy).never_evicts;
     default:
       return false;
   }

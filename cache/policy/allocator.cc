@@ -20,6 +20,7 @@
 #include "absl/types/span.h"
 #include "cache/policy/policy.h"
 #include "cache/policy/policy_config.h"
+#include "cache/policy/registry.h"
 #include "gpu/cpu/avx2_util.h"
 
 namespace kvs {
@@ -387,36 +388,21 @@ class CakeAllocator final : public LayerAllocator {
   const int32_t window_;
 };
 
-// CAKE's own knobs: CAOTE over CAKE carries them in caote.cake.
-const CakeConfig& CakeConfigFor(const PolicyConfig& config) {
-  if (config.name == kPolicyCaote && config.caote.base == CaoteBase::kCake) {
-    return config.caote.cake;
-  }
-  return config.cake;
-}
-
 }  // namespace
 
 std::unique_ptr<LayerAllocator> MakeLayerAllocator(const PolicyConfig& config) {
+  // The policy's unit says which allocator it composes with by default and which CAKE knobs and
+  // window the CAKE allocator uses with it (CAOTE over CAKE carries them in caote.cake).
+  const AllocatorDefaults defaults = AllocatorDefaultsOf(config);
   LayerAllocatorKind kind = config.allocator.kind;
-  if (kind == LayerAllocatorKind::kDefault) {
-    if (config.name == kPolicyD2o) {
-      kind = LayerAllocatorKind::kD2o;
-    } else if (config.name == kPolicyCake ||
-               (config.name == kPolicyCaote && config.caote.base == CaoteBase::kCake)) {
-      kind = LayerAllocatorKind::kCake;
-    } else {
-      kind = LayerAllocatorKind::kUniform;
-    }
-  }
+  if (kind == LayerAllocatorKind::kDefault) kind = defaults.kind;
   switch (kind) {
     case LayerAllocatorKind::kPyramidKv:
       return std::make_unique<PyramidAllocator>(config.allocator);
     case LayerAllocatorKind::kD2o:
       return std::make_unique<D2oAllocator>(config.allocator, config.d2o);
     case LayerAllocatorKind::kCake:
-      return std::make_unique<CakeAllocator>(config.allocator, CakeConfigFor(config),
-                                             CakeWindowFor(config));
+      return std::make_unique<CakeAllocator>(config.allocator, *defaults.cake, defaults.window);
     case LayerAllocatorKind::kDefault:
     case LayerAllocatorKind::kUniform:
       break;
@@ -424,14 +410,7 @@ std::unique_ptr<LayerAllocator> MakeLayerAllocator(const PolicyConfig& config) {
   return std::make_unique<UniformAllocator>(config.allocator);
 }
 
-int32_t CakeWindowFor(const PolicyConfig& config) {
-  if (config.name == kPolicyCake) return config.cake.window;
-  if (config.name == kPolicyCaote && config.caote.base == CaoteBase::kCake) {
-    return config.caote.cake.window;
-  }
-  if (config.name == kPolicySnapKv) return config.snapkv.window;
-  return config.cake.window;
-}
+int32_t CakeWindowFor(const PolicyConfig& config) { return AllocatorDefaultsOf(config).window; }
 
 std::vector<int32_t> PyramidBudgets(int32_t budget, int32_t num_layers, float beta) {
   if (num_layers <= 0) return {};

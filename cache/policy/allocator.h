@@ -59,7 +59,7 @@ inline D2oSplit SplitD2oBudget(int32_t budget, int32_t n_sink, float recent_frac
   // recent_frac is a float (0.3f is 0.29999999): nudge the product up by about one ulp first.
   const double rest = static_cast<double>(budget - split.sinks);
   split.recent =
-      static_cast<int32_t>(std::clamp(std::floor(rest * recent_frac * (1.0 + 1.2e-7)), 0.0, rest));
+      static_cast<int32_t>(FloorFraction(recent_frac, static_cast<int64_t>(rest)));
   split.heavy = budget - split.sinks - split.recent;
   return split;
 }

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache/policy/attention_stats.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/status_macros.h"
 #include "gpu/cpu/avx2_util.h"
 
@@ -264,5 +265,46 @@ absl::Status ResolveCakeConfig(PolicyConfig& config) {
 std::unique_ptr<Policy> MakeCakePolicy(const PolicyConfig& config) {
   return MakeCakeScorer(config, config.cake);
 }
+
+
+void EncodeCakeFields(const CakeConfig& params, FieldWriter& out) {
+  out.I32(1, params.window);
+  out.F32(2, params.tau1);
+  out.F32(3, params.tau2);
+  out.F32(4, params.gamma);
+  out.I32(5, params.kernel_size);
+  out.Bool(6, params.non_cascading);
+}
+
+bool DecodeCakeFields(const FieldReader& in, CakeConfig* params) {
+  return in.I32(1, &params->window) && in.F32(2, &params->tau1) && in.F32(3, &params->tau2) &&
+         in.F32(4, &params->gamma) && in.I32(5, &params->kernel_size) &&
+         in.Bool(6, &params->non_cascading);
+}
+
+// ---- Registry unit (cache/policy/registry.h) ----------------------------------------
+namespace {
+
+void EncodeCakeParams(const PolicyConfig& config, FieldWriter& out) {
+  EncodeCakeFields(config.cake, out);
+}
+bool DecodeCakeParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
+  return DecodeCakeFields(in, &config->cake);
+}
+AllocatorDefaults CakeAllocatorDefaults(const PolicyConfig& config) {
+  return {LayerAllocatorKind::kCake, &config.cake, config.cake.window};
+}
+}  // namespace
+
+extern const PolicyUnit kCakeUnit;
+const PolicyUnit kCakeUnit = {
+    .name = kPolicyCake,
+    .capabilities = {.needs_attention = true},
+    .resolve = &ResolveCakeConfig,
+    .make = &MakeCakePolicy,
+    .allocator_defaults = &CakeAllocatorDefaults,
+    .encode_params = &EncodeCakeParams,
+    .decode_params = &DecodeCakeParams,
+};
 
 }  // namespace kvs

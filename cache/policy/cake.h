@@ -28,6 +28,9 @@
 
 namespace kvs {
 
+class FieldWriter;
+class FieldReader;
+
 class CakePolicy final : public AttentionScoredPolicy {
  public:
   // `cake` is config.cake for "cake", config.caote.cake for CAOTE over CAKE; the allocator is
@@ -66,6 +69,10 @@ absl::Status ResolveCakeParams(CakeConfig& cake, absl::string_view field_prefix)
 absl::Status ResolveCakeConfig(PolicyConfig& config);
 // `config` must be resolved.
 std::unique_ptr<Policy> MakeCakePolicy(const PolicyConfig& config);
+
+// CAKE's parameters as snapshot fields (CAKE itself and CAOTE over CAKE).
+void EncodeCakeFields(const CakeConfig& params, FieldWriter& out);
+bool DecodeCakeFields(const FieldReader& in, CakeConfig* params);
 
 }  // namespace kvs
 

@@ -11,6 +11,7 @@
 #include "cache/policy/h2o.h"
 #include "cache/policy/snapkv.h"
 #include "cache/policy/tova.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/status_macros.h"
 
 namespace kvs {
@@ -402,5 +403,56 @@ absl::Status ResolveCaoteConfig(PolicyConfig& config) {
 std::unique_ptr<Policy> MakeCaotePolicy(const PolicyConfig& config) {
   return std::make_unique<CaotePolicy>(config, MakeCaoteBase(config));
 }
+
+
+// ---- Registry unit (cache/policy/registry.h) ----------------------------------------
+namespace {
+
+void EncodeCaoteParams(const PolicyConfig& config, FieldWriter& out) {
+  const CaoteConfig& c = config.caote;
+  out.Enum(1, c.base);
+  out.Enum(2, c.variant);
+  out.Enum(3, c.gqa_reduce);
+  out.F32(4, c.eps);
+  out.I32(5, c.n_sink);
+  out.I32(6, c.n_recent);
+  out.Bool(7, c.greedy);
+  FieldWriter snapkv, cake;
+  EncodeSnapKvFields(c.snapkv, snapkv);
+  EncodeCakeFields(c.cake, cake);
+  out.Bytes(8, snapkv.bytes());
+  out.Bytes(9, cake.bytes());
+  // The TOVA base's own parameter (CAOTE over TOVA).
+  out.Bool(10, config.tova.all_heads);
+}
+bool DecodeCaoteParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
+  CaoteConfig& c = config->caote;
+  std::string snapkv_bytes, cake_bytes;
+  FieldReader snapkv, cake;
+  return in.Enum(1, &c.base) && in.Enum(2, &c.variant) && in.Enum(3, &c.gqa_reduce) &&
+         in.F32(4, &c.eps) && in.I32(5, &c.n_sink) && in.I32(6, &c.n_recent) &&
+         in.Bool(7, &c.greedy) && in.Bytes(8, &snapkv_bytes) && snapkv.Parse(snapkv_bytes) &&
+         DecodeSnapKvFields(snapkv, &c.snapkv) && in.Bytes(9, &cake_bytes) &&
+         cake.Parse(cake_bytes) && DecodeCakeFields(cake, &c.cake) &&
+         in.Bool(10, &config->tova.all_heads);
+}
+AllocatorDefaults CaoteAllocatorDefaults(const PolicyConfig& config) {
+  if (config.caote.base == CaoteBase::kCake) {
+    return {LayerAllocatorKind::kCake, &config.caote.cake, config.caote.cake.window};
+  }
+  return {};
+}
+}  // namespace
+
+extern const PolicyUnit kCaoteUnit;
+const PolicyUnit kCaoteUnit = {
+    .name = kPolicyCaote,
+    .capabilities = {.needs_attention = true},
+    .resolve = &ResolveCaoteConfig,
+    .make = &MakeCaotePolicy,
+    .allocator_defaults = &CaoteAllocatorDefaults,
+    .encode_params = &EncodeCaoteParams,
+    .decode_params = &DecodeCaoteParams,
+};
 
 }  // namespace kvs

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache/policy/attention_stats.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/status_macros.h"
 
 namespace kvs {
@@ -469,5 +470,45 @@ absl::Status ResolveD2oConfig(PolicyConfig& config) {
 std::unique_ptr<Policy> MakeD2oPolicy(const PolicyConfig& config) {
   return std::make_unique<D2oPolicy>(config);
 }
+
+
+// ---- Registry unit (cache/policy/registry.h) ----------------------------------------
+namespace {
+
+void EncodeD2oParams(const PolicyConfig& config, FieldWriter& out) {
+  const D2oConfig& d = config.d2o;
+  out.F32(1, d.rho);
+  out.F32(2, d.recent_frac);
+  out.I32(3, d.n_sink);
+  out.F32(4, d.beta);
+  out.Enum(5, d.density_mode);
+  out.F32(6, d.min_ratio);
+  out.F32(7, d.max_ratio);
+  out.I32s(8, d.full_cache_layers);
+  out.Enum(9, d.merge_weighting);
+  out.Enum(10, d.threshold_scope);
+}
+bool DecodeD2oParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
+  D2oConfig& d = config->d2o;
+  return in.F32(1, &d.rho) && in.F32(2, &d.recent_frac) && in.I32(3, &d.n_sink) &&
+         in.F32(4, &d.beta) && in.Enum(5, &d.density_mode) && in.F32(6, &d.min_ratio) &&
+         in.F32(7, &d.max_ratio) && in.I32s(8, &d.full_cache_layers) &&
+         in.Enum(9, &d.merge_weighting) && in.Enum(10, &d.threshold_scope);
+}
+AllocatorDefaults D2oAllocatorDefaults(const PolicyConfig&) {
+  return {LayerAllocatorKind::kD2o, nullptr, 0};
+}
+}  // namespace
+
+extern const PolicyUnit kD2oUnit;
+const PolicyUnit kD2oUnit = {
+    .name = kPolicyD2o,
+    .capabilities = {.needs_attention = true, .merges = true},
+    .resolve = &ResolveD2oConfig,
+    .make = &MakeD2oPolicy,
+    .allocator_defaults = &D2oAllocatorDefaults,
+    .encode_params = &EncodeD2oParams,
+    .decode_params = &DecodeD2oParams,
+};
 
 }  // namespace kvs

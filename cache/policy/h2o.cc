@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "cache/policy/allocator.h"
 #include "cache/policy/attention_stats.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/status_macros.h"
 
 namespace kvs {
@@ -52,5 +53,28 @@ absl::Status ResolveH2oConfig(PolicyConfig& config) {
 std::unique_ptr<Policy> MakeH2oPolicy(const PolicyConfig& config) {
   return std::make_unique<H2oPolicy>(config);
 }
+
+
+// ---- Registry unit (cache/policy/registry.h) ----------------------------------------
+namespace {
+
+void EncodeH2oParams(const PolicyConfig& config, FieldWriter& out) {
+  out.I32(1, config.h2o.n_sink);
+  out.I32(2, config.h2o.n_recent);
+}
+bool DecodeH2oParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
+  return in.I32(1, &config->h2o.n_sink) && in.I32(2, &config->h2o.n_recent);
+}
+}  // namespace
+
+extern const PolicyUnit kH2oUnit;
+const PolicyUnit kH2oUnit = {
+    .name = kPolicyH2o,
+    .capabilities = {.needs_attention = true},
+    .resolve = &ResolveH2oConfig,
+    .make = &MakeH2oPolicy,
+    .encode_params = &EncodeH2oParams,
+    .decode_params = &DecodeH2oParams,
+};
 
 }  // namespace kvs

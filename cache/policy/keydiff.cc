@@ -1,4 +1,5 @@
 #include "cache/policy/keydiff.h"
+#include "cache/policy/registry.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,11 +10,7 @@
 namespace kvs {
 
 int32_t KeyDiffPolicy::RecentTokens(int32_t keep) const {
-  // recent_fraction arrives as a float: 0.7f is 0.69999999, and 0.7 * 10 must still give 7, so
-  // the product is nudged up by about one float ulp before flooring.
-  const double product = static_cast<double>(config().keydiff.recent_fraction) * keep;
-  const double recent = std::floor(product * (1.0 + 1.2e-7));
-  return static_cast<int32_t>(std::clamp(recent, 0.0, static_cast<double>(keep)));
+  return static_cast<int32_t>(FloorFraction(config().keydiff.recent_fraction, keep));
 }
 
 ScoredPolicy::Protection KeyDiffPolicy::Protect(Phase, const LayerSelection& layer) const {
@@ -65,5 +62,30 @@ absl::Status ResolveKeyDiffConfig(PolicyConfig& config) {
 std::unique_ptr<Policy> MakeKeyDiffPolicy(const PolicyConfig& config) {
   return std::make_unique<KeyDiffPolicy>(config);
 }
+
+
+// ---- Registry unit (cache/policy/registry.h) ----------------------------------------
+namespace {
+
+void EncodeKeyDiffParams(const PolicyConfig& config, FieldWriter& out) {
+  out.Enum(1, config.keydiff.anchor);
+  out.Enum(2, config.keydiff.metric);
+  out.F32(3, config.keydiff.recent_fraction);
+}
+bool DecodeKeyDiffParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
+  return in.Enum(1, &config->keydiff.anchor) && in.Enum(2, &config->keydiff.metric) &&
+         in.F32(3, &config->keydiff.recent_fraction);
+}
+}  // namespace
+
+extern const PolicyUnit kKeyDiffUnit;
+const PolicyUnit kKeyDiffUnit = {
+    .name = kPolicyKeyDiff,
+    .capabilities = {.needs_attention = false, .query_agnostic = true},
+    .resolve = &ResolveKeyDiffConfig,
+    .make = &MakeKeyDiffPolicy,
+    .encode_params = &EncodeKeyDiffParams,
+    .decode_params = &DecodeKeyDiffParams,
+};
 
 }  // namespace kvs

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache/policy/allocator.h"
+#include "cache/policy/registry.h"
 
 namespace kvs {
 namespace {
@@ -69,8 +70,7 @@ int32_t ResolveOmniKvBudget(const OmniKvConfig& config, int64_t prompt_tokens) {
   const int64_t n = std::max<int64_t>(0, prompt_tokens);
   int64_t k = config.selected_tokens > 0
                   ? config.selected_tokens
-                  : static_cast<int64_t>(std::floor(static_cast<double>(config.selected_fraction) *
-                                                    static_cast<double>(n)));
+                  : FloorFraction(config.selected_fraction, n);
   k = std::clamp<int64_t>(k, 0, n);
   return static_cast<int32_t>(std::min<int64_t>(k, std::numeric_limits<int32_t>::max()));
 }
@@ -180,5 +180,40 @@ absl::Status ResolveOmniKvConfig(PolicyConfig& config) {
 std::unique_ptr<Policy> MakeOmniKvPolicy(const PolicyConfig& config) {
   return std::make_unique<OmniKvPolicy>(config);
 }
+
+
+// ---- Registry unit (cache/policy/registry.h) ----------------------------------------
+namespace {
+
+void EncodeOmniKvParams(const PolicyConfig& config, FieldWriter& out) {
+  const OmniKvConfig& o = config.omnikv;
+  out.I32s(1, o.filter_layers);
+  out.I32(2, o.wait_layers);
+  out.I32(3, o.selected_tokens);
+  out.F32(4, o.selected_fraction);
+  out.Enum(5, o.selector);
+  out.I32(6, o.window);
+  out.Bool(7, o.offload);
+}
+bool DecodeOmniKvParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
+  OmniKvConfig& o = config->omnikv;
+  return in.I32s(1, &o.filter_layers) && in.I32(2, &o.wait_layers) &&
+         in.I32(3, &o.selected_tokens) && in.F32(4, &o.selected_fraction) &&
+         in.Enum(5, &o.selector) && in.I32(6, &o.window) && in.Bool(7, &o.offload);
+}
+}  // namespace
+
+extern const PolicyUnit kOmniKvUnit;
+const PolicyUnit kOmniKvUnit = {
+    .name = kPolicyOmniKv,
+    .capabilities = {.needs_attention = true,
+                     .decode_time = true,
+                     .never_evicts = true,
+                     .composes_with_allocators = false},
+    .resolve = &ResolveOmniKvConfig,
+    .make = &MakeOmniKvPolicy,
+    .encode_params = &EncodeOmniKvParams,
+    .decode_params = &DecodeOmniKvParams,
+};
 
 }  // namespace kvs

@@ -8,15 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cache/policy/attention_stats.h"
-#include "cache/policy/cake.h"
-#include "cache/policy/caote.h"
-#include "cache/policy/d2o.h"
-#include "cache/policy/h2o.h"
-#include "cache/policy/keydiff.h"
-#include "cache/policy/omnikv.h"
-#include "cache/policy/snapkv.h"
-#include "cache/policy/streaming_llm.h"
-#include "cache/policy/tova.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/status_macros.h"
 
 namespace kvs {
@@ -35,26 +27,6 @@ absl::Status CheckSelection(const LayerSelection& layer) {
   }
   return absl::OkStatus();
 }
-
-// Name -> maker; a null maker marks a contract policy a later build implements.
-using Maker = std::unique_ptr<Policy> (*)(const PolicyConfig&);
-struct Entry {
-  const char* name;
-  absl::Status (*resolve)(PolicyConfig&);  // validates and fills defaults; null = nothing to do
-  Maker make;
-};
-
-const Entry kRegistry[] = {
-    {kPolicyStreamingLlm, &ResolveStreamingLlmConfig, &MakeStreamingLlmPolicy},
-    {kPolicyKeyDiff, &ResolveKeyDiffConfig, &MakeKeyDiffPolicy},
-    {kPolicyH2o, &ResolveH2oConfig, &MakeH2oPolicy},
-    {kPolicyTova, &ResolveTovaConfig, &MakeTovaPolicy},
-    {kPolicySnapKv, &ResolveSnapKvConfig, &MakeSnapKvPolicy},
-    {kPolicyCake, &ResolveCakeConfig, &MakeCakePolicy},
-    {kPolicyD2o, &ResolveD2oConfig, &MakeD2oPolicy},
-    {kPolicyCaote, &ResolveCaoteConfig, &MakeCaotePolicy},
-    {kPolicyOmniKv, &ResolveOmniKvConfig, &MakeOmniKvPolicy},
-};
 
 // The layer allocator's part of a policy config, shared by every policy.
 absl::Status ResolveAllocatorConfig(AllocatorConfig& allocator) {
@@ -80,21 +52,6 @@ absl::Status ResolveAllocatorConfig(AllocatorConfig& allocator) {
         "policy.allocator.pyramid_beta must be in [1, 1e6], got ", allocator.pyramid_beta));
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<const Entry*> FindEntry(const std::string& name) {
-  for (const Entry& entry : kRegistry) {
-    if (name == entry.name) {
-      if (entry.make == nullptr) {
-        return absl::UnimplementedError(
-            absl::StrCat("policy.name \"", name, "\" is not implemented in this build"));
-      }
-      return &entry;
-    }
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("policy.name \"", name,
-                   "\" is unknown; known policies: ", absl::StrJoin(KnownPolicyNames(), ", ")));
 }
 
 }  // namespace
@@ -315,27 +272,25 @@ absl::Status AttentionScoredPolicy::Score(Backend& backend, Phase phase,
   return absl::OkStatus();
 }
 
-const std::vector<std::string>& KnownPolicyNames() {
-  static const auto* const names = [] {
-    auto* list = new std::vector<std::string>;
-    for (const Entry& entry : kRegistry) list->push_back(entry.name);
-    return list;
-  }();
-  return *names;
-}
-
 absl::StatusOr<PolicyConfig> ResolvePolicyConfig(const PolicyConfig& config) {
-  KVS_ASSIGN_OR_RETURN(const Entry* entry, FindEntry(config.name));
+  KVS_ASSIGN_OR_RETURN(const PolicyUnit* unit, FindPolicyUnit(config.name));
   PolicyConfig resolved = config;
-  if (entry->resolve != nullptr) KVS_RETURN_IF_ERROR(entry->resolve(resolved));
+  if (unit->resolve != nullptr) KVS_RETURN_IF_ERROR(unit->resolve(resolved));
   KVS_RETURN_IF_ERROR(ResolveAllocatorConfig(resolved.allocator));
+  if (!unit->capabilities.composes_with_allocators &&
+      resolved.allocator.kind != LayerAllocatorKind::kDefault &&
+      resolved.allocator.kind != LayerAllocatorKind::kUniform) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.allocator.kind does not apply to policy ", unit->name,
+        ", which splits no budget across layers"));
+  }
   return resolved;
 }
 
 absl::StatusOr<std::unique_ptr<Policy>> MakePolicy(const PolicyConfig& config) {
-  KVS_ASSIGN_OR_RETURN(const Entry* entry, FindEntry(config.name));
+  KVS_ASSIGN_OR_RETURN(const PolicyUnit* unit, FindPolicyUnit(config.name));
   KVS_ASSIGN_OR_RETURN(PolicyConfig resolved, ResolvePolicyConfig(config));
-  return entry->make(resolved);
+  return unit->make(resolved);
 }
 
 }  // namespace kvs

@@ -4,6 +4,8 @@
 #ifndef KVSIDECAR_CACHE_POLICY_POLICY_CONFIG_H_
 #define KVSIDECAR_CACHE_POLICY_POLICY_CONFIG_H_
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -21,6 +23,16 @@ inline constexpr char kPolicyCake[] = "cake";
 inline constexpr char kPolicyD2o[] = "d2o";
 inline constexpr char kPolicyCaote[] = "caote";
 inline constexpr char kPolicyOmniKv[] = "omnikv";
+
+// The one rounding rule for every fraction of a token count (KeyDiff's recent_fraction, D2O's
+// recent_frac, OmniKV's selected_fraction, D2O's rho): floor(fraction * tokens), clamped to
+// [0, tokens], with the product nudged up by about one float ulp first. Fractions arrive as
+// float32, and 0.7f is 0.69999999: 0.7 of 10 must be 7 and 0.9 of 10 must be 9.
+inline int64_t FloorFraction(double fraction, int64_t tokens) {
+  const double product = std::floor(fraction * static_cast<double>(tokens) * (1.0 + 1.2e-7));
+  return static_cast<int64_t>(std::clamp(product, 0.0, static_cast<double>(std::max<int64_t>(
+                                                           tokens, 0))));
+}
 
 struct StreamingLlmConfig {
   int32_t n_sink = 4;

@@ -6,6 +6,7 @@
 #include "cache/policy/allocator.h"
 #include "cache/policy/attention_stats.h"
 #include "cache/policy/h2o.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/status_macros.h"
 
 namespace kvs {
@@ -110,5 +111,44 @@ absl::Status ResolveSnapKvConfig(PolicyConfig& config) {
 std::unique_ptr<Policy> MakeSnapKvPolicy(const PolicyConfig& config) {
   return std::make_unique<SnapKvPolicy>(config);
 }
+
+
+void EncodeSnapKvFields(const SnapKvConfig& params, FieldWriter& out) {
+  out.I32(1, params.window);
+  out.I32(2, params.kernel_size);
+  out.Enum(3, params.pooling);
+}
+
+bool DecodeSnapKvFields(const FieldReader& in, SnapKvConfig* params) {
+  return in.I32(1, &params->window) && in.I32(2, &params->kernel_size) &&
+         in.Enum(3, &params->pooling);
+}
+
+// ---- Registry unit (cache/policy/registry.h) ----------------------------------------
+namespace {
+
+void EncodeSnapKvParams(const PolicyConfig& config, FieldWriter& out) {
+  EncodeSnapKvFields(config.snapkv, out);
+}
+bool DecodeSnapKvParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
+  return DecodeSnapKvFields(in, &config->snapkv);
+}
+AllocatorDefaults SnapKvAllocatorDefaults(const PolicyConfig& config) {
+  // Composed with the CAKE allocator, SnapKV's observation window is the window every layer
+  // keeps on top of its share.
+  return {LayerAllocatorKind::kUniform, nullptr, config.snapkv.window};
+}
+}  // namespace
+
+extern const PolicyUnit kSnapKvUnit;
+const PolicyUnit kSnapKvUnit = {
+    .name = kPolicySnapKv,
+    .capabilities = {.needs_attention = true},
+    .resolve = &ResolveSnapKvConfig,
+    .make = &MakeSnapKvPolicy,
+    .allocator_defaults = &SnapKvAllocatorDefaults,
+    .encode_params = &EncodeSnapKvParams,
+    .decode_params = &DecodeSnapKvParams,
+};
 
 }  // namespace kvs

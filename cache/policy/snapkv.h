@@ -20,6 +20,9 @@
 
 namespace kvs {
 
+class FieldWriter;
+class FieldReader;
+
 inline constexpr int32_t kDefaultSnapKvWindow = 32;
 inline constexpr int32_t kDefaultSnapKvKernel = 7;
 
@@ -51,6 +54,10 @@ absl::Status ResolveSnapKvParams(SnapKvConfig& params, const char* field, int32_
 // Validates config.snapkv (defaults: window 32, kernel 7, avg).
 absl::Status ResolveSnapKvConfig(PolicyConfig& config);
 std::unique_ptr<Policy> MakeSnapKvPolicy(const PolicyConfig& config);
+
+// SnapKV's parameters as snapshot fields (SnapKV itself and CAOTE over SnapKV).
+void EncodeSnapKvFields(const SnapKvConfig& params, FieldWriter& out);
+bool DecodeSnapKvFields(const FieldReader& in, SnapKvConfig* params);
 
 }  // namespace kvs
 

@@ -1,4 +1,5 @@
 #include "cache/policy/streaming_llm.h"
+#include "cache/policy/registry.h"
 
 #include <algorithm>
 
@@ -23,12 +24,33 @@ absl::Status ResolveStreamingLlmConfig(PolicyConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat("policy.streaming_llm.n_sink must be >= 0, got ", n_sink));
   }
-  if (n_sink == 0) n_sink = kDefaultStreamingLlmSinks;  // zero values mean the spec's default
   return absl::OkStatus();
 }
 
 std::unique_ptr<Policy> MakeStreamingLlmPolicy(const PolicyConfig& config) {
   return std::make_unique<StreamingLlmPolicy>(config);
 }
+
+
+// ---- Registry unit (cache/policy/registry.h) ----------------------------------------
+namespace {
+
+void EncodeStreamingLlmParams(const PolicyConfig& config, FieldWriter& out) {
+  out.I32(1, config.streaming_llm.n_sink);
+}
+bool DecodeStreamingLlmParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
+  return in.I32(1, &config->streaming_llm.n_sink);
+}
+}  // namespace
+
+extern const PolicyUnit kStreamingLlmUnit;
+const PolicyUnit kStreamingLlmUnit = {
+    .name = kPolicyStreamingLlm,
+    .capabilities = {.needs_attention = false, .query_agnostic = true},
+    .resolve = &ResolveStreamingLlmConfig,
+    .make = &MakeStreamingLlmPolicy,
+    .encode_params = &EncodeStreamingLlmParams,
+    .decode_params = &DecodeStreamingLlmParams,
+};
 
 }  // namespace kvs

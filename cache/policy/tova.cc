@@ -5,6 +5,7 @@
 #include "cache/policy/allocator.h"
 #include "cache/policy/attention_stats.h"
 #include "cache/policy/h2o.h"
+#include "cache/policy/registry.h"
 #include "gpu/base/status_macros.h"
 
 namespace kvs {
@@ -71,5 +72,27 @@ absl::Status ResolveTovaConfig(PolicyConfig&) { return absl::OkStatus(); }
 std::unique_ptr<Policy> MakeTovaPolicy(const PolicyConfig& config) {
   return std::make_unique<TovaPolicy>(config);
 }
+
+
+// ---- Registry unit (cache/policy/registry.h) ----------------------------------------
+namespace {
+
+void EncodeTovaParams(const PolicyConfig& config, FieldWriter& out) {
+  out.Bool(1, config.tova.all_heads);
+}
+bool DecodeTovaParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
+  return in.Bool(1, &config->tova.all_heads);
+}
+}  // namespace
+
+extern const PolicyUnit kTovaUnit;
+const PolicyUnit kTovaUnit = {
+    .name = kPolicyTova,
+    .capabilities = {.needs_attention = true},
+    .resolve = &ResolveTovaConfig,
+    .make = &MakeTovaPolicy,
+    .encode_params = &EncodeTovaParams,
+    .decode_params = &DecodeTovaParams,
+};
 
 }  // namespace kvs

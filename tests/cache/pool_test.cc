@@ -325,9 +325,9 @@ TEST_F(PoolTest, CreateSequencePolicyAndBudgetValidation) {
   auto created = pool_.pool.CreateSequence(session_, params);
   ASSERT_TRUE(created.ok()) << created.status();
   EXPECT_EQ(created->budget.prefill_block_tokens, 128);
-  EXPECT_EQ(created->policy.streaming_llm.n_sink, 4);
+  EXPECT_EQ(created->policy.streaming_llm.n_sink, 0);  // a zero the paper means is kept
   auto view = pool_.pool.GetLayout(session_, created->sequence_id, {}, false);
-  EXPECT_EQ(view->policy.streaming_llm.n_sink, 4);
+  EXPECT_EQ(view->policy.streaming_llm.n_sink, 0);
   EXPECT_EQ(view->layers[0].budget, 80);
 }
 

@@ -229,5 +229,30 @@ TEST_F(OmniKvE2eBadInputTest, BadInputNamesTheFieldAndChangesNothing) {
   for (int l = 0; l < kLayers; ++l) EXPECT_EQ(view->layers(l).count(), kTokens) << l;
 }
 
+// selected_fraction follows the one rounding rule of every fraction (floor of the product, with
+// a float's representation error forgiven): 0.9 of a 10-token prompt selects 9, not 8.
+TEST_F(OmniKvE2eBadInputTest, SelectedFractionRoundsAsEveryFraction) {
+  auto client = server_->Connect();
+  ASSERT_TRUE(client.ok()) << client.status();
+  const v1::ModelLayout layout = MakeLayout(kLayers, kKvHeads, kQHeads, kDim, v1::DTYPE_FLOAT16, 4);
+  auto session = (*client)->Attach(layout, "e2e", 256, 30000);
+  ASSERT_TRUE(session.ok()) << session.status();
+  v1::PolicySpec policy = OmniKvPolicy(false);
+  policy.mutable_omnikv()->set_selected_tokens(0);
+  policy.mutable_omnikv()->set_selected_fraction(0.9f);
+  ASSERT_TRUE((*session)->CreateSequence(policy, std::nullopt, "fraction").ok());
+  ASSERT_TRUE(WriteTokens(**session, "fraction", kTokens, kSeed).ok());
+  v1::SelectRequest request;
+  v1::SelectRequest::Item* item = request.add_items();
+  item->set_sequence_id("fraction");
+  item->set_step_id(1);
+  item->set_prompt_tokens(10);
+  *item->mutable_attention() = Queries({1, 4});
+  auto response = (*session)->Select(request);
+  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_EQ(response->items_size(), 1);
+  EXPECT_EQ(response->items(0).budget_tokens(), 9);
+}
+
 }  // namespace
 }  // namespace kvs_e2e

@@ -134,7 +134,11 @@ TEST(ConvertPolicyTest, StreamingLlmValuesAreCopied) {
   auto policy = PolicyFromProto(spec);
   ASSERT_TRUE(policy.ok() && policy->has_value()) << policy.status();
   EXPECT_EQ((*policy)->name, "streaming_llm");
-  EXPECT_EQ((*policy)->streaming_llm.n_sink, 0);  // 0 = default, filled in by the cache's Resolve
+  EXPECT_EQ((*policy)->streaming_llm.n_sink, 4);  // unset = the paper's default
+  spec.mutable_streaming_llm()->set_n_sink(0);       // explicit presence: 0 sinks is honoured
+  policy = PolicyFromProto(spec);
+  ASSERT_TRUE(policy.ok());
+  EXPECT_EQ((*policy)->streaming_llm.n_sink, 0);
   spec.mutable_streaming_llm()->set_n_sink(7);
   policy = PolicyFromProto(spec);
   ASSERT_TRUE(policy.ok());

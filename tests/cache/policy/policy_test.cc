@@ -80,8 +80,8 @@ TEST(PolicyFactoryTest, MakesBothPoliciesWithResolvedConfigs) {
   EXPECT_EQ((*keydiff)->config().keydiff.anchor, KeyDiffAnchor::kMeanRaw);
   auto sink = MakePolicy(testing_util::StreamingLlm(0));
   ASSERT_TRUE(sink.ok());
-  EXPECT_EQ((*sink)->config().streaming_llm.n_sink, 4);
-  EXPECT_EQ(KnownPolicyNames().size(), 9u);
+  EXPECT_EQ((*sink)->config().streaming_llm.n_sink, 0);  // no sinks: a pure sliding window
+  EXPECT_EQ(KnownPolicyNames().size(), 10u);
 }
 
 TEST(PolicyTest, UniformLayerAllocationNeverExceedsCounts) {

@@ -39,12 +39,13 @@ TEST(StreamingLlmTest, Tv6OneSink) {
 }
 
 TEST(StreamingLlmTest, Tv6DefaultFourSinks) {
-  // T = 20, N = 8, N_b = 4, n_sink left at 0 = the default 4.
+  // T = 20, N = 8, N_b = 4, n_sink at the default 4.
   const ModelLayout layout = MakeLayout(1, 1, 2, DType::kFloat32, 4);
   TestPool pool;
   const std::string session = pool.Attach(layout, 32);
   const auto run =
-      RunBlocks(pool, session, layout, StreamingLlm(0), HashValue, 8, 4, {4, 4, 4, 4, 4});
+      RunBlocks(pool, session, layout, StreamingLlm(kDefaultStreamingLlmSinks), HashValue, 8, 4,
+                {4, 4, 4, 4, 4});
   ASSERT_EQ(run.kept.size(), 5u);
   EXPECT_THAT(run.kept[1], ElementsAre(0, 1, 2, 3, 4, 5, 6, 7));
   EXPECT_THAT(run.kept[2], ElementsAre(0, 1, 2, 3, 8, 9, 10, 11));
@@ -140,9 +141,10 @@ TEST(StreamingLlmConfigTest, ValidationAndDefaults) {
   auto negative = ResolvePolicyConfig(StreamingLlm(-1));
   EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(negative.status().message(), HasSubstr("policy.streaming_llm.n_sink"));
-  auto defaulted = ResolvePolicyConfig(StreamingLlm(0));
-  ASSERT_TRUE(defaulted.ok());
-  EXPECT_EQ(defaulted->streaming_llm.n_sink, kDefaultStreamingLlmSinks);
+  EXPECT_EQ(PolicyConfig{}.streaming_llm.n_sink, kDefaultStreamingLlmSinks);
+  auto no_sinks = ResolvePolicyConfig(StreamingLlm(0));  // zero sinks is the paper's own option
+  ASSERT_TRUE(no_sinks.ok());
+  EXPECT_EQ(no_sinks->streaming_llm.n_sink, 0);
   auto kept = ResolvePolicyConfig(StreamingLlm(7));
   EXPECT_EQ(kept->streaming_llm.n_sink, 7);
 }

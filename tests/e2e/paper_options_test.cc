@@ -1,0 +1,109 @@
+// Every option of the papers can be sent through the real kvsidecar binary: a zero that the paper
+// means (no sinks, no recent share, no variance weight) is honoured rather than read as "use the
+// default", and a wrapper's base keeps its own parameters (CAOTE over TOVA with all_heads).
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvsidecar/client.h"
+#include "tests/e2e/e2e_util.h"
+
+namespace kvs_e2e {
+namespace {
+
+constexpr uint64_t kSeed = 91;
+
+class PaperOptionsE2eTest : public SharedServerTest<PaperOptionsE2eTest> {
+ protected:
+  void SetUp() override {
+    auto client = server_->Connect();
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+    layout_ = MakeLayout(2, 2, 4, 16, v1::DTYPE_FLOAT16, 4);
+    auto session = client_->Attach(layout_);
+    ASSERT_TRUE(session.ok()) << session.status();
+    session_ = std::move(*session);
+  }
+
+  v1::ModelLayout layout_;
+  std::unique_ptr<kvsidecar::Client> client_;
+  std::unique_ptr<kvsidecar::Session> session_;
+};
+
+// StreamingLLM with n_sink = 0 is a pure sliding window: the newest `budget` positions stay.
+TEST_F(PaperOptionsE2eTest, StreamingLlmWithoutSinksKeepsOnlyTheNewest) {
+  v1::PolicySpec policy;
+  policy.set_name("streaming_llm");
+  policy.mutable_streaming_llm()->set_n_sink(0);
+  auto created = session_->CreateSequence(policy, MakeBudget(8), "window");
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->policy().streaming_llm().n_sink(), 0);
+  ASSERT_TRUE(WriteTokens(*session_, "window", 20, kSeed, /*compress_if_over_budget=*/true).ok());
+  auto verified = VerifySequence(*session_, "window", kSeed);
+  ASSERT_TRUE(verified.ok()) << verified.status();
+  const std::vector<int> newest = {12, 13, 14, 15, 16, 17, 18, 19};
+  for (const auto& layer : verified->positions) {
+    for (const std::vector<int>& head : layer) {
+      std::vector<int> sorted = head;
+      std::sort(sorted.begin(), sorted.end());
+      EXPECT_EQ(sorted, newest);
+    }
+  }
+  // Unset still means the paper's default of 4 sinks.
+  v1::PolicySpec unset;
+  unset.set_name("streaming_llm");
+  auto defaulted = session_->CreateSequence(unset, MakeBudget(8), "sinks");
+  ASSERT_TRUE(defaulted.ok()) << defaulted.status();
+  EXPECT_EQ(defaulted->policy().streaming_llm().n_sink(), 4);
+}
+
+TEST_F(PaperOptionsE2eTest, D2oZeroSinksAndZeroRecentShareAreHonoured) {
+  v1::PolicySpec policy;
+  policy.set_name("d2o");
+  policy.mutable_d2o()->set_n_sink(0);
+  policy.mutable_d2o()->set_recent_frac(0.0f);
+  auto created = session_->CreateSequence(policy, MakeBudget(8), "d2o");
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->policy().d2o().n_sink(), 0);
+  EXPECT_EQ(created->policy().d2o().recent_frac(), 0.0f);
+  v1::PolicySpec unset;
+  unset.set_name("d2o");
+  auto defaulted = session_->CreateSequence(unset, MakeBudget(8), "d2o-default");
+  ASSERT_TRUE(defaulted.ok()) << defaulted.status();
+  EXPECT_EQ(defaulted->policy().d2o().n_sink(), 4);
+  EXPECT_EQ(defaulted->policy().d2o().recent_frac(), 0.25f);
+}
+
+TEST_F(PaperOptionsE2eTest, CakeZeroGammaIsHonoured) {
+  v1::PolicySpec policy;
+  policy.set_name("cake");
+  policy.mutable_cake()->set_gamma(0.0f);
+  auto created = session_->CreateSequence(policy, MakeBudget(8), "cake");
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->policy().cake().gamma(), 0.0f);
+  v1::PolicySpec unset;
+  unset.set_name("cake");
+  auto defaulted = session_->CreateSequence(unset, MakeBudget(8), "cake-default");
+  ASSERT_TRUE(defaulted.ok()) << defaulted.status();
+  EXPECT_EQ(defaulted->policy().cake().gamma(), 200.0f);
+}
+
+// CAOTE over TOVA carries TOVA's own all_heads; it used to be unreachable (setting the TOVA
+// message replaced the CAOTE one in the params oneof).
+TEST_F(PaperOptionsE2eTest, CaoteOverTovaCarriesAllHeads) {
+  v1::PolicySpec policy;
+  policy.set_name("caote");
+  policy.mutable_caote()->set_base(v1::CaoteParams::BASE_TOVA);
+  policy.mutable_caote()->mutable_tova()->set_all_heads(true);
+  auto created = session_->CreateSequence(policy, MakeBudget(8), "caote");
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->policy().caote().base(), v1::CaoteParams::BASE_TOVA);
+  EXPECT_TRUE(created->policy().caote().tova().all_heads());
+  auto layout = session_->GetLayout("caote");
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_TRUE(layout->policy().caote().tova().all_heads());
+}
+
+}  // namespace
+}  // namespace kvs_e2e
