@@ -79,8 +79,11 @@ absl::StatusOr<CompactionPlan> PlanCompaction(const ModelLayout& layout,
     reduced_index[j] = static_cast<int32_t>(old_block.size());
     old_block.push_back(j);
   }
-  auto to_old = [&](int32_t logical) { return old_block[logical / b] * b + logical % b; };
-  auto to_logical = [&](int32_t slot) { return reduced_index[slot / b] * b + slot % b; };
+  // Nothing dropped (every decode step): logical slots are the old ones, no division per slot.
+  const bool identity = static_cast<int32_t>(old_block.size()) == old_blocks;
+  auto to_old = [&](int32_t logical) {
+    return identity ? logical : old_block[logical / b] * b + logical % b;
+  };
 
   const uint64_t block_bytes = layout.block_bytes();
   const uint64_t row_bytes = layout.row_bytes();
@@ -122,11 +125,15 @@ absl::StatusOr<CompactionPlan> PlanCompaction(const ModelLayout& layout,
                                                 " are not strictly ascending in [0, ", count,
                                                 "): slot ", slot, " at index ", i));
       }
-      if (reduced_index[slot / b] < 0) {
-        return absl::InternalError(absl::StrCat("head ", h, ": kept slot ", slot,
-                                                " lies in a block found evicted"));
+      int32_t logical = slot;
+      if (!identity) {
+        const int32_t rank = reduced_index[slot / b];
+        if (rank < 0) {
+          return absl::InternalError(absl::StrCat("head ", h, ": kept slot ", slot,
+                                                  " lies in a block found evicted"));
+        }
+        logical = rank * b + slot % b;
       }
-      const int32_t logical = to_logical(slot);
       if (logical < keep) {
         for (int32_t hole = next_unkept; hole < logical; ++hole) holes.push_back(hole);
         next_unkept = logical + 1;
