@@ -53,7 +53,8 @@ def fma_peak(kvsidecar_bin, threads):
         return None
     out = subprocess.run([path, f"--threads={threads}"], check=True, capture_output=True,
                          text=True).stdout
-    return {row["threads"]: row["gflops"] for row in map(json.loads, out.split("\n")) if row}
+    rows = [json.loads(line) for line in out.splitlines() if line.strip()]
+    return {row["threads"]: row["gflops"] for row in rows}
 
 
 def main():
