@@ -1,9 +1,16 @@
-// Compaction planner: after a policy chose which tokens of a layer to keep, plans the row moves
-// that pack them into slots [0, keep) by HOLE FILLING: kept tokens sitting in slots >= keep move
-// into evicted slots < keep (the i-th such token, by slot, into the i-th hole), so the fewest rows
-// move and kept tokens already below `keep` stay where they are. The plan is pure data: arena
-// offsets for Backend::CopyRows and the new position table; the caller executes it and then
-// frees the blocks beyond ceil(keep / B).
+// Compaction planner: after a policy chose which tokens of a layer to keep, plans how they come to
+// fill slots [0, keep). Slots are logical: the block table maps slot / B to an arena block, so the
+// plan works at block granularity first and moves rows only where it must:
+//   1. a block none of whose tokens any head keeps leaves the table (it is freed, nothing copied);
+//      the other blocks keep their order, and a block every head keeps whole stays where it is;
+//   2. on the remaining table, HOLE FILLING: kept tokens sitting in slots >= keep move into
+//      evicted slots < keep (the i-th such token, by slot, into the i-th hole), so the fewest rows
+//      move and kept tokens already below `keep` stay in their block.
+// StreamingLLM's sinks + recent window thus drop every middle block and copy at most a block's
+// worth of rows per head. Slot order is not position order (it was not before either: holes are
+// refilled); the new position table says which position every slot holds. The plan is pure data:
+// arena offsets for Backend::CopyRows, the new block table, the blocks to free and the new
+// position table; the caller executes it.
 //
 // Threading: pure functions, no state.
 #ifndef KVSIDECAR_CACHE_COMPACTION_H_
@@ -31,8 +38,14 @@ struct CompactionPlan {
   // [H][keep]: the old slot of every new slot (sources[h][t] == t for a token that stayed), for
   // LayerPolicyState::Compact to permute the slot-aligned policy state like the rows.
   std::vector<std::vector<int32_t>> sources;
-  int64_t moved_tokens = 0;  // tokens that changed slot, summed over heads
+  int64_t moved_tokens = 0;  // tokens whose rows were copied, summed over heads
   int32_t keep_blocks = 0;   // ceil(keep / B): block-table entries still needed
+  // The layer's block table after the copies (keep_blocks entries) and every block of the old
+  // table that is not in it (dropped whole, or past the new end), for the allocator.
+  std::vector<int32_t> block_table;
+  std::vector<int32_t> freed_blocks;
+  // K and V bytes the copies move (rows x row bytes).
+  uint64_t bytes_copied = 0;
 
   // A copy job over `arena` for this plan; valid while the plan lives.
   RowCopyJob Job(uint8_t* arena, uint64_t row_bytes) const {
@@ -53,7 +66,7 @@ struct CompactionPlan {
 };
 
 // Plans the compaction of one layer holding `count` tokens down to `keep`.
-//   block_table: the layer's blocks (at least ceil(count / B)).
+//   block_table: the layer's blocks (at least ceil(count / B); entries past that are freed).
 //   kept:        [H][keep] slots to keep, strictly ascending per head, each in [0, count).
 //   positions:   per head, the `count` original positions in slot order.
 // INTERNAL when the inputs are inconsistent (a policy or bookkeeping bug); nothing is planned.

@@ -189,6 +189,7 @@ struct CompressResult {
   std::vector<LayerCompressResult> layers;
   int32_t blocks_freed = 0;
   int32_t floor_applied_layers = 0;  // layers the allocator raised to its floor
+  uint64_t bytes_copied = 0;         // K/V bytes compaction copied (blocks left whole: none)
 };
 
 // One sequence's decode step (DecodeStep): its new token (a pending one-token reservation in

@@ -985,6 +985,7 @@ absl::StatusOr<CompressResult> Sequence::CompressChecked(const SequenceEnv& env,
   ClearStepScores();
   if (!eviction.ok()) return eviction.status();
   result.blocks_freed = eviction->blocks_freed;
+  result.bytes_copied = eviction->bytes_copied;
   result.floor_applied_layers = floor_applied;
   result.layers.resize(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -1304,7 +1305,8 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
     rows_moved_ = true;
   }
 
-  // 2. Plan the hole-filling moves (no mutation), and note what each head evicts.
+  // 2. Plan the compaction (blocks nobody keeps leave the table, then hole filling; no
+  // mutation), and note what each head evicts.
   std::vector<CompactionPlan> plans(victims.size());
   std::vector<RowCopyJob> jobs;
   std::vector<uint8_t> is_kept;
@@ -1360,8 +1362,9 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
     states_[l].Compact(heads, state.count, plans[i].sources);
     state.count = keep[l];
     state.positions = std::move(plans[i].positions);
-    to_free.insert(to_free.end(), state.blocks.begin() + plans[i].keep_blocks, state.blocks.end());
-    state.blocks.resize(plans[i].keep_blocks);
+    to_free.insert(to_free.end(), plans[i].freed_blocks.begin(), plans[i].freed_blocks.end());
+    state.blocks = std::move(plans[i].block_table);
+    eviction.bytes_copied += plans[i].bytes_copied;
   }
   eviction.blocks_freed = static_cast<int32_t>(to_free.size());
   ++version_;

@@ -204,6 +204,7 @@ class Sequence {
     // Per layer [H]: the lowest position each head evicted, -1 = none (DecodeStep).
     std::vector<std::vector<int32_t>> evicted_positions;
     int32_t blocks_freed = 0;
+    uint64_t bytes_copied = 0;  // K/V bytes the compaction copied, every layer
   };
   // A validated AttentionInput, resolved against the sequence it will be observed on.
   struct StepAttention {

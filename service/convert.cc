@@ -1146,6 +1146,7 @@ void CompressResultToProto(const CompressResult& result, v1::CompressResponse* o
   }
   out->set_blocks_freed(result.blocks_freed);
   out->set_floor_applied_layers(result.floor_applied_layers);
+  out->set_bytes_copied(result.bytes_copied);
 }
 
 void DecodeResultToProto(const DecodeResult& result, v1::DecodeStepResponse::Item* out) {

@@ -615,7 +615,7 @@ absl::StatusOr<uint64_t> SidecarService::EstimateCompressResponseBytes(
   // there the count is the bound.
   const bool uniform =
       UniformSplit(params.policy.value_or(counts.policy)) && counts.budget.per_layer_tokens.empty();
-  uint64_t total = 2 * 11;  // blocks_freed, floor_applied_layers
+  uint64_t total = 3 * 11;  // blocks_freed, floor_applied_layers, bytes_copied
   for (const LayerLayoutView& layer : counts.layers) {
     // layer, kept, evicted, merged: none above the count (or the layer index)
     uint64_t body = ScalarBytes(4, std::max(layer.layer, layer.count));

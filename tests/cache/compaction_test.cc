@@ -61,6 +61,36 @@ TEST(CompactionTest, MoversFillHolesInOrder) {
   EXPECT_EQ(plan->dst_offsets[3], RowOffset(layout, table, 1, 0, 2));
 }
 
+// A block no head keeps a token of leaves the table without a copy, a block every head keeps
+// whole stays where it is, and hole filling runs on what is left.
+TEST(CompactionTest, EvictedBlocksLeaveTheTableAndWholeBlocksStay) {
+  const ModelLayout layout = MakeLayout(1, 2, 3, DType::kFloat32, 4);
+  const std::vector<int32_t> table = {5, 2, 7, 9};  // 16 tokens
+  const auto positions = Positions(2, 16, 1);
+  // Both heads keep slots 0, 1 (block 5) and 12..15 (block 9, whole); blocks 2 and 7 are evicted.
+  // Reduced table [5, 9]: logical slots 0, 1, 4..7 kept, holes 2 and 3 take logical 6 and 7.
+  const std::vector<int32_t> kept = {0, 1, 12, 13, 14, 15, 0, 1, 12, 13, 14, 15};
+  auto plan = PlanCompaction(layout, table, 16, 6, kept, positions);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->keep_blocks, 2);
+  EXPECT_THAT(plan->block_table, ElementsAre(5, 9));
+  EXPECT_THAT(plan->freed_blocks, ElementsAre(2, 7));
+  EXPECT_EQ(plan->moved_tokens, 4);  // 2 per head; hole filling of the whole table moved 4
+  EXPECT_EQ(plan->bytes_copied, 8 * layout.row_bytes());
+  for (int h = 0; h < 2; ++h) {
+    EXPECT_THAT(plan->sources[h], ElementsAre(0, 1, 14, 15, 12, 13));
+    EXPECT_THAT(plan->positions[h],
+                ElementsAre(positions[h][0], positions[h][1], positions[h][14], positions[h][15],
+                            positions[h][12], positions[h][13]));
+  }
+  ASSERT_EQ(plan->src_offsets.size(), 8u);
+  // Head 0, K: slot 14 (block 9) into logical slot 2, i.e. old slot 2 (block 5).
+  EXPECT_EQ(plan->src_offsets[0], RowOffset(layout, table, 0, 0, 14));
+  EXPECT_EQ(plan->dst_offsets[0], RowOffset(layout, table, 0, 0, 2));
+  EXPECT_EQ(plan->src_offsets[2], RowOffset(layout, table, 0, 0, 15));
+  EXPECT_EQ(plan->dst_offsets[2], RowOffset(layout, table, 0, 0, 3));
+}
+
 TEST(CompactionTest, NothingMovesWhenKeptSlotsArePrefix) {
   const ModelLayout layout = MakeLayout(1, 1, 2, DType::kFloat16, 2);
   const std::vector<int32_t> table = {0, 1, 2};
@@ -108,8 +138,8 @@ TEST(CompactionTest, MalformedInputsAreInternal) {
 }
 
 // Random kept sets, executed with Backend::CopyRows on a host arena: every kept token's K and V
-// rows end up bit-identical in the slot the new position table names, rows that stayed are
-// untouched, and the number of moves is the minimum (kept tokens at slots >= keep).
+// rows end up bit-identical in the slot the new position table and block table name, and the
+// moves are the kept tokens at slots >= keep once the blocks nobody keeps have left the table.
 TEST(CompactionTest, ExecutedPlanPreservesEveryKeptRow) {
   std::mt19937 rng(1234);
   auto backend = MakeCpuBackend(2);
@@ -128,19 +158,34 @@ TEST(CompactionTest, ExecutedPlanPreservesEveryKeptRow) {
       const std::vector<uint8_t> before = arena;
       const auto positions = Positions(layout.num_kv_heads, count, trial);
       std::vector<int32_t> kept;
-      int64_t expected_moves = 0;
       for (int h = 0; h < layout.num_kv_heads; ++h) {
         std::vector<int32_t> slots(count);
         std::iota(slots.begin(), slots.end(), 0);
         std::shuffle(slots.begin(), slots.end(), rng);
         slots.resize(keep);
         std::sort(slots.begin(), slots.end());
-        for (int32_t s : slots) expected_moves += s >= keep ? 1 : 0;
         kept.insert(kept.end(), slots.begin(), slots.end());
       }
+      // Blocks no head keeps a token of leave the table; the others, in order, number the
+      // slots, and the kept tokens at slots >= keep of that numbering move.
+      std::vector<int32_t> rank(blocks, -1);
+      for (int32_t s : kept) rank[s / 4] = 0;
+      int32_t reduced = 0;
+      for (int32_t& r : rank) r = r < 0 ? -1 : reduced++;
+      int64_t expected_moves = 0;
+      for (int32_t s : kept) expected_moves += rank[s / 4] * 4 + s % 4 >= keep ? 1 : 0;
       auto plan = PlanCompaction(layout, table, count, keep, kept, positions);
       ASSERT_TRUE(plan.ok()) << plan.status();
       EXPECT_EQ(plan->moved_tokens, expected_moves);
+      EXPECT_EQ(plan->bytes_copied, 2 * expected_moves * layout.row_bytes());
+      // Every block of the old table is either in the new one or freed, once.
+      ASSERT_EQ(plan->block_table.size(), static_cast<size_t>((keep + 3) / 4));
+      std::vector<int32_t> all = plan->block_table;
+      all.insert(all.end(), plan->freed_blocks.begin(), plan->freed_blocks.end());
+      std::sort(all.begin(), all.end());
+      std::vector<int32_t> old_table = table;
+      std::sort(old_table.begin(), old_table.end());
+      EXPECT_EQ(all, old_table);
       // Odd trials run the plan as one job, even ones in small independent pieces.
       std::vector<RowCopyJob> jobs;
       if (trial % 2 == 1) {
@@ -160,7 +205,7 @@ TEST(CompactionTest, ExecutedPlanPreservesEveryKeptRow) {
           ASSERT_EQ(plan->sources[h][s], original) << "trial " << trial << " head " << h;
           got.push_back(original);
           for (int kv = 0; kv < 2; ++kv) {
-            ASSERT_EQ(std::memcmp(arena.data() + RowOffset(layout, table, kv, h, s),
+            ASSERT_EQ(std::memcmp(arena.data() + RowOffset(layout, plan->block_table, kv, h, s),
                                   before.data() + RowOffset(layout, table, kv, h, original),
                                   layout.row_bytes()),
                       0)

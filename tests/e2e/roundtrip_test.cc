@@ -206,6 +206,44 @@ TEST_F(RoundTripTest, StreamingLlmKeepsSinksAndRecentTokens) {
   EXPECT_EQ(held, expected);
 }
 
+// Compaction works on blocks first: StreamingLLM's evicted middle leaves the block table without
+// a copy and the recent window's whole blocks stay where they are, so only the rows of one block
+// per head move (hole filling over the whole table moved every kept token past the budget).
+TEST_F(RoundTripTest, StreamingLlmCompressCopiesOnlyPartlyKeptBlocks) {
+  const v1::ModelLayout layout = MakeLayout(2, 2, 4, 32, v1::DTYPE_FLOAT16, 16);
+  auto session = Attach(layout, 128);
+  ASSERT_NE(session, nullptr);
+  ASSERT_TRUE(session->CreateSequence(StreamingPolicy(4), MakeBudget(64), "blocks").ok());
+  const uint64_t seed = 23;
+  ASSERT_TRUE(WriteTokens(*session, "blocks", 256, seed).ok());
+  auto compressed = session->Compress("blocks");
+  ASSERT_TRUE(compressed.ok()) << compressed.status();
+  // Kept: positions 0..3 (block 0) and 196..255 (12 in block 12, blocks 13..15 whole). Blocks
+  // 1..11 leave the table; the 16 holes of blocks 0 and 12 take block 15's 16 tokens, so per
+  // (layer, head) 16 tokens x (K, V) x 32 dims x 2 bytes move.
+  EXPECT_EQ(compressed->bytes_copied(), 2u * 2 * 16 * 2 * 32 * 2);
+  EXPECT_EQ(compressed->blocks_freed(), 2 * (16 - 4));
+  auto kept = VerifySequence(*session, "blocks", seed);  // every kept row is its position's
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  std::vector<int> expected = {0, 1, 2, 3};
+  for (int p = 196; p < 256; ++p) expected.push_back(p);
+  for (int layer = 0; layer < 2; ++layer) {
+    for (int head = 0; head < 2; ++head) {
+      std::vector<int> held = kept->positions[layer][head];
+      std::sort(held.begin(), held.end());
+      EXPECT_EQ(held, expected) << "layer " << layer << " head " << head;
+    }
+  }
+  auto layout_after = session->GetLayout("blocks");
+  ASSERT_TRUE(layout_after.ok()) << layout_after.status();
+  for (const auto& layer : layout_after->layers()) EXPECT_EQ(layer.block_table_size(), 4);
+  // Decoding on from the compacted table appends and evicts as before.
+  auto committed = WriteTokens(*session, "blocks", 10, seed, /*compress_if_over_budget=*/true);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_THAT(committed->counts(), Each(64));
+  ASSERT_TRUE(VerifySequence(*session, "blocks", seed).ok());
+}
+
 TEST_F(RoundTripTest, StrictBudgetNeverHoldsMoreThanBudgetPlusBlock) {
   const v1::ModelLayout layout = MakeLayout(2, 2, 2, 16, v1::DTYPE_FLOAT32, 4);
   auto session = Attach(layout, 256);

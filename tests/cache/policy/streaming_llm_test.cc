@@ -109,7 +109,8 @@ TEST_F(StreamingLlmPoolTest, ExplicitPositionsAreRespected) {
 // After a KeyDiff compaction slot order is not position order; the sink must be the lowest
 // POSITION (a slot-based choice would keep slot 0, which now holds position 4).
 TEST(StreamingLlmBySlotTest, SinksAndRecencyGoByPosition) {
-  const ModelLayout layout = MakeLayout(1, 1, 2, DType::kFloat32, 2);
+  // Blocks of 4: no block is evicted whole, so the compaction is plain hole filling.
+  const ModelLayout layout = MakeLayout(1, 1, 2, DType::kFloat32, 4);
   TestPool pool;
   const std::string session = pool.Attach(layout, 32);
   const std::string seq = pool.Create(session, KeyDiff(), Budget(0));
