@@ -289,7 +289,12 @@ def run_fidelity(args, model_name, model, tok, session, store, cfgs, encode):
             runner = engine.make_runner(model, session, pre, cfg)
             try:
                 # Holding the budget while decoding evicts at every token: one step per token.
-                logits = engine.teacher_forced(runner, cont, one_by_one=cfg.protocol == "decode")
+                # A kvpress cache whose layers hold different counts (PyramidKV) cannot take a
+                # block: transformers builds one mask from layer 0's length. One token at a
+                # time needs no mask.
+                ragged = cfg.method == "kvpress" and cfg.policy.startswith("pyramidkv")
+                logits = engine.teacher_forced(runner, cont,
+                                               one_by_one=cfg.protocol == "decode" or ragged)
                 kept = runner.kept_fraction(p)
             finally:
                 runner.close()
