@@ -90,8 +90,8 @@ def write(out_dir: str, command: str = "", elapsed: float = 0.0, plots: bool = T
         "Accuracy: exact match of the greedy answer line (mean over samples, 95 % bootstrap CI). "
         "Fidelity: teacher-forced continuation of each text after a compressed prompt, mean "
         "KL(full || compressed) in nats and top-1 agreement with the full cache (mean over the "
-        "texts). kept: mean fraction of the prompt's K/V held per layer after the prefill "
-        "compression (sidecar: at the end of decoding). Protocol `prefill`: compressed once "
+        "texts). kept: mean K/V held per layer at the end of decoding, as a fraction of the "
+        "prompt (the decoded tokens included; the full cache is above 1). Protocol `prefill`: compressed once "
         "after the prefill, no eviction while decoding (kvpress's protocol); `decode`: the "
         "budget is held at every decode step (the sidecar's DecodeStep). Never compare rows "
         "across protocols.", ""]

@@ -141,7 +141,8 @@ def run_model(args, model_name, store, session_factory):
              isinstance(i, int) and i >= 0}
 
     def line_done(toks):
-        return toks[-1] in stops or "\n" in tok.decode(toks)
+        # The end of the answer line: a newline after something else than blank lines.
+        return toks[-1] in stops or "\n" in tok.decode(toks).lstrip()
 
     def encode(text):
         return tok.encode(text, add_special_tokens=False)

@@ -14,8 +14,9 @@ _SKIP = {"and"}
 
 
 def answer_line(text: str) -> str:
-    """The generated answer: everything up to the first newline."""
-    return text.split("\n", 1)[0]
+    """The generated answer: its first line that is not blank (a model may start its answer on
+    a new line after "they are:")."""
+    return text.lstrip().split("\n", 1)[0]
 
 
 def items(line: str) -> List[str]:
@@ -33,7 +34,7 @@ def answered(text: str, k: int) -> bool:
             continue
         found += 1
         if found == k:
-            return m.end() < len(line) or "\n" in text
+            return m.end() < len(line) or "\n" in text.lstrip()
     return False
 
 

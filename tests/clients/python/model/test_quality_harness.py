@@ -76,7 +76,9 @@ def test_exact_match():
     assert not scoring.exact_match(" 12345678.", ["1234567"])
     assert not scoring.exact_match(" 123456.", ["1234567"])
     assert not scoring.exact_match("The number is 1234567.", ["1234567"])
-    assert not scoring.exact_match("\n1234567", ["1234567"])  # the answer line is empty
+    # Leading blank lines are skipped: the answer line is the first one with something on it.
+    assert scoring.exact_match("\n\n 1234567.\n7654321", ["1234567"])
+    assert not scoring.exact_match("\n\n 1234567.\n7654321", ["1234567", "7654321"])
     assert scoring.exact_match(" 2222222, 1111111 and 3333333.", ["1111111", "2222222",
                                                                     "3333333"])
     assert not scoring.exact_match(" 1111111, 1111111, 2222222", ["1111111", "2222222",
