@@ -59,7 +59,8 @@ if [ "$dry_run" != 1 ]; then echo "worker_demo:   model at $model" >&2; fi
 
 stage "run the model with its KV cache in the sidecar"
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
-run "$python" -m kvsidecar.model.worker --model "$model" \
+run env PYTHONPATH="$root/clients/python/examples" "$python" -m numpy_llama.worker \
+  --model "$model" \
   --kvsidecar-bin "$build/service/kvsidecar" \
   --prompt-file "$root/bench/quality/data/alice_ch1.txt" \
   --question "What was the name of Alice's cat?" --budget 25% --policy snapkv "$@"

@@ -1,285 +1,374 @@
 #!/usr/bin/env python3
-"""Quality of the sidecar's KV-compression policies on a real model (SmolLM2-135M-Instruct).
+"""Quality of KV-cache compression on real models through transformers: every sidecar policy
+(kvsidecar.hf.SidecarCache) and kvpress's presses side by side, on synthetic long-context tasks
+(RULER-style, tasks.py) and on next-token fidelity against the full cache.
 
-For every policy x budget (a fraction of the prompt, in tokens per layer), with the full cache as
-the reference:
-  1. retrieval: a pass key hidden at several depths of a filler text; accuracy of the greedy
-     answer;
-  2. fidelity: teacher-forced continuation of natural English text (data/alice_ch1.txt): mean
-     KL(full || compressed) of the next-token distributions and top-1 agreement;
-  3. memory: KV bytes the sidecar holds per sequence vs a full cache.
-The prompt is prefilled once per input with the full cache (recorded), then replayed into one
-sidecar sequence per configuration (Reserve / zero-copy write / Commit with the queries, as the
-worker does), compressed to the budget by the sidecar, and decoded through DecodeStep.
+    python bench/quality/run.py                       # the full configuration (hours on a CPU)
+    python bench/quality/run.py --models smollm2 --tasks niah_single,vt --contexts 1024 \\
+        --samples 20 --budgets 0.1,0.25,0.5
 
-Writes results.csv, results.md and PNG plots (matplotlib, if installed) to --out, with the
-command line in results.md. `--small` is the quick configuration the test suite runs.
-
-    python bench/quality/run.py --kvsidecar-bin build/service/kvsidecar
+Cells (model x task x context x protocol x method x policy x budget) already complete in
+--out/results.csv are skipped: stop it any time and run the same command again to continue.
+Writes results.csv (one row per sample), results.md (tables with 95 % bootstrap CIs, the
+summary of which policy wins at each budget, the configuration), and one PNG per model and
+context (report.py; `python bench/quality/report.py --out DIR` redraws them from the CSV).
+See README.md for the protocols and the matched parameters.
 """
 
 import argparse
-import csv
 import math
 import os
 import shlex
+import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
-          "There and back again. ")
-PASSKEYS = ["71432", "29514", "86037", "40968", "13579"]
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import scoring  # noqa: E402
+import tasks as task_gen  # noqa: E402
+
+MODELS = {"smollm2": os.path.join(REPO, "deploy", "fetch_model.sh")}
+FIDELITY_TEXTS = ("alice_ch1.txt", "declaration.txt", "arena_source.txt")
 
 
-def passkey_prompt(tok, n_filler: int, depth: float, key: str):
-    parts = [FILLER] * n_filler
-    parts.insert(int(round(depth * n_filler)),
-                 f"The pass key is {key}. Remember it. {key} is the pass key. ")
-    body = ("There is important info hidden inside a lot of irrelevant text. Find it and "
-            "memorize it. " + "".join(parts))
-    return tok.encode(tok.chat_prompt(body + "\nWhat is the pass key?")) + tok.encode(
-        "The pass key is")
+def model_path(name: str) -> str:
+    if os.path.isfile(name):
+        return name
+    script = MODELS.get(name)
+    if script is None:
+        raise SystemExit(f"unknown model {name!r}: one of {sorted(MODELS)} or a GGUF path")
+    res = subprocess.run(["bash", script], capture_output=True, text=True,
+                         env=dict(os.environ, PIP=f"{sys.executable} -m pip",
+                                  PYTHON=sys.executable))
+    if res.returncode != 0:
+        raise SystemExit(f"{script} failed: {res.stderr.strip()[-2000:]}")
+    return res.stdout.strip()
 
 
-def n_filler_for(tok, context: int) -> int:
-    base = len(passkey_prompt(tok, 0, 0.0, PASSKEYS[0]))
-    per = len(tok.encode(FILLER))
-    return max(1, (context - base) // per)
+def load(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    d, name = os.path.split(path)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    return model.eval(), tok
+
+
+def chat_template(tok):
+    """The chat template's text before and after the user message (generation prompt)."""
+    mark = "\x00MARK\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
+                                   add_generation_prompt=True)
+    head, tail = text.split(mark)
+    return head, tail
+
+
+def max_context(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2", help="comma-separated: names or GGUF paths")
+    ap.add_argument("--tasks", default=",".join(task_gen.TASKS + ("fidelity",)))
+    ap.add_argument("--contexts", default="1024,2048,4096", help="prompt tokens (as far as each "
+                    "model's context allows)")
+    ap.add_argument("--samples", type=int, default=50, help="samples per cell")
+    ap.add_argument("--budgets", default="0.1,0.25,0.5", help="fractions of the prompt kept")
+    ap.add_argument("--protocols", default="prefill,decode",
+                    help="sidecar protocols: prefill (compress once, as kvpress), decode (hold "
+                    "the budget while decoding)")
+    ap.add_argument("--policies", default="", help="only these sidecar policies (default all)")
+    ap.add_argument("--no-kvpress", action="store_true", help="no kvpress rows")
+    ap.add_argument("--kvpress-defaults", action="store_true",
+                    help="also kvpress rows with its own default windows/kernels")
+    ap.add_argument("--fidelity-prompt", type=int, default=768)
+    ap.add_argument("--fidelity-continuation", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4, help="prompts per prefill / decode batch")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stop-when-answered", action="store_true",
+                    help="stop decoding a row once its first k answer items are complete "
+                    "(the exact match reads nothing else; saves time on a slow machine). "
+                    "Default: decode to the end of the line or EOS")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--server", default=None, help="a running sidecar (default: start one from "
+                    "$KVSIDECAR_BIN or --kvsidecar-bin)")
+    ap.add_argument("--kvsidecar-bin", default=None)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--no-plots", action="store_true")
+    return ap.parse_args(argv)
+
+
+def configs(args):
+    import engine
+    budgets = [float(b) for b in args.budgets.split(",")]
+    protos = [p for p in args.protocols.split(",") if p]
+    out = [engine.Config("full", "full", 1.0, "prefill", "the whole prompt (DynamicCache)")]
+    side = engine.sidecar_configs(budgets, protos)
+    if args.policies:
+        keep = set(args.policies.split(","))
+        side = [c for c in side if c.policy in keep]
+    out += side
+    if not args.no_kvpress:
+        try:
+            out += engine.kvpress_configs(budgets, args.kvpress_defaults)
+        except ImportError as e:
+            print(f"kvpress is not installed ({e}): no kvpress rows", file=sys.stderr)
+    return out
+
+
+def row_base(model_name, task, context, cfg):
+    return {"model": model_name, "task": task, "context": context, "protocol": cfg.protocol,
+            "method": cfg.method, "policy": cfg.policy, "budget": cfg.budget,
+            "params": cfg.params}
+
+
+def run_model(args, model_name, store, session_factory):
+    import torch
+
+    import engine
+    path = model_path(model_name)
+    t0 = time.time()
+    model, tok = load(path)
+    print(f"[{model_name}] loaded {os.path.basename(path)} in {time.time() - t0:.0f} s",
+          flush=True)
+    template = chat_template(tok)
+    stops = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if
+             isinstance(i, int) and i >= 0}
+
+    def line_done(toks):
+        # The end of the answer line: a newline after something else than blank lines.
+        return toks[-1] in stops or "\n" in tok.decode(toks).lstrip()
+
+    def encode(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    cfgs = configs(args)
+    limit = max_context(model)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    task_list = [t for t in args.tasks.split(",") if t]
+    with session_factory(model, max(contexts + [args.fidelity_prompt
+                                                 + args.fidelity_continuation])) as session:
+        for context in contexts:
+            need = context + max(task_gen.MAX_NEW_TOKENS.values())
+            if need > limit:
+                print(f"[{model_name}] context {context}: over the model's {limit} positions; "
+                      "skipped", flush=True)
+                continue
+            for task in task_list:
+                if task == "fidelity":
+                    continue
+                samples = task_gen.make_samples(task, context, args.samples, args.seed, encode,
+                                                template)
+                run_task(args, model_name, model, tok, session, store, cfgs, task, context,
+                         samples, line_done)
+        if "fidelity" in task_list:
+            run_fidelity(args, model_name, model, tok, session, store, cfgs, encode)
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+def _pending(store, model_name, task, context, cfgs, indices):
+    """Per configuration, the sample indices of `indices` not yet in the CSV (None: skip)."""
+    out = {}
+    for i, cfg in enumerate(cfgs):
+        key = scoring.cell_key(row_base(model_name, task, context, cfg))
+        done = store.samples_done(key)
+        if any(r.get("error") for r in done.values()):
+            continue
+        todo = [s for s in indices if s not in done]
+        if todo:
+            out[i] = todo
+    return out
+
+
+def run_task(args, model_name, model, tok, session, store, cfgs, task, context, samples,
+             line_done):
+    import torch
+
+    import engine
+    for start in range(0, len(samples), args.batch):
+        batch = samples[start:start + args.batch]
+        pending = _pending(store, model_name, task, context, cfgs, [s.index for s in batch])
+        if not pending:
+            continue
+        # Configurations that cannot run get one error row per cell, and no prefill.
+        for i in list(pending):
+            if cfgs[i].error:
+                store.add([dict(row_base(model_name, task, context, cfgs[i]), sample=0,
+                                error=cfgs[i].error)])
+                del pending[i]
+        if not pending:
+            continue
+        t0 = time.time()
+        ids = torch.tensor([s.ids for s in batch])
+        pre = engine.prefill(model, ids)
+        t_pre = time.time() - t0
+        max_new = max(s.max_new_tokens for s in batch)
+
+        def is_stop(row, toks):
+            if line_done(toks):
+                return True
+            # --stop-when-answered: the score reads only the first k items of the line, so
+            # decoding stops once they are complete (an item followed by another character).
+            return args.stop_when_answered and scoring.answered(
+                tok.decode(toks, skip_special_tokens=True), len(batch[row].answers))
+        for i, todo in pending.items():
+            cfg = cfgs[i]
+            t1 = time.time()
+            rows = []
+            try:
+                runner = engine.make_runner(model, session, pre, cfg)
+                try:
+                    outs = engine.greedy(runner, pre.logits, max_new, is_stop)
+                    kept = runner.kept_fraction(pre.length)
+                finally:
+                    runner.close()
+            except Exception as e:  # a configuration failing is a result, not a crash
+                store.add([dict(row_base(model_name, task, context, cfg), sample=s,
+                                error=f"{type(e).__name__}: {e}"[:300]) for s in todo])
+                print(f"  ERROR {cfg.name} {cfg.protocol} {cfg.budget}: {e}", flush=True)
+                continue
+            dt = (time.time() - t1) / len(batch)
+            for s, o in zip(batch, outs):
+                if s.index not in todo:
+                    continue
+                text = tok.decode(o["tokens"], skip_special_tokens=True)
+                rows.append(dict(row_base(model_name, task, context, cfg), sample=s.index,
+                                 correct=scoring.exact_match(text, s.answers),
+                                 kept_fraction=kept, truncated=o["truncated"],
+                                 answer=scoring.answer_line(text).strip()[:120],
+                                 expected=" ".join(s.answers), seconds=dt))
+            store.add(rows)
+            acc = sum(r["correct"] for r in rows) / max(1, len(rows))
+            print(f"  {model_name} {task} {context} [{start}:{start + len(batch)}] "
+                  f"{cfg.protocol:7s} {cfg.name:28s} {cfg.budget:<5} acc {acc:.2f} "
+                  f"({time.time() - t1:.1f} s)", flush=True)
+        print(f"[{model_name}] {task} {context} samples {start}..{start + len(batch) - 1}: "
+              f"prefill {t_pre:.1f} s, all configurations {time.time() - t0:.0f} s", flush=True)
+
+
+def fidelity_ids(tok, prompt, cont):
+    import torch
+    out = []
+    for name in FIDELITY_TEXTS:
+        with open(os.path.join(HERE, "data", name), encoding="utf-8") as f:
+            ids = tok.encode(f.read(), add_special_tokens=False)
+        if len(ids) < prompt + cont:
+            raise SystemExit(f"data/{name} has {len(ids)} tokens, fewer than {prompt + cont}")
+        out.append(ids[:prompt + cont])
+    return torch.tensor(out)
+
+
+def run_fidelity(args, model_name, model, tok, session, store, cfgs, encode):
+    import engine
+    p, c = args.fidelity_prompt, args.fidelity_continuation
+    ids = fidelity_ids(tok, p, c)
+    indices = list(range(len(FIDELITY_TEXTS)))
+    pending = _pending(store, model_name, "fidelity", p, cfgs, indices)
+    if not pending:
+        return
+    t0 = time.time()
+    pre = engine.prefill(model, ids[:, :p])
+    cont = ids[:, p:]
+    ref_runner = engine.make_runner(model, session, pre, cfgs[0])
+    ref = engine.teacher_forced(ref_runner, cont, one_by_one=False).numpy()
+    ref_runner.close()
+    print(f"[{model_name}] fidelity: prefill + reference {time.time() - t0:.1f} s", flush=True)
+    for i, todo in pending.items():
+        cfg = cfgs[i]
+        base = row_base(model_name, "fidelity", p, cfg)
+        if cfg.error:
+            store.add([dict(base, sample=0, error=cfg.error)])
+            continue
+        t1 = time.time()
+        try:
+            runner = engine.make_runner(model, session, pre, cfg)
+            try:
+                # Holding the budget while decoding evicts at every token: one step per token.
+                # A kvpress cache whose layers hold different counts (PyramidKV) cannot take a
+                # block: transformers builds one mask from layer 0's length. One token at a
+                # time needs no mask.
+                ragged = cfg.method == "kvpress" and cfg.policy.startswith("pyramidkv")
+                logits = engine.teacher_forced(runner, cont,
+                                               one_by_one=cfg.protocol == "decode" or ragged)
+                kept = runner.kept_fraction(p)
+            finally:
+                runner.close()
+        except Exception as e:
+            store.add([dict(base, sample=s, error=f"{type(e).__name__}: {e}"[:300])
+                       for s in todo])
+            print(f"  ERROR {cfg.name} {cfg.protocol} {cfg.budget}: {e}", flush=True)
+            continue
+        # Position j's logits predict token j+1 of the continuation; the last one has no target
+        # but is still a next-token distribution to compare.
+        kl, top1 = scoring.kl_top1(ref, logits.numpy())
+        rows = [dict(base, sample=s, kl=float(kl[s].mean()), top1=float(top1[s].mean()),
+                     kept_fraction=kept, seconds=(time.time() - t1) / len(indices))
+                for s in todo]
+        store.add(rows)
+        print(f"  {model_name} fidelity {p}+{c} {cfg.protocol:7s} {cfg.name:28s} "
+              f"{cfg.budget:<5} KL {kl.mean():.4f} top1 {top1.mean():.3f} "
+              f"({time.time() - t1:.1f} s)", flush=True)
+
+
+class _Sessions:
+    """Attaches one session per model to the sidecar (started here unless --server)."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.server = None
+
+    def __enter__(self):
+        from kvsidecar.server import LocalServer
+        if self.args.server is None:
+            self.server = LocalServer(self.args.kvsidecar_bin, lease_ms=600000)
+            self.server.__enter__()
+            self.args.server = self.server.address
+        return self
+
+    def __exit__(self, *exc):
+        if self.server is not None:
+            self.server.__exit__(*exc)
+
+    def factory(self, model, max_tokens):
+        import contextlib
+
+        import kvsidecar as kvs
+        from kvsidecar.hf import blocks_for, layout_for
+        args = self.args
+
+        @contextlib.contextmanager
+        def attach():
+            with kvs.Client(args.server, timeout=600, worker_name="bench-quality") as client, \
+                    client.attach(layout_for(model, "fp32"),
+                                  num_blocks=blocks_for(model, max_tokens + 128,
+                                                        batch_size=max(args.batch, 3))
+                                  ) as session:
+                yield session
+        return attach()
 
 
 def main(argv=None):
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policies", default="streaming_llm,keydiff,h2o,tova,snapkv,cake,d2o,caote")
-    ap.add_argument("--budgets", default="0.1,0.25,0.5", help="fractions of the prompt")
-    ap.add_argument("--context", type=int, default=1024, help="passkey prompt tokens (about)")
-    ap.add_argument("--depths", default="0.1,0.5,0.9", help="passkey depths")
-    ap.add_argument("--fidelity-prompt", type=int, default=768, help="tokens of text as prompt")
-    ap.add_argument("--fidelity-continuation", type=int, default=64, help="tokens scored")
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--dtype", default="fp16", choices=["fp32", "fp16", "bf16"])
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--server", help="address of a running sidecar")
-    ap.add_argument("--kvsidecar-bin", help="start a private sidecar (default $KVSIDECAR_BIN)")
-    ap.add_argument("--small", action="store_true",
-                    help="quick: 2 policies, budget 25%%, 256-token prompts, 1 depth")
-    ap.add_argument("--no-plots", action="store_true")
-    args = ap.parse_args(argv)
-    if args.small:
-        args.policies, args.budgets, args.context, args.depths = "streaming_llm,snapkv", "0.25", \
-            256, "0.5"
-        args.fidelity_prompt, args.fidelity_continuation = 256, 16
-
-    import kvsidecar as kvs
-    from kvsidecar.model import load_model
-    from kvsidecar.model.replay import RecordingCache, replay
-    from kvsidecar.model.sidecar_cache import (SidecarKVCache, blocks_needed, layout_for,
-                                               policy_spec)
-    from kvsidecar.model.worker import kl_and_top1
-
-    policies = [p for p in args.policies.split(",") if p]
-    budgets = [float(b) for b in args.budgets.split(",") if b]
-    depths = [float(d) for d in args.depths.split(",") if d]
-    model, tok = load_model()
-    cfg = model.cfg
-    stops = [tok.im_end_id, tok.eos_id]
-    t_start = time.perf_counter()
-
-    # Inputs, recorded once with the full cache.
-    inputs = []  # (task, depth, key, prompt, blocks, last_logits, reference)
-    nf = n_filler_for(tok, args.context)
-    for i, depth in enumerate(depths):
-        key = PASSKEYS[i % len(PASSKEYS)]
-        prompt = passkey_prompt(tok, nf, depth, key)
-        rec = RecordingCache(cfg, len(prompt) + 16)
-        logits = model.prefill(prompt, rec, args.block_size, align_last=True)
-        blocks = list(rec.blocks)
-        ref = model.decode(rec, logits, len(prompt), len(key) + 2, stops)
-        inputs.append(("passkey", depth, key, prompt, blocks, logits, ref))
-    text = open(os.path.join(HERE, "data", "alice_ch1.txt"), encoding="utf-8").read()
-    ids = tok.encode(text)
-    need = args.fidelity_prompt + args.fidelity_continuation
-    if len(ids) < need:
-        raise SystemExit(f"the text has {len(ids)} tokens, fewer than {need}")
-    prompt, cont = ids[: args.fidelity_prompt], ids[args.fidelity_prompt: need]
-    rec = RecordingCache(cfg, need)
-    logits = model.prefill(prompt, rec, args.block_size, align_last=True)
-    blocks = list(rec.blocks)
-    ref = model.decode(rec, logits, len(prompt), len(cont), forced=cont)
-    inputs.append(("fidelity", float("nan"), "", prompt, blocks, logits, ref))
-
-    rows = []
-    for task, depth, key, prompt, _, _, ref in inputs:  # the full-cache reference rows
-        full_bytes = len(prompt) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * \
-            kvs.dtype_bytes(layout_for(cfg, args.dtype).dtype)
-        row = dict(task=task, policy="full", budget_frac=1.0, budget_tokens=len(prompt),
-                   depth=depth, prompt_tokens=len(prompt), kv_bytes_kept=full_bytes,
-                   kv_bytes_full=full_bytes, error="")
-        if task == "passkey":
-            answer = tok.decode(ref.tokens)
-            row.update(correct=int(key in answer), answer=answer.strip())
-        else:
-            row.update(mean_kl=0.0, top1=1.0)
-        rows.append(row)
-
-    from kvsidecar.server import LocalServer
-    server = None
-    address = args.server
-    if not address:
-        server = LocalServer(args.kvsidecar_bin, extra_args=["--arena_capacity_bytes=2G"])
-        address = server.address
-    try:
-        max_prompt = max(len(x[3]) for x in inputs)
-        nblocks = blocks_needed(cfg, max_prompt + args.fidelity_continuation + args.block_size)
-        with kvs.Client(address, timeout=120, worker_name="bench/quality") as client, \
-                client.attach(layout_for(cfg, args.dtype), num_blocks=nblocks) as session:
-            for pol in policies:
-                for frac in budgets:
-                    for task, depth, key, prompt, blocks, logits, ref in inputs:
-                        budget = max(1, int(round(frac * len(prompt))))
-                        spec = policy_spec(pol, budget)
-                        row = dict(task=task, policy=pol, budget_frac=frac, budget_tokens=budget,
-                                   depth=depth, prompt_tokens=len(prompt), error="")
-                        cache = None
-                        try:
-                            cache = SidecarKVCache(session, cfg, spec, budget, "full")
-                            replay(blocks, cache)
-                            cache.finish_prefill()
-                            row["kv_bytes_kept"] = cache.kv_bytes()
-                            row["kv_bytes_full"] = cache.full_kv_bytes()
-                            if task == "passkey":
-                                gen = model.decode(cache, logits, len(prompt), len(key) + 2, stops)
-                                answer = tok.decode(gen.tokens)
-                                row.update(correct=int(key in answer), answer=answer.strip())
-                            else:
-                                gen = model.decode(cache, logits, len(prompt), len(ref.tokens),
-                                                   forced=ref.tokens)
-                                # Step 0 comes from the (full) prefill itself: score 1.. only.
-                                kl, top1 = kl_and_top1(ref.logits[1:], gen.logits[1:])
-                                row.update(mean_kl=kl, top1=top1)
-                        except kvs.KvsError as e:
-                            row["error"] = f"{type(e).__name__}: {e}"[:300]
-                        finally:
-                            if cache is not None:
-                                try:
-                                    cache.release()
-                                except kvs.KvsError:
-                                    pass
-                        rows.append(row)
-                        print(_row_line(row), flush=True)
-    finally:
-        if server is not None:
-            server.close()
-    elapsed = time.perf_counter() - t_start
+    args = parse_args(argv)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
-    command = "python bench/quality/run.py " + " ".join(
-        shlex.quote(a) for a in (argv or sys.argv[1:]))
-    write_csv(rows, os.path.join(args.out, "results.csv"))
-    table = summarize(rows, policies, budgets)
-    write_markdown(table, rows, os.path.join(args.out, "results.md"), command, elapsed, args,
-                   inputs)
-    if not args.no_plots:
-        plot(table, policies, args.out)
-    print(f"wrote {args.out}/results.csv, results.md in {elapsed:.0f} s")
-    return 0
-
-
-def _row_line(row):
-    if row["error"]:
-        return f"{row['task']:8s} {row['policy']:13s} {row['budget_frac']:.2f} ERROR {row['error']}"
-    if row["task"] == "passkey":
-        return (f"passkey  {row['policy']:13s} {row['budget_frac']:.2f} depth {row['depth']:.2f} "
-                f"{'OK ' if row['correct'] else 'BAD'} {row['answer']!r}")
-    return (f"fidelity {row['policy']:13s} {row['budget_frac']:.2f} KL {row['mean_kl']:.4f} "
-            f"top1 {row['top1']:.3f} kept {row['kv_bytes_kept']}/{row['kv_bytes_full']}")
-
-
-FIELDS = ["task", "policy", "budget_frac", "budget_tokens", "depth", "prompt_tokens", "correct",
-          "answer", "mean_kl", "top1", "kv_bytes_kept", "kv_bytes_full", "error"]
-
-
-def write_csv(rows, path):
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k, "") for k in FIELDS})
-
-
-def summarize(rows, policies, budgets):
-    """{(policy, frac): dict(passkey_acc, mean_kl, top1, mem_ratio, errors)}"""
-    table = {}
-    for pol in ["full"] + policies:
-        for frac in ([1.0] if pol == "full" else budgets):
-            rs = [r for r in rows if r["policy"] == pol and r["budget_frac"] == frac]
-            ok = [r for r in rs if not r["error"]]
-            pk = [r["correct"] for r in ok if r["task"] == "passkey"]
-            fi = [r for r in ok if r["task"] == "fidelity"]
-            mem = [r["kv_bytes_kept"] / r["kv_bytes_full"] for r in ok if r.get("kv_bytes_full")]
-            table[(pol, frac)] = dict(
-                passkey_acc=sum(pk) / len(pk) if pk else float("nan"),
-                mean_kl=fi[0]["mean_kl"] if fi else float("nan"),
-                top1=fi[0]["top1"] if fi else float("nan"),
-                mem_ratio=sum(mem) / len(mem) if mem else float("nan"),
-                errors=len(rs) - len(ok), error=next((r["error"] for r in rs if r["error"]), ""))
-    return table
-
-
-def _fmt(x, spec):
-    return "n/a" if isinstance(x, float) and math.isnan(x) else format(x, spec)
-
-
-def write_markdown(table, rows, path, command, elapsed, args, inputs):
-    lines = ["# KV compression quality on SmolLM2-135M-Instruct", "",
-             f"Command: `{command}` ({elapsed:.0f} s). K/V dtype in the sidecar: {args.dtype}; "
-             f"prefill in blocks of {args.block_size}, the whole prompt in, then one compression "
-             "to the budget (\"full\" prefill mode), then greedy decode through DecodeStep.", ""]
-    pk = [x for x in inputs if x[0] == "passkey"]
-    fi = [x for x in inputs if x[0] == "fidelity"][0]
-    lines += [f"- Retrieval: pass key at depths {', '.join(f'{x[1]:.2f}' for x in pk)} of a "
-              f"{len(pk[0][3])}-token prompt; accuracy of the greedy answer.",
-              f"- Fidelity: {len(fi[3])} tokens of data/alice_ch1.txt as prompt, the next "
-              f"{len(fi[6].tokens)} teacher-forced; mean KL(full || compressed) in nats and top-1 "
-              "agreement over steps 2.. (step 1 comes from the prefill itself).",
-              "- Memory: KV bytes the sidecar holds per sequence after compression / full.", "",
-              "| policy | budget | passkey acc | mean KL | top-1 | KV kept / full | errors |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for (pol, frac), s in table.items():
-        err = f"{s['errors']}: {s['error'][:80]}" if s["errors"] else ""
-        lines.append(f"| {pol} | {frac:.0%} | {_fmt(s['passkey_acc'], '.2f')} | "
-                     f"{_fmt(s['mean_kl'], '.4f')} | {_fmt(s['top1'], '.3f')} | "
-                     f"{_fmt(s['mem_ratio'], '.3f')} | {err} |")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def plot(table, policies, out):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots", file=sys.stderr)
-        return
-    for metric, label, fname in (("passkey_acc", "pass-key accuracy", "passkey.png"),
-                                 ("mean_kl", "mean KL(full || compressed), nats", "kl.png"),
-                                 ("top1", "top-1 agreement with the full cache", "top1.png")):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for pol in policies:
-            pts = sorted((f, s[metric]) for (p, f), s in table.items() if p == pol)
-            if pts:
-                ax.plot([100 * f for f, _ in pts], [v for _, v in pts], marker="o", label=pol)
-        full = table.get(("full", 1.0), {}).get(metric)
-        if full is not None and not math.isnan(full):
-            ax.axhline(full, color="gray", linestyle="--", label="full cache")
-        ax.set_xlabel("budget, % of the prompt (tokens per layer)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, fname), dpi=100)
-        plt.close(fig)
+    store = scoring.ResultStore(os.path.join(args.out, "results.csv"))
+    command = "python bench/quality/run.py " + " ".join(shlex.quote(a) for a in (
+        argv if argv is not None else sys.argv[1:]))
+    t0 = time.time()
+    with _Sessions(args) as sessions:
+        for name in args.models.split(","):
+            run_model(args, name, store, sessions.factory)
+    import report
+    report.write(args.out, command=command, elapsed=time.time() - t0, plots=not args.no_plots)
+    print(f"done in {time.time() - t0:.0f} s: {args.out}/results.md", flush=True)
 
 
 if __name__ == "__main__":

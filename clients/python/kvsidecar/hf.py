@@ -226,19 +226,20 @@ def _original_attention(name: str, module: Any) -> Any:
 
 
 def _make_wrapper(original: str) -> Any:
+    # *args: wrappers of the registered functions (kvpress's) pass dropout positionally.
     def kvsidecar_attention(module: Any, query: Any, key: Any, value: Any,
-                            attention_mask: Any, **kwargs: Any) -> Any:
+                            attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
         fn = _original_attention(original, module)
         call = getattr(_pending, "call", None)
         layer = getattr(module, "layer_idx", None)
         # Ours only if this layer's key is the very tensor the cache's update() returned.
         if call is None or call[1] != layer or call[2] is not key:
-            return fn(module, query, key, value, attention_mask, **kwargs)
+            return fn(module, query, key, value, attention_mask, *args, **kwargs)
         _pending.call = None
         cache = call[0]
         mask = cache._layer_mask(layer, attention_mask, query, original)
         cache._take_queries(layer, query, kwargs.get("scaling", getattr(module, "scaling", None)))
-        out = fn(module, query, key, value, mask, **kwargs)
+        out = fn(module, query, key, value, mask, *args, **kwargs)
         cache._attended(layer)
         return out
 
@@ -292,8 +293,9 @@ def _as_torch(array: Any, dtype: int) -> Any:
     return t
 
 
-# transformers' own classes are not annotated: subclassing and initialising them are untyped calls.
-class _SidecarLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+# transformers' own classes are not annotated: subclassing and initialising them are untyped calls
+# (not in every release: transformers 5.2, which kvpress pins, types the subclassing).
+class _SidecarLayer(CacheLayerMixin):  # type: ignore[no-untyped-call,unused-ignore]
     """One layer as the library's Cache bookkeeping sees it (the data is in the sidecar)."""
 
     is_sliding = False
@@ -321,6 +323,9 @@ class _SidecarLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         return self._cache.get_seq_length(self._layer)
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # abstract in transformers 5.2 (kvpress pins < 5.3)
         return -1
 
 

@@ -402,3 +402,23 @@ def test_half_precision_arena_reads_back_what_it_stored(server, monkeypatch, dty
                 b = model(tok, **{CACHE: ref}, use_cache=True).logits
                 assert float((a - b).abs().max()) <= tol
         cache.release()
+
+
+def test_attention_functions_wrapped_by_another_library(session, monkeypatch):
+    """kvpress wraps every registered attention function with one that passes dropout
+    positionally; SidecarCache keeps working (same tokens as DynamicCache) under such a wrapper."""
+    model = make_model()
+    ids = prompts(2)
+    ref = _generate(model, ids, DynamicCache(config=model.config))
+    cache = SidecarCache(session, model, policy="snapkv", budget=1.0)  # registers its wrapper
+
+    def positional(func):
+        def wrapper(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
+            return func(module, query, key, value, attention_mask, dropout, **kwargs)
+        return wrapper
+
+    for name, func in list(ALL_ATTENTION_FUNCTIONS._global_mapping.items()):
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name, positional(func))
+    out = _generate(model, ids, cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    cache.release()

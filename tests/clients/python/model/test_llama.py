@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from kvsidecar.model import LocalKVCache, log_softmax, perplexity
+from numpy_llama import LocalKVCache, log_softmax, perplexity
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
 ALICE = os.path.join(REPO, "bench", "quality", "data", "alice_ch1.txt")

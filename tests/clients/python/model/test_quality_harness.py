@@ -1,37 +1,246 @@
-"""bench/quality/run.py --small against the real server: the harness runs end to end and writes
-its CSV, markdown table and plots, with the full-cache reference and sane measurements."""
+"""The quality harness itself (bench/quality), with no model and no download: the task generators
+are deterministic under a seed and build prompts of the exact length with the answer inside,
+the scorer's exact match and bootstrap CIs are right on known inputs, and a rerun skips the
+cells already in the CSV (resumability) while finishing the partial ones."""
 
-import csv
 import os
-import subprocess
+import random
 import sys
+import types
+
+import numpy as np
+import pytest
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "bench", "quality"))
+
+import run as harness  # noqa: E402
+import scoring  # noqa: E402
+import tasks  # noqa: E402
+
+TEMPLATE = ("<user>", "</user><assistant>")
 
 
-def test_small_configuration_writes_csv_table_and_plots(server, model, tmp_path):
-    # `model` makes sure the GGUF is fetched (or the test skips) before the subprocess loads it.
-    out = tmp_path / "results"
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-    res = subprocess.run(
-        [sys.executable, os.path.join(REPO, "bench", "quality", "run.py"), "--small",
-         "--server", server.address, "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
-    assert res.returncode == 0, res.stdout + res.stderr
-    for name in ("results.csv", "results.md", "passkey.png", "kl.png", "top1.png"):
-        assert (out / name).stat().st_size > 0, name
-    with open(out / "results.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert {r["policy"] for r in rows} == {"full", "streaming_llm", "snapkv"}
-    assert not [r for r in rows if r["error"]], rows
-    full = [r for r in rows if r["policy"] == "full"]
-    assert [r["correct"] for r in full if r["task"] == "passkey"] == ["1"]
-    for r in rows:
-        kept, whole = int(r["kv_bytes_kept"]), int(r["kv_bytes_full"])
-        if r["policy"] == "full":
-            assert kept == whole
-        else:  # 25% of the prompt per layer
-            assert 0.2 * whole < kept < 0.3 * whole, r
-        if r["task"] == "fidelity" and r["policy"] != "full":
-            assert 0.0 < float(r["mean_kl"]) < 5.0 and 0.0 < float(r["top1"]) <= 1.0
-    assert "| streaming_llm | 25% |" in (out / "results.md").read_text()
+def encode(text):
+    """A byte-level toy tokenizer: one token per byte."""
+    return list(text.encode("utf-8"))
+
+
+def decode(ids):
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_generators_are_deterministic_exact_length_and_hold_the_answer(task):
+    a = tasks.make_samples(task, 1024, 4, seed=7, encode=encode, template=TEMPLATE)
+    b = tasks.make_samples(task, 1024, 4, seed=7, encode=encode, template=TEMPLATE)
+    c = tasks.make_samples(task, 1024, 4, seed=8, encode=encode, template=TEMPLATE)
+    assert [(s.ids, s.answers) for s in a] == [(s.ids, s.answers) for s in b]
+    assert [s.ids for s in a] != [s.ids for s in c]
+    assert len({tuple(s.ids) for s in a}) == 4  # the samples of a cell differ
+    for s in a:
+        assert len(s.ids) == 1024
+        text = decode(s.ids).lower()
+        assert text.startswith("<user>") and text.count("</user><assistant>") == 1
+        for ans in s.answers:
+            assert ans in text, (task, ans)
+    # A sample depends on its index only, not on how many were asked for.
+    one = tasks.make_sample(task, 1024, 2, seed=7, encode=encode, template=TEMPLATE)
+    assert one.ids == a[2].ids
+
+
+def test_task_contents():
+    s = tasks.make_sample("niah_multikey", 2048, 0, 1, encode, TEMPLATE)
+    text = decode(s.ids)
+    assert text.count("One of the special magic numbers for") == 4
+    assert f"for {s.meta['key']} is: {s.answers[0]}." in text
+    mv = tasks.make_sample("niah_multivalue", 2048, 0, 1, encode, TEMPLATE)
+    assert len(mv.answers) == 4 and len(set(mv.answers)) == 4
+    vt = tasks.make_sample("vt", 2048, 0, 1, encode, TEMPLATE)
+    chain = [a.upper() for a in vt.answers]
+    vtext = decode(vt.ids)
+    assert f"VAR {chain[0]} = {vt.meta['value']}." in vtext
+    for prev, cur in zip(chain, chain[1:]):  # each hop after the one it copies
+        assert vtext.index(f"VAR {prev} =") < vtext.index(f"VAR {cur} = VAR {prev}.")
+    cwe = tasks.make_sample("cwe", 2048, 0, 1, encode, TEMPLATE)
+    words = [w for w in decode(cwe.ids).split() if w.isalpha()]
+    counts = {w: words.count(w) for w in set(words)}
+    least_common = min(counts[w] for w in cwe.answers)
+    others = [n for w, n in counts.items() if w not in cwe.answers and w.islower()]
+    assert least_common >= 3 and least_common > max(others)
+
+
+def test_exact_match():
+    assert scoring.exact_match(" 1234567.\nmore", ["1234567"])
+    assert scoring.exact_match("1234567", ["1234567"])
+    assert not scoring.exact_match(" 12345678.", ["1234567"])
+    assert not scoring.exact_match(" 123456.", ["1234567"])
+    assert not scoring.exact_match("The number is 1234567.", ["1234567"])
+    # Leading blank lines are skipped: the answer line is the first one with something on it.
+    assert scoring.exact_match("\n\n 1234567.\n7654321", ["1234567"])
+    assert not scoring.exact_match("\n\n 1234567.\n7654321", ["1234567", "7654321"])
+    assert scoring.exact_match(" 2222222, 1111111 and 3333333.", ["1111111", "2222222",
+                                                                    "3333333"])
+    assert not scoring.exact_match(" 1111111, 1111111, 2222222", ["1111111", "2222222",
+                                                                    "3333333"])
+    assert not scoring.exact_match(" 1111111, 2222222", ["1111111", "2222222", "3333333"])
+    assert scoring.exact_match(" ABCDE, FGHIJ", ["abcde", "fghij"])
+    # Only the first k items count: what follows them cannot change the score, which is what
+    # --stop-when-answered relies on.
+    assert scoring.exact_match(" 1234567. It is the number", ["1234567"])
+    assert not scoring.answered(" 123456", 1)
+    assert scoring.answered(" 1234567.", 1) and scoring.answered(" 1234567\n", 1)
+    assert not scoring.answered(" 1111111, 22", 2) and scoring.answered(" 1111111, 22 ", 2)
+
+
+def test_bootstrap_ci_on_known_inputs():
+    assert scoring.bootstrap_ci([1.0] * 50) == (1.0, 1.0, 1.0)
+    assert scoring.bootstrap_ci([0.0] * 50) == (0.0, 0.0, 0.0)
+    # 50 % of 100: the normal approximation gives 0.5 +- 1.96 * 0.05 = [0.402, 0.598].
+    m, lo, hi = scoring.bootstrap_ci([0.0, 1.0] * 50)
+    assert m == 0.5 and 0.38 < lo < 0.42 and 0.58 < hi < 0.62
+    # The CI narrows with the sample size and is reproducible (fixed seed).
+    m2, lo2, hi2 = scoring.bootstrap_ci([0.0, 1.0] * 400)
+    assert hi2 - lo2 < (hi - lo) / 1.8
+    assert scoring.bootstrap_ci([0.0, 1.0] * 50) == (m, lo, hi)
+    # Paired differences: a always one better on 30 of 60 prompts, equal elsewhere.
+    a = [1.0] * 30 + [0.0] * 30
+    d, dlo, dhi = scoring.paired_bootstrap_diff(a, [0.0] * 60)
+    assert d == 0.5 and dlo > 0.3 and dhi < 0.7
+    d, dlo, dhi = scoring.paired_bootstrap_diff(a, a)
+    assert (d, dlo, dhi) == (0.0, 0.0, 0.0)
+
+
+def test_kl_and_top1():
+    ref = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]))
+    other = np.log(np.array([[0.25, 0.5, 0.25], [0.1, 0.8, 0.1]]))
+    kl, top1 = scoring.kl_top1(ref, other)
+    assert kl[0] == pytest.approx(0.5 * np.log(2) + 0.25 * np.log(0.5))
+    assert kl[1] == pytest.approx(0.0)
+    assert top1.tolist() == [False, True]
+
+
+class _FakeEngine(types.ModuleType):
+    """Stands in for engine.py (no model): counts prefills and decodes, answers the first
+    sample's number for every prompt."""
+
+    def __init__(self):
+        super().__init__("engine")
+        self.prefills = 0
+        self.decoded = []
+
+    def prefill(self, model, ids):
+        self.prefills += 1
+        return types.SimpleNamespace(ids=ids, logits=None, length=int(ids.shape[1]))
+
+    def make_runner(self, model, session, pre, cfg):
+        self.decoded.append((cfg.name, int(pre.ids.shape[0])))
+        return types.SimpleNamespace(close=lambda: None, kept_fraction=lambda n: cfg.budget)
+
+    def greedy(self, runner, logits, max_new, is_stop):
+        return [{"tokens": encode(" 42.\n"), "truncated": False}] * self.batch_rows
+
+    Config = None
+
+
+def _cfgs():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Cfg:
+        method: str
+        policy: str
+        budget: float
+        protocol: str = "prefill"
+        params: str = ""
+        error: str = ""
+
+        @property
+        def name(self):
+            return self.policy
+
+    return [Cfg("full", "full", 1.0), Cfg("sidecar", "snapkv", 0.25),
+            Cfg("kvpress", "snapkv", 0.25), Cfg("sidecar", "omnikv", 0.25, error="unsupported")]
+
+
+def test_a_rerun_skips_done_cells_and_finishes_partial_ones(tmp_path, monkeypatch):
+    fake = _FakeEngine()
+    monkeypatch.setitem(sys.modules, "engine", fake)
+    tok = types.SimpleNamespace(decode=lambda ids, **kw: decode(ids))
+    args = types.SimpleNamespace(batch=2, stop_when_answered=False)
+    samples = tasks.make_samples("niah_single", 512, 4, 0, encode, TEMPLATE)
+    path = str(tmp_path / "results.csv")
+    cfgs = _cfgs()
+
+    def run(store):
+        fake.batch_rows = 2
+        harness.run_task(args, "toy", None, tok, None, store, cfgs, "niah_single", 512,
+                         samples, lambda toks: b"\n" in bytes(toks))
+
+    run(scoring.ResultStore(path))
+    assert fake.prefills == 2  # 4 samples in batches of 2
+    assert sorted(set(fake.decoded)) == [("full", 2), ("snapkv", 2)]
+    assert len(fake.decoded) == 6  # 3 runnable configurations x 2 batches
+    store = scoring.ResultStore(path)  # reread from disk
+    assert len(store.rows) == 3 * 4 + 1  # one error row for the configuration that cannot run
+    for cfg in cfgs:
+        key = scoring.cell_key(harness.row_base("toy", "niah_single", 512, cfg))
+        assert store.is_done(key, 4)
+    # A rerun with the same CSV does nothing: no prefill, no decode, no new rows.
+    fake.prefills, fake.decoded = 0, []
+    run(store)
+    assert (fake.prefills, fake.decoded) == (0, [])
+    assert len(scoring.ResultStore(path).rows) == 13
+    # Drop the kvpress rows of samples 2 and 3 (as if stopped in the middle): only that
+    # configuration's second batch runs again.
+    rows = [r for r in scoring.ResultStore(path).rows
+            if not (r["method"] == "kvpress" and int(r["sample"]) >= 2)]
+    os.remove(path)
+    partial = scoring.ResultStore(path)
+    partial.add(rows)
+    fake.prefills, fake.decoded = 0, []
+    run(scoring.ResultStore(path))
+    assert fake.prefills == 1 and fake.decoded == [("snapkv", 2)]
+    final = scoring.ResultStore(path).rows
+    assert len(final) == 13
+    assert sorted(int(r["sample"]) for r in final if r["method"] == "kvpress") == [0, 1, 2, 3]
+    assert all(r["correct"] == "0" for r in final if r["policy"] != "omnikv")
+
+
+def test_word_pool_is_large_and_deterministic():
+    pool = tasks.word_pool()
+    assert len(pool) > 300 and len(set(pool)) == len(pool)
+    r = random.Random(0)
+    assert tasks._key(r, set()) == tasks._key(random.Random(0), set())
+
+
+def test_greedy_decodes_every_row_to_its_end_and_stops_at_max_new():
+    """Rows end at different steps: decoding goes on until the last one ends (a finished row no
+    longer grows), and a row that never ends is cut at max_new and flagged truncated."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import engine
+
+    stop_token, vocab = 9, 10
+
+    class Runner:
+        """Row r emits token 1 until step ends[r], then the stop token."""
+
+        def __init__(self, ends):
+            self.ends, self.step = ends, 0
+
+        def forward(self, ids):
+            self.step += 1
+            assert self.step < 100, "greedy does not stop"
+            logits = torch.zeros(len(self.ends), 1, vocab)
+            for r, end in enumerate(self.ends):
+                logits[r, 0, stop_token if self.step >= end else 1] = 1.0
+            return logits
+
+    first = torch.zeros(3, vocab)
+    first[0, stop_token] = 1.0  # row 0 ends at once
+    first[1:, 1] = 1.0
+    out = engine.greedy(Runner([0, 4, 1000]), first, 12, lambda r, toks: toks[-1] == stop_token)
+    assert [len(o["tokens"]) for o in out] == [1, 5, 12]
+    assert [o["truncated"] for o in out] == [False, False, True]
+    assert out[1]["tokens"] == [1, 1, 1, 1, stop_token]

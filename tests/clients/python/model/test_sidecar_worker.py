@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import kvsidecar as kvs
-from kvsidecar.model import LocalKVCache
-from kvsidecar.model.sidecar_cache import SidecarKVCache, blocks_needed, layout_for, policy_spec
+from numpy_llama import LocalKVCache
+from numpy_llama.sidecar_cache import SidecarKVCache, blocks_needed, layout_for, policy_spec
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
 ALICE = os.path.join(REPO, "bench", "quality", "data", "alice_ch1.txt")
@@ -96,7 +96,7 @@ def test_worker_command_answers_with_less_memory(server, model, tmp_path):
     story.write_text(_story())
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     out = subprocess.run(
-        [sys.executable, "-m", "kvsidecar.model.worker", "--prompt-file", str(story),
+        [sys.executable, "-m", "numpy_llama.worker", "--prompt-file", str(story),
          "--question", "What was the name of Alice's cat?", "--budget", "50%",
          "--policy", "snapkv", "--max-new-tokens", "12", "--dtype", "fp16",
          "--server", server.address, "--json"],

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One-off check of the numpy forward pass (kvsidecar.model) against Hugging Face transformers
+"""One-off check of the numpy forward pass (numpy_llama) against Hugging Face transformers
 loading the same GGUF file (transformers dequantizes it and un-permutes Q/K to its own layout).
 
 transformers + torch are NOT dependencies of the project or its tests: install them into a
@@ -7,7 +7,7 @@ throw-away venv and point --hf-python at it, e.g.
 
     python3 -m venv /tmp/hfvenv
     /tmp/hfvenv/bin/pip install torch transformers accelerate gguf numpy
-    python bench/quality/check_against_hf.py --hf-python /tmp/hfvenv/bin/python
+    PYTHONPATH=clients/python/examples python -m numpy_llama.check_against_hf --hf-python /tmp/hfvenv/bin/python
 
 It compares, on the same token ids, the logits of every position (largest absolute difference,
 argmax agreement) and the tokenizations of the texts by both tokenizers.
@@ -47,7 +47,7 @@ def main():
     args = ap.parse_args()
 
     import numpy as np
-    from kvsidecar.model import LocalKVCache, load_model, model_path
+    from numpy_llama import LocalKVCache, load_model, model_path
 
     path = args.model or model_path()
     model, tok = load_model(path)

@@ -1,4 +1,4 @@
-"""A KV cache for kvsidecar.model.llama.Llama whose K/V live in the sidecar.
+"""A KV cache for numpy_llama.llama.Llama whose K/V live in the sidecar.
 
 The sidecar holds the sequence (its memory, budget, policy state and compaction); the worker keeps
 a float32 MIRROR of what the sidecar holds, per layer in the sidecar's slot order ([H][count][D]

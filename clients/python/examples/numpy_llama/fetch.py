@@ -19,7 +19,7 @@ def _candidate_scripts(script: Optional[str]) -> Iterator[str]:
     if os.environ.get("KVS_FETCH_SCRIPT"):
         yield os.environ["KVS_FETCH_SCRIPT"]
     here = os.path.dirname(os.path.abspath(__file__))
-    # An editable install or a checkout: clients/python/kvsidecar/model -> repo root.
+    # This checkout: clients/python/examples/numpy_llama -> repo root.
     yield os.path.join(here, "..", "..", "..", "..", "deploy", "fetch_model.sh")
     yield os.path.join(os.getcwd(), "deploy", "fetch_model.sh")
 

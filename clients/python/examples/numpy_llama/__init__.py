@@ -1,7 +1,7 @@
 """A real pretrained LLM (SmolLM2-135M-Instruct, Llama architecture, from a GGUF file) in numpy,
 with a KV-cache interface that the sidecar can back.
 
-    from kvsidecar.model import load_model, LocalKVCache
+    from numpy_llama import load_model, LocalKVCache
     model, tok = load_model()                      # fetches the GGUF via deploy/fetch_model.sh
     gen = model.generate(tok.encode(tok.chat_prompt("Hi")), LocalKVCache(model.cfg), 20)
 

@@ -1,6 +1,6 @@
 """A real LLM worker with its KV cache in the sidecar.
 
-    python -m kvsidecar.model.worker --prompt-file bench/quality/data/alice_ch1.txt \\
+    python -m numpy_llama.worker --prompt-file bench/quality/data/alice_ch1.txt \\
         --question "What was the name of Alice's cat?" --budget 25% --policy snapkv \\
         --kvsidecar-bin build/service/kvsidecar
 
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     result = {"prompt_tokens": len(prompt), "budget_tokens": budget, "policy": args.policy,
               "prefill_mode": args.prefill_mode, "dtype": args.dtype}
     with _server(args.server, args.kvsidecar_bin, max_tokens) as address, \
-            kvs.Client(address, timeout=120, worker_name="kvsidecar.model.worker") as client:
+            kvs.Client(address, timeout=120, worker_name="numpy_llama.worker") as client:
         nblocks = blocks_needed(model.cfg, max_tokens) * (1 if args.no_forced else 2)
         with client.attach(layout_for(model.cfg, args.dtype), num_blocks=nblocks) as session:
             cache = SidecarKVCache(session, model.cfg, spec, budget, args.prefill_mode)
@@ -149,7 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .sidecar_cache import POLICIES
 
     ap = argparse.ArgumentParser(
-        prog="python -m kvsidecar.model.worker",
+        prog="python -m numpy_llama.worker",
         description="SmolLM2 on the CPU with its KV cache in the sidecar, vs a full cache.")
     ap.add_argument("--prompt-file", help="text file with the (long) prompt")
     ap.add_argument("--prompt", help="the prompt text (instead of --prompt-file)")

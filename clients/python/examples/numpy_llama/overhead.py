@@ -12,8 +12,8 @@ the worker overlaps with its logits counts in full when it is not hidden. --read
 every layer from the arena at every step (GetLayout + gather, what the worker did before it kept a
 mirror) for comparison; --no-overlap waits for each DecodeStep inside the step.
 
-    python bench/quality/overhead.py --kvsidecar-bin build/service/kvsidecar --prompt-tokens 512 \\
-        --batch 1 --dtype fp16
+    PYTHONPATH=clients/python/examples python -m numpy_llama.overhead \\
+        --kvsidecar-bin build/service/kvsidecar --prompt-tokens 512 --batch 1 --dtype fp16
 """
 
 import argparse
@@ -43,13 +43,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import kvsidecar as kvs
-    from kvsidecar.model import LocalKVCache, load_model
-    from kvsidecar.model.sidecar_cache import (SidecarKVCache, blocks_needed, layout_for,
+    from numpy_llama import LocalKVCache, load_model
+    from numpy_llama.sidecar_cache import (SidecarKVCache, blocks_needed, layout_for,
                                                policy_spec)
     from kvsidecar.server import LocalServer
 
     model, tok = load_model()
-    text = open(os.path.join(HERE, "data", "alice_ch1.txt"), encoding="utf-8").read()
+    text = open(os.path.join(HERE, "..", "..", "..", "..", "bench", "quality", "data",
+                             "alice_ch1.txt"), encoding="utf-8").read()
     ids = tok.encode(text)
     need = args.prompt_tokens + args.steps
     # Sequence i starts 37 * i tokens into the text: different prompts, same length.

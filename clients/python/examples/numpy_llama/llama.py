@@ -1,6 +1,6 @@
 """A numpy Llama forward pass (RMSNorm, RoPE, GQA attention, SwiGLU, tied embeddings) whose
 attention reads K/V through a small cache interface, so the same model runs with its cache in its
-own process (LocalKVCache) or in the sidecar (kvsidecar.model.sidecar_cache.SidecarKVCache).
+own process (LocalKVCache) or in the sidecar (numpy_llama.sidecar_cache.SidecarKVCache).
 
 Cache protocol (one block of new tokens at a time, layers in order):
     cache.begin_block(positions)          # int32 (T,), absolute positions of the new tokens

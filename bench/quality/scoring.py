@@ -1,0 +1,145 @@
+"""Scoring of the quality harness: exact match of answer items, bootstrap confidence intervals,
+KL and top-1 agreement of next-token distributions, and the results CSV (resumable)."""
+
+import csv
+import math
+import os
+import re
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+_ITEM = re.compile(r"[a-z0-9]+")
+_SKIP = {"and"}
+
+
+def answer_line(text: str) -> str:
+    """The generated answer: its first line that is not blank (a model may start its answer on
+    a new line after "they are:")."""
+    return text.lstrip().split("\n", 1)[0]
+
+
+def items(line: str) -> List[str]:
+    """Answer items of a line: lowercase alphanumeric runs, without "and"."""
+    return [w for w in _ITEM.findall(line.lower()) if w not in _SKIP]
+
+
+def answered(text: str, k: int) -> bool:
+    """True once the answer line holds k complete items: k items and something after the k-th
+    (the end of the line, punctuation or a space), so that more tokens cannot change them."""
+    line = answer_line(text).lower()
+    found = 0
+    for m in _ITEM.finditer(line):
+        if m.group() in _SKIP:
+            continue
+        found += 1
+        if found == k:
+            return m.end() < len(line) or "\n" in text.lstrip()
+    return False
+
+
+def exact_match(text: str, expected: Sequence[str]) -> bool:
+    """True iff the first len(expected) items of the answer line are exactly the expected items
+    (in any order, no repeats): "1234567." matches ["1234567"]; "12345678", "123456" or
+    "1234567 is the number" for ["1234567", "7654321"] do not."""
+    got = items(answer_line(text))[:len(expected)]
+    want = [e.lower() for e in expected]
+    return len(got) == len(want) and len(set(got)) == len(got) and set(got) == set(want)
+
+
+def bootstrap_ci(values: Sequence[float], level: float = 0.95, n_boot: int = 10000,
+                 seed: int = 0) -> Tuple[float, float, float]:
+    """(mean, low, high): percentile bootstrap CI of the mean (resampling with replacement)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        return (math.nan, math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1)
+    alpha = (1.0 - level) / 2
+    return (float(x.mean()), float(np.quantile(means, alpha)),
+            float(np.quantile(means, 1 - alpha)))
+
+
+def paired_bootstrap_diff(a: Sequence[float], b: Sequence[float], level: float = 0.95,
+                          n_boot: int = 10000, seed: int = 0) -> Tuple[float, float, float]:
+    """(mean(a - b), low, high) over paired samples (same prompts)."""
+    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+    return bootstrap_ci(d, level, n_boot, seed)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def kl_top1(ref: np.ndarray, other: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Per position KL(ref || other) in nats and whether the argmaxes agree; [..., V] logits."""
+    a, b = log_softmax(ref), log_softmax(other)
+    kl = (np.exp(a) * (a - b)).sum(axis=-1)
+    return kl, a.argmax(-1) == b.argmax(-1)
+
+
+# -- the results CSV -----------------------------------------------------------------------------
+
+FIELDS = ["model", "task", "context", "protocol", "method", "policy", "budget", "params",
+          "sample", "correct", "kl", "top1", "kept_fraction", "truncated", "answer", "expected",
+          "error", "seconds"]
+CELL = ("model", "task", "context", "protocol", "method", "policy", "budget")
+
+
+def cell_key(row: Dict[str, object]) -> Tuple[str, ...]:
+    """A cell: one configuration on one task and context length (all its samples)."""
+    return tuple(_canon(k, row[k]) for k in CELL)
+
+
+def _canon(k: str, v: object) -> str:
+    if k == "budget":
+        return f"{float(v):.4g}"
+    if k == "context":
+        return str(int(float(v)))  # type: ignore[arg-type]
+    return str(v)
+
+
+class ResultStore:
+    """The CSV of per-sample rows. A cell is done when it has rows for `samples` samples (or an
+    error row); done cells are skipped by the harness, so a run can be stopped and restarted."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.rows: List[Dict[str, str]] = []
+        if os.path.exists(path):
+            with open(path, newline="") as f:
+                self.rows = list(csv.DictReader(f))
+
+    def samples_done(self, key: Tuple[str, ...]) -> Dict[int, Dict[str, str]]:
+        return {int(r["sample"]): r for r in self.rows if cell_key(r) == key}
+
+    def is_done(self, key: Tuple[str, ...], samples: int) -> bool:
+        rows = [r for r in self.rows if cell_key(r) == key]
+        if any(r.get("error") for r in rows):
+            return True
+        return len({int(r["sample"]) for r in rows}) >= samples
+
+    def add(self, rows: Iterable[Dict[str, object]]) -> None:
+        new = [{k: _fmt(r.get(k, "")) for k in FIELDS} for r in rows]
+        fresh = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            if fresh:
+                w.writeheader()
+            w.writerows(new)
+        self.rows += new
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return "" if v is None else str(v)
+
+
+def parse_budget(v: str) -> Optional[float]:
+    return None if v in ("", "1", "1.0") else float(v)
