@@ -859,6 +859,7 @@ absl::StatusOr<SequenceParams> SequenceParamsFromProto(const v1::CreateSequenceR
         out.budget, BudgetFromProto(request.budget(), max_tokens_per_call, "budget.", num_layers));
   }
   out.retain_evicted = request.retain_evicted();
+  out.from_prefix = request.from_prefix();
   return out;
 }
 
