@@ -14,6 +14,7 @@
 #include "cache/policy/policy.h"
 #include "cache/sequence.h"
 #include "cache/policy/registry.h"
+#include "cache/sequence_snapshot.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/status_macros.h"
 #include "gpu/cpu/thread_pool.h"
@@ -477,6 +478,7 @@ absl::StatusOr<int> KvPool::DuplicateArenaFd(std::string_view session_id) const 
 
 absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_id,
                                                        const SequenceParams& params) {
+  if (!params.from_prefix.empty()) return CreateFromPrefix(session_id, params);
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
   if (params.retain_evicted && options_.tiers == nullptr) {
     return absl::FailedPreconditionError(
@@ -1573,6 +1575,11 @@ absl::StatusOr<SpillResult> KvPool::Restore(std::string_view session_id,
                        "(from_session_id is for sequences whose session ended)"));
     }
   }
+  if (from_session_id == kPrefixSessionId) {
+    return absl::InvalidArgumentError(
+        "from_session_id: published prefixes are started from with CreateSequence(from_prefix), "
+        "not restored");
+  }
   const SpillKey key{session->tenant, std::string(adopt ? from_session_id : session_id),
                      std::string(sequence_id)};
   // The tenant's arena quota, before anything moves (and before the session lock: usage takes
@@ -1624,6 +1631,237 @@ absl::StatusOr<SpillResult> KvPool::Restore(std::string_view session_id,
     return status;
   }
   return SpillResult{info->tier, info->bytes};
+}
+
+// ---- Compressed prefix reuse ----
+
+absl::Status ValidatePrefixKey(std::string_view prefix_key, std::string_view field) {
+  bool ok = prefix_key.size() == 64;
+  for (size_t i = 0; ok && i < prefix_key.size(); ++i) {
+    const char c = prefix_key[i];
+    ok = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+  }
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      Sv(field), " must be 64 lowercase hex digits (a sha256 content key, as the client's "
+      "prefix_key computes it), got ", prefix_key.size(), " bytes"));
+}
+
+bool PolicyIsQueryAware(const PolicyConfig& policy) {
+  // The cake allocator sizes the layers' budgets from the attention the queries paid them.
+  if (policy.allocator.kind == LayerAllocatorKind::kCake) return true;
+  // The policy's unit says whether it scores keys alone (streaming_llm by position, keydiff and
+  // knorm by the keys' geometry) or ranks tokens by the attention of queries.
+  return !CapabilitiesOf(policy).query_agnostic;
+}
+
+namespace {
+
+absl::Status LayoutMismatch(std::string_view field, int64_t published, int64_t here) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("from_prefix: the prefix was published from a session with ", Sv(field), " ",
+                   published, "; this session's ", Sv(field), " is ", here));
+}
+
+// The policy's resolved parameters as bytes (the snapshot encoding of a sequence holding only
+// them), for comparing two configurations field by field without a hand-written operator.
+std::string PolicyBytes(const PolicyConfig& policy) {
+  SequenceSnapshot snapshot;
+  snapshot.policy = policy;
+  return EncodeSnapshot(snapshot);
+}
+
+}  // namespace
+
+absl::StatusOr<SpillResult> KvPool::Publish(std::string_view session_id,
+                                            std::string_view sequence_id,
+                                            std::string_view prefix_key, int32_t query_window) {
+  if (options_.tiers == nullptr) return NoTiers();
+  KVS_RETURN_IF_ERROR(ValidatePrefixKey(prefix_key, "prefix_key"));
+  if (query_window < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("query_window must be >= 0 (0 = none stated), got ", query_window));
+  }
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  absl::MutexLock lock(&session->mu);
+  if (session->dead) return SessionGone(session_id);
+  auto it = session->sequences.find(Sv(sequence_id));
+  if (it == session->sequences.end()) {
+    if (auto spilled = session->spilled.find(Sv(sequence_id));
+        spilled != session->spilled.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", Sv(sequence_id), " is spilled to the ",
+          StorageTierName(spilled->second.tier), " tier: restore it before publishing it"));
+    }
+    return absl::NotFoundError(
+        absl::StrCat("sequence ", Sv(sequence_id), " not found in session ", session->id));
+  }
+  const Sequence& sequence = *it->second;
+  if (PolicyIsQueryAware(sequence.policy_config()) && query_window == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "query_window: sequence ", Sv(sequence_id), " uses policy ",
+        sequence.policy_config().name,
+        ", which chooses the tokens it keeps from the queries that attended to them (the "
+        "prompt's last tokens, e.g. a question): its compressed cache fits another prompt only "
+        "with the same queries. State query_window (the trailing prefix tokens whose queries "
+        "drove the compression) and include it in the key, or publish from a query-agnostic "
+        "policy (streaming_llm, keydiff)"));
+  }
+  if (!sequence.spillable()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", Sv(sequence_id),
+                     " is an OmniKV sequence that has selected: its cache spans the arena, its "
+                     "staging blocks and the host tier, and cannot be published"));
+  }
+  const SequenceEnv env = EnvOf(*session, *backend_, options_);
+  KVS_ASSIGN_OR_RETURN(SpilledSequence data, sequence.Spill(env));
+  const uint64_t bytes = data.bytes();
+  const StorageTier target = options_.tiers->has_remote() ? StorageTier::kRemote
+                                                          : StorageTier::kDisk;
+  KVS_RETURN_IF_ERROR(CheckTierQuota(session->tenant, target, bytes));
+  KVS_RETURN_IF_ERROR(
+      options_.tiers->Put(target, PrefixSpillKey(session->tenant, prefix_key), std::move(data)));
+  return SpillResult{target, bytes};
+}
+
+absl::Status KvPool::Unpublish(std::string_view session_id, std::string_view prefix_key) {
+  if (options_.tiers == nullptr) return NoTiers();
+  KVS_RETURN_IF_ERROR(ValidatePrefixKey(prefix_key, "prefix_key"));
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  const SpillKey key = PrefixSpillKey(session->tenant, prefix_key);
+  if (!options_.tiers->Find(key)) {
+    return absl::NotFoundError(absl::StrCat("prefix_key: tenant ", session->tenant,
+                                            " has no prefix published under ",
+                                            Sv(prefix_key)));
+  }
+  return options_.tiers->EraseShared(key);
+}
+
+absl::StatusOr<SequenceCreated> KvPool::CreateFromPrefix(std::string_view session_id,
+                                                         const SequenceParams& params) {
+  if (options_.tiers == nullptr) {
+    return absl::UnimplementedError(
+        "from_prefix needs storage tiers, which this pool was built without");
+  }
+  KVS_RETURN_IF_ERROR(ValidatePrefixKey(params.from_prefix, "from_prefix"));
+  if (params.retain_evicted) {
+    return absl::InvalidArgumentError(
+        "retain_evicted does not apply with from_prefix (the prefix's evicted tokens are gone)");
+  }
+  if (!params.layer_windows.empty()) {
+    return absl::InvalidArgumentError(
+        "layer_windows does not apply with from_prefix (the prefix keeps the windows it was "
+        "published with)");
+  }
+  if (!params.sequence_id.empty()) KVS_RETURN_IF_ERROR(ValidateSequenceId(params.sequence_id));
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(session_id));
+  // The key is under the caller's tenant: another tenant's prefixes cannot be named.
+  const SpillKey key = PrefixSpillKey(session->tenant, params.from_prefix);
+  absl::StatusOr<std::shared_ptr<const SpilledSequence>> data = options_.tiers->Read(key);
+  if (absl::IsNotFound(data.status())) {
+    return absl::NotFoundError(absl::StrCat("from_prefix: tenant ", session->tenant,
+                                            " has no prefix published under ",
+                                            params.from_prefix));
+  }
+  if (!data.ok()) return data.status();
+  KVS_ASSIGN_OR_RETURN(SequenceSnapshot snapshot, DecodeSnapshot((*data)->meta));
+  const ModelLayout& have = snapshot.layout;
+  const ModelLayout& want = session->layout;
+  if (have.num_layers != want.num_layers) {
+    return LayoutMismatch("layout.num_layers", have.num_layers, want.num_layers);
+  }
+  if (have.num_kv_heads != want.num_kv_heads) {
+    return LayoutMismatch("layout.num_kv_heads", have.num_kv_heads, want.num_kv_heads);
+  }
+  if (have.num_q_heads != want.num_q_heads) {
+    return LayoutMismatch("layout.num_q_heads", have.num_q_heads, want.num_q_heads);
+  }
+  if (have.head_dim != want.head_dim) {
+    return LayoutMismatch("layout.head_dim", have.head_dim, want.head_dim);
+  }
+  if (have.dtype != want.dtype) {
+    return LayoutMismatch("layout.dtype", static_cast<int>(have.dtype),
+                          static_cast<int>(want.dtype));
+  }
+  if (have.block_tokens != want.block_tokens) {
+    return LayoutMismatch("layout.block_tokens", have.block_tokens, want.block_tokens);
+  }
+  if (params.policy.has_value()) {
+    if (params.policy->name != snapshot.policy.name) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.name: the prefix was published with policy ", snapshot.policy.name,
+          ", the request asks for ", params.policy->name,
+          " (leave policy unset to take the published one)"));
+    }
+    KVS_ASSIGN_OR_RETURN(std::unique_ptr<Policy> requested, MakePolicy(*params.policy));
+    if (PolicyBytes(requested->config()) != PolicyBytes(snapshot.policy)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy: the parameters of policy ", snapshot.policy.name,
+          " differ from those the prefix was published with (leave policy unset to take them)"));
+    }
+  }
+  if (params.budget.has_value()) {
+    BudgetConfig asked = *params.budget;
+    if (asked.prefill_block_tokens == 0) {
+      asked.prefill_block_tokens = BudgetConfig{}.prefill_block_tokens;
+    }
+    const BudgetConfig& published = snapshot.budget;
+    auto mismatch = [](const char* field, const std::string& was, const std::string& is) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": the prefix was published with ", was, ", the request asks for ",
+                       is, " (leave budget unset to take the published one)"));
+    };
+    if (asked.tokens_per_layer != published.tokens_per_layer) {
+      return mismatch("budget.tokens_per_layer", absl::StrCat(published.tokens_per_layer),
+                      absl::StrCat(asked.tokens_per_layer));
+    }
+    if (asked.strict != published.strict) {
+      return mismatch("budget.strict", published.strict ? "true" : "false",
+                      asked.strict ? "true" : "false");
+    }
+    if (asked.prefill_block_tokens != published.prefill_block_tokens) {
+      return mismatch("budget.prefill_block_tokens", absl::StrCat(published.prefill_block_tokens),
+                      absl::StrCat(asked.prefill_block_tokens));
+    }
+    if (asked.per_layer_tokens != published.per_layer_tokens) {
+      return mismatch("budget.per_layer_tokens",
+                      absl::StrCat(published.per_layer_tokens.size(), " entries"),
+                      absl::StrCat(asked.per_layer_tokens.size(), " entries (or other values)"));
+    }
+  }
+  KVS_RETURN_IF_ERROR(CheckRestoreQuota(*this, session->tenant, key.sequence_id, (*data)->bytes()));
+
+  absl::MutexLock lock(&session->mu);
+  if (session->dead) return SessionGone(session_id);
+  if (!params.sequence_id.empty() && (session->sequences.contains(params.sequence_id) ||
+                                      session->spilled.contains(params.sequence_id))) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence_id ", params.sequence_id,
+                                                 " already exists in session ", Sv(session_id)));
+  }
+  const int32_t max_sequences = std::min(options_.max_sequences_per_session,
+                                         std::max(kMinSequencesPerSession, session->num_blocks));
+  if (session->sequences.size() >= static_cast<size_t>(max_sequences)) {
+    return absl::ResourceExhaustedError(absl::StrCat("session ", Sv(session_id), " already holds ",
+                                                     session->sequences.size(),
+                                                     " sequences, the most it may"));
+  }
+  KVS_RETURN_IF_ERROR(AddTenantSequence(session->tenant));
+  std::string id = params.sequence_id;
+  while (id.empty() || session->sequences.contains(id)) id = RandomHex(16);
+  const SequenceEnv env = EnvOf(*session, *backend_, options_);
+  absl::StatusOr<std::unique_ptr<Sequence>> sequence = Sequence::Restore(env, **data, id);
+  if (!sequence.ok()) {
+    RemoveTenantSequences(session->tenant, 1);
+    return sequence.status();
+  }
+  (*sequence)->Touch(clock_->Now());
+  SequenceCreated created;
+  created.sequence_id = id;
+  created.policy = (*sequence)->policy_config();
+  created.budget = (*sequence)->budget();
+  session->sequences.emplace(id, *std::move(sequence));
+  session->free_blocks_hint = session->allocator.free_blocks();
+  return created;
 }
 
 std::vector<SpilledInfo> KvPool::ListSpilled() const {

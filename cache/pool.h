@@ -109,7 +109,26 @@ struct SequenceParams {
   // layer). A layer with W > 0 holds exactly its last W tokens, whatever the policy and budget
   // (Sequence::set_layer_windows). Not with omnikv (INVALID_ARGUMENT).
   std::vector<int32_t> layer_windows;
+  // Start from the prefix published under this key by the session's tenant (KvPool::Publish)
+  // instead of empty; policy and budget, when set, must equal the published ones.
+  std::string from_prefix;
 };
+
+// Published prefixes live in the tiers under the publishing tenant, this pseudo session id (no
+// session id has a '#') and the sequence id "prefix/<key>" (no sequence id has a '/', so a prefix
+// never collides with a spilled sequence, the remote tier's (tenant, sequence id) names included).
+inline constexpr char kPrefixSessionId[] = "#prefix";
+inline SpillKey PrefixSpillKey(std::string tenant, std::string_view prefix_key) {
+  return SpillKey{std::move(tenant), kPrefixSessionId, std::string("prefix/").append(prefix_key)};
+}
+// OK when `prefix_key` is a content key's shape: 64 lowercase hex digits (a sha256); else
+// INVALID_ARGUMENT naming `field`.
+absl::Status ValidatePrefixKey(std::string_view prefix_key, std::string_view field);
+// Whether the tokens `policy` keeps depend on the prompt's queries (so a compressed prefix is
+// reusable only together with the queries that drove it): every policy whose registry unit is not
+// query-agnostic (streaming_llm, keydiff, knorm are), and any policy with the cake layer
+// allocator. sidecar.proto PublishRequest says why.
+bool PolicyIsQueryAware(const PolicyConfig& policy);
 
 struct SequenceCreated {
   std::string sequence_id;
@@ -519,6 +538,16 @@ class KvPool {
   // when the copy fails its checksum.
   absl::StatusOr<SpillResult> Restore(std::string_view session_id, std::string_view sequence_id,
                                       std::string_view from_session_id = {});
+  // Compressed prefix reuse (sidecar.proto PublishRequest). Publish copies the sequence's state
+  // (what Spill stores) under PrefixSpillKey(tenant, prefix_key) into the remote tier when one is
+  // configured, else the disk tier; the sequence stays in the arena, unchanged. A query-aware
+  // policy (PolicyIsQueryAware) that evicted tokens publishes only with query_window > 0
+  // (FAILED_PRECONDITION otherwise). Held to the tenant's quota of that tier. Unpublish deletes
+  // the tenant's copy under `prefix_key` wherever it is (NOT_FOUND without one).
+  // CreateSequence(SequenceParams::from_prefix) starts sequences from a published copy.
+  absl::StatusOr<SpillResult> Publish(std::string_view session_id, std::string_view sequence_id,
+                                      std::string_view prefix_key, int32_t query_window);
+  absl::Status Unpublish(std::string_view session_id, std::string_view prefix_key);
   // Every spilled copy the tiers hold (those of ended sessions and earlier runs included, lost
   // ones with their error), ordered by key. Empty without tiers.
   std::vector<SpilledInfo> ListSpilled() const;
@@ -588,6 +617,9 @@ class KvPool {
   absl::Status CheckArenaQuota(const std::string& tenant) const;
   // Bumps the tenant's sequence count if below its quota (RESOURCE_EXHAUSTED otherwise).
   absl::Status AddTenantSequence(const std::string& tenant);
+  // CreateSequence with params.from_prefix.
+  absl::StatusOr<SequenceCreated> CreateFromPrefix(std::string_view session_id,
+                                                   const SequenceParams& params);
   void RemoveTenantSequences(const std::string& tenant, int32_t count);
   // Adds a released sequence's totals to its policy's.
   void RetireTotals(const Sequence& sequence);

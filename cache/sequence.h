@@ -179,9 +179,11 @@ class Sequence {
   // A sequence rebuilt from what Spill produced, in fresh blocks of env.allocator: bit-identical
   // K/V, positions and policy state. RESOURCE_EXHAUSTED (nothing allocated) when the arena lacks
   // the blocks; DATA_LOSS when `data` is malformed; FAILED_PRECONDITION when it was spilled from
-  // a different model layout.
+  // a different model layout. A non-empty `id` names the rebuilt sequence instead of the id it
+  // was spilled with (a sequence started from a published prefix, KvPool::CreateSequence).
   static absl::StatusOr<std::unique_ptr<Sequence>> Restore(const SequenceEnv& env,
-                                                           const SpilledSequence& data);
+                                                           const SpilledSequence& data,
+                                                           std::string_view id = {});
 
  private:
   struct LayerState {

@@ -464,8 +464,10 @@ absl::StatusOr<SpilledSequence> Sequence::Spill(const SequenceEnv& env) const {
 }
 
 absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Restore(const SequenceEnv& env,
-                                                            const SpilledSequence& data) {
+                                                            const SpilledSequence& data,
+                                                            std::string_view id) {
   KVS_ASSIGN_OR_RETURN(SequenceSnapshot snapshot, DecodeSnapshot(data.meta));
+  if (!id.empty()) snapshot.id = std::string(id);
   const ModelLayout& have = snapshot.layout;
   const ModelLayout& want = env.layout;
   if (have.num_layers != want.num_layers || have.num_kv_heads != want.num_kv_heads ||

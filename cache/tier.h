@@ -99,6 +99,17 @@ class SequenceTiers {
   virtual void Release(const SpillKey& key) { (void)key; }
   // Deletes the copy (a no-op when there is none).
   virtual absl::Status Erase(const SpillKey& key) = 0;
+  // Published prefixes (KvPool::Publish): copies read many times, by any sidecar sharing the
+  // remote tier, and never claimed. Read is Get without the claim (NOT_FOUND, DATA_LOSS as Get);
+  // EraseShared deletes the copy wherever it is, a remote copy written by another sidecar
+  // included; has_remote says whether a remote tier is configured.
+  virtual absl::StatusOr<std::shared_ptr<const SpilledSequence>> Read(const SpillKey& key) {
+    absl::StatusOr<std::shared_ptr<const SpilledSequence>> data = Get(key);
+    if (data.ok()) Release(key);
+    return data;
+  }
+  virtual absl::Status EraseShared(const SpillKey& key) { return Erase(key); }
+  virtual bool has_remote() const { return false; }
   // The entry of `key`, if any.
   virtual std::optional<SpilledInfo> Find(const SpillKey& key) const = 0;
   // Every stored sequence (lost ones included), ordered by key.

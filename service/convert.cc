@@ -926,6 +926,7 @@ absl::StatusOr<SequenceParams> SequenceParamsFromProto(const v1::CreateSequenceR
   }
   out.retain_evicted = request.retain_evicted();
   out.layer_windows.assign(request.layer_windows().begin(), request.layer_windows().end());
+  out.from_prefix = request.from_prefix();
   return out;
 }
 

@@ -1284,6 +1284,33 @@ grpc::ServerUnaryReactor* SidecarService::Restore(grpc::CallbackServerContext* c
   });
 }
 
+grpc::ServerUnaryReactor* SidecarService::Publish(grpc::CallbackServerContext* context,
+                                                  const v1::PublishRequest* request,
+                                                  v1::PublishResponse* response) {
+  return RunUnary(context, "Publish", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
+    KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
+    KVS_ASSIGN_OR_RETURN(SpillResult result,
+                         pool_->Publish(request->session_id(), request->sequence_id(),
+                                        request->prefix_key(), request->query_window()));
+    response->set_tier(static_cast<v1::Tier>(result.tier));
+    response->set_bytes(result.bytes);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::Unpublish(grpc::CallbackServerContext* context,
+                                                    const v1::UnpublishRequest* request,
+                                                    v1::UnpublishResponse* response) {
+  (void)response;
+  return RunUnary(context, "Unpublish", [&]() -> absl::Status {
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
+    return pool_->Unpublish(request->session_id(), request->prefix_key());
+  });
+}
+
 absl::StatusOr<std::string> SidecarService::FindOrphanCopy(const std::string& session_id,
                                                            const std::string& sequence_id) const {
   KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(session_id));

@@ -157,6 +157,13 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   grpc::ServerUnaryReactor* Restore(grpc::CallbackServerContext* context,
                                     const ::kvsidecar::v1::RestoreRequest* request,
                                     ::kvsidecar::v1::RestoreResponse* response) override;
+  // Compressed prefix reuse (sidecar.proto PublishRequest; KvPool::Publish).
+  grpc::ServerUnaryReactor* Publish(grpc::CallbackServerContext* context,
+                                    const ::kvsidecar::v1::PublishRequest* request,
+                                    ::kvsidecar::v1::PublishResponse* response) override;
+  grpc::ServerUnaryReactor* Unpublish(grpc::CallbackServerContext* context,
+                                      const ::kvsidecar::v1::UnpublishRequest* request,
+                                      ::kvsidecar::v1::UnpublishResponse* response) override;
 
   // Bearer-token checks (service/auth.h); null or no tenant tokens = the data plane is open.
   // Set once before serving.

@@ -208,6 +208,37 @@ absl::StatusOr<std::shared_ptr<const SpilledSequence>> TierManager::Get(const Sp
   return data;
 }
 
+absl::StatusOr<std::shared_ptr<const SpilledSequence>> TierManager::Read(const SpillKey& key) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (std::shared_ptr<const SpilledSequence> data = host_.Get(key)) return data;
+    if (deleted_.contains(key)) {
+      return absl::NotFoundError(absl::StrCat(
+          "the copy ", key.sequence_id,
+          " was deleted, oldest first, to keep the disk tier within --disk_tier_bytes"));
+    }
+    if (disk_ && (!remote_ || disk_->Find(key))) return disk_->Get(key);
+    if (!remote_) return absl::NotFoundError(absl::StrCat("no copy ", key.sequence_id));
+  }
+  // Unclaimed: a published prefix is read by many sidecars at once and never consumed.
+  return remote_->Get(key, /*claim=*/false);
+}
+
+absl::Status TierManager::EraseShared(const SpillKey& key) {
+  {
+    absl::MutexLock lock(&mu_);
+    host_.Erase(key);
+    stored_at_.erase(key);
+    deleted_.erase(key);
+    if (disk_) KVS_RETURN_IF_ERROR(disk_->Erase(key));
+  }
+  if (!remote_) return absl::OkStatus();
+  KVS_RETURN_IF_ERROR(remote_->Erase(key));
+  absl::MutexLock lock(&mu_);
+  remote_mine_.erase(std::make_pair(key.tenant, key.sequence_id));
+  return absl::OkStatus();
+}
+
 void TierManager::Release(const SpillKey& key) {
   if (remote_) remote_->Release(key);
 }

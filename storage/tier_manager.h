@@ -64,6 +64,9 @@ class TierManager final : public SequenceTiers {
   std::optional<SpilledInfo> Find(const SpillKey& key) const override;
   std::vector<SpilledInfo> List() const override;
   void Release(const SpillKey& key) override;
+  absl::StatusOr<std::shared_ptr<const SpilledSequence>> Read(const SpillKey& key) override;
+  absl::Status EraseShared(const SpillKey& key) override;
+  bool has_remote() const override { return remote_ != nullptr; }
   absl::Status PutPinnedHost(const SpillKey& key,
                              std::shared_ptr<const SpilledSequence> data) override;
 

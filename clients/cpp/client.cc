@@ -874,6 +874,18 @@ absl::StatusOr<v1::RestoreResponse> Session::Restore(v1::RestoreRequest request)
   return Unary(stub_.get(), &v1::Sidecar::Stub::Restore, request, options_);
 }
 
+absl::StatusOr<v1::PublishResponse> Session::Publish(v1::PublishRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  request.set_session_id(session_id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Publish, request, options_);
+}
+
+absl::StatusOr<v1::UnpublishResponse> Session::Unpublish(v1::UnpublishRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  request.set_session_id(session_id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::Unpublish, request, options_);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Client
 

@@ -307,24 +307,36 @@ absl::Status RemoteTier::Put(const SpillKey& key, const SpilledSequence& data, a
   return status;
 }
 
-absl::StatusOr<std::shared_ptr<const SpilledSequence>> RemoteTier::Get(const SpillKey& key) {
+absl::StatusOr<std::shared_ptr<const SpilledSequence>> RemoteTier::Get(const SpillKey& key,
+                                                                       bool claim) {
   const std::string what = absl::StrCat("restoring sequence ", key.sequence_id, " from Redis");
-  absl::StatusOr<std::vector<Reply>> first = client_->Run(
-      Tag(key), {{"SET", ClaimKey(key), options_.owner, "NX", "PX", Ms(options_.claim_ttl)},
-                 {"GET", ClaimKey(key)},
-                 {"GET", MetaKey(key)}});
+  absl::StatusOr<std::vector<Reply>> first =
+      claim ? client_->Run(Tag(key),
+                           {{"SET", ClaimKey(key), options_.owner, "NX", "PX",
+                             Ms(options_.claim_ttl)},
+                            {"GET", ClaimKey(key)},
+                            {"GET", MetaKey(key)}})
+            : client_->Run(Tag(key), {{"GET", MetaKey(key)}});
   if (!first.ok()) return first.status();
-  if (absl::Status error = FirstError(what, {(*first)[0], (*first)[1]}); !error.ok()) return error;
-  const Reply& holder = (*first)[1];
-  if ((*first)[0].is_nil() && holder.str != options_.owner) {
-    return absl::AbortedError(absl::StrCat(
-        "the remote copy of sequence ", key.sequence_id, " is claimed by sidecar ",
-        holder.is_nil() ? "(a claim that just ended)" : holder.str,
-        " (restore claim ", ClaimKey(key), "): another sidecar is restoring it"));
+  if (claim) {
+    if (absl::Status error = FirstError(what, {(*first)[0], (*first)[1]}); !error.ok()) {
+      return error;
+    }
+    const Reply& holder = (*first)[1];
+    if ((*first)[0].is_nil() && holder.str != options_.owner) {
+      return absl::AbortedError(absl::StrCat(
+          "the remote copy of sequence ", key.sequence_id, " is claimed by sidecar ",
+          holder.is_nil() ? "(a claim that just ended)" : holder.str,
+          " (restore claim ", ClaimKey(key), "): another sidecar is restoring it"));
+    }
   }
-  absl::StatusOr<Meta> meta = ReadMeta(key, (*first)[2]);
+  // Failures give up the claim taken above (none for an unclaimed read).
+  auto release = [&] {
+    if (claim) Release(key);
+  };
+  absl::StatusOr<Meta> meta = ReadMeta(key, claim ? (*first)[2] : (*first)[0]);
   if (!meta.ok()) {
-    Release(key);
+    release();
     return meta.status();
   }
   SpilledSequence result;
@@ -361,7 +373,7 @@ absl::StatusOr<std::shared_ptr<const SpilledSequence>> RemoteTier::Get(const Spi
     absl::StatusOr<std::vector<Reply>> replies = client_->Run(Tag(key), batch, sink);
     if (!replies.ok()) {
       give_back();
-      Release(key);
+      release();
       return replies.status();
     }
     for (uint32_t n = start; n < end; ++n) {
@@ -370,7 +382,7 @@ absl::StatusOr<std::shared_ptr<const SpilledSequence>> RemoteTier::Get(const Spi
       std::string why;
       if (reply.is_error()) {
         give_back();
-        Release(key);
+        release();
         return redis::ErrorReplyStatus(what, reply.str);
       }
       if (reply.is_nil()) {
@@ -382,7 +394,7 @@ absl::StatusOr<std::shared_ptr<const SpilledSequence>> RemoteTier::Get(const Spi
       }
       if (!why.empty()) {
         give_back();
-        Release(key);
+        release();
         return absl::DataLossError(absl::StrCat(
             "the remote copy of sequence ", key.sequence_id, " is lost: chunk ", n, " (layer ",
             chunks[n].first, ", ", ChunkKey(key, meta->generation, n), ") ", why,

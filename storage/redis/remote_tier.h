@@ -70,7 +70,9 @@ class RemoteTier {
   absl::Status Put(const SpillKey& key, const SpilledSequence& data, absl::Time now);
   // Claims the copy and reads it: NOT_FOUND without one, ABORTED when another sidecar holds its
   // claim, DATA_LOSS when a checksum fails or a chunk is missing (the claim is dropped then).
-  absl::StatusOr<std::shared_ptr<const SpilledSequence>> Get(const SpillKey& key);
+  // With claim = false (a published prefix, read by many) the copy is read without a claim.
+  absl::StatusOr<std::shared_ptr<const SpilledSequence>> Get(const SpillKey& key,
+                                                             bool claim = true);
   // Drops this sidecar's claim on the copy (a restore that failed after Get).
   void Release(const SpillKey& key);
   absl::Status Erase(const SpillKey& key);

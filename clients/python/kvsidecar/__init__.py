@@ -26,9 +26,9 @@ from kvsidecar import errors
 from kvsidecar.admin import Admin
 from kvsidecar.arena import (Arena, CudaArena, bf16_to_float32, dtype_bytes, float32_to_bf16,
                              fetch_arena_fd, open_arena, storage_dtype, to_float32, to_storage)
-from kvsidecar.client import (AppendSegment, Client, DecodeItem, ExportResult, LayerKV,
-                              Reservation, ReserveItem, Session, Tier, attention, budget,
-                              model_layout, policy)
+from kvsidecar.client import (QUERY_AGNOSTIC_POLICIES, AppendSegment, Client, DecodeItem,
+                              ExportResult, LayerKV, Reservation, ReserveItem, Session, Tier,
+                              attention, budget, model_layout, policy, prefix_key)
 from kvsidecar.credentials import tls_credentials
 from kvsidecar.errors import KvsError
 from kvsidecar.v1 import admin_pb2, common_pb2, sidecar_pb2
@@ -40,5 +40,5 @@ __all__ = [
     "LayerKV", "Reservation", "ReserveItem", "Session", "Tier", "admin_pb2", "attention",
     "bf16_to_float32", "budget", "common_pb2", "dtype_bytes", "errors", "float32_to_bf16",
     "model_layout", "policy", "sidecar_pb2", "storage_dtype", "tls_credentials", "to_float32",
-    "to_storage", "fetch_arena_fd",
+    "to_storage", "fetch_arena_fd", "prefix_key", "QUERY_AGNOSTIC_POLICIES",
 ]

@@ -23,6 +23,7 @@ Layouts (see :mod:`kvsidecar.arena` for the block layout):
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from kvsidecar.v1 import common_pb2, sidecar_pb2, sidecar_pb2_grpc
 __all__ = [
     "Client", "Session", "Reservation", "ReserveItem", "AppendSegment", "DecodeItem",
     "CallFuture", "ExportResult", "LayerKV", "model_layout", "policy", "budget", "attention",
-    "Tier",
+    "Tier", "prefix_key", "QUERY_AGNOSTIC_POLICIES",
 ]
 
 Tier = common_pb2.Tier
@@ -120,6 +121,40 @@ def _budget(value: BudgetLike) -> Optional[common_pb2.Budget]:
     if isinstance(value, (int, np.integer)):
         return budget(int(value))
     return value
+
+
+# Policies whose kept set does not depend on the prompt's queries: a prefix compressed with them
+# may be published without a query window (sidecar.proto PublishRequest says why).
+QUERY_AGNOSTIC_POLICIES = ("streaming_llm", "keydiff")
+
+
+def prefix_key(token_ids: Union[Sequence[int], np.ndarray], layout: common_pb2.ModelLayout,
+               policy: PolicyLike, budget: BudgetLike,
+               query_window: Optional[int] = None) -> str:
+    """The content key of a compressed prefix, for :meth:`Session.publish` and
+    ``create_sequence(from_prefix=...)``: sha256 (64 lowercase hex digits) over the token ids,
+    the model layout, the policy with its parameters, the budget and the query window (a
+    query-aware policy publishes only with one). Two workers that compute the same key from the
+    same prompt prefix and configuration share one stored copy; any difference gives another
+    key. Protobuf fields are hashed in their deterministic serialization."""
+    digest = hashlib.sha256(b"kvsidecar-prefix-v1\0")
+
+    def part(data: bytes) -> None:
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.ndim != 1:
+        raise InvalidArgument(f"token_ids must be one-dimensional, got shape {ids.shape}")
+    part(ids.astype("<i8").tobytes())
+    part(layout.SerializeToString(deterministic=True))
+    spec, bud = _policy(policy), _budget(budget)
+    part(b"" if spec is None else spec.SerializeToString(deterministic=True))
+    part(b"" if bud is None else bud.SerializeToString(deterministic=True))
+    if query_window is not None and query_window < 0:
+        raise InvalidArgument(f"query_window must be >= 0, got {query_window}")
+    part(str(query_window or 0).encode())
+    return digest.hexdigest()
 
 
 def attention(queries: np.ndarray, query_positions: Optional[Sequence[int]] = None,
@@ -552,16 +587,19 @@ class Session:
     def create_sequence(self, policy: PolicyLike = None, budget: BudgetLike = None,
                         sequence_id: str = "",
                         retain_evicted: bool = False,
-                        layer_windows: Optional[Sequence[int]] = None
-                        ) -> sidecar_pb2.CreateSequenceResponse:
+                        layer_windows: Optional[Sequence[int]] = None,
+                        from_prefix: str = "") -> sidecar_pb2.CreateSequenceResponse:
         """Creates a sequence. ``policy``: a ``PolicySpec`` or a policy name (None = the server
         default); ``budget``: a ``Budget`` or tokens per layer (None = unbounded);
         ``sequence_id`` empty = server-generated (read it from the response);
         ``layer_windows``: per layer, the sliding window W that layer keeps (its last W tokens,
-        whatever the policy), 0 = a global layer; None = no windows."""
+        whatever the policy), 0 = a global layer; None = no windows. ``from_prefix``:
+        start from the prefix this tenant published under that key (:meth:`publish`) instead
+        of empty, skipping its prefill: K/V, positions, windows and policy state as published
+        (policy and budget, if given, must equal the published ones)."""
         request = sidecar_pb2.CreateSequenceRequest(
             session_id=self.session_id, sequence_id=sequence_id, retain_evicted=retain_evicted,
-            layer_windows=list(layer_windows or ()))
+            layer_windows=list(layer_windows or ()), from_prefix=from_prefix)
         spec, bud = _policy(policy), _budget(budget)
         if spec is not None:
             request.policy.CopyFrom(spec)
@@ -940,6 +978,22 @@ class Session:
         data-plane call on it restores it."""
         return self._call(self.stub.Spill, sidecar_pb2.SpillRequest(
             session_id=self.session_id, sequence_id=sequence_id, target=target))
+
+    def publish(self, sequence_id: str, key: str,
+                query_window: Optional[int] = None) -> sidecar_pb2.PublishResponse:
+        """Stores a copy of the sequence's (compressed) cache under ``key`` (from
+        :func:`prefix_key`) for this tenant: in the remote tier when the sidecar has one (every
+        sidecar sharing it can use it), else on disk. The sequence stays live. Query-aware
+        policies (all but streaming_llm and keydiff) need ``query_window``, the trailing prefix
+        tokens whose queries drove the compression, which must also be in the key."""
+        return self._call(self.stub.Publish, sidecar_pb2.PublishRequest(
+            session_id=self.session_id, sequence_id=sequence_id, prefix_key=key,
+            query_window=query_window or 0))
+
+    def unpublish(self, key: str) -> sidecar_pb2.UnpublishResponse:
+        """Deletes this tenant's prefix published under ``key`` (NotFound without one)."""
+        return self._call(self.stub.Unpublish, sidecar_pb2.UnpublishRequest(
+            session_id=self.session_id, prefix_key=key))
 
     def restore(self, sequence_id: str, from_session_id: str = "",
                 adopt_any_session: bool = False) -> sidecar_pb2.RestoreResponse:

@@ -808,6 +808,42 @@ class SidecarCache(Cache):
                     f"position {out.position}, the model computed {int(positions[0])}")
             self._counts[row] = list(out.counts)
 
+    # -- compressed prefix reuse ---------------------------------------------------------------
+
+    def publish(self, key: str, query_window: Optional[int] = None
+                ) -> sidecar_pb2.PublishResponse:
+        """Publishes this cache's sequence (a cache of one row, after its prefill and
+        compression) under ``key`` (:func:`kvsidecar.prefix_key`): another worker of the tenant
+        starts from it with :meth:`from_prefix` instead of recomputing the prefill."""
+        self.sync()
+        if len(self.sequence_ids) != 1:
+            raise UnsupportedModelError(
+                f"publish needs a cache of one row after its prefill; this one holds "
+                f"{len(self.sequence_ids)} sequences")
+        return self.session.publish(self.sequence_ids[0], key, query_window)
+
+    @classmethod
+    def from_prefix(cls, session: Session, model: Any, key: str,
+                    overlap: bool = True) -> "SidecarCache":
+        """A cache of one row started from the prefix published under ``key``: its K/V,
+        positions, policy and budget as published. Pass ``generate`` the prefix's tokens followed
+        by the new ones: the cache reports the prefix as seen, so only the new ones are
+        computed."""
+        created = session.create_sequence(from_prefix=key)
+        try:
+            layout = session.get_layout(created.sequence_id, omit_positions=True)
+            cache = cls(session, model, policy=created.policy,
+                        budget=int(created.budget.tokens_per_layer), overlap=overlap)
+        except Exception:
+            session.release_sequence(created.sequence_id)
+            raise
+        by_layer = sorted(layout.layers, key=lambda e: e.layer)
+        cache.sequence_ids = [created.sequence_id]
+        cache.budget_tokens = int(created.budget.tokens_per_layer)
+        cache._seen = int(layout.next_position)
+        cache._counts = np.array([[e.count for e in by_layer]], np.int64)
+        return cache
+
     # -- state and accounting ----------------------------------------------------------------
 
     @property

@@ -315,6 +315,8 @@ class Session {
   absl::StatusOr<v1::GetRetainedResponse> GetRetained(v1::GetRetainedRequest request);
   absl::StatusOr<v1::SpillResponse> Spill(v1::SpillRequest request);
   absl::StatusOr<v1::RestoreResponse> Restore(v1::RestoreRequest request);
+  absl::StatusOr<v1::PublishResponse> Publish(v1::PublishRequest request);
+  absl::StatusOr<v1::UnpublishResponse> Unpublish(v1::UnpublishRequest request);
 
   v1::Sidecar::Stub* stub() const { return stub_.get(); }
 
