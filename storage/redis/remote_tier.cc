@@ -441,10 +441,16 @@ absl::Status RemoteTier::Erase(const SpillKey& key) {
 
 std::optional<SpilledInfo> RemoteTier::Find(const SpillKey& key) const {
   absl::StatusOr<std::vector<Reply>> got = client_->Run(Tag(key), {{"GET", MetaKey(key)}});
-  if (!got.ok() || (*got)[0].is_nil() || (*got)[0].is_error()) return std::nullopt;
   SpilledInfo info;
   info.key = key;
   info.tier = StorageTier::kRemote;
+  if (!got.ok() && absl::IsUnavailable(got.status())) {
+    // Redis unreachable: whether a copy exists cannot be told. Report one that may exist (its
+    // size unknown) so that a restore goes on to Get and answers UNAVAILABLE (retry later),
+    // never NOT_FOUND for a copy the worker was told is stored.
+    return info;
+  }
+  if (!got.ok() || (*got)[0].is_nil() || (*got)[0].is_error()) return std::nullopt;
   absl::StatusOr<Meta> meta = ReadMeta(key, (*got)[0]);
   if (meta.ok()) {
     info.key.session_id = meta->session_id;

@@ -76,8 +76,8 @@ class RemoteTier {
   // Drops this sidecar's claim on the copy (a restore that failed after Get).
   void Release(const SpillKey& key);
   absl::Status Erase(const SpillKey& key);
-  // The copy's entry (its session id is the spilling one's); nullopt without a copy or when
-  // Redis cannot be reached.
+  // The copy's entry (its session id is the spilling one's); nullopt without a copy. When Redis
+  // cannot be reached, an entry of unknown size (a copy may exist: Get then says UNAVAILABLE).
   std::optional<SpilledInfo> Find(const SpillKey& key) const;
   std::vector<SpilledInfo> List() const;
   // Bytes of `tenant`'s remote copies (every sidecar's), for the remote_bytes quota.

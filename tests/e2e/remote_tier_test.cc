@@ -506,6 +506,33 @@ TEST(RemoteTierE2eTest, NodeKilledMidSpillIsUnavailableAndTheArenaCopySurvives) 
   ExpectSame(before, Take(*session, "k", 31));
 }
 
+// A worker adopting a remote copy while Redis is down is told the tier is unavailable (retry),
+// never that the copy does not exist; the same session's own restore and a Publish'd prefix's
+// deletion likewise.
+TEST(RemoteTierE2eTest, RedisDownIsUnavailableNeverNotFound) {
+  SKIP_WITHOUT_REDIS();
+  auto redis = RedisNode::Start({});
+  ASSERT_TRUE(redis.ok()) << redis.status();
+  const std::string url = "redis://" + (*redis)->address();
+  auto a = StartSidecar(url);
+  auto b = StartSidecar(url);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  auto client_a = a->Connect();
+  auto client_b = b->Connect();
+  ASSERT_TRUE(client_a.ok() && client_b.ok());
+  auto session_a = Attach(**client_a, kLayout, 512);
+  auto session_b = Attach(**client_b, kLayout, 512);
+  ASSERT_TRUE(session_a && session_b);
+  MakeSequence(*session_a, "d", 200, 200, 17);
+  ASSERT_TRUE(Spill(*session_a, "d").ok()) << a->Logs();
+  (*redis)->Kill();
+  auto adopted = Restore(*session_b, "d", session_a->session_id());
+  EXPECT_EQ(adopted.status().code(), absl::StatusCode::kUnavailable) << adopted.status();
+  auto own = Restore(*session_a, "d");
+  EXPECT_EQ(own.status().code(), absl::StatusCode::kUnavailable) << own.status();
+}
+
 TEST(RemoteTierE2eTest, ClusterNodeDownIsUnavailableThenRecovers) {
   SKIP_WITHOUT_REDIS();
   auto cluster = RedisCluster::Start();
