@@ -3,10 +3,11 @@
 // Spill to TIER_REMOTE and Restore bit-identical (automatic restore included); a sequence moved
 // between two sidecars sharing one Redis (positions and policy state included); racing restores
 // (exactly one wins, the claim is exclusive, a restored copy is not served again); tenant
-// isolation; the remote_bytes quota; and the faults: a Redis node killed mid-spill (UNAVAILABLE,
-// the arena copy intact, a spill after its restart succeeds), a damaged chunk (DATA_LOSS, never
-// served), a wrong password (UNAUTHENTICATED, the password in no log or config), and a full Redis
-// (maxmemory + noeviction: RESOURCE_EXHAUSTED).
+// isolation; the remote_bytes quota; a SIGTERM drain to Redis adopted elsewhere; and the
+// faults: a Redis node killed mid-spill (UNAVAILABLE, the arena copy intact, a spill after its
+// restart succeeds), a restore while Redis is down (UNAVAILABLE, never NOT_FOUND), a damaged
+// chunk (DATA_LOSS, never served), a wrong password (UNAUTHENTICATED, the password in no log
+// or config), and a full Redis (maxmemory + noeviction: RESOURCE_EXHAUSTED).
 #include <signal.h>
 
 #include <atomic>
@@ -531,6 +532,47 @@ TEST(RemoteTierE2eTest, RedisDownIsUnavailableNeverNotFound) {
   EXPECT_EQ(adopted.status().code(), absl::StatusCode::kUnavailable) << adopted.status();
   auto own = Restore(*session_a, "d");
   EXPECT_EQ(own.status().code(), absl::StatusCode::kUnavailable) << own.status();
+}
+
+// SIGTERM with --drain_to=remote and a worker attached: the sidecar moves its live sequences to
+// Redis and exits 0; a worker on another sidecar sharing that Redis adopts each copy bit-identical.
+TEST(RemoteTierE2eTest, SigtermDrainsToRedisAndAnotherSidecarAdopts) {
+  SKIP_WITHOUT_REDIS();
+  auto redis = RedisNode::Start({});
+  ASSERT_TRUE(redis.ok()) << redis.status();
+  const std::string url = "redis://" + (*redis)->address();
+  std::vector<Snapshot> before;
+  std::string old_session;
+  {
+    auto a = StartSidecar(url, {"--drain_to=remote", "--drain_grace=20s"});
+    ASSERT_NE(a, nullptr);
+    auto client_a = a->Connect();
+    ASSERT_TRUE(client_a.ok());
+    auto session_a = Attach(**client_a, kLayout, 512);
+    ASSERT_NE(session_a, nullptr);
+    old_session = session_a->session_id();
+    for (int i = 0; i < 3; ++i) {
+      const std::string seq = absl::StrCat("t", i);
+      MakeSequence(*session_a, seq, 250, 200, 70 + i);
+      before.push_back(Take(*session_a, seq, 70 + i));
+    }
+    const int status = a->process().Stop(SIGTERM, absl::Seconds(20));
+    EXPECT_EQ(status, 0) << a->Logs();
+    EXPECT_THAT(a->Logs(), ::testing::HasSubstr("moved=3")) << a->Logs();
+  }
+  auto b = StartSidecar(url);
+  ASSERT_NE(b, nullptr);
+  auto client_b = b->Connect();
+  ASSERT_TRUE(client_b.ok());
+  auto session_b = Attach(**client_b, kLayout, 512);
+  ASSERT_NE(session_b, nullptr);
+  for (int i = 0; i < 3; ++i) {
+    const std::string seq = absl::StrCat("t", i);
+    auto adopted = Restore(*session_b, seq, old_session);
+    ASSERT_TRUE(adopted.ok()) << adopted.status() << b->Logs();
+    EXPECT_EQ(adopted->tier(), v1::TIER_REMOTE);
+    ExpectSame(before[i], Take(*session_b, seq, 70 + i));
+  }
 }
 
 TEST(RemoteTierE2eTest, ClusterNodeDownIsUnavailableThenRecovers) {
