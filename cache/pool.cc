@@ -582,22 +582,8 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
   if (!params.sequence_id.empty()) KVS_RETURN_IF_ERROR(ValidateSequenceId(params.sequence_id));
 
   absl::MutexLock lock(&session->mu);
-  if (session->dead) return SessionGone(session_id);
-  if (!params.sequence_id.empty() && (session->sequences.contains(params.sequence_id) ||
-                                      session->spilled.contains(params.sequence_id))) {
-    return absl::AlreadyExistsError(absl::StrCat("sequence_id ", params.sequence_id,
-                                                 " already exists in session ", Sv(session_id)));
-  }
-  const int32_t max_sequences = std::min(options_.max_sequences_per_session,
-                                         std::max(kMinSequencesPerSession, session->num_blocks));
-  if (session->sequences.size() >= static_cast<size_t>(max_sequences)) {
-    return absl::ResourceExhaustedError(absl::StrCat("session ", Sv(session_id), " already holds ",
-                                                     session->sequences.size(),
-                                                     " sequences, the most it may"));
-  }
-  KVS_RETURN_IF_ERROR(AddTenantSequence(session->tenant));
-  std::string id = params.sequence_id;
-  while (id.empty() || session->sequences.contains(id)) id = RandomHex(16);
+  KVS_ASSIGN_OR_RETURN(const std::string id,
+                       AdmitSequenceLocked(*session, session_id, params.sequence_id));
   SequenceCreated created;
   created.sequence_id = id;
   created.policy = policy->config();
@@ -1331,6 +1317,28 @@ uint64_t KvPool::TenantRemoteBytes(std::string_view tenant) const {
   return fn ? fn(tenant) : 0;
 }
 
+absl::StatusOr<std::string> KvPool::AdmitSequenceLocked(Session& session,
+                                                        std::string_view session_id,
+                                                        const std::string& requested) {
+  if (session.dead) return SessionGone(session_id);
+  if (!requested.empty() &&
+      (session.sequences.contains(requested) || session.spilled.contains(requested))) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("sequence_id ", requested, " already exists in session ", Sv(session_id)));
+  }
+  const int32_t max_sequences = std::min(options_.max_sequences_per_session,
+                                         std::max(kMinSequencesPerSession, session.num_blocks));
+  if (session.sequences.size() >= static_cast<size_t>(max_sequences)) {
+    return absl::ResourceExhaustedError(absl::StrCat("session ", Sv(session_id), " already holds ",
+                                                     session.sequences.size(),
+                                                     " sequences, the most it may"));
+  }
+  KVS_RETURN_IF_ERROR(AddTenantSequence(session.tenant));
+  std::string id = requested;
+  while (id.empty() || session.sequences.contains(id)) id = RandomHex(16);
+  return id;
+}
+
 absl::Status KvPool::AddTenantSequence(const std::string& tenant) {
   absl::MutexLock lock(&quota_mu_);
   int32_t& count = tenant_sequences_[tenant];
@@ -1832,22 +1840,8 @@ absl::StatusOr<SequenceCreated> KvPool::CreateFromPrefix(std::string_view sessio
   KVS_RETURN_IF_ERROR(CheckRestoreQuota(*this, session->tenant, key.sequence_id, (*data)->bytes()));
 
   absl::MutexLock lock(&session->mu);
-  if (session->dead) return SessionGone(session_id);
-  if (!params.sequence_id.empty() && (session->sequences.contains(params.sequence_id) ||
-                                      session->spilled.contains(params.sequence_id))) {
-    return absl::AlreadyExistsError(absl::StrCat("sequence_id ", params.sequence_id,
-                                                 " already exists in session ", Sv(session_id)));
-  }
-  const int32_t max_sequences = std::min(options_.max_sequences_per_session,
-                                         std::max(kMinSequencesPerSession, session->num_blocks));
-  if (session->sequences.size() >= static_cast<size_t>(max_sequences)) {
-    return absl::ResourceExhaustedError(absl::StrCat("session ", Sv(session_id), " already holds ",
-                                                     session->sequences.size(),
-                                                     " sequences, the most it may"));
-  }
-  KVS_RETURN_IF_ERROR(AddTenantSequence(session->tenant));
-  std::string id = params.sequence_id;
-  while (id.empty() || session->sequences.contains(id)) id = RandomHex(16);
+  KVS_ASSIGN_OR_RETURN(const std::string id,
+                       AdmitSequenceLocked(*session, session_id, params.sequence_id));
   const SequenceEnv env = EnvOf(*session, *backend_, options_);
   absl::StatusOr<std::unique_ptr<Sequence>> sequence = Sequence::Restore(env, **data, id);
   if (!sequence.ok()) {

@@ -617,6 +617,11 @@ class KvPool {
   absl::Status CheckArenaQuota(const std::string& tenant) const;
   // Bumps the tenant's sequence count if below its quota (RESOURCE_EXHAUSTED otherwise).
   absl::Status AddTenantSequence(const std::string& tenant);
+  // With session.mu held, before a sequence joins `session`: the session's end, a taken id
+  // (ALREADY_EXISTS), the session's and the tenant's sequence limits (RESOURCE_EXHAUSTED). Then
+  // counts the sequence for its tenant and returns its id (`requested`, or a fresh one if empty).
+  absl::StatusOr<std::string> AdmitSequenceLocked(Session& session, std::string_view session_id,
+                                                  const std::string& requested);
   // CreateSequence with params.from_prefix.
   absl::StatusOr<SequenceCreated> CreateFromPrefix(std::string_view session_id,
                                                    const SequenceParams& params);
