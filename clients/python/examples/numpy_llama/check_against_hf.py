@@ -2,12 +2,12 @@
 """One-off check of the numpy forward pass (numpy_llama) against Hugging Face transformers
 loading the same GGUF file (transformers dequantizes it and un-permutes Q/K to its own layout).
 
-transformers + torch are NOT dependencies of the project or its tests: install them into a
-throw-away venv and point --hf-python at it, e.g.
+transformers and torch come with the client's `hf` extra (deploy/python_env.sh installs it with
+the test and model extras); point --hf-python at a venv that has them, e.g.
 
-    python3 -m venv /tmp/hfvenv
-    /tmp/hfvenv/bin/pip install torch transformers accelerate gguf numpy
-    PYTHONPATH=clients/python/examples python -m numpy_llama.check_against_hf --hf-python /tmp/hfvenv/bin/python
+    deploy/python_env.sh build/pyenv
+    PYTHONPATH=clients/python/examples build/pyenv/bin/python -m numpy_llama.check_against_hf \
+        --hf-python build/pyenv/bin/python
 
 It compares, on the same token ids, the logits of every position (largest absolute difference,
 argmax agreement) and the tokenizations of the texts by both tokenizers.
