@@ -172,28 +172,43 @@ TEST(RemoteTierE2eTest, SingleNodeRoundTripAutomaticRestoreAndListing) {
   ExpectSame(before, Take(*session, "s", 21));
 }
 
+// A sidecar on `url` with one worker session of kTenant attached (kLayout, 512 blocks); `session`
+// is null when a step failed (the failure is reported).
+struct Worker {
+  std::unique_ptr<ServerProcess> server;
+  std::unique_ptr<kvsidecar::Client> client;
+  std::unique_ptr<kvsidecar::Session> session;
+};
+
+Worker StartWorker(const std::string& url, std::vector<std::string> extra = {}) {
+  Worker worker;
+  worker.server = StartSidecar(url, std::move(extra));
+  if (worker.server == nullptr) return worker;
+  auto client = worker.server->Connect();
+  EXPECT_TRUE(client.ok()) << client.status();
+  if (!client.ok()) return worker;
+  worker.client = std::move(*client);
+  worker.session = Attach(*worker.client, kLayout, 512);
+  return worker;
+}
+
 // Two sidecars sharing one Redis: a sequence spilled by one is adopted by a session of the same
 // tenant on the other, bit-identical, with its positions and KeyDiff state (it keeps compressing
 // the same way on both).
 void MigrateBetweenSidecars(const std::string& url) {
-  auto a = StartSidecar(url);
-  auto b = StartSidecar(url);
-  ASSERT_NE(a, nullptr);
-  ASSERT_NE(b, nullptr);
-  auto client_a = a->Connect();
-  auto client_b = b->Connect();
-  ASSERT_TRUE(client_a.ok() && client_b.ok());
-  auto session_a = Attach(**client_a, kLayout, 512);
-  auto session_b = Attach(**client_b, kLayout, 512);
-  ASSERT_TRUE(session_a && session_b);
+  Worker a = StartWorker(url);
+  Worker b = StartWorker(url);
+  ASSERT_TRUE(a.session && b.session);
+  kvsidecar::Session* session_a = a.session.get();
+  kvsidecar::Session* session_b = b.session.get();
   for (int i = 0; i < 4; ++i) {
     const std::string seq = absl::StrCat("m", i);  // several slots across the cluster
     MakeSequence(*session_a, seq, 300, 200, 40 + i);
     const Snapshot before = Take(*session_a, seq, 40 + i);
     auto spilled = Spill(*session_a, seq);
-    ASSERT_TRUE(spilled.ok()) << spilled.status() << a->Logs();
+    ASSERT_TRUE(spilled.ok()) << spilled.status() << a.server->Logs();
     auto adopted = Restore(*session_b, seq, session_a->session_id());
-    ASSERT_TRUE(adopted.ok()) << adopted.status() << b->Logs();
+    ASSERT_TRUE(adopted.ok()) << adopted.status() << b.server->Logs();
     EXPECT_EQ(adopted->tier(), v1::TIER_REMOTE);
     ExpectSame(before, Take(*session_b, seq, 40 + i));
     // The policy state moved too: the same further tokens compress the same way on both.
@@ -508,25 +523,19 @@ TEST(RemoteTierE2eTest, NodeKilledMidSpillIsUnavailableAndTheArenaCopySurvives) 
 }
 
 // A worker adopting a remote copy while Redis is down is told the tier is unavailable (retry),
-// never that the copy does not exist; the same session's own restore and a Publish'd prefix's
-// deletion likewise.
+// never that the copy does not exist; the same session's own restore likewise.
 TEST(RemoteTierE2eTest, RedisDownIsUnavailableNeverNotFound) {
   SKIP_WITHOUT_REDIS();
   auto redis = RedisNode::Start({});
   ASSERT_TRUE(redis.ok()) << redis.status();
   const std::string url = "redis://" + (*redis)->address();
-  auto a = StartSidecar(url);
-  auto b = StartSidecar(url);
-  ASSERT_NE(a, nullptr);
-  ASSERT_NE(b, nullptr);
-  auto client_a = a->Connect();
-  auto client_b = b->Connect();
-  ASSERT_TRUE(client_a.ok() && client_b.ok());
-  auto session_a = Attach(**client_a, kLayout, 512);
-  auto session_b = Attach(**client_b, kLayout, 512);
-  ASSERT_TRUE(session_a && session_b);
+  Worker a = StartWorker(url);
+  Worker b = StartWorker(url);
+  ASSERT_TRUE(a.session && b.session);
+  kvsidecar::Session* session_a = a.session.get();
+  kvsidecar::Session* session_b = b.session.get();
   MakeSequence(*session_a, "d", 200, 200, 17);
-  ASSERT_TRUE(Spill(*session_a, "d").ok()) << a->Logs();
+  ASSERT_TRUE(Spill(*session_a, "d").ok()) << a.server->Logs();
   (*redis)->Kill();
   auto adopted = Restore(*session_b, "d", session_a->session_id());
   EXPECT_EQ(adopted.status().code(), absl::StatusCode::kUnavailable) << adopted.status();
@@ -544,32 +553,26 @@ TEST(RemoteTierE2eTest, SigtermDrainsToRedisAndAnotherSidecarAdopts) {
   std::vector<Snapshot> before;
   std::string old_session;
   {
-    auto a = StartSidecar(url, {"--drain_to=remote", "--drain_grace=20s"});
-    ASSERT_NE(a, nullptr);
-    auto client_a = a->Connect();
-    ASSERT_TRUE(client_a.ok());
-    auto session_a = Attach(**client_a, kLayout, 512);
-    ASSERT_NE(session_a, nullptr);
+    Worker a = StartWorker(url, {"--drain_to=remote", "--drain_grace=20s"});
+    ASSERT_NE(a.session, nullptr);
+    kvsidecar::Session* session_a = a.session.get();
     old_session = session_a->session_id();
     for (int i = 0; i < 3; ++i) {
       const std::string seq = absl::StrCat("t", i);
       MakeSequence(*session_a, seq, 250, 200, 70 + i);
       before.push_back(Take(*session_a, seq, 70 + i));
     }
-    const int status = a->process().Stop(SIGTERM, absl::Seconds(20));
-    EXPECT_EQ(status, 0) << a->Logs();
-    EXPECT_THAT(a->Logs(), ::testing::HasSubstr("moved=3")) << a->Logs();
+    const int status = a.server->process().Stop(SIGTERM, absl::Seconds(20));
+    EXPECT_EQ(status, 0) << a.server->Logs();
+    EXPECT_THAT(a.server->Logs(), ::testing::HasSubstr("moved=3")) << a.server->Logs();
   }
-  auto b = StartSidecar(url);
-  ASSERT_NE(b, nullptr);
-  auto client_b = b->Connect();
-  ASSERT_TRUE(client_b.ok());
-  auto session_b = Attach(**client_b, kLayout, 512);
-  ASSERT_NE(session_b, nullptr);
+  Worker b = StartWorker(url);
+  ASSERT_NE(b.session, nullptr);
+  kvsidecar::Session* session_b = b.session.get();
   for (int i = 0; i < 3; ++i) {
     const std::string seq = absl::StrCat("t", i);
     auto adopted = Restore(*session_b, seq, old_session);
-    ASSERT_TRUE(adopted.ok()) << adopted.status() << b->Logs();
+    ASSERT_TRUE(adopted.ok()) << adopted.status() << b.server->Logs();
     EXPECT_EQ(adopted->tier(), v1::TIER_REMOTE);
     ExpectSame(before[i], Take(*session_b, seq, 70 + i));
   }
