@@ -1,7 +1,8 @@
 // SidecarService: the data plane (kvsidecar.v1.Sidecar) on the gRPC callback API. Validates each
-// request (service/convert.h), calls the pool, converts the result. Owns the Watch streams: one
-// per session at most; when a watch stream is cancelled or its connection drops, the session is
-// reclaimed at once.
+// request (service/convert.h), calls the pool, converts the result; the handlers are defined in
+// one file per service area (service/sidecar_<area>.cc). Owns the Watch streams: one per session
+// at most; when a watch stream is cancelled or its connection drops, the session is reclaimed at
+// once.
 //
 // Streams: Append is a ServerReadReactor (segments = header + data chunks, each segment reserved,
 // written and committed in turn), Export a ServerWriteReactor (header, then payload chunks read
@@ -34,7 +35,7 @@
 
 namespace kvs {
 
-class WatchReactor;   // service/sidecar_service.cc
+class WatchReactor;   // service/sidecar_session.cc
 class ArenaFdServer;  // service/arena_fd_server.h
 
 // Largest number of items one batch call (BatchReserve, BatchCommit, BatchCompress) may carry.
