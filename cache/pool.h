@@ -10,7 +10,12 @@
 // is full; ABORTED when a sequence changed under a multi-call read (export). A failed call leaves
 // every session and sequence exactly as it was.
 //
-// Threading: every method is thread-safe. The session map has its own lock; each session has a
+// KvPool is the facade over its parts (cache/internal/): SessionTable (sessions, leases, the
+// arena capacity), TenantLedger (quotas and usage; it admits or refuses growth) and TierMover
+// (spill, restore, pressure demotion, published prefixes). Each public method looks its session
+// up once.
+//
+// Threading: every method is thread-safe. The session table has its own lock; each session has a
 // lock that serialises work on its sequences, so different sessions proceed in parallel.
 #ifndef KVSIDECAR_CACHE_POOL_H_
 #define KVSIDECAR_CACHE_POOL_H_
@@ -46,9 +51,13 @@
 
 namespace kvs {
 
-class Session;     // defined in cache/pool.cc
-class Sequence;    // cache/sequence.h
-class ThreadPool;  // gpu/cpu/thread_pool.h
+class Sequence;      // cache/sequence.h
+struct SequenceEnv;  // cache/sequence.h
+class Session;       // cache/internal/session.h
+class SessionTable;  // cache/internal/session_table.h
+class TenantLedger;  // cache/internal/tenant_ledger.h
+class TierMover;     // cache/internal/tier_mover.h
+class ThreadPool;    // gpu/cpu/thread_pool.h
 
 class KvPool {
  public:
@@ -240,56 +249,49 @@ class KvPool {
   Backend* backend() const { return backend_; }
 
  private:
-  absl::StatusOr<std::shared_ptr<Session>> FindSession(std::string_view session_id) const;
-  // Takes the session out of the map and releases everything it holds.
+  // Takes the session out of the table and releases everything it holds.
   absl::StatusOr<ReleaseCounts> RemoveSession(std::string_view session_id, bool reclaimed);
   ReleaseCounts DestroySession(std::shared_ptr<Session> session);
+  // What a call on one of the session's sequences borrows (the session's lock held), with the
+  // pool's token counters.
+  SequenceEnv EnvOf(Session& session);
+  // Looks the session up once and runs fn(sequence, env, session) on `sequence_id` under the
+  // session's lock, restoring a spilled sequence first; NOT_FOUND for an unknown session or
+  // sequence. The const form's env counts nothing (reads). Defined in pool.cc, their only user.
+  template <typename Fn>
+  auto OnSequence(std::string_view session_id, std::string_view sequence_id, Fn&& fn);
+  template <typename Fn>
+  auto OnSequence(std::string_view session_id, std::string_view sequence_id, Fn&& fn) const;
+  // With session.mu held, before a sequence joins `session`: the session's end, a taken id
+  // (ALREADY_EXISTS), the session's and the tenant's sequence limits (RESOURCE_EXHAUSTED). Then
+  // counts the sequence for its tenant and returns its id (`requested`, or a fresh one if empty).
+  absl::StatusOr<std::string> AdmitSequenceLocked(Session& session, const std::string& requested);
+  // CreateSequence with params.from_prefix.
+  absl::StatusOr<SequenceCreated> CreateFromPrefix(std::string_view session_id,
+                                                   const SequenceParams& params);
+  // Releases one sequence in the arena: its blocks and pinned host entries; its totals retired.
+  ReleaseCounts ReleaseLocked(Session& session, Sequence& sequence);
+  // Adds a released sequence's totals to its policy's.
+  void RetireTotals(const Sequence& sequence);
 
   Backend* const backend_;
   const Clock* const clock_;
   const PoolOptions options_;
   const std::unique_ptr<ThreadPool> decode_pool_;
+  // The pool's parts (cache/internal/): sessions and leases, the tenant ledger, tier movement.
+  const std::unique_ptr<SessionTable> sessions_;
+  const std::unique_ptr<TenantLedger> ledger_;
+  const std::unique_ptr<TierMover> mover_;
 
-  mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
-  uint64_t arena_bytes_reserved_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t sessions_reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
-  int32_t sessions_pending_ ABSL_GUARDED_BY(mu_) = 0;  // admitted, arena being created
-  // The tenant's arena quota: RESOURCE_EXHAUSTED when its blocks in use reach it.
-  absl::Status CheckArenaQuota(const std::string& tenant) const;
-  // Bumps the tenant's sequence count if below its quota (RESOURCE_EXHAUSTED otherwise).
-  absl::Status AddTenantSequence(const std::string& tenant);
-  // With session.mu held, before a sequence joins `session`: the session's end, a taken id
-  // (ALREADY_EXISTS), the session's and the tenant's sequence limits (RESOURCE_EXHAUSTED). Then
-  // counts the sequence for its tenant and returns its id (`requested`, or a fresh one if empty).
-  absl::StatusOr<std::string> AdmitSequenceLocked(Session& session, std::string_view session_id,
-                                                  const std::string& requested);
-  // CreateSequence with params.from_prefix.
-  absl::StatusOr<SequenceCreated> CreateFromPrefix(std::string_view session_id,
-                                                   const SequenceParams& params);
-  void RemoveTenantSequences(const std::string& tenant, int32_t count);
-  // Adds a released sequence's totals to its policy's.
-  void RetireTotals(const Sequence& sequence);
+  // Leaf lock (nothing else is taken while it is held): live defaults, released totals.
+  mutable absl::Mutex defaults_mu_;
+  PolicyConfig live_default_policy_ ABSL_GUARDED_BY(defaults_mu_);
+  BudgetConfig live_default_budget_ ABSL_GUARDED_BY(defaults_mu_);
+  absl::flat_hash_map<std::string, PolicyTokenTotals> retired_ ABSL_GUARDED_BY(defaults_mu_);
 
-  // Leaf lock (nothing else is taken while it is held): live defaults, quotas, sequence counts.
-  mutable absl::Mutex quota_mu_;
-  PolicyConfig live_default_policy_ ABSL_GUARDED_BY(quota_mu_);
-  BudgetConfig live_default_budget_ ABSL_GUARDED_BY(quota_mu_);
-  absl::flat_hash_map<std::string, TenantQuota> quotas_ ABSL_GUARDED_BY(quota_mu_);
-  absl::flat_hash_map<std::string, int32_t> tenant_sequences_ ABSL_GUARDED_BY(quota_mu_);
-  std::function<uint64_t(std::string_view, bool)> tier_usage_fn_ ABSL_GUARDED_BY(quota_mu_);
-  std::function<uint64_t(std::string_view)> remote_usage_fn_ ABSL_GUARDED_BY(quota_mu_);
-  absl::flat_hash_map<std::string, PolicyTokenTotals> retired_ ABSL_GUARDED_BY(quota_mu_);
-
-  // Leaf lock: spilled copies being adopted (Restore with from_session_id) -> the adopting
-  // session, so that two sessions never both restore one copy.
-  absl::Mutex adopt_mu_;
-  absl::flat_hash_map<SpillKey, std::string> adopting_ ABSL_GUARDED_BY(adopt_mu_);
-
-  // Lifetime totals for PoolStats (layer-tokens), bumped by sessions without taking mu_.
+  // Lifetime totals for PoolStats (layer-tokens), bumped by sessions without a pool lock.
   std::atomic<int64_t> tokens_appended_{0};
   std::atomic<int64_t> tokens_evicted_{0};
-  std::atomic<int64_t> spilled_on_pressure_{0};
 };
 
 }  // namespace kvs
