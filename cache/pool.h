@@ -1,6 +1,8 @@
 // KvPool: the cache core's front door. Owns every attached session (its arena, block allocator,
 // lease) and every sequence in it, and runs the policies. The service layer converts protobuf to
-// the plain types below and calls in; nothing here knows gRPC, CUDA or RocksDB.
+// plain value types (session_types.h, sequence_types.h, select_types.h, tier_types.h,
+// tenant_types.h; PoolOptions in pool_options.h) and calls in; nothing here knows gRPC, CUDA or
+// RocksDB.
 //
 // Errors (absl codes, mapped 1:1 to gRPC by the service): INVALID_ARGUMENT names the offending
 // field using the proto field names; NOT_FOUND for unknown session/sequence/reservation;
@@ -8,7 +10,12 @@
 // is full; ABORTED when a sequence changed under a multi-call read (export). A failed call leaves
 // every session and sequence exactly as it was.
 //
-// Threading: every method is thread-safe. The session map has its own lock; each session has a
+// KvPool is the facade over its parts (cache/internal/): SessionTable (sessions, leases, the
+// arena capacity), TenantLedger (quotas and usage; it admits or refuses growth) and TierMover
+// (spill, restore, pressure demotion, published prefixes). Each public method looks its session
+// up once.
+//
+// Threading: every method is thread-safe. The session table has its own lock; each session has a
 // lock that serialises work on its sequences, so different sessions proceed in parallel.
 #ifndef KVSIDECAR_CACHE_POOL_H_
 #define KVSIDECAR_CACHE_POOL_H_
@@ -31,382 +38,26 @@
 #include "absl/types/span.h"
 #include "cache/clock.h"
 #include "cache/policy/policy_config.h"
+#include "cache/pool_options.h"
+#include "cache/select_types.h"
+#include "cache/sequence_types.h"
+#include "cache/session_types.h"
+#include "cache/tenant_types.h"
 #include "cache/tier.h"
+#include "cache/tier_types.h"
 #include "gpu/arena.h"
 #include "gpu/backend.h"
 #include "gpu/base/layout.h"
 
 namespace kvs {
 
-struct PoolOptions {
-  // Sum of all sessions' arenas may not exceed this.
-  uint64_t arena_capacity_bytes = uint64_t{1} << 30;
-  // Arena size of a session that asks for 0 blocks.
-  uint64_t default_session_bytes = uint64_t{256} << 20;
-  absl::Duration default_lease = absl::Seconds(10);
-  absl::Duration min_lease = absl::Milliseconds(100);
-  absl::Duration max_lease = absl::Minutes(10);
-  // At most this many sessions, and per session at most
-  // min(max_sequences_per_session, max(16, num_blocks)) sequences: each costs host memory for its
-  // tables whether or not it holds tokens, so a tiny arena cannot pin unbounded metadata.
-  int32_t max_sessions = 256;
-  int32_t max_sequences_per_session = 4096;
-  int32_t max_tokens_per_call = 1 << 20;  // num_tokens of one Reserve/Append
-  // Threads that run the sequences of one DecodeStep side by side (each sequence's own steps
-  // stay in order); <= 0 picks the hardware concurrency, 1 runs them on the caller.
-  int32_t decode_threads = 0;
-  ArenaOptions arena_options;
-  PolicyConfig default_policy;  // for sequences created without a policy
-  // Where Spill puts sequences (storage/tier_manager.h); must outlive the pool. Null = Spill and
-  // Restore answer UNIMPLEMENTED.
-  SequenceTiers* tiers = nullptr;
-  // Device -> host demotion: when a Reserve finds its session's arena full, spill the session's
-  // least recently used other sequences (none with a pending reservation) to the host tier (which
-  // moves its oldest copies to disk when full) until the Reserve fits. Needs `tiers`.
-  bool spill_on_pressure = false;
-  BudgetConfig default_budget;  // tokens_per_layer 0 = unbounded
-};
-
-struct AttachParams {
-  ModelLayout layout;  // block_tokens 0 is resolved to the default
-  std::string tenant = "default";
-  std::string worker_name;
-  int32_t num_blocks = 0;                       // 0 = PoolOptions::default_session_bytes worth
-  absl::Duration lease = absl::ZeroDuration();  // 0 = default
-};
-
-struct SessionView {
-  std::string session_id;
-  std::string tenant;  // owner (authorization checks)
-  ModelLayout layout;
-  ArenaHandle arena;
-  int32_t num_blocks = 0;
-  uint64_t block_bytes = 0;
-  absl::Duration lease;
-  absl::Time lease_expires;
-};
-
-struct HeartbeatResult {
-  absl::Time lease_expires;
-  int32_t free_blocks = 0;  // free blocks of the session's arena after its last completed call
-};
-
-struct ReleaseCounts {
-  int32_t sequences = 0;
-  int32_t blocks = 0;
-};
-
-struct SequenceParams {
-  std::optional<PolicyConfig> policy;  // nullopt = pool default
-  std::optional<BudgetConfig> budget;  // nullopt = pool default
-  std::string sequence_id;             // empty = generated
-  // Keep every token this sequence evicts (K, V, position, selection score) in the host tier
-  // (GetRetained reads them back). Needs tiers (FAILED_PRECONDITION); not with omnikv. Such a
-  // sequence cannot be spilled. A host tier or quota too full for an eviction's tokens fails the
-  // evicting call with RESOURCE_EXHAUSTED, changing nothing.
-  bool retain_evicted = false;
-  // Per-layer sliding windows: empty, or one per layer of the session, each >= 0 (0 = a global
-  // layer). A layer with W > 0 holds exactly its last W tokens, whatever the policy and budget
-  // (Sequence::set_layer_windows). Not with omnikv (INVALID_ARGUMENT).
-  std::vector<int32_t> layer_windows;
-  // Start from the prefix published under this key by the session's tenant (KvPool::Publish)
-  // instead of empty; policy and budget, when set, must equal the published ones.
-  std::string from_prefix;
-};
-
-// Published prefixes live in the tiers under the publishing tenant, this pseudo session id (no
-// session id has a '#') and the sequence id "prefix/<key>" (no sequence id has a '/', so a prefix
-// never collides with a spilled sequence, the remote tier's (tenant, sequence id) names included).
-inline constexpr char kPrefixSessionId[] = "#prefix";
-inline SpillKey PrefixSpillKey(std::string tenant, std::string_view prefix_key) {
-  return SpillKey{std::move(tenant), kPrefixSessionId, std::string("prefix/").append(prefix_key)};
-}
-// OK when `prefix_key` is a content key's shape: 64 lowercase hex digits (a sha256); else
-// INVALID_ARGUMENT naming `field`.
-absl::Status ValidatePrefixKey(std::string_view prefix_key, std::string_view field);
-// Whether the tokens `policy` keeps depend on the prompt's queries (so a compressed prefix is
-// reusable only together with the queries that drove it): every policy whose registry unit is not
-// query-agnostic (streaming_llm, keydiff, knorm are), and any policy with the cake layer
-// allocator. sidecar.proto PublishRequest says why.
-bool PolicyIsQueryAware(const PolicyConfig& policy);
-
-struct SequenceCreated {
-  std::string sequence_id;
-  PolicyConfig policy;
-  BudgetConfig budget;
-};
-
-// Token i of a reservation sits, for every kv head of `layer`, in slot first_slot + i:
-// block blocks[(first_slot + i) / B - first_slot / B], index (first_slot + i) % B.
-struct LayerSlots {
-  int32_t layer = 0;
-  int32_t first_slot = 0;
-  std::vector<int32_t> blocks;
-};
-
-struct Reservation {
-  uint64_t reservation_id = 0;
-  std::vector<LayerSlots> layers;  // the reserved layers, in the order asked
-  std::vector<int32_t> positions;  // positions of the new tokens
-  int32_t evicted_before = 0;      // strict budget: tokens evicted per layer (max) first
-  uint64_t payload_bytes = 0;      // inline payload size [layers][2][H][T][D]
-};
-
-// This step's attention, as the worker sent it (kvsidecar.v1.AttentionInputs, converted): the
-// queries of the step per listed layer, or the worker's own probabilities. Which policy needs
-// what is documented in the proto; the sequence computes the probabilities itself from the keys
-// it holds (Backend::AttentionProbs).
-struct AttentionInput {
-  std::vector<int32_t> layers;  // empty = every layer, in order; else distinct
-  int32_t num_queries = 0;      // w >= 1
-  // Absolute positions of the queries (size w, increasing). Empty = the newest w positions of
-  // the sequence (after this call's commit): the usual case, the step's own tokens.
-  std::vector<int32_t> query_positions;
-  float softmax_scale = 0.0f;  // > 0, finite
-  std::vector<float> queries;  // [layers][Hq][w][D] fp32, or empty
-  std::vector<float> scores;   // [layers][Hq][w][count of the layer] fp32, or empty
-};
-
-struct CommitResult {
-  std::vector<int32_t> counts;  // tokens per layer after commit (and compression)
-  int32_t evicted = 0;          // evicted per layer by compression (max over layers)
-};
-
-// One item of CommitBatch: the arguments of one Commit.
-struct CommitItem {
-  std::string_view session_id;
-  std::string_view sequence_id;
-  uint64_t reservation_id = 0;
-  bool compress_if_over_budget = false;
-  const AttentionInput* attention = nullptr;  // may be null
-};
-
-// What CommitBatch did: items [0, results.size()) were committed, in order; `failed` is the item
-// whose error `status` is (-1 and OK when every item was committed).
-struct CommitBatchResult {
-  std::vector<CommitResult> results;
-  absl::Status status;
-  int32_t failed = -1;
-};
-
-struct CompressParams {
-  int32_t budget_tokens = 0;           // 0 = the sequence's budget
-  std::optional<PolicyConfig> policy;  // nullopt = the sequence's policy
-  bool return_positions = false;
-  std::optional<AttentionInput> attention;
-};
-
-struct LayerCompressResult {
-  int32_t layer = 0;
-  int32_t kept = 0;
-  int32_t evicted = 0;
-  int32_t merged = 0;
-  std::vector<int32_t> positions;  // [H][kept] in slot order, if asked
-};
-
-struct CompressResult {
-  std::vector<LayerCompressResult> layers;
-  int32_t blocks_freed = 0;
-  int32_t floor_applied_layers = 0;  // layers the allocator raised to its floor
-  uint64_t bytes_copied = 0;         // K/V bytes compaction copied (blocks left whole: none)
-};
-
-// One sequence's decode step (DecodeStep): its new token (a pending one-token reservation in
-// every layer to commit, inline K/V [L][2][H][1][D] to append, or neither) and its query.
-struct DecodeItem {
-  std::string session_id;
-  std::string sequence_id;
-  AttentionInput attention;
-  uint64_t reservation_id = 0;     // 0 = none
-  std::vector<uint8_t> inline_kv;  // empty = none
-};
-
-struct DecodeResult {
-  std::vector<int32_t> counts;             // per layer after the step
-  std::vector<int32_t> evicted_positions;  // [L][H], -1 = none (lowest if several)
-  int32_t merged = 0;
-  int32_t position = -1;  // the inline token's position
-};
-
-// Score (dry run): what Compress would keep, changing nothing.
-struct ScoreParams {
-  int32_t budget_tokens = 0;           // 0 = the sequence's budget (one of them must be > 0)
-  std::optional<PolicyConfig> policy;  // nullopt = the sequence's policy
-  std::optional<AttentionInput> attention;
-  std::vector<int32_t> layers;  // empty = all
-};
-
-struct LayerScores {
-  int32_t layer = 0;
-  int32_t kept = 0;                 // tokens per head that would stay
-  std::vector<float> scores;        // [H][count] slot order, +inf = protected
-  std::vector<int32_t> kept_slots;  // [H][kept] ascending
-  std::vector<int32_t> positions;   // [H][count] slot order
-};
-
-struct LayerLayoutView {
-  int32_t layer = 0;
-  int32_t count = 0;
-  std::vector<int32_t> block_table;  // ceil(count / B) blocks
-  std::vector<int32_t> positions;    // [H][count], slot order (empty if not asked)
-  int32_t budget = 0;                // 0 = unbounded
-  int32_t window = 0;                // sliding window (SequenceParams::layer_windows), 0 = none
-};
-
-struct SequenceLayout {
-  std::vector<LayerLayoutView> layers;
-  int32_t next_position = 0;
-  int64_t tokens_appended = 0;
-  PolicyConfig policy;
-  BudgetConfig budget;
-  uint64_t version = 0;  // changes on every mutation of the sequence
-};
-
-// OmniKV Select (policies/omnikv.md §4, §10): one item per sequence of a decode step.
-struct SelectItem {
-  std::string session_id;
-  std::string sequence_id;
-  // Idempotency key: a filter layer already selected at this step returns the same selection.
-  int64_t step_id = 0;
-  // The listed filter layers' queries (attention.layers: filter layers of the sequence's
-  // policy, non-empty; queries only). The newest query is the current token's; uniform/exp keep
-  // a window of the last W queries per filter layer across calls.
-  AttentionInput attention;
-  // N: tokens at positions below it are the prompt (the candidates); fixed by the sequence's
-  // first Select. 0 = the sequence's next position at that call.
-  int64_t prompt_tokens = 0;
-};
-
-struct FilterSelection {
-  int32_t filter_layer = 0;
-  std::vector<int32_t> positions;      // T_f, ascending
-  std::vector<int32_t> sparse_layers;  // the layers that attend to T_f (ascending)
-};
-
-struct SelectResult {
-  std::vector<FilterSelection> filters;  // in the order attention.layers lists them
-  // One staging view per sparse layer of the listed filters, in layer order: slots
-  // [0, positions.size()) hold T_f's tokens in position order, then the layer's generated tokens
-  // (positions >= N) in position order. positions left empty (they are filters[].positions
-  // followed by the generated positions).
-  std::vector<LayerLayoutView> sparse_layers;
-  int64_t prompt_tokens = 0;  // N
-  int32_t budget_tokens = 0;  // k
-  uint64_t host_bytes = 0;    // the sequence's offloaded prompt K/V in the host tier
-};
-
-// Tokens a retain_evicted sequence evicted, per (layer, kv head), in eviction order.
-struct RetainedHead {
-  int32_t layer = 0;
-  int32_t head = 0;
-  std::vector<int32_t> positions;
-  std::vector<float> scores;  // the selection score each had when evicted (+inf: protected)
-  std::string keys;           // [n][D] in the session dtype
-  std::string values;
-};
-
-struct SessionInfo {
-  std::string session_id;
-  std::string tenant;
-  std::string worker_name;
-  ModelLayout layout;
-  int32_t num_blocks = 0;
-  int32_t free_blocks = 0;
-  int32_t sequences = 0;          // in the arena and spilled
-  int32_t sequences_spilled = 0;  // of `sequences`, those in the host or disk tier
-  absl::Time attached;
-  absl::Time last_heartbeat;
-  absl::Time lease_expires;
-};
-
-struct SequenceInfo {
-  std::string session_id;
-  std::string sequence_id;
-  std::string tenant;
-  PolicyConfig policy;
-  BudgetConfig budget;
-  std::vector<int32_t> tokens_per_layer;
-  uint64_t arena_bytes = 0;
-  absl::Time created;
-  absl::Time last_used;
-  // A spilled sequence (KvPool::Spill) is listed with its tier and bytes there, and with the
-  // policy, budget and tokens_per_layer it had when it left the arena (unchanged since).
-  StorageTier tier = StorageTier::kArena;
-  uint64_t host_bytes = 0;
-  uint64_t disk_bytes = 0;
-};
-
-// Spill / Restore: where the sequence is now (Spill) or came from (Restore), and the bytes moved.
-struct SpillResult {
-  StorageTier tier = StorageTier::kArena;
-  uint64_t bytes = 0;
-};
-
-struct PoolStats {
-  int32_t sessions = 0;
-  // Sequences of attached sessions, in the arena and spilled (as counted for tenants' quotas);
-  // sequences_spilled of them are in the host or disk tier.
-  int32_t sequences = 0;
-  int32_t sequences_spilled = 0;
-  uint64_t arena_bytes_capacity = 0;
-  uint64_t arena_bytes_reserved = 0;  // sum of session arenas
-  uint64_t arena_bytes_used = 0;      // blocks in use * block bytes
-  int64_t tokens_appended = 0;
-  int64_t tokens_evicted = 0;
-  int64_t sessions_reclaimed = 0;   // by lease expiry or Reclaim()
-  int64_t spilled_on_pressure = 0;  // sequences PoolOptions::spill_on_pressure moved out
-};
-
-// A tenant's limits (Admin.SetQuota); 0 = unlimited. arena_bytes bounds the arena blocks in use
-// by the tenant's sequences (checked before every Reserve and DecodeStep: a tenant at or above
-// it may not grow; and before every restore, explicit or automatic, with the copy's bytes);
-// sequences bounds CreateSequence; host_bytes, disk_bytes and remote_bytes bound the spill
-// tiers (checked through CheckTierQuota by whoever spills). remote_bytes counts the tenant's
-// copies in the remote tier from every sidecar sharing it.
-struct TenantQuota {
-  uint64_t arena_bytes = 0;
-  uint64_t host_bytes = 0;
-  uint64_t disk_bytes = 0;
-  int32_t sequences = 0;
-  uint64_t remote_bytes = 0;
-  bool unlimited() const {
-    return arena_bytes == 0 && host_bytes == 0 && disk_bytes == 0 && sequences == 0 &&
-           remote_bytes == 0;
-  }
-};
-
-// What a tenant uses now. host_bytes/disk_bytes come from the tier-usage hook (0 without one).
-struct TenantUsage {
-  uint64_t arena_bytes = 0;           // blocks in use x block bytes
-  uint64_t arena_bytes_reserved = 0;  // its sessions' arenas
-  uint64_t host_bytes = 0;
-  uint64_t disk_bytes = 0;
-  int32_t sequences = 0;
-  int32_t sessions = 0;
-  // Only filled by TenantRemoteBytes' callers (it asks Redis): 0 in AllTenantUsage.
-  uint64_t remote_bytes = 0;
-};
-
-// Layer-token totals of one policy over the pool's lifetime (live + released sequences), and
-// what its live sequences hold now.
-struct PolicyTokenTotals {
-  std::string policy;
-  int64_t appended = 0;
-  int64_t evicted = 0;
-  int64_t merged = 0;
-  int64_t kept = 0;              // layer-tokens held now
-  int32_t sequences = 0;         // live
-  std::vector<int32_t> budgets;  // per live sequence: its budget tokens per layer (0 = unbounded)
-};
-
-struct RebudgetResult {
-  int32_t rebudgeted = 0;            // sequences that got the budget (compressed when needed)
-  std::vector<std::string> skipped;  // "session/sequence: reason"
-};
-
-class Session;     // defined in cache/pool.cc
-class Sequence;    // cache/sequence.h
-class ThreadPool;  // gpu/cpu/thread_pool.h
+class Sequence;      // cache/sequence.h
+struct SequenceEnv;  // cache/sequence.h
+class Session;       // cache/internal/session.h
+class SessionTable;  // cache/internal/session_table.h
+class TenantLedger;  // cache/internal/tenant_ledger.h
+class TierMover;     // cache/internal/tier_mover.h
+class ThreadPool;    // gpu/cpu/thread_pool.h
 
 class KvPool {
  public:
@@ -598,56 +249,49 @@ class KvPool {
   Backend* backend() const { return backend_; }
 
  private:
-  absl::StatusOr<std::shared_ptr<Session>> FindSession(std::string_view session_id) const;
-  // Takes the session out of the map and releases everything it holds.
+  // Takes the session out of the table and releases everything it holds.
   absl::StatusOr<ReleaseCounts> RemoveSession(std::string_view session_id, bool reclaimed);
   ReleaseCounts DestroySession(std::shared_ptr<Session> session);
+  // What a call on one of the session's sequences borrows (the session's lock held), with the
+  // pool's token counters.
+  SequenceEnv EnvOf(Session& session);
+  // Looks the session up once and runs fn(sequence, env, session) on `sequence_id` under the
+  // session's lock, restoring a spilled sequence first; NOT_FOUND for an unknown session or
+  // sequence. The const form's env counts nothing (reads). Defined in pool.cc, their only user.
+  template <typename Fn>
+  auto OnSequence(std::string_view session_id, std::string_view sequence_id, Fn&& fn);
+  template <typename Fn>
+  auto OnSequence(std::string_view session_id, std::string_view sequence_id, Fn&& fn) const;
+  // With session.mu held, before a sequence joins `session`: the session's end, a taken id
+  // (ALREADY_EXISTS), the session's and the tenant's sequence limits (RESOURCE_EXHAUSTED). Then
+  // counts the sequence for its tenant and returns its id (`requested`, or a fresh one if empty).
+  absl::StatusOr<std::string> AdmitSequenceLocked(Session& session, const std::string& requested);
+  // CreateSequence with params.from_prefix.
+  absl::StatusOr<SequenceCreated> CreateFromPrefix(std::string_view session_id,
+                                                   const SequenceParams& params);
+  // Releases one sequence in the arena: its blocks and pinned host entries; its totals retired.
+  ReleaseCounts ReleaseLocked(Session& session, Sequence& sequence);
+  // Adds a released sequence's totals to its policy's.
+  void RetireTotals(const Sequence& sequence);
 
   Backend* const backend_;
   const Clock* const clock_;
   const PoolOptions options_;
   const std::unique_ptr<ThreadPool> decode_pool_;
+  // The pool's parts (cache/internal/): sessions and leases, the tenant ledger, tier movement.
+  const std::unique_ptr<SessionTable> sessions_;
+  const std::unique_ptr<TenantLedger> ledger_;
+  const std::unique_ptr<TierMover> mover_;
 
-  mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
-  uint64_t arena_bytes_reserved_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t sessions_reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
-  int32_t sessions_pending_ ABSL_GUARDED_BY(mu_) = 0;  // admitted, arena being created
-  // The tenant's arena quota: RESOURCE_EXHAUSTED when its blocks in use reach it.
-  absl::Status CheckArenaQuota(const std::string& tenant) const;
-  // Bumps the tenant's sequence count if below its quota (RESOURCE_EXHAUSTED otherwise).
-  absl::Status AddTenantSequence(const std::string& tenant);
-  // With session.mu held, before a sequence joins `session`: the session's end, a taken id
-  // (ALREADY_EXISTS), the session's and the tenant's sequence limits (RESOURCE_EXHAUSTED). Then
-  // counts the sequence for its tenant and returns its id (`requested`, or a fresh one if empty).
-  absl::StatusOr<std::string> AdmitSequenceLocked(Session& session, std::string_view session_id,
-                                                  const std::string& requested);
-  // CreateSequence with params.from_prefix.
-  absl::StatusOr<SequenceCreated> CreateFromPrefix(std::string_view session_id,
-                                                   const SequenceParams& params);
-  void RemoveTenantSequences(const std::string& tenant, int32_t count);
-  // Adds a released sequence's totals to its policy's.
-  void RetireTotals(const Sequence& sequence);
+  // Leaf lock (nothing else is taken while it is held): live defaults, released totals.
+  mutable absl::Mutex defaults_mu_;
+  PolicyConfig live_default_policy_ ABSL_GUARDED_BY(defaults_mu_);
+  BudgetConfig live_default_budget_ ABSL_GUARDED_BY(defaults_mu_);
+  absl::flat_hash_map<std::string, PolicyTokenTotals> retired_ ABSL_GUARDED_BY(defaults_mu_);
 
-  // Leaf lock (nothing else is taken while it is held): live defaults, quotas, sequence counts.
-  mutable absl::Mutex quota_mu_;
-  PolicyConfig live_default_policy_ ABSL_GUARDED_BY(quota_mu_);
-  BudgetConfig live_default_budget_ ABSL_GUARDED_BY(quota_mu_);
-  absl::flat_hash_map<std::string, TenantQuota> quotas_ ABSL_GUARDED_BY(quota_mu_);
-  absl::flat_hash_map<std::string, int32_t> tenant_sequences_ ABSL_GUARDED_BY(quota_mu_);
-  std::function<uint64_t(std::string_view, bool)> tier_usage_fn_ ABSL_GUARDED_BY(quota_mu_);
-  std::function<uint64_t(std::string_view)> remote_usage_fn_ ABSL_GUARDED_BY(quota_mu_);
-  absl::flat_hash_map<std::string, PolicyTokenTotals> retired_ ABSL_GUARDED_BY(quota_mu_);
-
-  // Leaf lock: spilled copies being adopted (Restore with from_session_id) -> the adopting
-  // session, so that two sessions never both restore one copy.
-  absl::Mutex adopt_mu_;
-  absl::flat_hash_map<SpillKey, std::string> adopting_ ABSL_GUARDED_BY(adopt_mu_);
-
-  // Lifetime totals for PoolStats (layer-tokens), bumped by sessions without taking mu_.
+  // Lifetime totals for PoolStats (layer-tokens), bumped by sessions without a pool lock.
   std::atomic<int64_t> tokens_appended_{0};
   std::atomic<int64_t> tokens_evicted_{0};
-  std::atomic<int64_t> spilled_on_pressure_{0};
 };
 
 }  // namespace kvs
