@@ -185,10 +185,14 @@ absl::StatusOr<std::vector<int32_t>> Sequence::ReservePositions(
     return absl::InvalidArgumentError(
         absl::StrCat("positions has ", positions.size(), " entries, num_tokens is ", num_tokens));
   }
-  if (positions[0] < next_position_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("positions[0] = ", positions[0],
-                     " must be above every position already appended (>= ", next_position_, ")"));
+  // Each layer against its own positions: a cascading prefill commits the same prompt
+  // positions layer by layer.
+  for (int32_t layer : targets) {
+    if (positions[0] < layers_[layer].next_position) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "positions[0] = ", positions[0], " must be above every position already appended to layer ",
+          layer, " (>= ", layers_[layer].next_position, ")"));
+    }
   }
   for (size_t i = 1; i < positions.size(); ++i) {
     if (positions[i] <= positions[i - 1]) {
@@ -442,8 +446,9 @@ void Sequence::CommitPending(const SequenceEnv& env) {
     states_[layer].Extend(layout_.num_kv_heads, state.count, pending.num_tokens);
     state.count += pending.num_tokens;
     state.appended += pending.num_tokens;
+    state.next_position = int64_t{pending.positions.back()} + 1;
   }
-  next_position_ = int64_t{pending.positions.back()} + 1;
+  next_position_ = std::max(next_position_, int64_t{pending.positions.back()} + 1);
   last_committed_ = pending.id;
   ++version_;
   totals_.appended += int64_t{pending.num_tokens} * static_cast<int64_t>(pending.layers.size());

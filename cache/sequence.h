@@ -192,6 +192,10 @@ class Sequence {
     int32_t count = 0;
     std::vector<std::vector<int32_t>> positions;  // [H][count], slot order; empty until used
     int64_t appended = 0;                         // tokens ever committed to this layer
+    // Above every position ever committed to this layer: a layer's new positions must start
+    // here, whatever other layers hold (a cascading prefill commits the prompt's positions
+    // layer by layer).
+    int64_t next_position = 0;
   };
   struct Pending {
     uint64_t id = 0;
@@ -225,7 +229,7 @@ class Sequence {
   };
 
   // Reserve's steps. The positions of a reservation of `num_tokens` in `targets` (given ones
-  // checked, or the sequence's next ones).
+  // checked against each target layer's own positions, or the sequence's next ones).
   absl::StatusOr<std::vector<int32_t>> ReservePositions(int32_t num_tokens,
                                                         absl::Span<const int32_t> positions,
                                                         absl::Span<const int32_t> targets) const;
