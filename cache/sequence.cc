@@ -375,12 +375,28 @@ absl::Status Sequence::WriteReserved(const SequenceEnv& env, uint64_t reservatio
 
 int32_t Sequence::LayerBudget(int32_t l) const {
   if (!budget_.per_layer_tokens.empty()) return budget_.per_layer_tokens[l];
+  const int32_t tokens = SequenceBudget().tokens;
   const LayerPolicyState& state = states_[l];
-  if (state.frozen_budget > 0 && state.frozen_for == budget_.tokens_per_layer) {
+  if (state.frozen_budget > 0 && state.frozen_for == tokens) {
     // A layer frozen at "unbounded" (D2O's full-cache layers) reports 0 = unbounded.
     return state.frozen_budget == std::numeric_limits<int32_t>::max() ? 0 : state.frozen_budget;
   }
-  return allocated_[l] > 0 ? allocated_[l] : budget_.tokens_per_layer;
+  return allocated_[l] > 0 ? allocated_[l] : tokens;
+}
+
+int32_t Sequence::FractionBudget(float fraction) const {
+  if (!(fraction > 0.0f)) return 0;
+  // Fixed once an allocation froze the layers' budgets: they record the budget they were frozen
+  // for, so decode (and a restored copy) keeps the prompt's budget instead of re-deriving it
+  // from the counts that compression left.
+  for (const LayerPolicyState& state : states_) {
+    if (state.frozen_budget > 0 && state.frozen_for > 0) return state.frozen_for;
+  }
+  int64_t prompt = 0;
+  for (const LayerState& layer : layers_) prompt = std::max<int64_t>(prompt, layer.count);
+  if (prompt == 0) return 0;
+  // A non-empty prompt keeps at least one token per layer (0 would read as "unbounded").
+  return static_cast<int32_t>(std::max<int64_t>(1, FloorFraction(fraction, prompt)));
 }
 
 Sequence::StepBudget Sequence::SequenceBudget() const {
@@ -388,6 +404,11 @@ Sequence::StepBudget Sequence::SequenceBudget() const {
   if (never_evicts()) return budget;
   budget.tokens = budget_.tokens_per_layer;
   budget.per_layer = budget_.per_layer_tokens;
+  // A token budget (uniform or per layer) wins; the policy's fraction form applies only to a
+  // sequence that has none.
+  if (budget.tokens == 0 && budget.per_layer.empty()) {
+    budget.tokens = FractionBudget(policy_->budget_fraction());
+  }
   return budget;
 }
 

@@ -348,7 +348,11 @@ class Sequence {
                                                  const StepBudget& budget, bool return_positions);
   absl::StatusOr<DecodeResult> DecodeChecked(const SequenceEnv& env, const DecodeItem& item,
                                              uint64_t reservation_id);
+  // The sequence's budget: its token budget, else (none given) the policy's budget_fraction of
+  // the prompt, FloorFraction(fraction, P) tokens per layer (at least 1) with P the longest
+  // layer's count, fixed at the first allocation that freezes the layers' budgets (D2O).
   StepBudget SequenceBudget() const;
+  int32_t FractionBudget(float fraction) const;
   // LayerLayoutView::budget of layer `l`: its explicit budget, its frozen allocation, its last
   // non-uniform allocation, or the sequence budget.
   int32_t LayerBudget(int32_t l) const;
