@@ -189,9 +189,10 @@ absl::StatusOr<std::vector<int32_t>> Sequence::ReservePositions(
   // positions layer by layer.
   for (int32_t layer : targets) {
     if (positions[0] < layers_[layer].next_position) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "positions[0] = ", positions[0], " must be above every position already appended to layer ",
-          layer, " (>= ", layers_[layer].next_position, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("positions[0] = ", positions[0],
+                       " must be above every position already appended to layer ", layer,
+                       " (>= ", layers_[layer].next_position, ")"));
     }
   }
   for (size_t i = 1; i < positions.size(); ++i) {
