@@ -166,16 +166,9 @@ absl::Status Sequence::CheckPending(uint64_t reservation_id) const {
       absl::StrCat("reservation ", reservation_id, " not found in sequence ", id_));
 }
 
-absl::StatusOr<Reservation> Sequence::Reserve(const SequenceEnv& env, uint64_t reservation_id,
-                                              int32_t num_tokens,
-                                              absl::Span<const int32_t> positions,
-                                              absl::Span<const int32_t> layers) {
-  // Validate everything before anything changes.
-  if (num_tokens < 1 || num_tokens > env.max_tokens_per_call) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_tokens must be in [1, ", env.max_tokens_per_call, "], got ", num_tokens));
-  }
-  KVS_ASSIGN_OR_RETURN(std::vector<int32_t> targets, ResolveLayers(layers, layout_.num_layers));
+absl::StatusOr<std::vector<int32_t>> Sequence::ReservePositions(
+    int32_t num_tokens, absl::Span<const int32_t> positions,
+    absl::Span<const int32_t> targets) const {
   std::vector<int32_t> new_positions(num_tokens);
   if (positions.empty()) {
     if (next_position_ + num_tokens - 1 > kMaxPosition) {
@@ -186,25 +179,98 @@ absl::StatusOr<Reservation> Sequence::Reserve(const SequenceEnv& env, uint64_t r
     for (int32_t i = 0; i < num_tokens; ++i) {
       new_positions[i] = static_cast<int32_t>(next_position_ + i);
     }
-  } else {
-    if (positions.size() != static_cast<size_t>(num_tokens)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("positions has ", positions.size(), " entries, num_tokens is ", num_tokens));
-    }
-    if (positions[0] < next_position_) {
+    return new_positions;
+  }
+  if (positions.size() != static_cast<size_t>(num_tokens)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("positions has ", positions.size(), " entries, num_tokens is ", num_tokens));
+  }
+  // Each layer against its own positions: a cascading prefill commits the same prompt
+  // positions layer by layer.
+  for (int32_t layer : targets) {
+    if (positions[0] < layers_[layer].next_position) {
       return absl::InvalidArgumentError(
           absl::StrCat("positions[0] = ", positions[0],
-                       " must be above every position already appended (>= ", next_position_, ")"));
+                       " must be above every position already appended to layer ", layer,
+                       " (>= ", layers_[layer].next_position, ")"));
     }
-    for (size_t i = 1; i < positions.size(); ++i) {
-      if (positions[i] <= positions[i - 1]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "positions must be strictly increasing: positions[", i, "] = ", positions[i],
-            " after positions[", i - 1, "] = ", positions[i - 1]));
-      }
-    }
-    new_positions.assign(positions.begin(), positions.end());
   }
+  for (size_t i = 1; i < positions.size(); ++i) {
+    if (positions[i] <= positions[i - 1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "positions must be strictly increasing: positions[", i, "] = ", positions[i],
+          " after positions[", i - 1, "] = ", positions[i - 1]));
+    }
+  }
+  new_positions.assign(positions.begin(), positions.end());
+  return new_positions;
+}
+
+absl::StatusOr<int64_t> Sequence::ReserveBlocksNeeded(const SequenceEnv& env,
+                                                      absl::Span<const int32_t> targets,
+                                                      absl::Span<const int32_t> keep,
+                                                      int32_t num_tokens) const {
+  const int64_t b = layout_.block_tokens;
+  int64_t freed = 0;
+  int64_t needed = 0;
+  for (int32_t layer : targets) {
+    const int64_t count = layers_[layer].count;
+    const int64_t after = keep[layer];
+    if (after + num_tokens > kMaxPosition) {
+      return absl::ResourceExhaustedError(absl::StrCat("layer ", layer, " of sequence ", id_,
+                                                       " cannot hold more than ", kMaxPosition,
+                                                       " tokens"));
+    }
+    freed += CeilDiv(count, b) - CeilDiv(after, b);
+    needed += CeilDiv(after + num_tokens, b) - CeilDiv(after, b);
+  }
+  const int64_t available = env.allocator.free_blocks() + freed;
+  if (needed > available) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "arena of session ", absl::string_view(env.session_id.data(), env.session_id.size()),
+        " has ", available, " free blocks",
+        freed > 0 ? absl::StrCat(" (", freed, " of them after eviction)") : std::string(),
+        ", reservation needs ", needed));
+  }
+  return needed;
+}
+
+absl::Status Sequence::PlaceReservation(const SequenceEnv& env, absl::Span<const int32_t> targets,
+                                        int32_t num_tokens, int64_t needed,
+                                        Reservation& reservation) {
+  const int64_t b = layout_.block_tokens;
+  std::vector<int32_t> new_blocks;
+  KVS_RETURN_IF_ERROR(env.allocator.Allocate(static_cast<int32_t>(needed), &new_blocks));
+  size_t next_block = 0;
+  reservation.layers.reserve(targets.size());
+  for (int32_t layer : targets) {
+    LayerState& state = layers_[layer];
+    const int64_t first = state.count;
+    const int64_t end_blocks = CeilDiv(first + num_tokens, b);
+    while (static_cast<int64_t>(state.blocks.size()) < end_blocks) {
+      state.blocks.push_back(new_blocks[next_block++]);
+    }
+    LayerSlots slots;
+    slots.layer = layer;
+    slots.first_slot = static_cast<int32_t>(first);
+    slots.blocks.assign(state.blocks.begin() + first / b, state.blocks.begin() + end_blocks);
+    reservation.layers.push_back(std::move(slots));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Reservation> Sequence::Reserve(const SequenceEnv& env, uint64_t reservation_id,
+                                              int32_t num_tokens,
+                                              absl::Span<const int32_t> positions,
+                                              absl::Span<const int32_t> layers) {
+  // Validate everything before anything changes.
+  if (num_tokens < 1 || num_tokens > env.max_tokens_per_call) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_tokens must be in [1, ", env.max_tokens_per_call, "], got ", num_tokens));
+  }
+  KVS_ASSIGN_OR_RETURN(std::vector<int32_t> targets, ResolveLayers(layers, layout_.num_layers));
+  KVS_ASSIGN_OR_RETURN(std::vector<int32_t> new_positions,
+                       ReservePositions(num_tokens, positions, targets));
   if (pending_.has_value()) {
     return absl::FailedPreconditionError(absl::StrCat("sequence ", id_,
                                                       " has a pending reservation ", pending_->id,
@@ -238,28 +304,8 @@ absl::StatusOr<Reservation> Sequence::Reserve(const SequenceEnv& env, uint64_t r
                                  absl::MakeSpan(scratch), &floor_applied));
     for (int32_t layer : targets) keep[layer] = budgeted[layer];
   }
-  const int64_t b = layout_.block_tokens;
-  int64_t freed = 0;
-  int64_t needed = 0;
-  for (int32_t layer : targets) {
-    const int64_t count = layers_[layer].count;
-    const int64_t after = keep[layer];
-    if (after + num_tokens > kMaxPosition) {
-      return absl::ResourceExhaustedError(absl::StrCat("layer ", layer, " of sequence ", id_,
-                                                       " cannot hold more than ", kMaxPosition,
-                                                       " tokens"));
-    }
-    freed += CeilDiv(count, b) - CeilDiv(after, b);
-    needed += CeilDiv(after + num_tokens, b) - CeilDiv(after, b);
-  }
-  const int64_t available = env.allocator.free_blocks() + freed;
-  if (needed > available) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "arena of session ", absl::string_view(env.session_id.data(), env.session_id.size()),
-        " has ", available, " free blocks",
-        freed > 0 ? absl::StrCat(" (", freed, " of them after eviction)") : std::string(),
-        ", reservation needs ", needed));
-  }
+  KVS_ASSIGN_OR_RETURN(const int64_t needed,
+                       ReserveBlocksNeeded(env, targets, keep, num_tokens));
 
   // Mutations from here on.
   Reservation reservation;
@@ -271,24 +317,8 @@ absl::StatusOr<Reservation> Sequence::Reserve(const SequenceEnv& env, uint64_t r
       reservation.evicted_before = std::max(reservation.evicted_before, evicted);
     }
   }
-  std::vector<int32_t> new_blocks;
-  KVS_RETURN_IF_ERROR(env.allocator.Allocate(static_cast<int32_t>(needed), &new_blocks));
-  size_t next_block = 0;
+  KVS_RETURN_IF_ERROR(PlaceReservation(env, targets, num_tokens, needed, reservation));
   reservation.reservation_id = reservation_id;
-  reservation.layers.reserve(targets.size());
-  for (int32_t layer : targets) {
-    LayerState& state = layers_[layer];
-    const int64_t first = state.count;
-    const int64_t end_blocks = CeilDiv(first + num_tokens, b);
-    while (static_cast<int64_t>(state.blocks.size()) < end_blocks) {
-      state.blocks.push_back(new_blocks[next_block++]);
-    }
-    LayerSlots slots;
-    slots.layer = layer;
-    slots.first_slot = static_cast<int32_t>(first);
-    slots.blocks.assign(state.blocks.begin() + first / b, state.blocks.begin() + end_blocks);
-    reservation.layers.push_back(std::move(slots));
-  }
   reservation.positions = new_positions;
   reservation.payload_bytes = *payload_bytes;
 
@@ -346,12 +376,28 @@ absl::Status Sequence::WriteReserved(const SequenceEnv& env, uint64_t reservatio
 
 int32_t Sequence::LayerBudget(int32_t l) const {
   if (!budget_.per_layer_tokens.empty()) return budget_.per_layer_tokens[l];
+  const int32_t tokens = SequenceBudget().tokens;
   const LayerPolicyState& state = states_[l];
-  if (state.frozen_budget > 0 && state.frozen_for == budget_.tokens_per_layer) {
+  if (state.frozen_budget > 0 && state.frozen_for == tokens) {
     // A layer frozen at "unbounded" (D2O's full-cache layers) reports 0 = unbounded.
     return state.frozen_budget == std::numeric_limits<int32_t>::max() ? 0 : state.frozen_budget;
   }
-  return allocated_[l] > 0 ? allocated_[l] : budget_.tokens_per_layer;
+  return allocated_[l] > 0 ? allocated_[l] : tokens;
+}
+
+int32_t Sequence::FractionBudget(float fraction) const {
+  if (!(fraction > 0.0f)) return 0;
+  // Fixed once an allocation froze the layers' budgets: they record the budget they were frozen
+  // for, so decode (and a restored copy) keeps the prompt's budget instead of re-deriving it
+  // from the counts that compression left.
+  for (const LayerPolicyState& state : states_) {
+    if (state.frozen_budget > 0 && state.frozen_for > 0) return state.frozen_for;
+  }
+  int64_t prompt = 0;
+  for (const LayerState& layer : layers_) prompt = std::max<int64_t>(prompt, layer.count);
+  if (prompt == 0) return 0;
+  // A non-empty prompt keeps at least one token per layer (0 would read as "unbounded").
+  return static_cast<int32_t>(std::max<int64_t>(1, FloorFraction(fraction, prompt)));
 }
 
 Sequence::StepBudget Sequence::SequenceBudget() const {
@@ -359,6 +405,11 @@ Sequence::StepBudget Sequence::SequenceBudget() const {
   if (never_evicts()) return budget;
   budget.tokens = budget_.tokens_per_layer;
   budget.per_layer = budget_.per_layer_tokens;
+  // A token budget (uniform or per layer) wins; the policy's fraction form applies only to a
+  // sequence that has none.
+  if (budget.tokens == 0 && budget.per_layer.empty()) {
+    budget.tokens = FractionBudget(policy_->budget_fraction());
+  }
   return budget;
 }
 
@@ -417,8 +468,9 @@ void Sequence::CommitPending(const SequenceEnv& env) {
     states_[layer].Extend(layout_.num_kv_heads, state.count, pending.num_tokens);
     state.count += pending.num_tokens;
     state.appended += pending.num_tokens;
+    state.next_position = int64_t{pending.positions.back()} + 1;
   }
-  next_position_ = int64_t{pending.positions.back()} + 1;
+  next_position_ = std::max(next_position_, int64_t{pending.positions.back()} + 1);
   last_committed_ = pending.id;
   ++version_;
   totals_.appended += int64_t{pending.num_tokens} * static_cast<int64_t>(pending.layers.size());
@@ -519,6 +571,109 @@ void Sequence::RollbackIfUnmoved(const SequenceEnv& env, Checkpoint checkpoint) 
   totals_ = checkpoint.totals;
 }
 
+namespace {
+
+// The resolved positions of an attention input's w queries: the given ones (non-negative,
+// strictly increasing), or the w positions just below `next_position`.
+absl::StatusOr<std::vector<int32_t>> QueryPositions(const AttentionInput& input,
+                                                    int64_t next_position) {
+  const int32_t w = input.num_queries;
+  std::vector<int32_t> out;
+  if (input.query_positions.empty()) {
+    if (next_position < w) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention.num_queries ", w, " exceeds the ", next_position,
+                       " positions of the sequence; give attention.query_positions"));
+    }
+    out.resize(w);
+    for (int32_t i = 0; i < w; ++i) out[i] = static_cast<int32_t>(next_position - w + i);
+    return out;
+  }
+  if (input.query_positions.size() != static_cast<size_t>(w)) {
+    return absl::InvalidArgumentError(absl::StrCat("attention.query_positions has ",
+                                                   input.query_positions.size(),
+                                                   " entries, attention.num_queries is ", w));
+  }
+  for (size_t i = 0; i < input.query_positions.size(); ++i) {
+    if (input.query_positions[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention.query_positions[", i, "] must be >= 0, got ", input.query_positions[i]));
+    }
+    if (i > 0 && input.query_positions[i] <= input.query_positions[i - 1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention.query_positions must be strictly increasing: query_positions[", i,
+          "] = ", input.query_positions[i], " after ", input.query_positions[i - 1]));
+    }
+  }
+  return input.query_positions;
+}
+
+// Inline queries [listed layers][Hq][w][D]: the scale, the size, every value finite.
+absl::Status CheckInlineQueries(const AttentionInput& input, const ModelLayout& layout,
+                                absl::Span<const int32_t> layers) {
+  const int32_t w = input.num_queries;
+  const int64_t num_listed = static_cast<int64_t>(layers.size());
+  const int64_t hq = layout.num_q_heads;
+  if (!std::isfinite(input.softmax_scale) || input.softmax_scale <= 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention.softmax_scale must be finite and > 0, got ", input.softmax_scale));
+  }
+  const std::optional<uint64_t> expected = CheckedProduct({num_listed, hq, w, layout.head_dim});
+  if (!expected || *expected != input.queries.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention.inline_queries has ", input.queries.size(), " values, expected ",
+                     expected ? absl::StrCat(*expected) : std::string("an overflowing count"),
+                     " ([layers ", num_listed, "][num_q_heads ", hq, "][num_queries ", w,
+                     "][head_dim ", layout.head_dim, "])"));
+  }
+  for (size_t i = 0; i < input.queries.size(); ++i) {
+    if (!std::isfinite(input.queries[i])) {
+      // [listed layers][Hq][w][D]
+      const int64_t dim = static_cast<int64_t>(i) % layout.head_dim;
+      const int64_t row = static_cast<int64_t>(i) / layout.head_dim;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention.inline_queries: non-finite value at layer ", layers[row / w / hq],
+          " q head ", row / w % hq, " query ", row % w, " dim ", dim,
+          "; queries must be finite"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The worker's probabilities [listed layers][Hq][w][count of the layer]: the first float of
+// every listed layer; the size and every value finite and >= 0 checked.
+absl::StatusOr<std::vector<uint64_t>> ScoreOffsets(const AttentionInput& input,
+                                                   const ModelLayout& layout,
+                                                   absl::Span<const int32_t> layers,
+                                                   absl::Span<const int32_t> counts) {
+  const int64_t hq = layout.num_q_heads;
+  uint64_t total = 0;
+  std::vector<uint64_t> offsets(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    offsets[i] = total;
+    const std::optional<uint64_t> size = CheckedProduct({hq, input.num_queries, counts[layers[i]]});
+    const std::optional<uint64_t> next = size ? CheckedAdd(total, *size) : std::nullopt;
+    if (!next) return absl::InvalidArgumentError("attention.attention_scores: size overflows");
+    total = *next;
+  }
+  if (total != input.scores.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention.attention_scores has ", input.scores.size(), " values, expected ", total,
+        " ([layers][num_q_heads ", hq, "][num_queries ", input.num_queries,
+        "][count of the layer])"));
+  }
+  for (size_t i = 0; i < input.scores.size(); ++i) {
+    const float v = input.scores[i];
+    if (!std::isfinite(v) || v < 0.0f) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention.attention_scores[", i, "] must be finite and >= 0, got ", v));
+    }
+  }
+  return offsets;
+}
+
+}  // namespace
+
 absl::StatusOr<Sequence::StepAttention> Sequence::ValidateAttention(
     const AttentionInput& input, absl::Span<const int32_t> counts, int64_t next_position,
     bool decode) const {
@@ -541,35 +696,7 @@ absl::StatusOr<Sequence::StepAttention> Sequence::ValidateAttention(
     return absl::InvalidArgumentError(
         absl::StrCat("attention.num_queries must be in [1, ", kMaxAttentionQueries, "], got ", w));
   }
-  if (input.query_positions.empty()) {
-    if (next_position < w) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("attention.num_queries ", w, " exceeds the ", next_position,
-                       " positions of the sequence; give attention.query_positions"));
-    }
-    out.query_positions.resize(w);
-    for (int32_t i = 0; i < w; ++i) {
-      out.query_positions[i] = static_cast<int32_t>(next_position - w + i);
-    }
-  } else {
-    if (input.query_positions.size() != static_cast<size_t>(w)) {
-      return absl::InvalidArgumentError(absl::StrCat("attention.query_positions has ",
-                                                     input.query_positions.size(),
-                                                     " entries, attention.num_queries is ", w));
-    }
-    for (size_t i = 0; i < input.query_positions.size(); ++i) {
-      if (input.query_positions[i] < 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "attention.query_positions[", i, "] must be >= 0, got ", input.query_positions[i]));
-      }
-      if (i > 0 && input.query_positions[i] <= input.query_positions[i - 1]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "attention.query_positions must be strictly increasing: query_positions[", i,
-            "] = ", input.query_positions[i], " after ", input.query_positions[i - 1]));
-      }
-    }
-    out.query_positions = input.query_positions;
-  }
+  KVS_ASSIGN_OR_RETURN(out.query_positions, QueryPositions(input, next_position));
 
   const bool has_queries = !input.queries.empty();
   const bool has_scores = !input.scores.empty();
@@ -579,56 +706,10 @@ absl::StatusOr<Sequence::StepAttention> Sequence::ValidateAttention(
                      "attention.attention_scores, got ",
                      has_queries ? "both" : "neither"));
   }
-  const int64_t num_listed = static_cast<int64_t>(out.layers.size());
-  const int64_t hq = layout_.num_q_heads;
   if (has_queries) {
-    if (!std::isfinite(input.softmax_scale) || input.softmax_scale <= 0.0f) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "attention.softmax_scale must be finite and > 0, got ", input.softmax_scale));
-    }
-    const std::optional<uint64_t> expected = CheckedProduct({num_listed, hq, w, layout_.head_dim});
-    if (!expected || *expected != input.queries.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("attention.inline_queries has ", input.queries.size(), " values, expected ",
-                       expected ? absl::StrCat(*expected) : std::string("an overflowing count"),
-                       " ([layers ", num_listed, "][num_q_heads ", hq, "][num_queries ", w,
-                       "][head_dim ", layout_.head_dim, "])"));
-    }
-    for (size_t i = 0; i < input.queries.size(); ++i) {
-      if (!std::isfinite(input.queries[i])) {
-        // [listed layers][Hq][w][D]
-        const int64_t dim = static_cast<int64_t>(i) % layout_.head_dim;
-        const int64_t row = static_cast<int64_t>(i) / layout_.head_dim;
-        return absl::InvalidArgumentError(absl::StrCat(
-            "attention.inline_queries: non-finite value at layer ", out.layers[row / w / hq],
-            " q head ", row / w % hq, " query ", row % w, " dim ", dim,
-            "; queries must be finite"));
-      }
-    }
+    KVS_RETURN_IF_ERROR(CheckInlineQueries(input, layout_, out.layers));
   } else {
-    uint64_t total = 0;
-    out.score_offsets.resize(out.layers.size());
-    for (size_t i = 0; i < out.layers.size(); ++i) {
-      out.score_offsets[i] = total;
-      const std::optional<uint64_t> size = CheckedProduct({hq, w, counts[out.layers[i]]});
-      const std::optional<uint64_t> next = size ? CheckedAdd(total, *size) : std::nullopt;
-      if (!next) {
-        return absl::InvalidArgumentError("attention.attention_scores: size overflows");
-      }
-      total = *next;
-    }
-    if (total != input.scores.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "attention.attention_scores has ", input.scores.size(), " values, expected ", total,
-          " ([layers][num_q_heads ", hq, "][num_queries ", w, "][count of the layer])"));
-    }
-    for (size_t i = 0; i < input.scores.size(); ++i) {
-      const float v = input.scores[i];
-      if (!std::isfinite(v) || v < 0.0f) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("attention.attention_scores[", i, "] must be finite and >= 0, got ", v));
-      }
-    }
+    KVS_ASSIGN_OR_RETURN(out.score_offsets, ScoreOffsets(input, layout_, out.layers, counts));
   }
   return out;
 }
@@ -740,20 +821,14 @@ absl::Status Sequence::CheckAttentionCoverage(const Policy& policy, Phase phase,
 absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Phase phase,
                                const StepAttention& attention,
                                absl::Span<LayerPolicyState> states) const {
-  const AttentionInput& input = *attention.input;
-  const int32_t w = input.num_queries;
+  const int32_t w = attention.input->num_queries;
   const AttentionRequirement requirement = policy.attention(phase);
   // A policy that reads no attention (keydiff, streaming_llm) ignores what the worker sent:
   // computing probabilities for it would only cost a pass over every key.
   if (!requirement.needed && !policy.needs_accumulated()) return absl::OkStatus();
   const int32_t rows =
       requirement.trailing_queries > 0 ? std::min(requirement.trailing_queries, w) : w;
-  const int32_t first_row = w - rows;
   const int64_t hq = layout_.num_q_heads;
-  const int64_t dim = layout_.head_dim;
-  const absl::Span<const int32_t> query_positions =
-      absl::MakeConstSpan(attention.query_positions).subspan(first_row, rows);
-  const bool from_queries = !input.queries.empty();
 
   // Layers with tokens go in chunks whose probabilities fit kMaxProbsBytes (a chunk has at
   // least one layer), so a long prompt over many layers never holds every layer's at once.
@@ -772,78 +847,94 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
       bytes += layer_bytes;
       ++end;
     }
-    const size_t n = end - begin;
-    // Not zeroed: AttentionProbs or the copy below writes every value. One buffer per layer
-    // (tens of MiB at most) stays below glibc's mmap threshold, so its pages are reused from
-    // the heap instead of being faulted in afresh on every call.
-    std::vector<std::unique_ptr<float[]>> probs_buffers(n);
-    std::vector<absl::Span<float>> probs(n);
-    for (size_t k = 0; k < n; ++k) {
-      const size_t size =
-          static_cast<size_t>(hq) * rows * layers_[attention.layers[order[begin + k]]].count;
-      probs_buffers[k].reset(new float[size]);
-      probs[k] = absl::MakeSpan(probs_buffers[k].get(), size);
-    }
-    std::vector<std::vector<int32_t>> positions(n);
-    std::vector<std::vector<float>> query_rows(n);
-    std::vector<AttentionJob> jobs;
-    for (size_t k = 0; k < n; ++k) {
-      const size_t i = order[begin + k];
-      const int32_t l = attention.layers[i];
-      const int64_t count = layers_[l].count;
-      positions[k] = FlatPositions(l);
-      if (from_queries) {
-        // [Hq][w][D] of this layer; only the trailing rows when the policy reads no others.
-        const float* layer_queries = input.queries.data() + i * hq * w * dim;
-        const float* job_queries = layer_queries;
-        if (rows < w) {
-          query_rows[k].resize(static_cast<size_t>(hq * rows * dim));
-          for (int64_t q = 0; q < hq; ++q) {
-            std::copy_n(layer_queries + (q * w + first_row) * dim, rows * dim,
-                        query_rows[k].data() + q * rows * dim);
-          }
-          job_queries = query_rows[k].data();
-        }
-        AttentionJob job;
-        job.keys = KeysView(env, l);
-        job.key_positions = positions[k].data();
-        job.queries = job_queries;
-        job.query_positions = query_positions.data();
-        job.num_q_heads = static_cast<int32_t>(hq);
-        job.num_queries = rows;
-        job.scale = input.softmax_scale;
-        job.probs = probs[k].data();
-        jobs.push_back(job);
-      } else {
-        const float* layer_scores = input.scores.data() + attention.score_offsets[i];
-        for (int64_t q = 0; q < hq; ++q) {
-          std::copy_n(layer_scores + (q * w + first_row) * count, rows * count,
-                      probs[k].data() + q * rows * count);
-        }
-      }
-    }
-    if (!jobs.empty()) {
-      KVS_RETURN_IF_ERROR(env.backend.AttentionProbs(jobs, nullptr));
-      KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
-    }
-    std::vector<LayerStep> steps(n);
-    for (size_t k = 0; k < n; ++k) {
-      const int32_t l = attention.layers[order[begin + k]];
-      LayerStep& step = steps[k];
-      step.layer = l;
-      step.keys = KeysView(env, l);
-      step.positions = positions[k];
-      step.num_q_heads = static_cast<int32_t>(hq);
-      step.probs = probs[k];
-      step.num_queries = rows;
-      step.query_positions = query_positions;
-      step.step_queries = w;
-      step.state = &states[l];
-    }
-    KVS_RETURN_IF_ERROR(policy.Observe(env.backend, phase, steps));
+    KVS_RETURN_IF_ERROR(ObserveChunk(env, policy, phase, attention,
+                                     absl::MakeConstSpan(order).subspan(begin, end - begin), rows,
+                                     states));
     begin = end;
   }
   return absl::OkStatus();
+}
+
+absl::Status Sequence::ObserveChunk(const SequenceEnv& env, const Policy& policy, Phase phase,
+                                    const StepAttention& attention,
+                                    absl::Span<const size_t> chunk, int32_t rows,
+                                    absl::Span<LayerPolicyState> states) const {
+  const AttentionInput& input = *attention.input;
+  const int32_t w = input.num_queries;
+  const int32_t first_row = w - rows;
+  const int64_t hq = layout_.num_q_heads;
+  const int64_t dim = layout_.head_dim;
+  const absl::Span<const int32_t> query_positions =
+      absl::MakeConstSpan(attention.query_positions).subspan(first_row, rows);
+  const bool from_queries = !input.queries.empty();
+  const size_t n = chunk.size();
+  // Not zeroed: AttentionProbs or the copy below writes every value. One buffer per layer
+  // (tens of MiB at most) stays below glibc's mmap threshold, so its pages are reused from
+  // the heap instead of being faulted in afresh on every call.
+  std::vector<std::unique_ptr<float[]>> probs_buffers(n);
+  std::vector<absl::Span<float>> probs(n);
+  for (size_t k = 0; k < n; ++k) {
+    const size_t size = static_cast<size_t>(hq) * rows * layers_[attention.layers[chunk[k]]].count;
+    probs_buffers[k].reset(new float[size]);
+    probs[k] = absl::MakeSpan(probs_buffers[k].get(), size);
+  }
+  std::vector<std::vector<int32_t>> positions(n);
+  std::vector<std::vector<float>> query_rows(n);
+  std::vector<AttentionJob> jobs;
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = chunk[k];
+    const int32_t l = attention.layers[i];
+    const int64_t count = layers_[l].count;
+    positions[k] = FlatPositions(l);
+    if (!from_queries) {
+      const float* layer_scores = input.scores.data() + attention.score_offsets[i];
+      for (int64_t q = 0; q < hq; ++q) {
+        std::copy_n(layer_scores + (q * w + first_row) * count, rows * count,
+                    probs[k].data() + q * rows * count);
+      }
+      continue;
+    }
+    // [Hq][w][D] of this layer; only the trailing rows when the policy reads no others.
+    const float* layer_queries = input.queries.data() + i * hq * w * dim;
+    const float* job_queries = layer_queries;
+    if (rows < w) {
+      query_rows[k].resize(static_cast<size_t>(hq * rows * dim));
+      for (int64_t q = 0; q < hq; ++q) {
+        std::copy_n(layer_queries + (q * w + first_row) * dim, rows * dim,
+                    query_rows[k].data() + q * rows * dim);
+      }
+      job_queries = query_rows[k].data();
+    }
+    AttentionJob job;
+    job.keys = KeysView(env, l);
+    job.key_positions = positions[k].data();
+    job.queries = job_queries;
+    job.query_positions = query_positions.data();
+    job.num_q_heads = static_cast<int32_t>(hq);
+    job.num_queries = rows;
+    job.scale = input.softmax_scale;
+    job.probs = probs[k].data();
+    jobs.push_back(job);
+  }
+  if (!jobs.empty()) {
+    KVS_RETURN_IF_ERROR(env.backend.AttentionProbs(jobs, nullptr));
+    KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
+  }
+  std::vector<LayerStep> steps(n);
+  for (size_t k = 0; k < n; ++k) {
+    const int32_t l = attention.layers[chunk[k]];
+    LayerStep& step = steps[k];
+    step.layer = l;
+    step.keys = KeysView(env, l);
+    step.positions = positions[k];
+    step.num_q_heads = static_cast<int32_t>(hq);
+    step.probs = probs[k];
+    step.num_queries = rows;
+    step.query_positions = query_positions;
+    step.step_queries = w;
+    step.state = &states[l];
+  }
+  return policy.Observe(env.backend, phase, steps);
 }
 
 absl::StatusOr<Sequence::Eviction> Sequence::RunStep(const SequenceEnv& env, const Policy& policy,
@@ -1252,63 +1343,50 @@ absl::StatusOr<std::vector<LayerScores>> Sequence::Score(const SequenceEnv& env,
   return result;
 }
 
-absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const Policy& policy,
-                                                   Phase phase, absl::Span<const int32_t> keep) {
+absl::Status Sequence::ChooseKept(const SequenceEnv& env, const Policy& policy, Phase phase,
+                                  absl::Span<const int32_t> victims,
+                                  absl::Span<const int32_t> keep, EvictChoice& choice) {
   const int32_t heads = layout_.num_kv_heads;
-  Eviction eviction;
-  eviction.evicted.assign(layers_.size(), 0);
-  eviction.merged.assign(layers_.size(), 0);
-  eviction.evicted_positions.resize(layers_.size());
-  std::vector<int32_t> victims;  // layers that lose tokens
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    if (keep[l] < layers_[l].count) victims.push_back(static_cast<int32_t>(l));
-  }
-  if (victims.empty()) return eviction;
-
-  // 1. Choose (no mutation).
-  std::vector<std::vector<int32_t>> flat_positions(victims.size());
-  std::vector<std::vector<int32_t>> kept(victims.size());
-  std::vector<std::vector<float>> scores(retain_evicted_ ? victims.size() : 0);
-  std::vector<LayerSelection> selections;  // the policy's layers (windowed ones are not)
-  selections.reserve(victims.size());
+  choice.flat_positions.resize(victims.size());
+  choice.kept.resize(victims.size());
+  choice.scores.resize(retain_evicted_ ? victims.size() : 0);
+  choice.selections.reserve(victims.size());  // the policy's layers (windowed ones are not)
   for (size_t i = 0; i < victims.size(); ++i) {
     const int32_t l = victims[i];
-    flat_positions[i] = FlatPositions(l);
-    kept[i].resize(static_cast<size_t>(heads) * keep[l]);
+    choice.flat_positions[i] = FlatPositions(l);
+    choice.kept[i].resize(static_cast<size_t>(heads) * keep[l]);
     if (Window(l) > 0) {
-      KeepNewest(l, keep[l], absl::MakeSpan(kept[i]));
-      if (retain_evicted_) scores[i].assign(static_cast<size_t>(heads) * layers_[l].count, 0.0f);
+      KeepNewest(l, keep[l], absl::MakeSpan(choice.kept[i]));
+      if (retain_evicted_) {
+        choice.scores[i].assign(static_cast<size_t>(heads) * layers_[l].count, 0.0f);
+      }
       continue;
     }
-    LayerSelection& selection = selections.emplace_back();
+    LayerSelection& selection = choice.selections.emplace_back();
     selection.layer = l;
     selection.keys = KeysView(env, l);
-    selection.positions = flat_positions[i];
+    selection.positions = choice.flat_positions[i];
     selection.keep = keep[l];
-    selection.kept = absl::MakeSpan(kept[i]);
+    selection.kept = absl::MakeSpan(choice.kept[i]);
     selection.num_q_heads = layout_.num_q_heads;
     selection.state = &states_[l];
     selection.writable_arena = env.arena.data();
     if (retain_evicted_) {
-      scores[i].resize(static_cast<size_t>(heads) * layers_[l].count);
-      selection.scores_out = scores[i].data();
+      choice.scores[i].resize(static_cast<size_t>(heads) * layers_[l].count);
+      selection.scores_out = choice.scores[i].data();
     }
   }
-  if (!selections.empty()) {
-    KVS_RETURN_IF_ERROR(policy.Select(env.backend, phase, selections));
-  }
-  // retain_evicted: the rows leave for the host tier before anything changes here. A retained
-  // chunk is not part of a Checkpoint, so from here on a failure is not rolled back.
-  if (retain_evicted_) {
-    // A failed RetainEvicted keeps nothing (its chunk is pinned last), so the step still rolls back.
-    KVS_RETURN_IF_ERROR(RetainEvicted(env, victims, keep, kept, scores));
-    rows_moved_ = true;
-  }
+  if (choice.selections.empty()) return absl::OkStatus();
+  return policy.Select(env.backend, phase, choice.selections);
+}
 
-  // 2. Plan the compaction (blocks nobody keeps leave the table, then hole filling; no
-  // mutation), and note what each head evicts.
-  std::vector<CompactionPlan> plans(victims.size());
-  std::vector<RowCopyJob> jobs;
+absl::Status Sequence::PlanEvictions(absl::Span<const int32_t> victims,
+                                     absl::Span<const int32_t> keep,
+                                     absl::Span<const std::vector<int32_t>> kept,
+                                     std::vector<CompactionPlan>& plans,
+                                     Eviction& eviction) const {
+  const int32_t heads = layout_.num_kv_heads;
+  plans.resize(victims.size());
   std::vector<uint8_t> is_kept;
   for (size_t i = 0; i < victims.size(); ++i) {
     const int32_t l = victims[i];
@@ -1327,21 +1405,14 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
       }
     }
   }
+  return absl::OkStatus();
+}
 
-  // 3. Merge evicted rows into kept ones (D2O) while every row is still in place. From here on
-  // arena rows change: a failure can no longer be rolled back (gpu/backend.h errors only).
-  rows_moved_ = true;
-  std::vector<int32_t> merged(selections.size(), 0);
-  if (!selections.empty()) {
-    KVS_RETURN_IF_ERROR(policy.Merge(env.backend, phase, selections, absl::MakeSpan(merged)));
-  }
-  for (size_t i = 0; i < selections.size(); ++i) {
-    eviction.merged[selections[i].layer] = merged[i];
-    totals_.merged += merged[i];
-  }
-
-  // 4. Move rows, then publish the new tables, permute the policy state the same way and give
-  // the tail blocks back.
+absl::Status Sequence::ApplyCompaction(const SequenceEnv& env, absl::Span<const int32_t> victims,
+                                       absl::Span<const int32_t> keep,
+                                       std::vector<CompactionPlan>& plans, Eviction& eviction) {
+  const int32_t heads = layout_.num_kv_heads;
+  std::vector<RowCopyJob> jobs;
   for (size_t i = 0; i < victims.size(); ++i) {
     // Pieces of kCopyJobRows rows (1 MiB of 256-byte rows): enough of them for the backend to
     // spread even a single layer's compaction over its threads.
@@ -1371,7 +1442,53 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
   totals_.evicted += evicted_total;
   if (env.tokens_evicted != nullptr) *env.tokens_evicted += evicted_total;
   // The blocks were this sequence's, so a failure here is a bookkeeping bug.
-  KVS_RETURN_IF_ERROR(env.allocator.Free(to_free));
+  return env.allocator.Free(to_free);
+}
+
+absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const Policy& policy,
+                                                   Phase phase, absl::Span<const int32_t> keep) {
+  Eviction eviction;
+  eviction.evicted.assign(layers_.size(), 0);
+  eviction.merged.assign(layers_.size(), 0);
+  eviction.evicted_positions.resize(layers_.size());
+  std::vector<int32_t> victims;  // layers that lose tokens
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (keep[l] < layers_[l].count) victims.push_back(static_cast<int32_t>(l));
+  }
+  if (victims.empty()) return eviction;
+
+  // 1. Choose (no mutation).
+  EvictChoice choice;
+  KVS_RETURN_IF_ERROR(ChooseKept(env, policy, phase, victims, keep, choice));
+  // retain_evicted: the rows leave for the host tier before anything changes here. A retained
+  // chunk is not part of a Checkpoint, so from here on a failure is not rolled back.
+  if (retain_evicted_) {
+    // A failed RetainEvicted keeps nothing (its chunk is pinned last), so the step still rolls back.
+    KVS_RETURN_IF_ERROR(RetainEvicted(env, victims, keep, choice.kept, choice.scores));
+    rows_moved_ = true;
+  }
+
+  // 2. Plan the compaction (blocks nobody keeps leave the table, then hole filling; no
+  // mutation), and note what each head evicts.
+  std::vector<CompactionPlan> plans;
+  KVS_RETURN_IF_ERROR(PlanEvictions(victims, keep, choice.kept, plans, eviction));
+
+  // 3. Merge evicted rows into kept ones (D2O) while every row is still in place. From here on
+  // arena rows change: a failure can no longer be rolled back (gpu/backend.h errors only).
+  rows_moved_ = true;
+  std::vector<int32_t> merged(choice.selections.size(), 0);
+  if (!choice.selections.empty()) {
+    KVS_RETURN_IF_ERROR(
+        policy.Merge(env.backend, phase, choice.selections, absl::MakeSpan(merged)));
+  }
+  for (size_t i = 0; i < choice.selections.size(); ++i) {
+    eviction.merged[choice.selections[i].layer] = merged[i];
+    totals_.merged += merged[i];
+  }
+
+  // 4. Move rows, then publish the new tables, permute the policy state the same way and give
+  // the tail blocks back.
+  KVS_RETURN_IF_ERROR(ApplyCompaction(env, victims, keep, plans, eviction));
   return eviction;
 }
 

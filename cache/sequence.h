@@ -51,7 +51,8 @@
 
 namespace kvs {
 
-struct OmniKvState;  // cache/omnikv.h
+struct OmniKvState;     // cache/omnikv.h
+struct CompactionPlan;  // cache/compaction.h
 
 // Stores (data non-null) or drops (null) a sequence's pinned host-tier entry; the sequence gives
 // the key's sequence_id, the caller completes the key with tenant and session.
@@ -191,6 +192,10 @@ class Sequence {
     int32_t count = 0;
     std::vector<std::vector<int32_t>> positions;  // [H][count], slot order; empty until used
     int64_t appended = 0;                         // tokens ever committed to this layer
+    // Above every position ever committed to this layer: a layer's new positions must start
+    // here, whatever other layers hold (a cascading prefill commits the prompt's positions
+    // layer by layer).
+    int64_t next_position = 0;
   };
   struct Pending {
     uint64_t id = 0;
@@ -223,6 +228,21 @@ class Sequence {
     bool any() const { return tokens > 0 || !per_layer.empty(); }
   };
 
+  // Reserve's steps. The positions of a reservation of `num_tokens` in `targets` (given ones
+  // checked against each target layer's own positions, or the sequence's next ones).
+  absl::StatusOr<std::vector<int32_t>> ReservePositions(int32_t num_tokens,
+                                                        absl::Span<const int32_t> positions,
+                                                        absl::Span<const int32_t> targets) const;
+  // New blocks the reservation takes once every target layer holds keep[layer] tokens;
+  // RESOURCE_EXHAUSTED when the arena cannot give them (counting what eviction frees).
+  absl::StatusOr<int64_t> ReserveBlocksNeeded(const SequenceEnv& env,
+                                              absl::Span<const int32_t> targets,
+                                              absl::Span<const int32_t> keep,
+                                              int32_t num_tokens) const;
+  // Takes `needed` blocks and appends them to the target layers' tables; fills
+  // reservation.layers.
+  absl::Status PlaceReservation(const SequenceEnv& env, absl::Span<const int32_t> targets,
+                                int32_t num_tokens, int64_t needed, Reservation& reservation);
   // Validates `input` against per-layer `counts` (as they will be when it is observed) and the
   // sequence's next position then; INVALID_ARGUMENT naming the attention.* field.
   absl::StatusOr<StepAttention> ValidateAttention(const AttentionInput& input,
@@ -256,6 +276,11 @@ class Sequence {
   // Observes `attention` on `states` (one per layer of the model).
   absl::Status Observe(const SequenceEnv& env, const Policy& policy, Phase phase,
                        const StepAttention& attention, absl::Span<LayerPolicyState> states) const;
+  // Observe of the listed layers attention.layers[chunk[k]] (each holding tokens): their
+  // probabilities (the trailing `rows` queries), then the policy's Observe over them.
+  absl::Status ObserveChunk(const SequenceEnv& env, const Policy& policy, Phase phase,
+                            const StepAttention& attention, absl::Span<const size_t> chunk,
+                            int32_t rows, absl::Span<LayerPolicyState> states) const;
   // Observe -> allocate -> Select -> Merge -> compact on the real state. `budget` without
   // tokens only observes.
   absl::StatusOr<Eviction> RunStep(const SequenceEnv& env, const Policy& policy, Phase phase,
@@ -266,6 +291,27 @@ class Sequence {
   // entry per layer.
   absl::StatusOr<Eviction> Evict(const SequenceEnv& env, const Policy& policy, Phase phase,
                                  absl::Span<const int32_t> keep);
+  // Evict's steps. 1: the kept slots of every victim layer ([H][keep] each): newest positions
+  // in windowed layers, the policy's Select in the others (no mutation).
+  struct EvictChoice {
+    std::vector<std::vector<int32_t>> flat_positions;  // per victim, [H * count]
+    std::vector<std::vector<int32_t>> kept;            // per victim, [H][keep] slots
+    std::vector<std::vector<float>> scores;            // retain_evicted only, [H][count]
+    std::vector<LayerSelection> selections;            // the policy's layers, into the above
+  };
+  absl::Status ChooseKept(const SequenceEnv& env, const Policy& policy, Phase phase,
+                          absl::Span<const int32_t> victims, absl::Span<const int32_t> keep,
+                          EvictChoice& choice);
+  // 2: the compaction plan of every victim, and the lowest position each head evicts (no
+  // mutation).
+  absl::Status PlanEvictions(absl::Span<const int32_t> victims, absl::Span<const int32_t> keep,
+                             absl::Span<const std::vector<int32_t>> kept,
+                             std::vector<CompactionPlan>& plans, Eviction& eviction) const;
+  // 4: moves the rows, publishes the new tables and positions, compacts the policy state the
+  // same way and frees the blocks past the new ends.
+  absl::Status ApplyCompaction(const SequenceEnv& env, absl::Span<const int32_t> victims,
+                               absl::Span<const int32_t> keep, std::vector<CompactionPlan>& plans,
+                               Eviction& eviction);
   // Clears the transient step scores of every layer.
   void ClearStepScores();
   // The keys of layer `l` as a backend view.
@@ -302,7 +348,11 @@ class Sequence {
                                                  const StepBudget& budget, bool return_positions);
   absl::StatusOr<DecodeResult> DecodeChecked(const SequenceEnv& env, const DecodeItem& item,
                                              uint64_t reservation_id);
+  // The sequence's budget: its token budget, else (none given) the policy's budget_fraction of
+  // the prompt, FloorFraction(fraction, P) tokens per layer (at least 1) with P the longest
+  // layer's count, fixed at the first allocation that freezes the layers' budgets (D2O).
   StepBudget SequenceBudget() const;
+  int32_t FractionBudget(float fraction) const;
   // LayerLayoutView::budget of layer `l`: its explicit budget, its frozen allocation, its last
   // non-uniform allocation, or the sequence budget.
   int32_t LayerBudget(int32_t l) const;

@@ -58,6 +58,7 @@ enum LayerTag : uint32_t {
   kTagPositions = 3,  // repeated, one per kv head
   kTagAllocated = 4,
   kTagState = 5,      // the policy unit's state encoding
+  kTagLayerNextPosition = 6,  // absent in snapshots written before layers tracked their own
 };
 
 class Reader {
@@ -283,6 +284,7 @@ std::string EncodeSnapshot(const SequenceSnapshot& s) {
     out.I64(kTagAppended, layer.appended);
     for (const std::vector<int32_t>& head : layer.positions) out.I32s(kTagPositions, head);
     out.I32(kTagAllocated, layer.allocated);
+    if (layer.next_position >= 0) out.I64(kTagLayerNextPosition, layer.next_position);
     FieldWriter state;
     encode_state(layer.state, state);
     out.Bytes(kTagState, state.bytes());
@@ -353,7 +355,8 @@ absl::StatusOr<SequenceSnapshot> DecodeSnapshotV2(std::string_view bytes) {
     FieldReader in, state;
     std::string state_bytes;
     if (!(in.Parse(layers[l]) && in.I32(kTagCount, &layer.count) &&
-          in.I64(kTagAppended, &layer.appended) && in.I32(kTagAllocated, &layer.allocated))) {
+          in.I64(kTagAppended, &layer.appended) && in.I32(kTagAllocated, &layer.allocated) &&
+          in.I64(kTagLayerNextPosition, &layer.next_position))) {
       return Malformed(absl::StrCat("truncated layer ", l));
     }
     const std::vector<std::string_view> heads = in.All(kTagPositions);
@@ -429,6 +432,7 @@ absl::StatusOr<SpilledSequence> Sequence::Spill(const SequenceEnv& env) const {
     layer.appended = layers_[l].appended;
     layer.positions = layers_[l].positions;
     layer.allocated = allocated_[l];
+    layer.next_position = layers_[l].next_position;
     layer.state = states_[l];
     layer.state.step_scores.clear();
     layer.state.step_protected_recent = 0;
@@ -521,6 +525,7 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Restore(const SequenceEnv& e
     next += n;
     to.count = from.count;
     to.appended = from.appended;
+    to.next_position = from.next_position >= 0 ? from.next_position : snapshot.next_position;
     to.positions = std::move(from.positions);
     for (int64_t b = 0; b < n; ++b) {
       absl::Status status = env.arena.Write(static_cast<uint64_t>(to.blocks[b]) * block_bytes,

@@ -37,6 +37,9 @@ struct SequenceSnapshot {
     std::vector<std::vector<int32_t>> positions;  // [H][count] or empty (never used)
     int32_t allocated = 0;
     LayerPolicyState state;  // the transient step fields are always empty between calls
+    // Above every position committed to this layer; -1 = not recorded (a snapshot written before
+    // layers tracked their own): the sequence's next_position then stands for it.
+    int64_t next_position = -1;
   };
   std::string id;
   ModelLayout layout;

@@ -216,125 +216,172 @@ absl::Status CaotePolicy::Score(Backend& backend, Phase phase,
   return absl::OkStatus();
 }
 
+namespace {
+
+// One greedy CAOTE pass over a layer (caote.md greedy extension): every step renormalises alpha
+// over the tokens left, scores them and evicts the lowest of each head.
+struct GreedyPass {
+  int32_t heads = 0;
+  int32_t n = 0;      // tokens of the layer
+  int32_t rows = 0;   // query heads (or kv heads after the GQA mean)
+  int32_t group = 0;  // rows per kv head
+  bool fast = false;
+  float eps = 0.0f;
+  const std::vector<float>* alpha = nullptr;
+  const std::vector<uint8_t>* infinite = nullptr;
+  std::vector<uint8_t> forced;     // protected slots, never evicted
+  std::vector<uint8_t> remaining;  // per (head, slot)
+  std::vector<int32_t> evicted_at;
+  std::vector<int32_t> left;  // |R| per head
+  std::vector<float> renormalised, job_alpha, row_scores, combined;
+};
+
+// alpha over the tokens left: alpha_i / (1 - sum of the evicted alphas), per row.
+void Renormalise(GreedyPass& p) {
+  const std::vector<float>& alpha = *p.alpha;
+  const std::vector<uint8_t>& infinite = *p.infinite;
+  for (int32_t r = 0; r < p.rows; ++r) {
+    const int32_t h = r / p.group;
+    const int64_t base = int64_t{r} * p.n;
+    const uint8_t* in = p.remaining.data() + int64_t{h} * p.n;
+    double sum = 0.0;
+    int32_t finite = 0;
+    for (int32_t s = 0; s < p.n; ++s) {
+      if (in[s] != 0 && infinite[base + s] == 0) {
+        sum += alpha[base + s];
+        ++finite;
+      }
+    }
+    for (int32_t s = 0; s < p.n; ++s) {
+      float a = 0.0f;
+      if (in[s] != 0 && infinite[base + s] == 0) {
+        a = sum > 0.0 ? static_cast<float>(alpha[base + s] / sum)
+                      : static_cast<float>(1.0 / finite);
+      }
+      p.renormalised[base + s] = a;
+      // Fast: uniform weights over the tokens left make the backend's exact X their plain
+      // mean, and its score (1/|R|)/(1 - 1/|R|) * ||mean - v|| gives the distance back.
+      p.job_alpha[base + s] =
+          p.fast ? (in[s] != 0 ? 1.0f / static_cast<float>(p.left[h]) : 0.0f) : a;
+    }
+  }
+}
+
+// The backend's row scores turned into the step's: 0 for evicted tokens, inf for the infinite
+// ones, and the fast variant's distance scaled back to a score.
+void FinishRowScores(GreedyPass& p) {
+  const std::vector<uint8_t>& infinite = *p.infinite;
+  for (int32_t r = 0; r < p.rows; ++r) {
+    const int32_t h = r / p.group;
+    const int64_t base = int64_t{r} * p.n;
+    for (int32_t s = 0; s < p.n; ++s) {
+      float& c = p.row_scores[base + s];
+      if (p.remaining[int64_t{h} * p.n + s] == 0) {
+        c = 0.0f;
+        continue;
+      }
+      if (infinite[base + s] != 0) {
+        c = kInf;
+        continue;
+      }
+      if (p.fast) {
+        const float a = p.renormalised[base + s];
+        const double distance = p.left[h] > 1 ? double{c} * (p.left[h] - 1) : 0.0;
+        if (a == 0.0f) {
+          c = 0.0f;
+        } else if (1.0f - a <= p.eps) {
+          c = kInf;
+        } else {
+          c = static_cast<float>(a / (1.0 - a) * distance);
+        }
+      }
+    }
+  }
+}
+
+// Evicts the lowest-scored unprotected token of every head at `step`.
+absl::Status EvictLowest(GreedyPass& p, const LayerSelection& layer, int32_t step) {
+  for (int32_t h = 0; h < p.heads; ++h) {
+    const int64_t base = int64_t{h} * p.n;
+    const int32_t* pos = layer.positions.data() + base;
+    int32_t victim = -1;
+    for (int32_t s = 0; s < p.n; ++s) {
+      if (p.remaining[base + s] == 0 || p.forced[base + s] != 0) continue;
+      // The lowest score goes; on a tie the higher position goes (the lower one is kept).
+      if (victim < 0 || p.combined[base + s] < p.combined[base + victim] ||
+          (p.combined[base + s] == p.combined[base + victim] && pos[s] > pos[victim])) {
+        victim = s;
+      }
+    }
+    if (victim < 0) {
+      return absl::InternalError(absl::StrCat("policy caote: nothing left to evict greedily in ",
+                                              "layer ", layer.layer, " head ", h));
+    }
+    p.remaining[base + victim] = 0;
+    p.evicted_at[base + victim] = step;
+    --p.left[h];
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CaotePolicy::GreedyScores(Backend& backend, Phase phase, const LayerSelection& layer,
                                        const std::vector<float>& alpha, int32_t rows,
                                        const std::vector<uint8_t>& infinite, float* scores) const {
   const CaoteConfig& caote = config().caote;
-  const bool fast = caote.variant == CaoteVariant::kFast;
-  const int32_t heads = layer.keys.num_kv_heads;
-  const int32_t n = layer.keys.count;
-  const int32_t group = rows / heads;
-  const int32_t evictions = n - layer.keep;
-  const int64_t size = int64_t{heads} * n;
+  GreedyPass p;
+  p.fast = caote.variant == CaoteVariant::kFast;
+  p.eps = caote.eps;
+  p.heads = layer.keys.num_kv_heads;
+  p.n = layer.keys.count;
+  p.rows = rows;
+  p.group = rows / p.heads;
+  p.alpha = &alpha;
+  p.infinite = &infinite;
+  const int32_t evictions = p.n - layer.keep;
+  const int64_t size = int64_t{p.heads} * p.n;
 
   // Protected slots are never evicted; they still carry weight in every renormalisation.
   const Protection protection = Protect(phase, layer);
-  std::vector<uint8_t> forced(static_cast<size_t>(size));
+  p.forced.assign(static_cast<size_t>(size), 0);
   std::vector<int32_t> scratch;
   std::vector<uint64_t> bitmap;
-  for (int32_t h = 0; h < heads; ++h) {
-    MarkSinksAndRecent(layer.positions.data() + int64_t{h} * n, n, protection.sinks,
-                       protection.recent, scratch, bitmap, forced.data() + int64_t{h} * n);
+  for (int32_t h = 0; h < p.heads; ++h) {
+    MarkSinksAndRecent(layer.positions.data() + int64_t{h} * p.n, p.n, protection.sinks,
+                       protection.recent, scratch, bitmap, p.forced.data() + int64_t{h} * p.n);
   }
-
-  std::vector<uint8_t> remaining(static_cast<size_t>(size), 1);
-  std::vector<int32_t> evicted_at(static_cast<size_t>(size), -1);
-  std::vector<int32_t> left(heads, n);  // |R| per head
-  std::vector<float> renormalised(alpha.size());
-  std::vector<float> job_alpha(alpha.size());
-  std::vector<float> row_scores(alpha.size());
-  std::vector<float> combined(static_cast<size_t>(size));
+  p.remaining.assign(static_cast<size_t>(size), 1);
+  p.evicted_at.assign(static_cast<size_t>(size), -1);
+  p.left.assign(p.heads, p.n);
+  p.renormalised.resize(alpha.size());
+  p.job_alpha.resize(alpha.size());
+  p.row_scores.resize(alpha.size());
+  p.combined.resize(static_cast<size_t>(size));
   for (int32_t step = 0;; ++step) {
-    // alpha over the tokens left: alpha_i / (1 - sum of the evicted alphas), per row.
-    for (int32_t r = 0; r < rows; ++r) {
-      const int32_t h = r / group;
-      const int64_t base = int64_t{r} * n;
-      const uint8_t* in = remaining.data() + int64_t{h} * n;
-      double sum = 0.0;
-      int32_t finite = 0;
-      for (int32_t s = 0; s < n; ++s) {
-        if (in[s] != 0 && infinite[base + s] == 0) {
-          sum += alpha[base + s];
-          ++finite;
-        }
-      }
-      for (int32_t s = 0; s < n; ++s) {
-        float a = 0.0f;
-        if (in[s] != 0 && infinite[base + s] == 0) {
-          a = sum > 0.0 ? static_cast<float>(alpha[base + s] / sum)
-                        : static_cast<float>(1.0 / finite);
-        }
-        renormalised[base + s] = a;
-        // Fast: uniform weights over the tokens left make the backend's exact X their plain
-        // mean, and its score (1/|R|)/(1 - 1/|R|) * ||mean - v|| gives the distance back.
-        job_alpha[base + s] = fast ? (in[s] != 0 ? 1.0f / static_cast<float>(left[h]) : 0.0f) : a;
-      }
-    }
+    Renormalise(p);
     CaoteJob job;
     job.values = ValuesOf(layer.keys);
-    job.alpha = job_alpha.data();
+    job.alpha = p.job_alpha.data();
     job.rows = rows;
     job.fast = false;
     job.eps = caote.eps;
-    job.scores = row_scores.data();
+    job.scores = p.row_scores.data();
     KVS_RETURN_IF_ERROR(backend.CaoteScores({job}, nullptr));
     KVS_RETURN_IF_ERROR(backend.Synchronize(nullptr));
-    for (int32_t r = 0; r < rows; ++r) {
-      const int32_t h = r / group;
-      const int64_t base = int64_t{r} * n;
-      for (int32_t s = 0; s < n; ++s) {
-        float& c = row_scores[base + s];
-        if (remaining[int64_t{h} * n + s] == 0) {
-          c = 0.0f;
-          continue;
-        }
-        if (infinite[base + s] != 0) {
-          c = kInf;
-          continue;
-        }
-        if (fast) {
-          const float a = renormalised[base + s];
-          const double distance = left[h] > 1 ? double{c} * (left[h] - 1) : 0.0;
-          if (a == 0.0f) {
-            c = 0.0f;
-          } else if (1.0f - a <= caote.eps) {
-            c = kInf;
-          } else {
-            c = static_cast<float>(a / (1.0 - a) * distance);
-          }
-        }
-      }
-    }
-    if (group == 1) {
-      combined = row_scores;
+    FinishRowScores(p);
+    if (p.group == 1) {
+      p.combined = p.row_scores;
     } else {
-      CombineRss(row_scores.data(), heads, group, n, combined.data());
+      CombineRss(p.row_scores.data(), p.heads, p.group, p.n, p.combined.data());
     }
-    KVS_RETURN_IF_ERROR(CheckFinite(combined.data(), size, layer.layer));
+    KVS_RETURN_IF_ERROR(CheckFinite(p.combined.data(), size, layer.layer));
     if (step == evictions) break;
-    for (int32_t h = 0; h < heads; ++h) {
-      const int64_t base = int64_t{h} * n;
-      const int32_t* pos = layer.positions.data() + base;
-      int32_t victim = -1;
-      for (int32_t s = 0; s < n; ++s) {
-        if (remaining[base + s] == 0 || forced[base + s] != 0) continue;
-        // The lowest score goes; on a tie the higher position goes (the lower one is kept).
-        if (victim < 0 || combined[base + s] < combined[base + victim] ||
-            (combined[base + s] == combined[base + victim] && pos[s] > pos[victim])) {
-          victim = s;
-        }
-      }
-      if (victim < 0) {
-        return absl::InternalError(absl::StrCat("policy caote: nothing left to evict greedily in ",
-                                                "layer ", layer.layer, " head ", h));
-      }
-      remaining[base + victim] = 0;
-      evicted_at[base + victim] = step;
-      --left[h];
-    }
+    KVS_RETURN_IF_ERROR(EvictLowest(p, layer, step));
   }
   for (int64_t j = 0; j < size; ++j) {
-    scores[j] = evicted_at[j] >= 0 ? static_cast<float>(evicted_at[j] - evictions) : combined[j];
+    scores[j] =
+        p.evicted_at[j] >= 0 ? static_cast<float>(p.evicted_at[j] - evictions) : p.combined[j];
   }
   return absl::OkStatus();
 }

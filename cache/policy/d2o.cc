@@ -123,18 +123,61 @@ ScoredPolicy::Protection D2oPolicy::Protect(Phase, const LayerSelection& layer) 
   return Protection{split.sinks, split.recent};
 }
 
-absl::Status D2oPolicy::Merge(Backend& backend, Phase, absl::Span<const LayerSelection> layers,
-                              absl::Span<int32_t> merged) const {
-  if (merged.size() < layers.size()) {
-    return absl::InternalError(
-        absl::StrCat("merge counts for ", merged.size(), " of ", layers.size(), " layers"));
-  }
-  std::fill(merged.begin(), merged.end(), 0);
-  const D2oConfig& d2o = config().d2o;
-  thread_local MergeScratch scratch;
-  MergeScratch& x = scratch;
+namespace {
 
-  // 1. Kept / evicted slots of every (layer, head) that evicts into something.
+// Step 1 for one (layer, head): its kept positions and evicted slots (ascending position) into
+// the scratch. `i` indexes `layer` in the call's layers.
+absl::Status SplitHead(const LayerSelection& layer, size_t i, int32_t h, MergeScratch& x) {
+  const int32_t count = layer.keys.count;
+  HeadMerge head;
+  head.layer = i;
+  head.head = h;
+  const int32_t* positions = layer.positions.data() + int64_t{h} * count;
+  const int32_t* kept = layer.kept.data() + int64_t{h} * layer.keep;
+  head.kept = kept;
+  head.num_kept = layer.keep;
+  head.kept_begin = x.kept_positions.size();
+  head.evicted_begin = x.evicted.size();
+  // Select writes kept slots ascending: then they are in range and distinct when the ends
+  // are in range and every step rises, and the evicted slots are the gaps between them.
+  // Anything else takes the general path below.
+  x.kept_positions.resize(head.kept_begin + layer.keep);
+  int32_t* kept_positions = x.kept_positions.data() + head.kept_begin;
+  int ascending = kept[0] >= 0 && kept[layer.keep - 1] < count;
+  for (int32_t t = 1; t < layer.keep; ++t) ascending &= kept[t] > kept[t - 1];
+  if (ascending) {
+    for (int32_t t = 0; t < layer.keep; ++t) kept_positions[t] = positions[kept[t]];
+    int32_t next = 0;  // the first slot not yet accounted for
+    for (int32_t t = 0; t < layer.keep; ++t) {
+      for (int32_t s = next; s < kept[t]; ++s) x.evicted.push_back(s);
+      next = kept[t] + 1;
+    }
+    for (int32_t s = next; s < count; ++s) x.evicted.push_back(s);
+  } else {
+    x.is_kept.assign(count, 0);
+    for (int32_t t = 0; t < layer.keep; ++t) {
+      if (kept[t] < 0 || kept[t] >= count || x.is_kept[kept[t]] != 0) {
+        return absl::InternalError(absl::StrCat("layer ", layer.layer, " head ", h,
+                                                " keeps slot ", kept[t], " of ", count));
+      }
+      x.is_kept[kept[t]] = 1;
+      kept_positions[t] = positions[kept[t]];
+    }
+    for (int32_t s = 0; s < count; ++s) {
+      if (x.is_kept[s] == 0) x.evicted.push_back(s);
+    }
+  }
+  head.num_evicted = static_cast<int32_t>(x.evicted.size() - head.evicted_begin);
+  if (head.num_evicted > 1) {
+    std::sort(x.evicted.begin() + head.evicted_begin, x.evicted.end(),
+              [positions](int32_t a, int32_t b) { return positions[a] < positions[b]; });
+  }
+  x.work.push_back(head);
+  return absl::OkStatus();
+}
+
+// Step 1: kept / evicted slots of every (layer, head) that evicts into something.
+absl::Status CollectHeads(absl::Span<const LayerSelection> layers, MergeScratch& x) {
   x.work.clear();
   x.evicted.clear();
   x.kept_positions.clear();
@@ -150,60 +193,18 @@ absl::Status D2oPolicy::Merge(Backend& backend, Phase, absl::Span<const LayerSel
         layer.writable_arena == nullptr || layer.writable_arena != layer.keys.arena) {
       return absl::InternalError(absl::StrCat("malformed merge for layer ", layer.layer));
     }
-    for (int32_t h = 0; h < heads; ++h) {
-      HeadMerge head;
-      head.layer = i;
-      head.head = h;
-      const int32_t* positions = layer.positions.data() + int64_t{h} * count;
-      const int32_t* kept = layer.kept.data() + int64_t{h} * layer.keep;
-      head.kept = kept;
-      head.num_kept = layer.keep;
-      head.kept_begin = x.kept_positions.size();
-      head.evicted_begin = x.evicted.size();
-      // Select writes kept slots ascending: then they are in range and distinct when the ends
-      // are in range and every step rises, and the evicted slots are the gaps between them.
-      // Anything else takes the general path below.
-      x.kept_positions.resize(head.kept_begin + layer.keep);
-      int32_t* kept_positions = x.kept_positions.data() + head.kept_begin;
-      int ascending = kept[0] >= 0 && kept[layer.keep - 1] < count;
-      for (int32_t t = 1; t < layer.keep; ++t) ascending &= kept[t] > kept[t - 1];
-      if (ascending) {
-        for (int32_t t = 0; t < layer.keep; ++t) kept_positions[t] = positions[kept[t]];
-        int32_t next = 0;  // the first slot not yet accounted for
-        for (int32_t t = 0; t < layer.keep; ++t) {
-          for (int32_t s = next; s < kept[t]; ++s) x.evicted.push_back(s);
-          next = kept[t] + 1;
-        }
-        for (int32_t s = next; s < count; ++s) x.evicted.push_back(s);
-      } else {
-        x.is_kept.assign(count, 0);
-        for (int32_t t = 0; t < layer.keep; ++t) {
-          if (kept[t] < 0 || kept[t] >= count || x.is_kept[kept[t]] != 0) {
-            return absl::InternalError(absl::StrCat("layer ", layer.layer, " head ", h,
-                                                    " keeps slot ", kept[t], " of ", count));
-          }
-          x.is_kept[kept[t]] = 1;
-          kept_positions[t] = positions[kept[t]];
-        }
-        for (int32_t s = 0; s < count; ++s) {
-          if (x.is_kept[s] == 0) x.evicted.push_back(s);
-        }
-      }
-      head.num_evicted = static_cast<int32_t>(x.evicted.size() - head.evicted_begin);
-      if (head.num_evicted > 1) {
-        std::sort(x.evicted.begin() + head.evicted_begin, x.evicted.end(),
-                  [positions](int32_t a, int32_t b) { return positions[a] < positions[b]; });
-      }
-      x.work.push_back(head);
-    }
+    for (int32_t h = 0; h < heads; ++h) KVS_RETURN_IF_ERROR(SplitHead(layer, i, h, x));
   }
-  if (x.work.empty()) return absl::OkStatus();
+  return absl::OkStatus();
+}
+
+// Step 2: the nearest kept key of every evicted one, one batch for all layers.
+absl::Status FindNearest(Backend& backend, absl::Span<const LayerSelection> layers,
+                         MergeScratch& x) {
   const size_t evicted_total = x.evicted.size();
   x.similarity.assign(evicted_total, 0.0f);
   x.target.assign(evicted_total, 0);
   x.merge.assign(evicted_total, 0);
-
-  // 2. Nearest kept key of every evicted one, one batch for all layers.
   x.nearest.resize(x.work.size());
   for (size_t w = 0; w < x.work.size(); ++w) {
     const HeadMerge& head = x.work[w];
@@ -221,95 +222,136 @@ absl::Status D2oPolicy::Merge(Backend& backend, Phase, absl::Span<const LayerSel
     job.target = x.target.data() + head.evicted_begin;
   }
   KVS_RETURN_IF_ERROR(backend.NearestKeys(x.nearest, nullptr));
-  KVS_RETURN_IF_ERROR(backend.Synchronize(nullptr));
-  auto similarities = [&x](const HeadMerge& head) {
-    return absl::Span<const float>(x.similarity.data() + head.evicted_begin, head.num_evicted);
-  };
+  return backend.Synchronize(nullptr);
+}
 
-  // 3. Thresholds and merge decisions, per layer (work is grouped by layer, heads in order). The
-  // new taus go to scratch and into the states only once the merges are done.
-  const double beta = d2o.beta;
+absl::Span<const float> Similarities(const MergeScratch& x, const HeadMerge& head) {
+  return absl::Span<const float>(x.similarity.data() + head.evicted_begin, head.num_evicted);
+}
+
+// Step 3 with one tau per (layer, kv head), for the heads x.work[begin, end) of layer `i`.
+absl::Status DecidePerHead(const LayerSelection& layer, size_t i, size_t begin, size_t end,
+                           double beta, MergeScratch& x) {
+  const int32_t heads = layer.keys.num_kv_heads;
+  const std::vector<float>& previous = layer.state->threshold;
+  const size_t tau_begin = x.thresholds.size();
+  if (!previous.empty() && static_cast<int32_t>(previous.size()) != heads) {
+    return absl::InternalError(absl::StrCat("layer ", layer.layer, " holds ", previous.size(),
+                                            " merge thresholds for ", heads, " kv heads"));
+  }
+  if (previous.empty()) {
+    x.thresholds.resize(tau_begin + heads, 0.0f);
+  } else {
+    x.thresholds.insert(x.thresholds.end(), previous.begin(), previous.end());
+  }
+  float* tau = x.thresholds.data() + tau_begin;
+  int32_t observed = 0;
+  for (size_t w = begin; w < end; ++w) {
+    const HeadMerge& head = x.work[w];
+    double observation = 0.0;
+    if (!FiniteMean(Similarities(x, head), observation)) continue;  // tau unchanged
+    ++observed;
+    const double next =
+        previous.empty() ? observation : beta * observation + (1.0 - beta) * previous[head.head];
+    tau[head.head] = static_cast<float>(next);
+    for (int32_t e = 0; e < head.num_evicted; ++e) {
+      const float u = x.similarity[head.evicted_begin + e];
+      x.merge[head.evicted_begin + e] = std::isfinite(u) && u >= tau[head.head] ? 1 : 0;
+    }
+  }
+  // A first threshold is stored only when every head observed one (NaN keys aside).
+  if (previous.empty() && observed < heads) {
+    x.thresholds.resize(tau_begin);
+  } else {
+    x.threshold_size[i] = heads;
+  }
+  return absl::OkStatus();
+}
+
+// Step 3 with one tau per layer (the released code): the observation is the mean over heads of
+// each head's mean, and the r-th evicted token of every head follows the heads' mean u at r.
+absl::Status DecidePerLayer(const LayerSelection& layer, size_t i, size_t begin, size_t end,
+                            double beta, MergeScratch& x) {
+  const std::vector<float>& previous = layer.state->threshold;
+  if (!previous.empty() && previous.size() != 1) {
+    return absl::InternalError(absl::StrCat("layer ", layer.layer, " holds ", previous.size(),
+                                            " merge thresholds, expected 1"));
+  }
+  x.head_means.clear();
+  for (size_t w = begin; w < end; ++w) {
+    double mean = 0.0;
+    if (FiniteMean(Similarities(x, x.work[w]), mean)) {
+      x.head_means.push_back(static_cast<float>(mean));
+    }
+  }
+  double observation = 0.0;
+  if (!FiniteMean(x.head_means, observation)) return absl::OkStatus();  // no merge, tau unchanged
+  const float tau = static_cast<float>(
+      previous.empty() ? observation : beta * observation + (1.0 - beta) * previous[0]);
+  x.thresholds.push_back(tau);
+  x.threshold_size[i] = 1;
+  const int32_t evicted = x.work[begin].num_evicted;  // every head evicts as many
+  for (int32_t r = 0; r < evicted; ++r) {
+    x.column.clear();
+    for (size_t w = begin; w < end; ++w) {
+      x.column.push_back(x.similarity[x.work[w].evicted_begin + r]);
+    }
+    double mean_u = 0.0;
+    const bool merge = FiniteMean(x.column, mean_u) && static_cast<float>(mean_u) >= tau;
+    for (size_t w = begin; w < end; ++w) {
+      const size_t at = x.work[w].evicted_begin + r;
+      x.merge[at] = merge && std::isfinite(x.similarity[at]) ? 1 : 0;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Step 3: thresholds and merge decisions, per layer (work is grouped by layer, heads in order).
+// The new taus go to scratch and into the states only once the merges are done.
+absl::Status DecideMerges(const D2oConfig& d2o, absl::Span<const LayerSelection> layers,
+                          MergeScratch& x) {
   x.threshold_size.assign(layers.size(), -1);
   x.thresholds.clear();
   for (size_t begin = 0; begin < x.work.size();) {
     const size_t i = x.work[begin].layer;
     size_t end = begin;
     while (end < x.work.size() && x.work[end].layer == i) ++end;
-    const LayerSelection& layer = layers[i];
-    const int32_t heads = layer.keys.num_kv_heads;
-    const std::vector<float>& previous = layer.state->threshold;
-    const size_t tau_begin = x.thresholds.size();
     if (d2o.threshold_scope == D2oThresholdScope::kLayerHead) {
-      if (!previous.empty() && static_cast<int32_t>(previous.size()) != heads) {
-        return absl::InternalError(absl::StrCat("layer ", layer.layer, " holds ", previous.size(),
-                                                " merge thresholds for ", heads, " kv heads"));
-      }
-      if (previous.empty()) {
-        x.thresholds.resize(tau_begin + heads, 0.0f);
-      } else {
-        x.thresholds.insert(x.thresholds.end(), previous.begin(), previous.end());
-      }
-      float* tau = x.thresholds.data() + tau_begin;
-      int32_t observed = 0;
-      for (size_t w = begin; w < end; ++w) {
-        const HeadMerge& head = x.work[w];
-        double observation = 0.0;
-        if (!FiniteMean(similarities(head), observation)) continue;  // tau unchanged
-        ++observed;
-        const double next = previous.empty()
-                                ? observation
-                                : beta * observation + (1.0 - beta) * previous[head.head];
-        tau[head.head] = static_cast<float>(next);
-        for (int32_t e = 0; e < head.num_evicted; ++e) {
-          const float u = x.similarity[head.evicted_begin + e];
-          x.merge[head.evicted_begin + e] = std::isfinite(u) && u >= tau[head.head] ? 1 : 0;
-        }
-      }
-      // A first threshold is stored only when every head observed one (NaN keys aside).
-      if (previous.empty() && observed < heads) {
-        x.thresholds.resize(tau_begin);
-      } else {
-        x.threshold_size[i] = heads;
-      }
+      KVS_RETURN_IF_ERROR(DecidePerHead(layers[i], i, begin, end, d2o.beta, x));
     } else {
-      // One tau per layer (the released code): the observation is the mean over heads of each
-      // head's mean, and the r-th evicted token of every head follows the heads' mean u at r.
-      if (!previous.empty() && previous.size() != 1) {
-        return absl::InternalError(absl::StrCat("layer ", layer.layer, " holds ", previous.size(),
-                                                " merge thresholds, expected 1"));
-      }
-      x.head_means.clear();
-      for (size_t w = begin; w < end; ++w) {
-        double mean = 0.0;
-        if (FiniteMean(similarities(x.work[w]), mean)) {
-          x.head_means.push_back(static_cast<float>(mean));
-        }
-      }
-      double observation = 0.0;
-      if (FiniteMean(x.head_means, observation)) {  // else no merge, tau unchanged
-        const float tau = static_cast<float>(
-            previous.empty() ? observation : beta * observation + (1.0 - beta) * previous[0]);
-        x.thresholds.push_back(tau);
-        x.threshold_size[i] = 1;
-        const int32_t evicted = x.work[begin].num_evicted;  // every head evicts as many
-        for (int32_t r = 0; r < evicted; ++r) {
-          x.column.clear();
-          for (size_t w = begin; w < end; ++w) {
-            x.column.push_back(x.similarity[x.work[w].evicted_begin + r]);
-          }
-          double mean_u = 0.0;
-          const bool merge = FiniteMean(x.column, mean_u) && static_cast<float>(mean_u) >= tau;
-          for (size_t w = begin; w < end; ++w) {
-            const size_t at = x.work[w].evicted_begin + r;
-            x.merge[at] = merge && std::isfinite(x.similarity[at]) ? 1 : 0;
-          }
-        }
-      }
+      KVS_RETURN_IF_ERROR(DecidePerLayer(layers[i], i, begin, end, d2o.beta, x));
     }
     begin = end;
   }
+  return absl::OkStatus();
+}
 
-  // 4. Weighted merges: one job per (kept target, kv), the target its own first source.
+// The weights of one merge group, target first, in double (rounded once by the caller): both
+// schemes from the key similarities alone.
+void GroupWeights(D2oMergeWeighting weighting, const MergeScratch& x, const HeadMerge& head,
+                  size_t g, size_t members, std::vector<double>& w) {
+  auto similarity_of = [&](size_t m) {
+    return x.similarity[head.evicted_begin + x.entries[g + m].evicted];
+  };
+  w.assign(members + 1, 0.0);
+  if (weighting == D2oMergeWeighting::kPaper) {
+    const double self = std::exp(1.0);
+    double total = self;
+    for (size_t m = 0; m < members; ++m) {
+      w[m + 1] = std::exp(static_cast<double>(similarity_of(m)));
+      total += w[m + 1];
+    }
+    w[0] = self;
+    for (double& v : w) v /= total;
+  } else {
+    const double denominator = 1.0 + static_cast<double>(members);
+    w[0] = 1.0 / denominator;
+    for (size_t m = 0; m < members; ++m) w[m + 1] = similarity_of(m) / denominator;
+  }
+}
+
+// The merge entries of every evicted token that merges, grouped by (work, target).
+absl::Status CollectEntries(MergeScratch& x) {
   x.entries.clear();
   for (size_t w = 0; w < x.work.size(); ++w) {
     const HeadMerge& head = x.work[w];
@@ -324,6 +366,14 @@ absl::Status D2oPolicy::Merge(Backend& backend, Phase, absl::Span<const LayerSel
   }
   // Already in (work, evicted) order; sorting groups each target's tokens, in evicted order.
   std::sort(x.entries.begin(), x.entries.end());
+  return absl::OkStatus();
+}
+
+// Step 4: one weighted-merge job per (kept target, kv), the target its own first source;
+// merged[layer] counts the folded tokens.
+absl::Status BuildMergeJobs(D2oMergeWeighting weighting, absl::Span<const LayerSelection> layers,
+                            MergeScratch& x, absl::Span<int32_t> merged) {
+  KVS_RETURN_IF_ERROR(CollectEntries(x));
   x.offsets.clear();
   x.weights.clear();
   x.starts.clear();
@@ -337,26 +387,8 @@ absl::Status D2oPolicy::Merge(Backend& backend, Phase, absl::Span<const LayerSel
     const HeadMerge& head = x.work[x.entries[g].work];
     const PagedLayerView& view = layers[head.layer].keys;
     const size_t members = g_end - g;
-    auto similarity_of = [&](size_t m) {
-      return x.similarity[head.evicted_begin + x.entries[g + m].evicted];
-    };
-    // Weights in double, then rounded once: both schemes from the key similarities alone.
     std::vector<double>& w = x.weights_double;
-    w.assign(members + 1, 0.0);
-    if (d2o.merge_weighting == D2oMergeWeighting::kPaper) {
-      const double self = std::exp(1.0);
-      double total = self;
-      for (size_t m = 0; m < members; ++m) {
-        w[m + 1] = std::exp(static_cast<double>(similarity_of(m)));
-        total += w[m + 1];
-      }
-      w[0] = self;
-      for (double& v : w) v /= total;
-    } else {
-      const double denominator = 1.0 + static_cast<double>(members);
-      w[0] = 1.0 / denominator;
-      for (size_t m = 0; m < members; ++m) w[m + 1] = similarity_of(m) / denominator;
-    }
+    GroupWeights(weighting, x, head, g, members, w);
     const int32_t target_slot = head.kept[x.entries[g].target];
     for (int32_t kv = 0; kv < 2; ++kv) {
       RowMergeJob job;
@@ -383,6 +415,27 @@ absl::Status D2oPolicy::Merge(Backend& backend, Phase, absl::Span<const LayerSel
     x.jobs[j].src_offsets = x.offsets.data() + x.starts[j];
     x.jobs[j].weights = x.weights.data() + x.starts[j];
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status D2oPolicy::Merge(Backend& backend, Phase, absl::Span<const LayerSelection> layers,
+                              absl::Span<int32_t> merged) const {
+  if (merged.size() < layers.size()) {
+    return absl::InternalError(
+        absl::StrCat("merge counts for ", merged.size(), " of ", layers.size(), " layers"));
+  }
+  std::fill(merged.begin(), merged.end(), 0);
+  const D2oConfig& d2o = config().d2o;
+  thread_local MergeScratch scratch;
+  MergeScratch& x = scratch;
+
+  KVS_RETURN_IF_ERROR(CollectHeads(layers, x));
+  if (x.work.empty()) return absl::OkStatus();
+  KVS_RETURN_IF_ERROR(FindNearest(backend, layers, x));
+  KVS_RETURN_IF_ERROR(DecideMerges(d2o, layers, x));
+  KVS_RETURN_IF_ERROR(BuildMergeJobs(d2o.merge_weighting, layers, x, merged));
   if (!x.jobs.empty()) {
     absl::Status status = backend.MergeRows(x.jobs, nullptr);
     if (status.ok()) status = backend.Synchronize(nullptr);

@@ -38,6 +38,8 @@ class D2oPolicy final : public AttentionScoredPolicy {
 
   absl::Status Merge(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
                      absl::Span<int32_t> merged) const override;
+  // rho: the budget form of a sequence created without a token budget (d2o.md §3).
+  float budget_fraction() const override { return config().d2o.rho; }
 
   // The GQA mean of the layer's accumulated attention, [H][count] (returns H).
   absl::StatusOr<RawRows> RawScores(Backend& backend, Phase phase, const LayerSelection& layer,

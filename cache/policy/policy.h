@@ -157,6 +157,9 @@ class Policy {
   }
   // Tokens every layer keeps outside the allocated share (CAKE's window W; 0 for the others).
   virtual int32_t window_tokens() const { return 0; }
+  // The budget as a fraction of the prompt, for a sequence that has no token budget (D2O's rho;
+  // 0 = the policy has no such form). The sequence turns it into tokens per layer.
+  virtual float budget_fraction() const { return 0.0f; }
 
   // Step 1: the scorer's Observe, then the allocator's, for each layer that has attention.
   absl::Status Observe(Backend& backend, Phase phase, absl::Span<const LayerStep> layers) const;

@@ -530,5 +530,26 @@ TEST(SequenceSnapshotTest, LayerWindowsRoundTripAndOlderSnapshotsHaveNone) {
   }
 }
 
+// A layer's own next position (a cascading prefill commits layers one by one) survives the
+// snapshot; one written before layers tracked their own decodes as -1 (the sequence's stands in).
+TEST(SequenceSnapshotTest, LayerNextPositionsRoundTripAndOlderSnapshotsHaveNone) {
+  SequenceSnapshot snapshot;
+  snapshot.id = "s";
+  snapshot.layout = MakeLayout(2, 2, 8, DType::kFloat16, 16);
+  snapshot.next_position = 8;
+  snapshot.layers.resize(2);
+  const std::string without = EncodeSnapshot(snapshot);
+  snapshot.layers[0].next_position = 8;
+  snapshot.layers[1].next_position = 0;
+  absl::StatusOr<SequenceSnapshot> decoded = DecodeSnapshot(EncodeSnapshot(snapshot));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->layers[0].next_position, 8);
+  EXPECT_EQ(decoded->layers[1].next_position, 0);
+  decoded = DecodeSnapshot(without);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->layers[0].next_position, -1);
+  EXPECT_EQ(decoded->layers[1].next_position, -1);
+}
+
 }  // namespace
 }  // namespace kvs

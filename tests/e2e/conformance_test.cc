@@ -1108,6 +1108,64 @@ TEST_F(ConformanceCakeCascade, Tv3CascadeKernel5) {
   RunCascade(*session, 5);
 }
 
+// TV3 as a cascading prefill commits it: layer m's prompt (the real positions 0..7, the same
+// in every layer) is appended only when the cascade reaches it, then compressed with its window
+// attention. The final kept sets are TV1's, and a layer still refuses positions it already holds.
+TEST_F(ConformanceCakeCascade, Tv3CascadeCommittedLayerByLayer) {
+  auto session = Attach(3, 1, 1, 2);
+  ASSERT_NE(session, nullptr);
+  for (int kernel : {1, 5}) {
+    const std::string seq = absl::StrCat("cake-layer-by-layer-k", kernel);
+    SCOPED_TRACE(seq);
+    KVS_ASSERT_OK(Create(*session, seq, Cake(kernel), MakeBudget(4)));
+    for (int m = 0; m < 3; ++m) {
+      // [1 layer][2][H][8][D] of layer m.
+      std::string payload;
+      for (int kv = 0; kv < 2; ++kv) {
+        for (int head = 0; head < layout_.num_kv_heads(); ++head) {
+          for (int position : Range(0, 8)) {
+            for (int c = 0; c < layout_.head_dim(); ++c) {
+              PutFloat(payload, CakeKv()(m, kv, head, position, c));
+            }
+          }
+        }
+      }
+      kvsidecar::AppendSegment segment;
+      segment.sequence_id = seq;
+      segment.num_tokens = 8;
+      segment.positions = Range(0, 8);
+      segment.layers = {m};
+      segment.payload =
+          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()), payload.size());
+      auto appended = session->Append(segment);
+      ASSERT_TRUE(appended.ok()) << "layer " << m << ": " << appended.status();
+      auto layout = session->GetLayout(seq);
+      ASSERT_TRUE(layout.ok());
+      auto attention = ScoresAttention(layout_, *layout, {m}, true, 2, CakeProbs());
+      attention.add_query_positions(6);
+      attention.add_query_positions(7);
+      auto compressed = CompressWith(*session, seq, attention);
+      ASSERT_TRUE(compressed.ok()) << "stage " << m << ": " << compressed.status();
+    }
+    auto kept = Kept(*session, seq);
+    ASSERT_TRUE(kept.ok());
+    const auto sets = CakeTv1Kept(kernel);
+    for (int l = 0; l < 3; ++l) {
+      EXPECT_THAT((*kept)[l][0], ElementsAreArray(sets[l])) << "layer " << l;
+    }
+    ExpectRowsExact(*session, seq, CakeKv());
+    // Positions still increase within a layer: layer 0 holds 7 already.
+    auto again = session->Reserve(seq, 1, std::vector<int32_t>{7}, std::vector<int32_t>{0});
+    EXPECT_EQ(again.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(MessageOf(again.status()), ::testing::HasSubstr("already appended to layer 0"));
+    // Every layer holds 0..7: the next decode token continues at 8 in all of them.
+    auto layout = session->GetLayout(seq, {}, /*omit_positions=*/true);
+    ASSERT_TRUE(layout.ok());
+    EXPECT_EQ(layout->next_position(), 8);
+    EXPECT_TRUE(session->ReleaseSequence(seq).ok());
+  }
+}
+
 TEST_F(ConformanceCake, Tv1OneShot) {
   auto session = Attach(3, 1, 1, 2);
   ASSERT_NE(session, nullptr);

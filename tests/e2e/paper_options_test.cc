@@ -1,6 +1,7 @@
 // Every option of the papers can be sent through the real kvsidecar binary: a zero that the paper
 // means (no sinks, no recent share, no variance weight) is honoured rather than read as "use the
-// default", and a wrapper's base keeps its own parameters (CAOTE over TOVA with all_heads).
+// default", a wrapper's base keeps its own parameters (CAOTE over TOVA with all_heads), and D2O's
+// rho is a budget of its own.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -87,6 +88,74 @@ TEST_F(PaperOptionsE2eTest, CakeZeroGammaIsHonoured) {
   auto defaulted = session_->CreateSequence(unset, MakeBudget(8), "cake-default");
   ASSERT_TRUE(defaulted.ok()) << defaulted.status();
   EXPECT_EQ(defaulted->policy().cake().gamma(), 200.0f);
+}
+
+// The worker's attention probabilities [layers][Hq][1][count] for every layer of a sequence
+// that holds `count` tokens per layer: the same varied row in every layer and head, so D2O's
+// layer densities are equal and its split gives every layer the sequence budget.
+v1::AttentionInputs SameRowScores(const v1::ModelLayout& layout, int count) {
+  v1::AttentionInputs attention;
+  attention.set_num_queries(1);
+  attention.add_query_positions(count - 1);
+  std::string bytes;
+  for (int layer = 0; layer < layout.num_layers(); ++layer) {
+    for (int q = 0; q < layout.num_q_heads(); ++q) {
+      for (int p = 0; p < count; ++p) {
+        const float score = static_cast<float>((p * 7) % 5 + 1) / 100.0f;
+        bytes.append(reinterpret_cast<const char*>(&score), sizeof score);
+      }
+    }
+  }
+  attention.set_attention_scores(bytes);
+  return attention;
+}
+
+std::vector<int> CountsOf(kvsidecar::Session& session, const std::string& seq) {
+  std::vector<int> counts;
+  auto layout = session.GetLayout(seq, {}, /*omit_positions=*/true);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  if (!layout.ok()) return counts;
+  for (const auto& layer : layout->layers()) counts.push_back(layer.count());
+  return counts;
+}
+
+// D2O's rho is a budget: with no token budget a sequence keeps FloorFraction(rho, P) tokens per
+// layer before the layer split (8 of a 16-token prompt at rho = 0.5), fixed for decode. A token
+// budget, when given, wins over rho.
+TEST_F(PaperOptionsE2eTest, D2oRhoIsABudgetWhenNoTokenBudgetIsGiven) {
+  v1::PolicySpec policy;
+  policy.set_name("d2o");
+  policy.mutable_d2o()->set_rho(0.5f);
+  // No budget: the server default (unbounded here) leaves rho as the budget.
+  auto created = session_->CreateSequence(policy, std::nullopt, "rho");
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->policy().d2o().rho(), 0.5f);
+  ASSERT_TRUE(WriteTokens(*session_, "rho", 16, kSeed).ok());
+  v1::CompressRequest compress;
+  compress.set_sequence_id("rho");
+  *compress.mutable_attention() = SameRowScores(layout_, 16);
+  auto compressed = session_->Compress(compress);
+  ASSERT_TRUE(compressed.ok()) << compressed.status();
+  EXPECT_EQ(CountsOf(*session_, "rho"), (std::vector<int>{8, 8}));
+  auto layout = session_->GetLayout("rho", {}, /*omit_positions=*/true);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  for (const auto& layer : layout->layers()) EXPECT_EQ(layer.budget(), 8);
+  // The budget stays the prompt's: more tokens and another Compress come back to 8.
+  ASSERT_TRUE(WriteTokens(*session_, "rho", 4, kSeed).ok());
+  *compress.mutable_attention() = SameRowScores(layout_, 12);
+  compressed = session_->Compress(compress);
+  ASSERT_TRUE(compressed.ok()) << compressed.status();
+  EXPECT_EQ(CountsOf(*session_, "rho"), (std::vector<int>{8, 8}));
+
+  // rho and a token budget: the token budget (12) decides.
+  auto both = session_->CreateSequence(policy, MakeBudget(12), "rho-and-tokens");
+  ASSERT_TRUE(both.ok()) << both.status();
+  ASSERT_TRUE(WriteTokens(*session_, "rho-and-tokens", 16, kSeed).ok());
+  compress.set_sequence_id("rho-and-tokens");
+  *compress.mutable_attention() = SameRowScores(layout_, 16);
+  compressed = session_->Compress(compress);
+  ASSERT_TRUE(compressed.ok()) << compressed.status();
+  EXPECT_EQ(CountsOf(*session_, "rho-and-tokens"), (std::vector<int>{12, 12}));
 }
 
 // CAOTE over TOVA carries TOVA's own all_heads; it used to be unreachable (setting the TOVA
