@@ -485,25 +485,27 @@ absl::Status Sequence::CheckPendingFinite(const SequenceEnv& env) const {
   const int32_t heads = layout_.num_kv_heads;
   const int32_t tokens = pending.num_tokens;
   // One job per (layer, K or V), rows [head][token]: the backend reads the arena where it lives.
+  // The row offsets of every job in one buffer: a decode commit checks 2 x layers jobs of a few
+  // rows each, and one allocation per job was most of the check's bookkeeping.
   const size_t num_jobs = pending.layers.size() * 2;
-  std::vector<std::vector<uint64_t>> offsets(num_jobs);
+  const size_t rows_per_job = static_cast<size_t>(heads) * tokens;
+  std::vector<uint64_t> offsets(num_jobs * rows_per_job);
   std::vector<int64_t> first(num_jobs, -1);
   std::vector<FiniteCheckJob> jobs(num_jobs);
   for (size_t i = 0; i < pending.layers.size(); ++i) {
     const LayerState& state = layers_[pending.layers[i]];
     for (int kv = 0; kv < 2; ++kv) {
       const size_t j = i * 2 + kv;
-      offsets[j].reserve(static_cast<size_t>(heads) * tokens);
+      uint64_t* rows = offsets.data() + j * rows_per_job;
       for (int32_t h = 0; h < heads; ++h) {
         for (int32_t t = 0; t < tokens; ++t) {
-          offsets[j].push_back(
-              layout_.SlotRowOffset(state.blocks.data(), kv, h, int64_t{state.count} + t));
+          *rows++ = layout_.SlotRowOffset(state.blocks.data(), kv, h, int64_t{state.count} + t);
         }
       }
       FiniteCheckJob& job = jobs[j];
       job.arena = env.arena.data();
-      job.row_offsets = offsets[j].data();
-      job.count = static_cast<int64_t>(offsets[j].size());
+      job.row_offsets = offsets.data() + j * rows_per_job;
+      job.count = static_cast<int64_t>(rows_per_job);
       job.row_elements = layout_.head_dim;
       job.dtype = layout_.dtype;
       job.first_non_finite = &first[j];
@@ -994,6 +996,11 @@ absl::StatusOr<CommitResult> Sequence::Commit(const SequenceEnv& env, uint64_t r
 
   KVS_RETURN_IF_ERROR(CheckPendingFinite(env));
 
+  // Only a policy step can fail once the checks above passed; a commit without one (a plain
+  // decode token) needs no copy of the sequence's state to roll back to.
+  if (step_ptr == nullptr && !evict && windows_.empty()) {
+    return CommitChecked(env, step_ptr, budget, evict);
+  }
   Checkpoint checkpoint = TakeCheckpoint();
   absl::StatusOr<CommitResult> result = CommitChecked(env, step_ptr, budget, evict);
   if (!result.ok()) RollbackIfUnmoved(env, std::move(checkpoint));

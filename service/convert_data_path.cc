@@ -80,10 +80,6 @@ absl::Status ValidateAppendHeader(const v1::AppendHeader& header, const ModelLay
 absl::StatusOr<DecodeItem> DecodeItemFromProto(const v1::DecodeStepRequest::Item& item,
                                                const ModelLayout& layout,
                                                absl::string_view prefix) {
-  KVS_RETURN_IF_ERROR(
-      ValidateName(item.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
-  KVS_RETURN_IF_ERROR(
-      ValidateName(item.sequence_id(), absl::StrCat(prefix, "sequence_id"), /*required=*/true));
   DecodeItem out;
   out.session_id = item.session_id();
   out.sequence_id = item.sequence_id();

@@ -28,8 +28,9 @@ absl::Status ValidateCancelReservationRequest(const v1::CancelReservationRequest
 absl::Status ValidateAppendHeader(const v1::AppendHeader& header, const ModelLayout& layout,
                                   int32_t max_tokens_per_call,
                                   absl::string_view prefix = "header.");
-// One DecodeStep item (`prefix` e.g. "items[3]."): ids; attention (absent = none: num_queries 0,
-// no queries or scores), whose num_queries must be 1; reservation_id or inline_kv, not both;
+// One DecodeStep item (`prefix` e.g. "items[3]."), its ids already checked (ValidateSequenceIds,
+// before the session whose layout this needs was looked up): attention (absent = none: num_queries
+// 0, no queries or scores), whose num_queries must be 1; reservation_id or inline_kv, not both;
 // inline_kv exactly [L][2][H][1][D] in the session dtype.
 absl::StatusOr<DecodeItem> DecodeItemFromProto(const v1::DecodeStepRequest::Item& item,
                                                const ModelLayout& layout,

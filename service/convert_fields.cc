@@ -95,6 +95,13 @@ absl::Status ValidateName(absl::string_view value, absl::string_view field, bool
   return absl::OkStatus();
 }
 
+absl::Status ValidateSequenceIds(absl::string_view session_id, absl::string_view sequence_id,
+                                 absl::string_view prefix) {
+  KVS_RETURN_IF_ERROR(
+      ValidateName(session_id, absl::StrCat(prefix, "session_id"), /*required=*/true));
+  return ValidateName(sequence_id, absl::StrCat(prefix, "sequence_id"), /*required=*/true);
+}
+
 absl::Status ValidateNumTokens(int32_t num_tokens, int32_t max_tokens, absl::string_view field) {
   if (num_tokens < 1 || num_tokens > max_tokens) {
     return absl::InvalidArgumentError(

@@ -41,6 +41,11 @@ void LayoutToProto(const ModelLayout& layout, v1::ModelLayout* out);
 // ---- Field checks ----------------------------------------------------------------------------
 // Non-empty (if `required`), at most kMaxNameBytes, no control characters.
 absl::Status ValidateName(absl::string_view value, absl::string_view field, bool required);
+// session_id and sequence_id, both required (ValidateName), named with `prefix` ("items[2].").
+// A handler whose conversion needs the session's layout checks them with this before it looks
+// the session up; the conversion then does not check them again.
+absl::Status ValidateSequenceIds(absl::string_view session_id, absl::string_view sequence_id,
+                                 absl::string_view prefix = "");
 // num_tokens in [1, max_tokens].
 absl::Status ValidateNumTokens(int32_t num_tokens, int32_t max_tokens, absl::string_view field);
 // Empty, or num_tokens entries, each >= 0, strictly increasing. `field` e.g. "positions".

@@ -15,10 +15,6 @@ using convert_internal::Invalid;
 absl::StatusOr<CompressParams> CompressParamsFromProto(const v1::CompressRequest& request,
                                                        const ModelLayout& layout,
                                                        absl::string_view prefix) {
-  KVS_RETURN_IF_ERROR(
-      ValidateName(request.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
-  KVS_RETURN_IF_ERROR(
-      ValidateName(request.sequence_id(), absl::StrCat(prefix, "sequence_id"), /*required=*/true));
   if (request.budget_tokens() < 0 || request.budget_tokens() > kMaxBudgetTokens) {
     return Invalid(prefix, "budget_tokens",
                    absl::StrCat("must be in [0, ", kMaxBudgetTokens,
@@ -40,8 +36,6 @@ absl::StatusOr<CompressParams> CompressParamsFromProto(const v1::CompressRequest
 
 absl::StatusOr<ScoreParams> ScoreParamsFromProto(const v1::ScoreRequest& request,
                                                  const ModelLayout& layout) {
-  KVS_RETURN_IF_ERROR(ValidateName(request.session_id(), "session_id", /*required=*/true));
-  KVS_RETURN_IF_ERROR(ValidateName(request.sequence_id(), "sequence_id", /*required=*/true));
   if (request.budget_tokens() < 0 || request.budget_tokens() > kMaxBudgetTokens) {
     return absl::InvalidArgumentError(
         absl::StrCat("budget_tokens must be in [0, ", kMaxBudgetTokens,
@@ -85,10 +79,6 @@ void LayerScoresToProto(const LayerScores& scores, v1::ScoreResponse::LayerScore
 absl::StatusOr<SelectItem> SelectItemFromProto(const v1::SelectRequest::Item& item,
                                                const ModelLayout& layout,
                                                absl::string_view prefix) {
-  KVS_RETURN_IF_ERROR(
-      ValidateName(item.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
-  KVS_RETURN_IF_ERROR(
-      ValidateName(item.sequence_id(), absl::StrCat(prefix, "sequence_id"), /*required=*/true));
   SelectItem out;
   out.session_id = item.session_id();
   out.sequence_id = item.sequence_id();

@@ -94,6 +94,9 @@ grpc::ServerUnaryReactor* SidecarService::BatchReserve(grpc::CallbackServerConte
     const int n = request->requests_size();
     KVS_RETURN_IF_ERROR(CheckBatchSize(n));
     absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
+    // The layer count of each session that lists layers, looked up once per session (a decode
+    // batch names one session many times).
+    absl::flat_hash_map<std::string, int32_t> num_layers;
     for (int i = 0; i < n; ++i) {
       const v1::ReserveRequest& item = request->requests(i);
       KVS_RETURN_IF_ERROR(ValidateReserveRequest(item, pool_->options().max_tokens_per_call,
@@ -102,9 +105,13 @@ grpc::ServerUnaryReactor* SidecarService::BatchReserve(grpc::CallbackServerConte
       KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "),
                                      CheckSequenceExists(item.session_id(), item.sequence_id())));
       if (!item.layers().empty()) {
-        KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(item.session_id()));
-        KVS_RETURN_IF_ERROR(ValidateLayers(item.layers(), session.layout.num_layers,
-                                           absl::StrCat(Item(i), ".layers")));
+        auto known = num_layers.find(item.session_id());
+        if (known == num_layers.end()) {
+          KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(item.session_id()));
+          known = num_layers.emplace(item.session_id(), session.layout.num_layers).first;
+        }
+        KVS_RETURN_IF_ERROR(
+            ValidateLayers(item.layers(), known->second, absl::StrCat(Item(i), ".layers")));
       }
     }
     std::vector<Reservation> made;

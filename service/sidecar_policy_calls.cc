@@ -40,11 +40,11 @@ using service_internal::TooLarge;
 using service_internal::UniformSplit;
 
 absl::StatusOr<uint64_t> SidecarService::EstimateCompressResponseBytes(
-    const v1::CompressRequest& request, const CompressParams& params) const {
+    const v1::CompressRequest& request, const CompressParams& params,
+    const SessionView& session) const {
   KVS_ASSIGN_OR_RETURN(SequenceLayout counts,
                        pool_->GetLayout(request.session_id(), request.sequence_id(), {},
                                         /*with_positions=*/false));
-  KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request.session_id()));
   const uint64_t position_bytes = PositionBytes(counts);
   // Only a uniform split keeps at most the budget in every layer; other allocators (and
   // explicit per-layer budgets, and CAKE's window on top) may keep more in some layers, so
@@ -73,12 +73,12 @@ grpc::ServerUnaryReactor* SidecarService::Compress(grpc::CallbackServerContext* 
                                                    v1::CompressResponse* response) {
   return RunUnary(context, "Compress", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
-    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
-    KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
+    KVS_RETURN_IF_ERROR(ValidateSequenceIds(request->session_id(), request->sequence_id()));
     KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
     KVS_ASSIGN_OR_RETURN(CompressParams params, CompressParamsFromProto(*request, session.layout));
     if (request->return_positions()) {  // refuse before evicting anything
-      KVS_ASSIGN_OR_RETURN(uint64_t estimate, EstimateCompressResponseBytes(*request, params));
+      KVS_ASSIGN_OR_RETURN(uint64_t estimate,
+                           EstimateCompressResponseBytes(*request, params, session));
       if (estimate > static_cast<uint64_t>(kMaxMessageBytes)) {
         return TooLarge("the response", estimate, kMaxMessageBytes, kCompressAdvice);
       }
@@ -112,10 +112,7 @@ grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerCont
     for (int i = 0; i < n; ++i) {
       const v1::CompressRequest& item = request->requests(i);
       const std::string prefix = absl::StrCat(Item(i), ".");
-      KVS_RETURN_IF_ERROR(
-          ValidateName(item.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
-      KVS_RETURN_IF_ERROR(ValidateName(item.sequence_id(), absl::StrCat(prefix, "sequence_id"),
-                                       /*required=*/true));
+      KVS_RETURN_IF_ERROR(ValidateSequenceIds(item.session_id(), item.sequence_id(), prefix));
       absl::StatusOr<SessionView> session = pool_->GetSession(item.session_id());
       KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
       KVS_ASSIGN_OR_RETURN(CompressParams p,
@@ -128,7 +125,7 @@ grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerCont
             WithPrefix(absl::StrCat(Item(i), ": "), ResolvePolicyConfig(*p.policy).status()));
       }
       // Also answers NOT_FOUND for a missing session or sequence.
-      absl::StatusOr<uint64_t> item_bytes = EstimateCompressResponseBytes(item, p);
+      absl::StatusOr<uint64_t> item_bytes = EstimateCompressResponseBytes(item, p, *session);
       KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), item_bytes.status()));
       estimate += EmbeddedBytes(*item_bytes);
       if (estimate > static_cast<uint64_t>(kMaxMessageBytes)) {
@@ -168,8 +165,7 @@ grpc::ServerUnaryReactor* SidecarService::Score(grpc::CallbackServerContext* con
                                                 v1::ScoreResponse* response) {
   return RunUnary(context, "Score", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
-    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
-    KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
+    KVS_RETURN_IF_ERROR(ValidateSequenceIds(request->session_id(), request->sequence_id()));
     KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
     KVS_ASSIGN_OR_RETURN(ScoreParams params, ScoreParamsFromProto(*request, session.layout));
     // Refuse before scoring: the response holds scores and positions for every held slot.

@@ -196,9 +196,10 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   absl::StatusOr<std::string> FindOrphanCopy(const std::string& session_id,
                                              const std::string& sequence_id) const;
   // Upper bound of the CompressResponse bytes of `request` (positions if it asks for them), from
-  // the counts and budgets only.
+  // the counts and budgets only. `session`: the request's, as the handler looked it up.
   absl::StatusOr<uint64_t> EstimateCompressResponseBytes(
-      const ::kvsidecar::v1::CompressRequest& request, const CompressParams& params) const;
+      const ::kvsidecar::v1::CompressRequest& request, const CompressParams& params,
+      const SessionView& session) const;
 
   KvPool* const pool_;
   const std::string backend_name_;

@@ -67,8 +67,9 @@ absl::StatusOr<std::vector<Converted>> ItemsFromProto(
   for (int i = 0; i < n; ++i) {
     const Item& item = proto_items[i];
     const std::string prefix = absl::StrCat("items[", i, "].");
-    KVS_RETURN_IF_ERROR(
-        ValidateName(item.session_id(), absl::StrCat(prefix, "session_id"), /*required=*/true));
+    // Both ids before the lookup, so that a bad one is INVALID_ARGUMENT naming it; `convert`
+    // does not check them again.
+    KVS_RETURN_IF_ERROR(ValidateSequenceIds(item.session_id(), item.sequence_id(), prefix));
     auto it = layouts.find(item.session_id());
     if (it == layouts.end()) {
       absl::StatusOr<SessionView> session = pool.GetSession(item.session_id());

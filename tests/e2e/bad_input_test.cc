@@ -457,5 +457,25 @@ TEST_F(BadInputTest, DecodeSelectAndTierCallsNameTheBadField) {
   EXPECT_CODE(session_->Restore(restore).status(), kInvalidArgument, "sequence_id");
 }
 
+TEST_F(BadInputTest, BatchItemIdsAreCheckedBeforeTheirSessionIsLookedUp) {
+  // An item naming an unknown session and no sequence: the missing sequence_id is the request's
+  // error, INVALID_ARGUMENT naming it, found in the one validation pass before any lookup (a
+  // lookup first would answer NOT_FOUND for the session).
+  v1::DecodeStepRequest decode;
+  decode.add_items()->set_session_id("no-such-session");
+  decode.mutable_items(0)->set_reservation_id(1);
+  v1::DecodeStepResponse decoded;
+  grpc::ClientContext decode_context;
+  EXPECT_CODE(
+      kvsidecar::ToStatus(session_->stub()->DecodeStep(&decode_context, decode, &decoded)),
+      kInvalidArgument, "items[0].sequence_id must not be empty");
+  v1::SelectRequest select;
+  select.add_items()->set_session_id("no-such-session");
+  v1::SelectResponse selected;
+  grpc::ClientContext select_context;
+  EXPECT_CODE(kvsidecar::ToStatus(session_->stub()->Select(&select_context, select, &selected)),
+              kInvalidArgument, "items[0].sequence_id must not be empty");
+}
+
 }  // namespace
 }  // namespace kvs_e2e

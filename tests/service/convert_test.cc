@@ -1058,10 +1058,11 @@ TEST(ConvertRequestTest, DecodeItem) {
   *bad.mutable_attention() = QueryAttention(0, 2, v1::DTYPE_UNSPECIFIED, 2);
   EXPECT_STATUS(DecodeItemFromProto(bad, Layout(), "items[1].").status(), kInvalidArgument,
                 "items[1].attention.num_queries must be 1");
-  bad = item;
-  bad.set_sequence_id("");
-  EXPECT_STATUS(DecodeItemFromProto(bad, Layout(), "items[3].").status(), kInvalidArgument,
+  // The ids are checked before the session is looked up (ValidateSequenceIds), not here.
+  EXPECT_STATUS(ValidateSequenceIds("s", "", "items[3]."), kInvalidArgument,
                 "items[3].sequence_id must not be empty");
+  EXPECT_STATUS(ValidateSequenceIds("", "q", "items[3]."), kInvalidArgument,
+                "items[3].session_id must not be empty");
   bad = item;
   bad.clear_inline_kv();
   bad.set_reservation_id(9);
