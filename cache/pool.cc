@@ -1080,43 +1080,84 @@ absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const De
 }
 
 absl::StatusOr<std::vector<SelectResult>> KvPool::Select(absl::Span<const SelectItem> items) {
-  std::vector<std::shared_ptr<Session>> sessions(items.size());
+  // Sessions of the call, each once, locked together in id order (as DecodeStep) so that every
+  // item is checked against exactly the state it then runs on.
+  std::vector<std::shared_ptr<Session>> sessions;
+  std::vector<size_t> session_of(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     absl::StatusOr<std::shared_ptr<Session>> session = FindSession(items[i].session_id);
     if (!session.ok()) {
       return absl::Status(session.status().code(),
                           absl::StrCat("items[", i, "]: ", session.status().message()));
     }
-    sessions[i] = *std::move(session);
+    auto it = std::find(sessions.begin(), sessions.end(), *session);
+    session_of[i] = static_cast<size_t>(it - sessions.begin());
+    if (it == sessions.end()) sessions.push_back(*std::move(session));
   }
-  // Validation first: a bad item changes nothing.
-  for (size_t i = 0; i < items.size(); ++i) {
-    absl::Status checked =
-        WithSequence(*sessions[i], items[i].sequence_id, *backend_, *clock_, options_, nullptr,
-                     nullptr, [&](Sequence& sequence, const SequenceEnv& env, Session&) {
-                       return sequence.CheckSelect(env, items[i]);
-                     });
-    if (!checked.ok()) {
-      return absl::Status(checked.code(), absl::StrCat("items[", i, "]: ", checked.message()));
+  std::vector<size_t> lock_order(sessions.size());
+  for (size_t k = 0; k < lock_order.size(); ++k) lock_order[k] = k;
+  std::sort(lock_order.begin(), lock_order.end(),
+            [&](size_t a, size_t b) { return sessions[a]->id < sessions[b]->id; });
+  for (size_t k : lock_order) sessions[k]->mu.Lock();
+  auto unlock_all = [&] {
+    for (auto it = lock_order.rbegin(); it != lock_order.rend(); ++it) {
+      Session& session = *sessions[*it];
+      session.mu.AssertHeld();
+      session.free_blocks_hint = session.allocator.free_blocks();
+      session.mu.Unlock();
     }
+  };
+  std::vector<SequenceEnv> envs;
+  envs.reserve(sessions.size());
+  for (const std::shared_ptr<Session>& session : sessions) {
+    session->mu.AssertHeld();
+    envs.push_back(SequenceEnv{session->layout, *session->arena, session->allocator, *backend_,
+                               session->id, options_.max_tokens_per_call, &tokens_appended_,
+                               &tokens_evicted_, &session->host_pin});
   }
-  std::vector<SelectResult> results;
-  results.reserve(items.size());
+
+  // 1. Validation first: a bad item changes nothing.
+  std::vector<SelectTask> tasks(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    Session& session = *sessions[i];
-    absl::StatusOr<SelectResult> result =
-        WithSequence(session, items[i].sequence_id, *backend_, *clock_, options_, &tokens_appended_,
-                     &tokens_evicted_,
-                     [&](Sequence& sequence, const SequenceEnv& env, Session& s)
-                         ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) -> absl::StatusOr<SelectResult> {
-                           return sequence.Select(env, items[i], s.host_pin);
-                         });
-    if (!result.ok()) {
-      return absl::Status(result.status().code(),
-                          absl::StrCat("items[", i, "]: ", result.status().message()));
+    Session& session = *sessions[session_of[i]];
+    session.mu.AssertHeld();
+    const std::string_view id = items[i].sequence_id;
+    absl::Status status;
+    if (!session.dead && !session.sequences.contains(Sv(id)) && session.spilled.contains(Sv(id))) {
+      status = RestoreSpilledLocked(session, id, *backend_, options_);
     }
-    results.push_back(*std::move(result));
+    if (!status.ok()) {
+      // The spilled sequence could not be restored: its error, below.
+    } else if (session.dead) {
+      status = SessionGone(session.id);
+    } else if (auto it = session.sequences.find(Sv(id)); it == session.sequences.end()) {
+      status = absl::NotFoundError(
+          absl::StrCat("sequence ", Sv(id), " not found in session ", session.id));
+    } else {
+      tasks[i].sequence = it->second.get();
+      for (size_t j = 0; j < i && status.ok(); ++j) {
+        if (tasks[j].sequence == tasks[i].sequence) {
+          status = absl::InvalidArgumentError(
+              absl::StrCat("sequence ", Sv(id), " is already selected by items[", j, "]"));
+        }
+      }
+      if (status.ok()) status = tasks[i].sequence->CheckSelect(envs[session_of[i]], items[i]);
+    }
+    if (!status.ok()) {
+      unlock_all();
+      return absl::Status(status.code(), absl::StrCat("items[", i, "]: ", status.message()));
+    }
+    tasks[i].env = &envs[session_of[i]];
+    tasks[i].item = &items[i];
+    tasks[i].pin = &session.host_pin;
   }
+
+  // 2. Run them side by side (RunSelects): the results are those of running them in order.
+  const absl::Time now = clock_->Now();
+  for (SelectTask& task : tasks) task.sequence->Touch(now);
+  absl::StatusOr<std::vector<SelectResult>> results =
+      RunSelects(absl::MakeSpan(tasks), *decode_pool_);
+  unlock_all();
   return results;
 }
 

@@ -357,6 +357,26 @@ TEST(OmniKvSelect, FullArenaForStagingIsResourceExhausted) {
               StatusIs(absl::StatusCode::kResourceExhausted, "staging"));
 }
 
+// The items of one call run side by side, so a sequence may appear once: a second item for it
+// is refused before anything changes (the first Select would have offloaded the prompt).
+TEST(OmniKvSelect, SameSequenceTwiceInOneCallIsRefusedAndChangesNothing) {
+  Fixture f;
+  const std::string seq = f.Sequence(OmniKv(4, true), "s");
+  SelectItem item;
+  item.session_id = f.session;
+  item.sequence_id = seq;
+  item.step_id = 1;
+  item.attention = FilterQueries({1});
+  item.prompt_tokens = kPrompt;
+  const std::vector<SelectItem> items = {item, item};
+  EXPECT_THAT(f.pool.pool.Select(items).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "items[1]: sequence s is already selected by items[0]"));
+  absl::StatusOr<SequenceLayout> layout = f.pool.pool.GetLayout(f.session, seq, {}, false);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  for (const LayerLayoutView& layer : layout->layers) EXPECT_EQ(layer.count, kTokens);
+}
+
 TEST(OmniKvSelect, BadInputIsRefusedNamingTheField) {
   Fixture f;
   const std::string seq = f.Sequence(OmniKv(4, true), "s");
