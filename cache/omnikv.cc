@@ -154,7 +154,8 @@ absl::Status OmniKvKind::Begin(Sequence& sequence, SelectTask& task) {
   state->host_tokens.assign(layout.num_layers, 0);
   if (config_.offload) {
     KVS_RETURN_IF_ERROR(OffloadPrompt(sequence, *task.env, *task.pin, *state));
-    KVS_RETURN_IF_ERROR(DropOffloadedRows(sequence, *task.env, *task.pin, *state));
+    KVS_RETURN_IF_ERROR(
+        DropOffloadedRows(sequence, *task.env, *task.pin, *state, task.released));
     ++sequence.version_;
   }
   state_ = std::move(state);
@@ -213,8 +214,9 @@ absl::Status OmniKvKind::OffloadPrompt(Sequence& sequence, const SequenceEnv& en
 }
 
 absl::Status OmniKvKind::DropOffloadedRows(Sequence& sequence, const SequenceEnv& env,
-                                           const HostPin& pin, OmniKvState& state) const {
-  // Each sparse layer keeps only its generated tokens, slid to the front; freed blocks return.
+                                           const HostPin& pin, OmniKvState& state,
+                                           std::vector<int32_t>& released) const {
+  // Each sparse layer keeps only its generated tokens, slid to the front.
   const ModelLayout& layout = sequence.layout_;
   const int32_t heads = layout.num_kv_heads;
   std::vector<RowCopyJob> slides;
@@ -239,7 +241,6 @@ absl::Status OmniKvKind::DropOffloadedRows(Sequence& sequence, const SequenceEnv
     if (state.host != nullptr) pin(state.host_key, nullptr).IgnoreError();
     return copied;
   }
-  std::vector<int32_t> to_free;
   for (int32_t l = 0; l < layout.num_layers; ++l) {
     const int32_t n = state.host_tokens[l];
     if (n == 0) continue;
@@ -247,10 +248,9 @@ absl::Status OmniKvKind::DropOffloadedRows(Sequence& sequence, const SequenceEnv
     layer.count -= n;
     for (std::vector<int32_t>& head : layer.positions) head.erase(head.begin(), head.begin() + n);
     const int32_t keep_blocks = BlocksFor(layer.count, layout.block_tokens);
-    to_free.insert(to_free.end(), layer.blocks.begin() + keep_blocks, layer.blocks.end());
+    released.insert(released.end(), layer.blocks.begin() + keep_blocks, layer.blocks.end());
     layer.blocks.resize(keep_blocks);
   }
-  (void)env.allocator.Free(to_free);
   return absl::OkStatus();
 }
 

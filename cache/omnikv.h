@@ -94,9 +94,10 @@ class OmniKvKind final : public SequenceKind {
   // Copies the sparse layers' prompt rows to one host buffer and pins it (offload only).
   absl::Status OffloadPrompt(Sequence& sequence, const SequenceEnv& env, const HostPin& pin,
                              OmniKvState& state) const;
-  // Slides each offloaded layer's generated tokens to the front and frees the emptied blocks.
+  // Slides each offloaded layer's generated tokens to the front; the emptied blocks go to
+  // `released`.
   absl::Status DropOffloadedRows(Sequence& sequence, const SequenceEnv& env, const HostPin& pin,
-                                 OmniKvState& state) const;
+                                 OmniKvState& state, std::vector<int32_t>& released) const;
   // T_f of one listed filter layer (attention.layers[listed]) at this step, as slots.
   absl::Status ChooseFilter(const Sequence& sequence, const SelectTask& task, size_t listed,
                             OmniKvState::Filter& filter) const;

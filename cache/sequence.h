@@ -147,10 +147,6 @@ class Sequence {
   bool spillable() const;
   // Validates a Select item against the sequence; changes nothing.
   absl::Status CheckSelect(const SequenceEnv& env, const SelectItem& item) const;
-  // KvPool::Select of one item. The first call fixes N and k and, with offload, moves the sparse
-  // layers' prompt K/V to the host tier through `pin`.
-  absl::StatusOr<SelectResult> Select(const SequenceEnv& env, const SelectItem& item,
-                                      const HostPin& pin);
   // Keys (sequence_id part only) of the sequence's pinned host-tier entries: OmniKV's offloaded
   // prompt and retain_evicted's chunks. The owner erases them when it releases the sequence.
   std::vector<SpillKey> pinned_host_keys() const;

@@ -52,9 +52,17 @@ absl::Status ItemError(size_t i, const absl::Status& status) {
   return absl::Status(status.code(), absl::StrCat("items[", i, "]: ", status.message()));
 }
 
-// Takes the blocks the task's gathers need from its session's allocator; RESOURCE_EXHAUSTED
-// (nothing taken) when the arena lacks them.
+// Returns the blocks Begin released to the allocator. They were the sequence's; Free cannot fail
+// unless bookkeeping is broken, and then keeping the ids would only leak them for good.
+void FreeReleased(SelectTask& task) {
+  (void)task.env->allocator.Free(task.released);
+  task.released.clear();
+}
+
+// Takes the blocks the task's gathers need from its session's allocator, right after returning
+// those Begin released; RESOURCE_EXHAUSTED (nothing taken) when the arena lacks them.
 absl::Status StageTask(SelectTask& task) {
+  FreeReleased(task);
   SequenceKind& kind = task.sequence->kind();
   const int32_t needed = kind.BlocksToStage(*task.sequence, task);
   std::vector<int32_t> fresh;
@@ -106,11 +114,13 @@ absl::StatusOr<std::vector<SelectResult>> RunSelects(absl::Span<SelectTask> task
   limit = SideBySide(tasks, limit, pool, statuses, [](SelectTask& task) {
     return task.sequence->kind().Choose(*task.sequence, task);
   });
-  // Staging blocks in task order, for the same reason.
+  // Staging blocks in task order, for the same reason; the tasks that stopped before return
+  // what their Begin released.
   for (size_t i = 0; i < limit; ++i) {
     statuses[i] = StageTask(tasks[i]);
     if (!statuses[i].ok()) limit = i;
   }
+  for (size_t i = limit; i < tasks.size(); ++i) FreeReleased(tasks[i]);
   limit = SideBySide(tasks, limit, pool, statuses, [](SelectTask& task) {
     return task.sequence->kind().Gather(*task.sequence, task);
   });
@@ -142,21 +152,6 @@ uint64_t Sequence::host_bytes() const {
 absl::Status Sequence::CheckSelect(const SequenceEnv& env, const SelectItem& item) const {
   (void)env;
   return kind_->CheckSelect(*this, item);
-}
-
-absl::StatusOr<SelectResult> Sequence::Select(const SequenceEnv& env, const SelectItem& item,
-                                              const HostPin& pin) {
-  KVS_RETURN_IF_ERROR(CheckSelect(env, item));
-  SelectTask task;
-  task.sequence = this;
-  task.env = &env;
-  task.item = &item;
-  task.pin = &pin;
-  KVS_RETURN_IF_ERROR(kind_->Begin(*this, task));
-  KVS_RETURN_IF_ERROR(kind_->Choose(*this, task));
-  KVS_RETURN_IF_ERROR(StageTask(task));
-  KVS_RETURN_IF_ERROR(kind_->Gather(*this, task));
-  return std::move(task.result);
 }
 
 }  // namespace kvs

@@ -53,6 +53,10 @@ struct SelectTask {
   const HostPin* pin = nullptr;
   SelectResult result;
   std::unique_ptr<SelectScratch> scratch;
+  // Blocks Begin took out of the sequence's layers. They go back to the allocator right before
+  // the task's staging blocks are taken, so that the blocks a sequence gets are those it would
+  // get from a call of its own.
+  std::vector<int32_t> released;
 };
 
 class SequenceKind {
@@ -74,7 +78,7 @@ class SequenceKind {
   // Select (KvPool::Select), validation first: changes nothing.
   virtual absl::Status CheckSelect(const Sequence& sequence, const SelectItem& item) const = 0;
   // The steps of one Select on a checked item. Begin: the first Select's set-up (may take host
-  // space, frees blocks). Choose: the tokens of each listed filter layer (no block changes).
+  // space; blocks it no longer needs go to task.released). Choose: the tokens of each listed filter layer (no block changes).
   // BlocksToStage / Stage: the staging blocks the gathers need, taken from `fresh` in order.
   // Gather: the copies into staging and the views of the result.
   virtual absl::Status Begin(Sequence& sequence, SelectTask& task) = 0;
@@ -89,8 +93,8 @@ class SequenceKind {
 std::unique_ptr<SequenceKind> MakeSequenceKind(const PolicyConfig& config);
 
 // Runs the Selects of `tasks` (checked, distinct sequences, their sessions locked): Begin and the
-// staging allocation in task order, Choose and Gather side by side on `pool`. The results are
-// those of running the tasks one after another. A failing task fails the call with the lowest
+// staging allocation in task order, Choose and Gather side by side on `pool`. The results, block
+// tables included, are those of running the tasks one after another. A failing task fails the call with the lowest
 // such task's error, prefixed "items[i]: "; Choose and Gather of every task before the lowest
 // failing step have run (a retry with the same step_id reuses the selections).
 absl::StatusOr<std::vector<SelectResult>> RunSelects(absl::Span<SelectTask> tasks,
