@@ -17,6 +17,7 @@
 #include "cache/policy/policy.h"
 #include "cache/policy/registry.h"
 #include "cache/sequence.h"
+#include "cache/sequence_kind.h"
 #include "gpu/base/status_macros.h"
 #include "gpu/cpu/thread_pool.h"
 
@@ -716,6 +717,38 @@ absl::StatusOr<std::vector<DecodeResult>> RunDecodeItemsLocked(
   return results;
 }
 
+// With the batch's sessions locked: every item's sequence (restored first when spilled) and its
+// Select checked (Sequence::CheckSelect) into `tasks`; nothing changes. A sequence named twice
+// is refused.
+absl::Status CheckSelectItemsLocked(const BatchSessions& batch, absl::Span<const SelectItem> items,
+                                    TierMover& mover, const std::vector<SequenceEnv>& envs,
+                                    std::vector<SelectTask>& tasks) {
+  std::vector<Sequence*> sequences(items.size(), nullptr);
+  for (size_t i = 0; i < items.size(); ++i) {
+    Session& session = batch.of(i);
+    session.mu.AssertHeld();
+    absl::StatusOr<Sequence*> sequence =
+        BatchSequenceLocked(session, items[i].sequence_id, mover);
+    absl::Status status = sequence.status();
+    if (status.ok()) {
+      sequences[i] = *sequence;
+      if (const int64_t j = EarlierItem(absl::MakeConstSpan(sequences.data(), i), *sequence);
+          j >= 0) {
+        status = absl::InvalidArgumentError(absl::StrCat(
+            "sequence ", items[i].sequence_id, " is already selected by items[", j, "]"));
+      }
+    }
+    const SequenceEnv& env = envs[batch.index_of(i)];
+    if (status.ok()) status = sequences[i]->CheckSelect(env, items[i]);
+    if (!status.ok()) return ItemError(i, status);
+    tasks[i].sequence = sequences[i];
+    tasks[i].env = &env;
+    tasks[i].item = &items[i];
+    tasks[i].pin = &session.host_pin;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const DecodeItem> items) {
@@ -744,28 +777,25 @@ absl::StatusOr<std::vector<SelectResult>> KvPool::Select(absl::Span<const Select
   if (absl::Status found = batch.Find(*sessions_, items, &failed); !found.ok()) {
     return ItemError(failed, found);
   }
-  auto env_of = [this](Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return EnvOf(s); };
-  // Validation first: a bad item changes nothing.
-  for (size_t i = 0; i < items.size(); ++i) {
-    absl::Status checked = WithSequence(
-        batch.of(i), items[i].sequence_id, *mover_, *clock_, env_of,
-        [&](Sequence& sequence, const SequenceEnv& env, Session&) {
-          return sequence.CheckSelect(env, items[i]);
-        });
-    if (!checked.ok()) return ItemError(i, checked);
+  // Locked together (as DecodeStep) so that every item is checked against exactly the state it
+  // then runs on.
+  batch.LockAll();
+  std::vector<SequenceEnv> envs;
+  envs.reserve(batch.sessions().size());
+  for (const std::shared_ptr<Session>& session : batch.sessions()) {
+    session->mu.AssertHeld();
+    envs.push_back(EnvOf(*session));
   }
-  std::vector<SelectResult> results;
-  results.reserve(items.size());
-  for (size_t i = 0; i < items.size(); ++i) {
-    absl::StatusOr<SelectResult> result = WithSequence(
-        batch.of(i), items[i].sequence_id, *mover_, *clock_, env_of,
-        [&](Sequence& sequence, const SequenceEnv& env, Session& s)
-            ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) -> absl::StatusOr<SelectResult> {
-              return sequence.Select(env, items[i], s.host_pin);
-            });
-    if (!result.ok()) return ItemError(i, result.status());
-    results.push_back(*std::move(result));
+  std::vector<SelectTask> tasks(items.size());
+  absl::Status checked = CheckSelectItemsLocked(batch, items, *mover_, envs, tasks);
+  absl::StatusOr<std::vector<SelectResult>> results = checked;
+  if (checked.ok()) {
+    // Side by side (RunSelects): the results are those of running the items in order.
+    const absl::Time now = clock_->Now();
+    for (SelectTask& task : tasks) task.sequence->Touch(now);
+    results = RunSelects(absl::MakeSpan(tasks), *decode_pool_);
   }
+  batch.UnlockAll();
   return results;
 }
 

@@ -139,10 +139,12 @@ class KvPool {
   // OmniKV: per item, the top-k prompt tokens of each listed filter layer and their K/V gathered
   // (host tier or arena -> staging blocks in the arena) for every sparse layer of its segment.
   // The first Select of a sequence fixes N and k and, with offload, moves the sparse layers'
-  // prompt K/V to the host tier (freeing their blocks). Every item is validated first (a bad item:
-  // "items[i]: " and its error, nothing changed); items then run in order; one that fails while
-  // running (arena or host tier full) fails the call with its error, earlier items having run.
-  // FAILED_PRECONDITION for a sequence whose policy is not omnikv.
+  // prompt K/V to the host tier (freeing their blocks). The call's sessions are locked together
+  // and every item is validated first (a bad item, or a sequence named twice: "items[i]: " and
+  // its error, nothing changed); the items then run side by side on PoolOptions::decode_threads
+  // threads with the results of running them in order (RunSelects, cache/sequence_kind.h); the
+  // lowest item that fails while running (arena or host tier full) fails the call with its error,
+  // earlier items having run. FAILED_PRECONDITION for a sequence whose policy is not omnikv.
   absl::StatusOr<std::vector<SelectResult>> Select(absl::Span<const SelectItem> items);
 
   // The tokens a retain_evicted sequence evicted, per (layer in `layers` (empty = all), kv head),

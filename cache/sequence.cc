@@ -8,7 +8,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache/compaction.h"
-#include "cache/omnikv.h"
 #include "cache/policy/registry.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/finite.h"
@@ -138,7 +137,8 @@ Sequence::Sequence(std::string id, const ModelLayout& layout, std::unique_ptr<Po
       last_used_(created),
       layers_(layout.num_layers),
       states_(layout.num_layers),
-      allocated_(layout.num_layers, 0) {}
+      allocated_(layout.num_layers, 0),
+      kind_(MakeSequenceKind(policy_->config())) {}
 
 std::vector<int32_t> Sequence::counts() const {
   std::vector<int32_t> result(layers_.size());
@@ -147,7 +147,7 @@ std::vector<int32_t> Sequence::counts() const {
 }
 
 int32_t Sequence::blocks_held() const {
-  int64_t blocks = omnikv_ != nullptr ? omnikv_->staging_blocks() : 0;
+  int64_t blocks = kind_->extra_blocks();
   for (const LayerState& layer : layers_) blocks += static_cast<int64_t>(layer.blocks.size());
   return static_cast<int32_t>(blocks);
 }
@@ -1570,12 +1570,7 @@ int32_t Sequence::Release(const SequenceEnv& env) {
   for (LayerPolicyState& state : states_) state = LayerPolicyState{};
   std::fill(allocated_.begin(), allocated_.end(), 0);
   pending_.reset();
-  if (omnikv_ != nullptr) {
-    for (const std::vector<int32_t>& staging : omnikv_->staging) {
-      to_free.insert(to_free.end(), staging.begin(), staging.end());
-    }
-    omnikv_.reset();
-  }
+  kind_->Release(to_free);
   // The caller drops the pinned host entries (pinned_host_keys) first.
   retained_.clear();
   retained_keys_.clear();

@@ -44,6 +44,7 @@
 #include "cache/block_allocator.h"
 #include "cache/policy/policy.h"
 #include "cache/pool.h"
+#include "cache/sequence_kind.h"
 #include "cache/tier.h"
 #include "gpu/arena.h"
 #include "gpu/backend.h"
@@ -51,7 +52,6 @@
 
 namespace kvs {
 
-struct OmniKvState;     // cache/omnikv.h
 struct CompactionPlan;  // cache/compaction.h
 
 // Stores (data non-null) or drops (null) a sequence's pinned host-tier entry; the sequence gives
@@ -145,17 +145,15 @@ class Sequence {
   // committed or cancelled) otherwise.
   absl::Status CheckPending(uint64_t reservation_id) const;
 
-  // OmniKV (cache/omnikv.cc). An omnikv sequence never evicts: it has no budget, and Compress
-  // and Score answer FAILED_PRECONDITION.
+  // The kind chosen at creation from the policy's capabilities (cache/sequence_kind.h).
+  SequenceKind& kind() { return *kind_; }
+  // A kind that never evicts (OmniKV) has no budget, and Compress and Score answer
+  // FAILED_PRECONDITION.
   bool never_evicts() const;
   // False once an OmniKV sequence has selected (its state spans arena, staging and host tier).
   bool spillable() const;
   // Validates a Select item against the sequence; changes nothing.
   absl::Status CheckSelect(const SequenceEnv& env, const SelectItem& item) const;
-  // KvPool::Select of one item. The first call fixes N and k and, with offload, moves the sparse
-  // layers' prompt K/V to the host tier through `pin`.
-  absl::StatusOr<SelectResult> Select(const SequenceEnv& env, const SelectItem& item,
-                                      const HostPin& pin);
   // Keys (sequence_id part only) of the sequence's pinned host-tier entries: OmniKV's offloaded
   // prompt and retain_evicted's chunks. The owner erases them when it releases the sequence.
   std::vector<SpillKey> pinned_host_keys() const;
@@ -187,6 +185,9 @@ class Sequence {
                                                            std::string_view id = {});
 
  private:
+  // The OmniKV kind reads the layers and moves the offloaded prompt out of them.
+  friend class OmniKvKind;
+
   struct LayerState {
     std::vector<int32_t> blocks;  // ceil(count / B) + the pending reservation's
     int32_t count = 0;
@@ -356,10 +357,6 @@ class Sequence {
   // LayerLayoutView::budget of layer `l`: its explicit budget, its frozen allocation, its last
   // non-uniform allocation, or the sequence budget.
   int32_t LayerBudget(int32_t l) const;
-  // Slots of layer `layer` holding positions below `prompt_end` (they come first: no eviction).
-  int32_t PromptSlots(int32_t layer, int64_t prompt_end) const;
-  // The first Select: N, k, plan, and the offload of the sparse layers' prompt.
-  absl::Status StartOmniKv(const SequenceEnv& env, const SelectItem& item, const HostPin& pin);
   // Per-layer counts after the evict-then-append flush a strict budget makes before an inline
   // decode token (policies that need no attention, like Reserve); counts() otherwise.
   absl::StatusOr<std::vector<int32_t>> StrictFlushKeep() const;
@@ -384,7 +381,8 @@ class Sequence {
   uint64_t version_ = 1;
   uint64_t last_committed_ = 0;  // to tell a double commit from an unknown id
   uint64_t last_cancelled_ = 0;
-  std::unique_ptr<OmniKvState> omnikv_;  // OmniKV only, from the first Select
+  // What this kind of sequence adds (OmniKV's Select state); set at creation, never null.
+  std::unique_ptr<SequenceKind> kind_;
   bool retain_evicted_ = false;
   std::vector<int32_t> windows_;  // per layer, or empty (no windows)
   // Set when an eviction starts changing what cannot be restored from a Checkpoint (arena rows,

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -142,15 +143,16 @@ double RelativeError(const std::vector<double>& approx, const std::vector<double
 
 struct Fixture {
   explicit Fixture(DType dtype = DType::kFloat32, uint64_t host_bytes = uint64_t{1} << 20,
-                   int32_t blocks = 64)
+                   int32_t blocks = 64, int32_t decode_threads = 0)
       : layout(Tv7Layout(dtype)),
         tiers(storage::TierManager::Open({host_bytes, "", 0})),
-        pool(Options(tiers.get())) {
+        pool(Options(tiers.get(), decode_threads)) {
     session = pool.Attach(layout, blocks);
   }
-  static PoolOptions Options(SequenceTiers* tiers) {
+  static PoolOptions Options(SequenceTiers* tiers, int32_t decode_threads = 0) {
     PoolOptions options = TestPool::DefaultOptions();
     options.tiers = tiers;
+    options.decode_threads = decode_threads;
     return options;
   }
   std::string Sequence(const PolicyConfig& policy, const std::string& id) {
@@ -355,6 +357,102 @@ TEST(OmniKvSelect, FullArenaForStagingIsResourceExhausted) {
   const std::string seq = f.Sequence(OmniKv(4, false), "s");
   EXPECT_THAT(f.Select(seq, 1, {1, 4}).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, "staging"));
+}
+
+// The items of one call run side by side on the pool's decode threads (4 here, whatever the
+// machine has) with the results of one call per sequence, bit for bit: two pools with the same
+// history (8 sequences, each with its own queries), then each step as one call of 8 items on the
+// first and 8 calls on the second: the same T_f, the same staging block tables (blocks are
+// freed and taken in item order) and every staged value the same.
+TEST(OmniKvSelect, OneCallOfManySequencesIsBitIdenticalToOneCallEach) {
+  constexpr int kSequences = 8;
+  for (const bool offload : {false, true}) {
+    SCOPED_TRACE(offload ? "offload" : "in arena");
+    Fixture together(DType::kFloat32, uint64_t{1} << 20, /*blocks=*/400, /*decode_threads=*/4);
+    Fixture alone(DType::kFloat32, uint64_t{1} << 20, /*blocks=*/400, /*decode_threads=*/4);
+    std::vector<std::string> ids;
+    for (int i = 0; i < kSequences; ++i) {
+      ids.push_back(together.Sequence(OmniKv(4, offload), "s" + std::to_string(i)));
+      ASSERT_EQ(alone.Sequence(OmniKv(4, offload), "s" + std::to_string(i)), ids.back());
+    }
+    absl::StatusOr<SessionView> together_view = together.pool.pool.GetSession(together.session);
+    absl::StatusOr<SessionView> alone_view = alone.pool.pool.GetSession(alone.session);
+    ASSERT_TRUE(together_view.ok() && alone_view.ok());
+    ArenaReader together_arena(together.pool.pool, *together_view);
+    ArenaReader alone_arena(alone.pool.pool, *alone_view);
+    for (int64_t step = 1; step <= 3; ++step) {
+      std::vector<SelectItem> items(kSequences);
+      for (int i = 0; i < kSequences; ++i) {
+        items[i].session_id = together.session;
+        items[i].sequence_id = ids[i];
+        items[i].step_id = step;
+        items[i].attention = FilterQueries({1, 4}, static_cast<int>(step) * 5 + i);
+        items[i].prompt_tokens = kPrompt;
+      }
+      absl::StatusOr<std::vector<SelectResult>> batch = together.pool.pool.Select(items);
+      ASSERT_TRUE(batch.ok()) << batch.status();
+      ASSERT_EQ(batch->size(), static_cast<size_t>(kSequences));
+      std::set<std::vector<int32_t>> distinct;
+      for (int i = 0; i < kSequences; ++i) {
+        SCOPED_TRACE(testing::Message() << "step " << step << " sequence " << i);
+        absl::StatusOr<SelectResult> one =
+            alone.Select(ids[i], step, {1, 4}, static_cast<int>(step) * 5 + i);
+        ASSERT_TRUE(one.ok()) << one.status();
+        const SelectResult& a = (*batch)[i];
+        ASSERT_EQ(a.filters.size(), one->filters.size());
+        for (size_t f = 0; f < a.filters.size(); ++f) {
+          EXPECT_EQ(a.filters[f].filter_layer, one->filters[f].filter_layer);
+          EXPECT_EQ(a.filters[f].positions, one->filters[f].positions);
+          EXPECT_EQ(a.filters[f].sparse_layers, one->filters[f].sparse_layers);
+        }
+        distinct.insert(a.filters[0].positions);
+        EXPECT_EQ(a.prompt_tokens, one->prompt_tokens);
+        EXPECT_EQ(a.budget_tokens, one->budget_tokens);
+        EXPECT_EQ(a.host_bytes, one->host_bytes);
+        ASSERT_EQ(a.sparse_layers.size(), one->sparse_layers.size());
+        for (size_t j = 0; j < a.sparse_layers.size(); ++j) {
+          const LayerLayoutView& x = a.sparse_layers[j];
+          const LayerLayoutView& y = one->sparse_layers[j];
+          EXPECT_EQ(x.layer, y.layer);
+          EXPECT_EQ(x.count, y.count);
+          ASSERT_EQ(x.block_table, y.block_table);
+          for (int slot = 0; slot < x.count; ++slot) {
+            for (int kv = 0; kv < 2; ++kv) {
+              for (int h = 0; h < kHkv; ++h) {
+                for (int d = 0; d < kDim; ++d) {
+                  ASSERT_EQ(together_arena.At(together.layout, x.block_table, kv, h, slot, d),
+                            alone_arena.At(alone.layout, y.block_table, kv, h, slot, d))
+                      << "layer " << x.layer << " slot " << slot;
+                }
+              }
+            }
+          }
+        }
+      }
+      // The sequences chose differently, so a result given to the wrong item would show.
+      EXPECT_GT(distinct.size(), 1u);
+    }
+  }
+}
+
+// The items of one call run side by side, so a sequence may appear once: a second item for it
+// is refused before anything changes (the first Select would have offloaded the prompt).
+TEST(OmniKvSelect, SameSequenceTwiceInOneCallIsRefusedAndChangesNothing) {
+  Fixture f;
+  const std::string seq = f.Sequence(OmniKv(4, true), "s");
+  SelectItem item;
+  item.session_id = f.session;
+  item.sequence_id = seq;
+  item.step_id = 1;
+  item.attention = FilterQueries({1});
+  item.prompt_tokens = kPrompt;
+  const std::vector<SelectItem> items = {item, item};
+  EXPECT_THAT(f.pool.pool.Select(items).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "items[1]: sequence s is already selected by items[0]"));
+  absl::StatusOr<SequenceLayout> layout = f.pool.pool.GetLayout(f.session, seq, {}, false);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  for (const LayerLayoutView& layer : layout->layers) EXPECT_EQ(layer.count, kTokens);
 }
 
 TEST(OmniKvSelect, BadInputIsRefusedNamingTheField) {

@@ -66,12 +66,13 @@ v1::AttentionInputs Queries(const std::vector<int>& layers, int salt = 0) {
 
 // The expected T_f: max over query heads of scale * <q, k> over the prompt, top k, ties to the
 // lower position, ascending.
-std::vector<int> ExpectedSelection(const v1::ModelLayout& layout, int layer, int salt = 0) {
+std::vector<int> ExpectedSelection(const v1::ModelLayout& layout, int layer, int salt = 0,
+                                   uint64_t seed = kSeed) {
   std::vector<std::pair<float, int>> ranked;
   for (int t = 0; t < kPrompt; ++t) {
     float best = -INFINITY;
     for (int h = 0; h < kQHeads; ++h) {
-      const std::vector<uint8_t> key = PatternRow(layout, kSeed, layer, 0, h / 2, t);
+      const std::vector<uint8_t> key = PatternRow(layout, seed, layer, 0, h / 2, t);
       float dot = 0;
       for (int i = 0; i < kDim; ++i)
         dot += QueryValue(layer + salt, h, i) * Fp16ToFloat(&key[2 * i]);
@@ -185,6 +186,102 @@ TEST_P(OmniKvE2eTest, SelectStagesTheTopKOfEachFilterForItsSparseLayers) {
                              next->items(0).filters(0).positions().end()),
             ExpectedSelection(layout, 4, /*salt=*/5));
   ASSERT_TRUE((*session)->ReleaseSequence("omni").ok());
+}
+
+std::vector<int> Positions(const v1::SelectResponse::Item& item, int filter) {
+  return std::vector<int>(item.filters(filter).positions().begin(),
+                          item.filters(filter).positions().end());
+}
+
+// Every staged row of `item` (sequence written with `seed`), read in place: the row of the
+// position each slot stands for.
+void ExpectStagedRows(kvsidecar::Session& session, const v1::ModelLayout& layout,
+                      const v1::SelectResponse::Item& item, uint64_t seed) {
+  ASSERT_EQ(item.sparse_layers_size(), 3);
+  for (const v1::LayerLayout& staged : item.sparse_layers()) {
+    std::vector<int> positions = Positions(item, staged.layer() == 3 ? 0 : 1);
+    for (int t = kPrompt; t < kTokens; ++t) positions.push_back(t);
+    ASSERT_EQ(staged.count(), static_cast<int>(positions.size())) << staged.layer();
+    for (int s = 0; s < staged.count(); ++s) {
+      for (int kv = 0; kv < 2; ++kv) {
+        for (int h = 0; h < kKvHeads; ++h) {
+          const std::vector<uint8_t> want =
+              PatternRow(layout, seed, staged.layer(), kv, h, positions[s]);
+          std::vector<uint8_t> row(want.size());
+          const absl::Status read = session.ReadRowInto(staged, kv, h, s, absl::MakeSpan(row));
+          ASSERT_TRUE(read.ok()) << read;
+          ASSERT_TRUE(row == want) << "layer " << staged.layer() << " slot " << s;
+        }
+      }
+    }
+  }
+}
+
+// The sequences of one Select call run side by side; what each gets is what it gets from a call
+// of its own: the same T_f per filter layer (each sequence has its own keys and queries, so a
+// result handed to the wrong item shows), the same N, k and host bytes, and staged rows that
+// hold the selected tokens — at the first Select (which offloads) and at a later step.
+TEST_P(OmniKvE2eTest, OneCallOfManySequencesSelectsAsOneCallEach) {
+  const bool offload = GetParam();
+  constexpr int kSequences = 6;
+  auto client = server_->Connect();
+  ASSERT_TRUE(client.ok()) << client.status();
+  const v1::ModelLayout layout = MakeLayout(kLayers, kKvHeads, kQHeads, kDim, v1::DTYPE_FLOAT16, 4);
+  auto session = (*client)->Attach(layout, "e2e", 1024, 30000);
+  ASSERT_TRUE(session.ok()) << session.status();
+  for (int i = 0; i < kSequences; ++i) {
+    for (const std::string prefix : {"batch", "alone"}) {
+      const std::string id = prefix + std::to_string(i);
+      ASSERT_TRUE((*session)->CreateSequence(OmniKvPolicy(offload), std::nullopt, id).ok());
+      ASSERT_TRUE(WriteTokens(**session, id, kTokens, kSeed + i).ok());
+    }
+  }
+  for (int step = 1; step <= 2; ++step) {
+    auto item_of = [&](v1::SelectRequest& request, const std::string& id, int i) {
+      v1::SelectRequest::Item* item = request.add_items();
+      item->set_sequence_id(id);
+      item->set_step_id(step);
+      item->set_prompt_tokens(kPrompt);
+      *item->mutable_attention() = Queries({1, 4}, /*salt=*/3 * i + step);
+    };
+    v1::SelectRequest batch;
+    for (int i = 0; i < kSequences; ++i) item_of(batch, "batch" + std::to_string(i), i);
+    auto together = (*session)->Select(batch);
+    ASSERT_TRUE(together.ok()) << together.status();
+    ASSERT_EQ(together->items_size(), kSequences);
+    std::vector<std::vector<int>> firsts;
+    for (int i = 0; i < kSequences; ++i) {
+      SCOPED_TRACE(testing::Message() << "step " << step << " sequence " << i);
+      v1::SelectRequest one;
+      item_of(one, "alone" + std::to_string(i), i);
+      auto alone = (*session)->Select(one);
+      ASSERT_TRUE(alone.ok()) << alone.status();
+      const v1::SelectResponse::Item& a = together->items(i);
+      const v1::SelectResponse::Item& b = alone->items(0);
+      ASSERT_EQ(a.filters_size(), 2);
+      ASSERT_EQ(b.filters_size(), 2);
+      for (int f = 0; f < 2; ++f) {
+        EXPECT_EQ(Positions(a, f), Positions(b, f)) << "filter " << f;
+        EXPECT_EQ(Positions(a, f), ExpectedSelection(layout, f == 0 ? 1 : 4, 3 * i + step,
+                                                     kSeed + i))
+            << "filter " << f;
+      }
+      EXPECT_EQ(a.prompt_tokens(), b.prompt_tokens());
+      EXPECT_EQ(a.budget_tokens(), b.budget_tokens());
+      EXPECT_EQ(a.host_bytes(), b.host_bytes());
+      ASSERT_EQ(a.sparse_layers_size(), b.sparse_layers_size());
+      for (int j = 0; j < a.sparse_layers_size(); ++j) {
+        EXPECT_EQ(a.sparse_layers(j).layer(), b.sparse_layers(j).layer());
+        EXPECT_EQ(a.sparse_layers(j).count(), b.sparse_layers(j).count());
+      }
+      ExpectStagedRows(**session, layout, a, kSeed + i);
+      ExpectStagedRows(**session, layout, b, kSeed + i);
+      firsts.push_back(Positions(a, 0));
+    }
+    // The sequences chose differently, so a mix-up between items could not go unseen.
+    std::sort(firsts.begin(), firsts.end());
+    EXPECT_GT(std::unique(firsts.begin(), firsts.end()) - firsts.begin(), 1);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Offload, OmniKvE2eTest, ::testing::Bool(),
