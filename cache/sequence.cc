@@ -754,6 +754,10 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
   const absl::Span<const int32_t> query_positions =
       absl::MakeConstSpan(attention.query_positions).subspan(first_row, rows);
   const bool from_queries = !input.queries.empty();
+  // The backend sums the rows as it computes them: one [Hq][count] row set per layer instead of
+  // `rows` of them (worker-supplied scores are used as sent).
+  const bool summed = from_queries && requirement.column_sums && rows > 1;
+  const int64_t out_rows = summed ? 1 : rows;
 
   // Layers with tokens go in chunks whose probabilities fit kMaxProbsBytes (a chunk has at
   // least one layer), so a long prompt over many layers never holds every layer's at once.
@@ -766,7 +770,7 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
     size_t end = begin;
     uint64_t bytes = 0;
     while (end < order.size()) {
-      const uint64_t layer_bytes = sizeof(float) * static_cast<uint64_t>(hq) * rows *
+      const uint64_t layer_bytes = sizeof(float) * static_cast<uint64_t>(hq) * out_rows *
                                    layers_[attention.layers[order[end]]].count;
       if (end > begin && bytes + layer_bytes > kMaxProbsBytes) break;
       bytes += layer_bytes;
@@ -780,13 +784,14 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
     std::vector<absl::Span<float>> probs(n);
     for (size_t k = 0; k < n; ++k) {
       const size_t size =
-          static_cast<size_t>(hq) * rows * layers_[attention.layers[order[begin + k]]].count;
+          static_cast<size_t>(hq) * out_rows * layers_[attention.layers[order[begin + k]]].count;
       probs_buffers[k].reset(new float[size]);
       probs[k] = absl::MakeSpan(probs_buffers[k].get(), size);
     }
     std::vector<std::vector<int32_t>> positions(n);
     std::vector<std::vector<float>> query_rows(n);
     std::vector<AttentionJob> jobs;
+    std::vector<AttentionSumsJob> sums_jobs;
     for (size_t k = 0; k < n; ++k) {
       const size_t i = order[begin + k];
       const int32_t l = attention.layers[i];
@@ -812,8 +817,12 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
         job.num_q_heads = static_cast<int32_t>(hq);
         job.num_queries = rows;
         job.scale = input.softmax_scale;
-        job.probs = probs[k].data();
-        jobs.push_back(job);
+        if (summed) {
+          sums_jobs.push_back({.attention = job, .sums = probs[k].data()});
+        } else {
+          job.probs = probs[k].data();
+          jobs.push_back(job);
+        }
       } else {
         const float* layer_scores = input.scores.data() + attention.score_offsets[i];
         for (int64_t q = 0; q < hq; ++q) {
@@ -824,6 +833,10 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
     }
     if (!jobs.empty()) {
       KVS_RETURN_IF_ERROR(env.backend.AttentionProbs(jobs, nullptr));
+      KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
+    }
+    if (!sums_jobs.empty()) {
+      KVS_RETURN_IF_ERROR(env.backend.AttentionColumnSums(sums_jobs, nullptr));
       KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
     }
     std::vector<LayerStep> steps(n);
@@ -838,6 +851,7 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
       step.num_queries = rows;
       step.query_positions = query_positions;
       step.step_queries = w;
+      step.summed_rows = summed ? rows : 0;
       step.state = &states[l];
     }
     KVS_RETURN_IF_ERROR(policy.Observe(env.backend, phase, steps));
