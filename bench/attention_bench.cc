@@ -4,6 +4,7 @@
 //     fp32 AVX2 FMA dot-product loop on L1-resident data with the same thread count;
 //   - decode (w=1, count 2048, 16 sequences x 32 layers): memory-bound, key bytes read per second
 //     as a fraction of memcpy bandwidth.
+// AttentionColumnSums (the same window, summed over its rows inside the kernel: SnapKV's vote),
 // and CaoteScores (gpu/cpu/caote_cpu.cc) over paged fp16 values (decode and prefill shapes), value
 // bytes per second as a fraction of memcpy.
 // Threads: the benchmark argument (2 = this machine's cores).
@@ -157,6 +158,52 @@ BENCHMARK(BM_AttentionWindow)
     // decode: one query per (sequence, layer). 16 sequences x 32 layers (2.1 GB of keys, far past
     // the caches) rather than 64: the 8.6 GB of 64 would not fit this shared machine's memory.
     ->Args({2, 1, 2048, 16 * kLayers})
+    ->Args({1, 32, 8192, kLayers})
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(1.0)
+    ->UseRealTime();
+
+// AttentionColumnSums (SnapKV's window vote): the same window as BM_AttentionWindow, but the
+// [Hq][w][count] probabilities are summed over the window inside the kernel and never written
+// out; only [Hq][count] sums per layer leave it. Same FLOP count and the same limits.
+void BM_AttentionColumnSums(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const int window = static_cast<int>(state.range(1));
+  const int count = static_cast<int>(state.range(2));
+  const int layers = static_cast<int>(state.range(3));
+  Cache cache(layers, count, window);
+  std::vector<std::vector<float>> sums(layers, std::vector<float>(int64_t{kQHeads} * count, 0.f));
+  std::vector<AttentionSumsJob> jobs;
+  for (int l = 0; l < layers; ++l) {
+    AttentionSumsJob job{.attention = cache.jobs[l], .sums = sums[l].data()};
+    job.attention.probs = nullptr;
+    jobs.push_back(job);
+  }
+  auto backend = MakeCpuBackend(threads);
+  Check(backend->AttentionColumnSums(jobs, nullptr));  // warm-up
+  const double cpu_start = ProcessCpuSeconds();
+  for (auto _ : state) {
+    Check(backend->AttentionColumnSums(jobs, nullptr));
+  }
+  const double cpu_seconds = ProcessCpuSeconds() - cpu_start;
+  const double flops = 2.0 * kQHeads * window * static_cast<double>(count) * kHeadDim * layers;
+  const double peak = DotPeakFlopsPerSecond(threads);
+  state.counters["GFLOPs"] =
+      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["dot_peak_GFLOPs"] = peak / 1e9;
+  state.counters["flops_per_peak"] =
+      benchmark::Counter(flops / peak, benchmark::Counter::kIsIterationInvariantRate);
+  const double flops_per_cpu_second = flops * state.iterations() / cpu_seconds;
+  const double core_peak = DotPeakFlopsPerCpuSecond();
+  state.counters["GFLOP_per_cpu_s"] = flops_per_cpu_second / 1e9;
+  state.counters["core_peak_GFLOP_per_cpu_s"] = core_peak / 1e9;
+  state.counters["cpu_flops_per_core_peak"] = flops_per_cpu_second / core_peak;
+}
+
+// args: threads, window, count, jobs (layers).
+BENCHMARK(BM_AttentionColumnSums)
+    ->ArgNames({"threads", "w", "count", "jobs"})
+    ->Args({2, 32, 8192, kLayers})  // SnapKV's compress of one 8192-token sequence
     ->Args({1, 32, 8192, kLayers})
     ->Unit(benchmark::kMillisecond)
     ->MinTime(1.0)

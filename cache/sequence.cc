@@ -831,6 +831,11 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
   const int32_t rows =
       requirement.trailing_queries > 0 ? std::min(requirement.trailing_queries, w) : w;
   const int64_t hq = layout_.num_q_heads;
+  // The backend sums the rows as it computes them: one [Hq][count] row set per layer instead of
+  // `rows` of them (worker-supplied scores are used as sent).
+  const bool summed =
+      !attention.input->queries.empty() && requirement.column_sums && rows > 1;
+  const int64_t out_rows = summed ? 1 : rows;
 
   // Layers with tokens go in chunks whose probabilities fit kMaxProbsBytes (a chunk has at
   // least one layer), so a long prompt over many layers never holds every layer's at once.
@@ -843,7 +848,7 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
     size_t end = begin;
     uint64_t bytes = 0;
     while (end < order.size()) {
-      const uint64_t layer_bytes = sizeof(float) * static_cast<uint64_t>(hq) * rows *
+      const uint64_t layer_bytes = sizeof(float) * static_cast<uint64_t>(hq) * out_rows *
                                    layers_[attention.layers[order[end]]].count;
       if (end > begin && bytes + layer_bytes > kMaxProbsBytes) break;
       bytes += layer_bytes;
@@ -851,7 +856,7 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
     }
     KVS_RETURN_IF_ERROR(ObserveChunk(env, policy, phase, attention,
                                      absl::MakeConstSpan(order).subspan(begin, end - begin), rows,
-                                     states));
+                                     summed, states));
     begin = end;
   }
   return absl::OkStatus();
@@ -859,7 +864,7 @@ absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Pha
 
 absl::Status Sequence::ObserveChunk(const SequenceEnv& env, const Policy& policy, Phase phase,
                                     const StepAttention& attention,
-                                    absl::Span<const size_t> chunk, int32_t rows,
+                                    absl::Span<const size_t> chunk, int32_t rows, bool summed,
                                     absl::Span<LayerPolicyState> states) const {
   const AttentionInput& input = *attention.input;
   const int32_t w = input.num_queries;
@@ -870,19 +875,22 @@ absl::Status Sequence::ObserveChunk(const SequenceEnv& env, const Policy& policy
       absl::MakeConstSpan(attention.query_positions).subspan(first_row, rows);
   const bool from_queries = !input.queries.empty();
   const size_t n = chunk.size();
+  const int64_t out_rows = summed ? 1 : rows;
   // Not zeroed: AttentionProbs or the copy below writes every value. One buffer per layer
   // (tens of MiB at most) stays below glibc's mmap threshold, so its pages are reused from
   // the heap instead of being faulted in afresh on every call.
   std::vector<std::unique_ptr<float[]>> probs_buffers(n);
   std::vector<absl::Span<float>> probs(n);
   for (size_t k = 0; k < n; ++k) {
-    const size_t size = static_cast<size_t>(hq) * rows * layers_[attention.layers[chunk[k]]].count;
+    const size_t size =
+        static_cast<size_t>(hq) * out_rows * layers_[attention.layers[chunk[k]]].count;
     probs_buffers[k].reset(new float[size]);
     probs[k] = absl::MakeSpan(probs_buffers[k].get(), size);
   }
   std::vector<std::vector<int32_t>> positions(n);
   std::vector<std::vector<float>> query_rows(n);
   std::vector<AttentionJob> jobs;
+  std::vector<AttentionSumsJob> sums_jobs;
   for (size_t k = 0; k < n; ++k) {
     const size_t i = chunk[k];
     const int32_t l = attention.layers[i];
@@ -915,11 +923,19 @@ absl::Status Sequence::ObserveChunk(const SequenceEnv& env, const Policy& policy
     job.num_q_heads = static_cast<int32_t>(hq);
     job.num_queries = rows;
     job.scale = input.softmax_scale;
-    job.probs = probs[k].data();
-    jobs.push_back(job);
+    if (summed) {
+      sums_jobs.push_back({.attention = job, .sums = probs[k].data()});
+    } else {
+      job.probs = probs[k].data();
+      jobs.push_back(job);
+    }
   }
   if (!jobs.empty()) {
     KVS_RETURN_IF_ERROR(env.backend.AttentionProbs(jobs, nullptr));
+    KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
+  }
+  if (!sums_jobs.empty()) {
+    KVS_RETURN_IF_ERROR(env.backend.AttentionColumnSums(sums_jobs, nullptr));
     KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
   }
   std::vector<LayerStep> steps(n);
@@ -934,6 +950,7 @@ absl::Status Sequence::ObserveChunk(const SequenceEnv& env, const Policy& policy
     step.num_queries = rows;
     step.query_positions = query_positions;
     step.step_queries = w;
+    step.summed_rows = summed ? rows : 0;
     step.state = &states[l];
   }
   return policy.Observe(env.backend, phase, steps);

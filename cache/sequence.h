@@ -278,10 +278,12 @@ class Sequence {
   absl::Status Observe(const SequenceEnv& env, const Policy& policy, Phase phase,
                        const StepAttention& attention, absl::Span<LayerPolicyState> states) const;
   // Observe of the listed layers attention.layers[chunk[k]] (each holding tokens): their
-  // probabilities (the trailing `rows` queries), then the policy's Observe over them.
+  // probabilities (the trailing `rows` queries; with `summed`, their column sums only, as the
+  // backend computes them), then the policy's Observe over them.
   absl::Status ObserveChunk(const SequenceEnv& env, const Policy& policy, Phase phase,
                             const StepAttention& attention, absl::Span<const size_t> chunk,
-                            int32_t rows, absl::Span<LayerPolicyState> states) const;
+                            int32_t rows, bool summed,
+                            absl::Span<LayerPolicyState> states) const;
   // Observe -> allocate -> Select -> Merge -> compact on the real state. `budget` without
   // tokens only observes.
   absl::StatusOr<Eviction> RunStep(const SequenceEnv& env, const Policy& policy, Phase phase,

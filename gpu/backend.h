@@ -109,6 +109,40 @@ struct AttentionJob {
   float* probs = nullptr;                    // out: [num_q_heads][num_queries][keys.count]
 };
 
+// The column sums of a window's attention probabilities (SnapKV's vote, shared/design/policies/
+// snapkv.md): sums[q][s] = sum over i in [0, num_queries) of probs[q][i][s], probs as
+// AttentionJob defines them, added in ascending i in fp32, without the probabilities ever being
+// written out ([Hq][w][count] fp32 is 32 MiB per layer for a 32-query window over 8K tokens;
+// the sums are w times smaller). The values equal a sum of AttentionProbs' output up to fp32
+// rounding. `attention.probs` is neither read nor written (may be null).
+struct AttentionSumsJob {
+  AttentionJob attention;  // keys, positions, queries, scale: as AttentionJob
+  float* sums = nullptr;   // out: [attention.num_q_heads][attention.keys.count]
+};
+
+enum class PoolKind { kAvg, kMax };
+
+// 1-D pooling of score rows along an order of their slots: SnapKV's and CAKE's smoothing of a
+// window's attention by position (policies/snapkv.md, cake.md step 3; the caller orders each
+// head's slots by position). Row r belongs to kv head h = r / (rows / num_kv_heads); with
+// o = order + h * count and m = lengths[h] (distinct slots), for every j < m:
+//   kAvg: out[r][o[j]] = (sum over t = max(0, j - k/2) .. min(m - 1, j + k/2), ascending, in fp64,
+//         of in[r][o[t]]) / kernel_size, rounded once to fp32 (zero padding counted in the
+//         divisor, as torch avg_pool1d with count_include_pad);
+//   kMax: the max of the same values (each compared as `best < v ? v : best`, ascending);
+// every slot s outside o[0, m) gets out[r][s] = in[r][s]. `in` and `out` do not overlap.
+struct PoolJob {
+  const float* in = nullptr;         // [rows][count]
+  const int32_t* order = nullptr;    // [num_kv_heads][count]; the first lengths[h] are read
+  const int32_t* lengths = nullptr;  // [num_kv_heads], 0 <= lengths[h] <= count
+  int32_t rows = 0;                  // a positive multiple of num_kv_heads
+  int32_t num_kv_heads = 0;
+  int32_t count = 0;
+  int32_t kernel_size = 1;  // odd, >= 1
+  PoolKind kind = PoolKind::kAvg;
+  float* out = nullptr;  // out: [rows][count]
+};
+
 // CAOTE output-error scores (policies/caote.md §3): for every row r, reading the values of kv
 // head r / (rows / num_kv_heads), with alpha[r][:] >= 0 summing to 1 (the caller normalises):
 //   X_r = sum_s alpha[r][s] * v_s (exact) or the plain mean of the row's values (fast),
@@ -197,6 +231,14 @@ class Backend {
   // The scaled logits AttentionProbs normalises, written to `probs`: l[q][i][s] as defined there,
   // -inf where masked (OmniKV's "last" selector ranks raw logits across heads). Same validation.
   virtual absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream stream) = 0;
+  // AttentionSumsJob; validated as AttentionProbs (with `sums` in place of `probs`). The default
+  // computes AttentionProbs into host memory and sums there: right for backends that compute
+  // on host memory (test wrappers); device backends override it.
+  virtual absl::Status AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs, Stream stream);
+  // PoolJob. INVALID_ARGUMENT naming the job index and field for malformed jobs (shape, kernel,
+  // an order entry out of range); nothing is written then. The default computes on host memory
+  // (gpu/cpu/pool_cpu.h): right for host backends; device backends override it.
+  virtual absl::Status PoolScores(absl::Span<const PoolJob> jobs, Stream stream);
   virtual absl::Status CopyHostRows(absl::Span<const HostRowCopyJob> jobs, Stream stream) = 0;
   virtual absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream stream) = 0;
   virtual absl::Status NearestKeys(absl::Span<const NearestKeyJob> jobs, Stream stream) = 0;

@@ -23,6 +23,7 @@
 #include "gpu/cpu/copy_cpu.h"       // ValidateRowCopyJob, ValidateHostRowCopyJob
 #include "gpu/cpu/keydiff_cpu.h"    // ValidateKeyDiffJob
 #include "gpu/cpu/merge_cpu.h"      // ValidateNearestKeyJob, ValidateRowMergeJob
+#include "gpu/cpu/pool_cpu.h"       // ValidatePoolJob
 #include "gpu/cpu/topk_cpu.h"       // ValidateTopKJob
 
 namespace kvs {
@@ -236,6 +237,73 @@ class StagingBackend final : public Backend {
   }
   absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream stream) override {
     return Attention(jobs, stream, &Backend::AttentionLogits);
+  }
+
+  absl::Status PoolScores(absl::Span<const PoolJob> jobs, Stream stream) override {
+    Stager stager(*memory_);
+    std::vector<PoolJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const PoolJob& job = jobs[i];
+      const std::string context = absl::StrCat("pool job ", i);
+      PoolJob host = job;
+      std::vector<int32_t> lengths, order;
+      if (job.count > 0 && job.num_kv_heads > 0) {
+        KVS_ASSIGN_OR_RETURN(host.lengths, HostReadable(job.lengths, job.num_kv_heads, lengths,
+                                                        context, "lengths", stream));
+        KVS_ASSIGN_OR_RETURN(host.order,
+                             HostReadable(job.order, int64_t{job.num_kv_heads} * job.count, order,
+                                          context, "order", stream));
+      }
+      KVS_RETURN_IF_ERROR(ValidatePoolJob(host, i));
+      if (job.count == 0) continue;  // nothing is read or written
+      PoolJob& d = device_jobs.emplace_back(job);
+      KVS_ASSIGN_OR_RETURN(const uint64_t values, Elements({job.rows, job.count}, context, "in"));
+      KVS_ASSIGN_OR_RETURN(const uint64_t slots,
+                           Elements({job.num_kv_heads, job.count}, context, "order"));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.in, job.in, values));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.order, job.order, slots));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.lengths, job.lengths, job.num_kv_heads));
+      KVS_RETURN_IF_ERROR(stager.Output(&d.out, job.out, values));
+    }
+    return Run(stager, device_jobs, stream, &Backend::PoolScores);
+  }
+
+  absl::Status AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs,
+                                   Stream stream) override {
+    Stager stager(*memory_);
+    std::vector<AttentionSumsJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const AttentionSumsJob& job = jobs[i];
+      const AttentionJob& a = job.attention;
+      const std::string context = absl::StrCat("attention job ", i);
+      AttentionSumsJob host = job;
+      std::vector<int32_t> table;
+      KVS_ASSIGN_OR_RETURN(host.attention.keys.block_table,
+                           HostTable(a.keys, table, context, "keys", stream));
+      KVS_RETURN_IF_ERROR(ValidateAttentionSumsJob(host, i));
+      if (a.keys.count == 0) continue;  // nothing is read or written
+      KVS_RETURN_IF_ERROR(CheckArena(a.keys.arena, context, "keys.arena"));
+      AttentionSumsJob& d = device_jobs.emplace_back(job);
+      d.attention.probs = nullptr;
+      const PagedLayerView& v = a.keys;
+      KVS_ASSIGN_OR_RETURN(const uint64_t key_positions,
+                           Elements({v.num_kv_heads, v.count}, context, "key_positions"));
+      KVS_ASSIGN_OR_RETURN(
+          const uint64_t queries,
+          Elements({a.num_q_heads, a.num_queries, v.head_dim}, context, "queries"));
+      KVS_ASSIGN_OR_RETURN(const uint64_t sums,
+                           Elements({a.num_q_heads, v.count}, context, "sums"));
+      KVS_RETURN_IF_ERROR(
+          stager.Input(&d.attention.keys.block_table, v.block_table, TableEntries(v)));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.attention.key_positions, a.key_positions, key_positions));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.attention.queries, a.queries, queries));
+      KVS_RETURN_IF_ERROR(
+          stager.Input(&d.attention.query_positions, a.query_positions, a.num_queries));
+      KVS_RETURN_IF_ERROR(stager.Output(&d.sums, job.sums, sums));
+    }
+    return Run(stager, device_jobs, stream, &Backend::AttentionColumnSums);
   }
 
   absl::Status CopyHostRows(absl::Span<const HostRowCopyJob> jobs, Stream stream) override {

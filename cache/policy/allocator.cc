@@ -659,92 +659,85 @@ double CakeLogPreference(const CakeMeasure& measure, double tau1, double tau2) {
   return std::log(measure.entropy) / tau1 + std::log(measure.shift) / tau2;
 }
 
-std::vector<int32_t> CakeAllocate(absl::Span<const double> log_preferences, int64_t total,
-                                  absl::Span<const int32_t> caps, int32_t floor, bool final) {
-  const size_t n = std::min(log_preferences.size(), caps.size());
-  std::vector<int32_t> budgets(n, 0);
-  if (n == 0) return budgets;
-  std::vector<double> cap(n), low(n);
-  int64_t sum_caps = 0;
-  double sum_floors = 0.0;
+namespace {
+
+// CakeAllocate's preference weights: relative to the largest log preference, so exp never
+// overflows and tiny ones underflow to 0. NaN counts as -inf (no preference, weight 0).
+std::vector<double> CakeWeights(absl::Span<const double> log_preferences, size_t n) {
+  double top = -std::numeric_limits<double>::infinity();
   for (size_t l = 0; l < n; ++l) {
-    cap[l] = std::max(caps[l], 0);
-    low[l] = std::min(static_cast<double>(std::max(floor, 0)), cap[l]);
-    sum_caps += std::max(caps[l], 0);
-    sum_floors += low[l];
+    if (!std::isnan(log_preferences[l])) top = std::max(top, log_preferences[l]);
   }
-  const int64_t target = std::clamp<int64_t>(total, 0, sum_caps);
-
-  std::vector<double> x(n, 0.0);
-  if (static_cast<double>(target) <= sum_floors) {
-    // Not even the floors fit: split uniformly (under each layer's floor).
-    x = EqualFill(static_cast<double>(target), low);
-  } else {
-    // Preferences relative to the largest: exp never overflows, tiny ones underflow to 0.
-    // NaN counts as -inf (no preference).
-    double top = -std::numeric_limits<double>::infinity();
+  std::vector<double> weight(n, 0.0);
+  if (top > -std::numeric_limits<double>::infinity()) {
     for (size_t l = 0; l < n; ++l) {
-      if (!std::isnan(log_preferences[l])) top = std::max(top, log_preferences[l]);
-    }
-    std::vector<double> weight(n, 0.0);
-    if (top > -std::numeric_limits<double>::infinity()) {
-      for (size_t l = 0; l < n; ++l) {
-        const double lp = log_preferences[l];
-        if (std::isnan(lp)) continue;
-        weight[l] = lp == top ? 1.0 : std::exp(lp - top);
-      }
-    }
-    x = low;
-    double remaining = static_cast<double>(target) - sum_floors;
-    // Water-filling over the layers with a preference: lambda over the uncapped ones, pin the
-    // layers whose share reaches their headroom, repeat.
-    std::vector<bool> pinned(n, false);
-    while (remaining > 0.0) {
-      double weights = 0.0;
-      for (size_t l = 0; l < n; ++l) {
-        if (!pinned[l] && weight[l] > 0.0) weights += weight[l];
-      }
-      if (weights <= 0.0) break;
-      const double lambda = remaining / weights;
-      bool pinned_any = false;
-      for (size_t l = 0; l < n; ++l) {
-        if (!pinned[l] && weight[l] > 0.0 && lambda * weight[l] >= cap[l] - low[l]) {
-          pinned[l] = true;
-          x[l] = cap[l];
-          remaining -= cap[l] - low[l];
-          pinned_any = true;
-        }
-      }
-      if (!pinned_any) {
-        for (size_t l = 0; l < n; ++l) {
-          if (!pinned[l] && weight[l] > 0.0) x[l] = low[l] + lambda * weight[l];
-        }
-        remaining = 0.0;
-      }
-    }
-    if (remaining > 0.0) {
-      // Every layer with a preference is capped: the layers without one share the rest equally.
-      std::vector<size_t> rest;
-      std::vector<double> headroom;
-      for (size_t l = 0; l < n; ++l) {
-        if (!pinned[l]) {
-          rest.push_back(l);
-          headroom.push_back(cap[l] - low[l]);
-        }
-      }
-      const std::vector<double> extra = EqualFill(remaining, headroom);
-      for (size_t i = 0; i < rest.size(); ++i) x[rest[i]] = low[rest[i]] + extra[i];
+      const double lp = log_preferences[l];
+      if (std::isnan(lp)) continue;
+      weight[l] = lp == top ? 1.0 : std::exp(lp - top);
     }
   }
+  return weight;
+}
 
+// Shares above the floors `low`: water-filling of `remaining` over the layers with a weight
+// (lambda over the uncapped ones, pin the layers whose share reaches their headroom, repeat);
+// when every layer with a weight is capped, the layers without one share the rest equally.
+std::vector<double> CakeWaterFill(const std::vector<double>& weight, const std::vector<double>& low,
+                                  const std::vector<double>& cap, double remaining) {
+  const size_t n = weight.size();
+  std::vector<double> x = low;
+  std::vector<bool> pinned(n, false);
+  while (remaining > 0.0) {
+    double weights = 0.0;
+    for (size_t l = 0; l < n; ++l) {
+      if (!pinned[l] && weight[l] > 0.0) weights += weight[l];
+    }
+    if (weights <= 0.0) break;
+    const double lambda = remaining / weights;
+    bool pinned_any = false;
+    for (size_t l = 0; l < n; ++l) {
+      if (!pinned[l] && weight[l] > 0.0 && lambda * weight[l] >= cap[l] - low[l]) {
+        pinned[l] = true;
+        x[l] = cap[l];
+        remaining -= cap[l] - low[l];
+        pinned_any = true;
+      }
+    }
+    if (!pinned_any) {
+      for (size_t l = 0; l < n; ++l) {
+        if (!pinned[l] && weight[l] > 0.0) x[l] = low[l] + lambda * weight[l];
+      }
+      remaining = 0.0;
+    }
+  }
+  if (remaining > 0.0) {
+    std::vector<size_t> rest;
+    std::vector<double> headroom;
+    for (size_t l = 0; l < n; ++l) {
+      if (!pinned[l]) {
+        rest.push_back(l);
+        headroom.push_back(cap[l] - low[l]);
+      }
+    }
+    const std::vector<double> extra = EqualFill(remaining, headroom);
+    for (size_t i = 0; i < rest.size(); ++i) x[rest[i]] = low[rest[i]] + extra[i];
+  }
+  return x;
+}
+
+// Whole budgets from the shares x: rounded up (a cascade stage that is not final), or floors
+// plus +1 to the largest fractional parts up to `target` (ties to the lower layer), never
+// above the cap.
+std::vector<int32_t> CakeRound(const std::vector<double>& x, const std::vector<double>& cap,
+                               int64_t target, bool final) {
+  const size_t n = x.size();
+  std::vector<int32_t> budgets(n, 0);
   if (!final) {
     for (size_t l = 0; l < n; ++l) {
       budgets[l] = static_cast<int32_t>(std::clamp(std::ceil(x[l] - kRoundTolerance), 0.0, cap[l]));
     }
     return budgets;
   }
-  // Largest remainder: floors, then +1 to the largest fractional parts (ties to the lower
-  // layer), never above the cap.
   std::vector<double> fraction(n, 0.0);
   int64_t assigned = 0;
   for (size_t l = 0; l < n; ++l) {
@@ -766,6 +759,31 @@ std::vector<int32_t> CakeAllocate(absl::Span<const double> log_preferences, int6
     ++budgets[best];
   }
   return budgets;
+}
+
+}  // namespace
+
+std::vector<int32_t> CakeAllocate(absl::Span<const double> log_preferences, int64_t total,
+                                  absl::Span<const int32_t> caps, int32_t floor, bool final) {
+  const size_t n = std::min(log_preferences.size(), caps.size());
+  if (n == 0) return {};
+  std::vector<double> cap(n), low(n);
+  int64_t sum_caps = 0;
+  double sum_floors = 0.0;
+  for (size_t l = 0; l < n; ++l) {
+    cap[l] = std::max(caps[l], 0);
+    low[l] = std::min(static_cast<double>(std::max(floor, 0)), cap[l]);
+    sum_caps += std::max(caps[l], 0);
+    sum_floors += low[l];
+  }
+  const int64_t target = std::clamp<int64_t>(total, 0, sum_caps);
+  // Not even the floors fit: split uniformly (under each layer's floor).
+  const std::vector<double> x =
+      static_cast<double>(target) <= sum_floors
+          ? EqualFill(static_cast<double>(target), low)
+          : CakeWaterFill(CakeWeights(log_preferences, n), low, cap,
+                          static_cast<double>(target) - sum_floors);
+  return CakeRound(x, cap, target, final);
 }
 
 }  // namespace kvs

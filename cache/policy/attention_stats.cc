@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "gpu/cpu/avx2_util.h"
+#include "gpu/base/status_macros.h"
 
 namespace kvs {
 
@@ -32,12 +32,12 @@ absl::Status CheckLayerStep(absl::string_view policy, const LayerStep& layer) {
                                                    " must be >= 1 for policy ", policy, ", got ",
                                                    layer.num_queries));
   }
-  const int64_t expected = q_heads * layer.num_queries * count;
+  const int64_t rows = layer.summed_rows > 0 ? 1 : layer.num_queries;
+  const int64_t expected = q_heads * rows * count;
   if (static_cast<int64_t>(layer.probs.size()) != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("attention of layer ", layer.layer, ": policy ",
-                                                   policy, " expected ", q_heads, " x ",
-                                                   layer.num_queries, " x ", count, " = ", expected,
-                                                   " probabilities, got ", layer.probs.size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention of layer ", layer.layer, ": policy ", policy, " expected ", q_heads, " x ", rows,
+        " x ", count, " = ", expected, " probabilities, got ", layer.probs.size()));
   }
   // Keys in the arena are whatever the worker wrote, so computed probabilities are checked as
   // well. The branch-free block loop vectorises, which keeps the scan far below the cost of the
@@ -212,127 +212,38 @@ void SlotsByPosition(const int32_t* positions, int32_t count, const uint8_t* eli
   }
 }
 
-namespace {
-
-// The whole-window passes of PoolByPosition over `interior` interleaved values: one pass per
-// window offset, each element added (or compared) in the same order whatever the vector width,
-// so both builds below give the same bits. Compiled once for baseline x86-64 and once with AVX2
-// (no FMA: nothing here may be contracted), picked at run time.
-__attribute__((always_inline)) inline void WindowPasses(const float* first, int64_t interior,
-                                                        int32_t group, int32_t half,
-                                                        Pooling pooling, float* pooled_max,
-                                                        double* pooled_sum) {
-  if (pooling == Pooling::kMax) {
-    for (int64_t i = 0; i < interior; ++i) pooled_max[i] = first[i];
-    for (int32_t t = 1; t <= 2 * half; ++t) {
-      const float* shifted = first + int64_t{t} * group;
-      for (int64_t i = 0; i < interior; ++i) {
-        pooled_max[i] = pooled_max[i] < shifted[i] ? shifted[i] : pooled_max[i];  // std::max
-      }
-    }
-  } else {
-    for (int64_t i = 0; i < interior; ++i) pooled_sum[i] = first[i];
-    for (int32_t t = 1; t <= 2 * half; ++t) {
-      const float* shifted = first + int64_t{t} * group;
-      for (int64_t i = 0; i < interior; ++i) pooled_sum[i] += shifted[i];
-    }
-  }
-}
-
-__attribute__((target("avx2"))) void WindowPassesAvx2(const float* first, int64_t interior,
-                                                      int32_t group, int32_t half, Pooling pooling,
-                                                      float* pooled_max, double* pooled_sum) {
-  WindowPasses(first, interior, group, half, pooling, pooled_max, pooled_sum);
-}
-
-void WindowPassesBaseline(const float* first, int64_t interior, int32_t group, int32_t half,
-                          Pooling pooling, float* pooled_max, double* pooled_sum) {
-  WindowPasses(first, interior, group, half, pooling, pooled_max, pooled_sum);
-}
-
-}  // namespace
-
-void PoolByPosition(absl::Span<const float> in, int32_t rows, int32_t num_kv_heads, int32_t count,
-                    absl::Span<const int32_t> positions, absl::Span<const uint8_t> eligible,
-                    int32_t kernel_size, Pooling pooling, absl::Span<float> out) {
+absl::Status PoolByPosition(Backend& backend, absl::Span<const float> in, int32_t rows,
+                            int32_t num_kv_heads, int32_t count,
+                            absl::Span<const int32_t> positions, absl::Span<const uint8_t> eligible,
+                            int32_t kernel_size, Pooling pooling, absl::Span<float> out) {
   const int64_t n = count;
-  const int32_t heads = std::max(1, num_kv_heads);
-  const int32_t rows_per_head = std::max(1, rows / heads);
-  const int32_t half = kernel_size / 2;
-  std::vector<int32_t> order;       // eligible slots of the head, by position
-  std::vector<int32_t> kept_as_is;  // the head's other slots, which keep their input value
-  std::vector<int32_t> by_offset;
-  // The rows of one head share its position order: they are gathered interleaved ([m][group]),
-  // so every window pass below is one contiguous, vectorisable loop over all of them.
-  std::vector<float> sequence;
-  std::vector<float> pooled_max;
-  std::vector<double> pooled_sum;
-  for (int32_t first_row = 0; first_row < rows; first_row += rows_per_head) {
-    const int32_t head = std::min(first_row / rows_per_head, heads - 1);
-    const int32_t group = std::min(rows_per_head, rows - first_row);
-    SlotsByPosition(positions.data() + int64_t{head} * n, count,
-                    eligible.empty() ? nullptr : eligible.data() + int64_t{head} * n, by_offset,
+  // The position order of each head's eligible slots: bookkeeping on positions, kept here; the
+  // pooling of the values is the backend's (PoolJob).
+  thread_local std::vector<int32_t> orders;
+  thread_local std::vector<int32_t> lengths;
+  thread_local std::vector<int32_t> order;
+  thread_local std::vector<int32_t> by_offset;
+  orders.resize(static_cast<size_t>(std::max(num_kv_heads, 0) * n));
+  lengths.assign(static_cast<size_t>(std::max(num_kv_heads, 0)), 0);
+  for (int32_t h = 0; h < num_kv_heads; ++h) {
+    SlotsByPosition(positions.data() + int64_t{h} * n, count,
+                    eligible.empty() ? nullptr : eligible.data() + int64_t{h} * n, by_offset,
                     order);
-    const int32_t m = static_cast<int32_t>(order.size());
-    const float* src = in.data() + int64_t{first_row} * n;
-    float* dst = out.data() + int64_t{first_row} * n;
-    // Every eligible slot is written below; the rest (a decode step's window: a few slots) are
-    // copied one by one rather than copying whole rows first.
-    if (!eligible.empty()) {
-      kept_as_is.clear();
-      const uint8_t* head_eligible = eligible.data() + int64_t{head} * n;
-      for (int32_t s = 0; s < count; ++s) {
-        if (head_eligible[s] == 0) kept_as_is.push_back(s);
-      }
-      for (int32_t g = 0; g < group; ++g) {
-        for (int32_t s : kept_as_is) dst[g * n + s] = src[g * n + s];
-      }
-    }
-    sequence.resize(static_cast<size_t>(m) * group);
-    for (int32_t j = 0; j < m; ++j) {
-      for (int32_t g = 0; g < group; ++g) sequence[int64_t{j} * group + g] = src[g * n + order[j]];
-    }
-    // Windows cut by either end of the sequence, one by one.
-    auto edge = [&](int32_t j) {
-      const int32_t lo = std::max(0, j - half);
-      const int32_t hi = std::min(m - 1, j + half);
-      for (int32_t g = 0; g < group; ++g) {
-        float best = -std::numeric_limits<float>::infinity();
-        double sum = 0.0;
-        for (int32_t t = lo; t <= hi; ++t) {
-          const float v = sequence[int64_t{t} * group + g];
-          best = std::max(best, v);
-          sum += v;
-        }
-        dst[g * n + order[j]] =
-            pooling == Pooling::kMax ? best : static_cast<float>(sum / kernel_size);
-      }
-    };
-    const int32_t interior_begin = std::min(half, m);
-    const int32_t interior_end = std::max(interior_begin, m - half);
-    for (int32_t j = 0; j < interior_begin; ++j) edge(j);
-    for (int32_t j = interior_end; j < m; ++j) edge(j);
-    // Whole windows: one pass per window offset, adding (or comparing) in the same order as a
-    // window-by-window loop, so the result is the same to the bit.
-    const int64_t interior = int64_t{interior_end - interior_begin} * group;
-    if (interior == 0) continue;
-    const float* first = sequence.data() + int64_t{interior_begin - half} * group;
-    if (pooling == Pooling::kMax) {
-      pooled_max.resize(static_cast<size_t>(interior));
-    } else {
-      pooled_sum.resize(static_cast<size_t>(interior));
-    }
-    (CpuSupportsAvx2() ? WindowPassesAvx2 : WindowPassesBaseline)(
-        first, interior, group, half, pooling, pooled_max.data(), pooled_sum.data());
-    for (int32_t j = interior_begin; j < interior_end; ++j) {
-      const int64_t at = int64_t{j - interior_begin} * group;
-      for (int32_t g = 0; g < group; ++g) {
-        dst[g * n + order[j]] = pooling == Pooling::kMax
-                                    ? pooled_max[at + g]
-                                    : static_cast<float>(pooled_sum[at + g] / kernel_size);
-      }
-    }
+    std::copy(order.begin(), order.end(), orders.begin() + int64_t{h} * n);
+    lengths[h] = static_cast<int32_t>(order.size());
   }
+  PoolJob job;
+  job.in = in.data();
+  job.order = orders.data();
+  job.lengths = lengths.data();
+  job.rows = rows;
+  job.num_kv_heads = num_kv_heads;
+  job.count = count;
+  job.kernel_size = kernel_size;
+  job.kind = pooling == Pooling::kMax ? PoolKind::kMax : PoolKind::kAvg;
+  job.out = out.data();
+  KVS_RETURN_IF_ERROR(backend.PoolScores({&job, 1}, nullptr));
+  return backend.Synchronize(nullptr);
 }
 
 }  // namespace kvs

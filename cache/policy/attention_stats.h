@@ -17,6 +17,7 @@
 #include "absl/types/span.h"
 #include "cache/policy/policy.h"
 #include "cache/policy/policy_config.h"
+#include "gpu/backend.h"
 
 namespace kvs {
 
@@ -60,10 +61,13 @@ void SlotsByPosition(const int32_t* positions, int32_t count, const uint8_t* eli
 //   kAvg: (1/k) * sum_{t=-k/2}^{k/2} in at the (j+t)-th eligible slot, 0 outside (zero padding
 //         counted in the divisor, as torch avg_pool1d with count_include_pad);
 //   kMax: the max over the same neighbours that exist.
-// Slots that are not eligible are copied through unchanged. kernel_size is odd and >= 1.
-void PoolByPosition(absl::Span<const float> in, int32_t rows, int32_t num_kv_heads, int32_t count,
-                    absl::Span<const int32_t> positions, absl::Span<const uint8_t> eligible,
-                    int32_t kernel_size, Pooling pooling, absl::Span<float> out);
+// Slots that are not eligible are copied through unchanged. kernel_size is odd and >= 1. The
+// position order is worked out here; the pooling is Backend::PoolScores (synchronised before
+// returning). `in` and `out` are host memory the backend can compute on; they do not overlap.
+absl::Status PoolByPosition(Backend& backend, absl::Span<const float> in, int32_t rows,
+                            int32_t num_kv_heads, int32_t count,
+                            absl::Span<const int32_t> positions, absl::Span<const uint8_t> eligible,
+                            int32_t kernel_size, Pooling pooling, absl::Span<float> out);
 
 }  // namespace kvs
 

@@ -96,7 +96,7 @@ AttentionRequirement CakePolicy::ScorerAttention(Phase phase) const {
   return AttentionRequirement{true, phase == Phase::kPrefill ? cake_.window : 1};
 }
 
-absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
+absl::Status CakePolicy::ObserveLayers(Backend& backend, Phase phase,
                                        absl::Span<const LayerStep> layers) const {
   std::vector<float> rows;
   std::vector<float> pooled;
@@ -136,8 +136,8 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
       for (int64_t j = 0; j < heads * n; ++j) {
         eligible[j] = step.positions[j] < first_window_position ? 1 : 0;
       }
-      PoolByPosition(rows, hq, heads, count, step.positions, eligible, cake_.kernel_size,
-                     Pooling::kAvg, absl::MakeSpan(pooled));
+      KVS_RETURN_IF_ERROR(PoolByPosition(backend, rows, hq, heads, count, step.positions, eligible,
+                                         cake_.kernel_size, Pooling::kAvg, absl::MakeSpan(pooled)));
       std::vector<float>& indicator = step.state->indicator;
       indicator.assign(static_cast<size_t>(heads) * n, 0.0f);
       GqaMean(pooled, hq, heads, count, absl::MakeSpan(indicator));
@@ -170,8 +170,9 @@ absl::Status CakePolicy::ObserveLayers(Backend&, Phase phase,
     // Window slots keep the unpooled probabilities; PoolByPosition writes every slot.
     std::vector<float>& scores = step.state->step_scores;
     scores.resize(static_cast<size_t>(hq) * n);
-    PoolByPosition(last_rows, hq, heads, count, step.positions, eligible, cake_.kernel_size,
-                   Pooling::kAvg, absl::MakeSpan(scores));
+    KVS_RETURN_IF_ERROR(PoolByPosition(backend, last_rows, hq, heads, count, step.positions,
+                                       eligible, cake_.kernel_size, Pooling::kAvg,
+                                       absl::MakeSpan(scores)));
   }
   return absl::OkStatus();
 }

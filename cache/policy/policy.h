@@ -44,6 +44,10 @@ struct AttentionRequirement {
   // Only the last n queries of the step matter (0 = every query); the sequence may then compute
   // probabilities for those rows only.
   int32_t trailing_queries = 0;
+  // Only the column sums of those rows' probabilities are read (SnapKV's vote): the sequence may
+  // then have the backend sum them as it computes them (Backend::AttentionColumnSums) and pass
+  // LayerStep::summed_rows instead of every row.
+  bool column_sums = false;
 };
 
 // Per-layer policy state of one sequence. Slot-aligned arrays are [rows][count] in slot order
@@ -94,6 +98,9 @@ struct LayerStep {
   absl::Span<const int32_t> query_positions;  // [num_queries]
   // Queries the step had in all (>= num_queries): SnapKV's w' = min(window, step_queries).
   int32_t step_queries = 0;
+  // 0: `probs` holds every row as above. n > 0 (a policy whose requirement asked for column_sums):
+  // `probs` is [Hq][1][count], the sum of the probabilities of the n = num_queries trailing rows.
+  int32_t summed_rows = 0;
   LayerPolicyState* state = nullptr;
 };
 

@@ -14,7 +14,7 @@ namespace kvs {
 SnapKvPolicy::SnapKvPolicy(const PolicyConfig& config, const SnapKvConfig& params)
     : AttentionScoredPolicy(config, MakeLayerAllocator(config)), params_(params) {}
 
-absl::Status SnapKvPolicy::ObserveLayers(Backend&, Phase,
+absl::Status SnapKvPolicy::ObserveLayers(Backend& backend, Phase,
                                          absl::Span<const LayerStep> layers) const {
   std::vector<float> sums;
   std::vector<uint8_t> eligible;
@@ -32,9 +32,15 @@ absl::Status SnapKvPolicy::ObserveLayers(Backend&, Phase,
           " needs the last ", window, " queries of the step, got ", layer.num_queries));
     }
     const int64_t size = int64_t{layer.num_q_heads} * count;
-    // A decode step's one query: its probabilities are the window sums already.
+    // A decode step's one query: its probabilities are the window sums already; so are
+    // probabilities the backend summed over exactly the window.
     absl::Span<const float> window_sums = layer.probs;
-    if (window != 1 || layer.num_queries != 1) {
+    if (layer.summed_rows > 0 && layer.summed_rows != window) {
+      return absl::InternalError(absl::StrCat("policy ", config().name, ": layer ", layer.layer,
+                                              " carries sums of ", layer.summed_rows,
+                                              " query rows for a window of ", window));
+    }
+    if (layer.summed_rows == 0 && (window != 1 || layer.num_queries != 1)) {
       sums.resize(static_cast<size_t>(size));  // SumQueryRows clears what it sums into
       SumQueryRows(layer.probs, layer.num_q_heads, layer.num_queries, count, window,
                    /*accumulate=*/false, absl::MakeSpan(sums));
@@ -55,8 +61,9 @@ absl::Status SnapKvPolicy::ObserveLayers(Backend&, Phase,
     }
     std::vector<float>& scores = layer.state->step_scores;
     scores.resize(static_cast<size_t>(size));  // PoolByPosition writes every slot
-    PoolByPosition(window_sums, layer.num_q_heads, heads, count, layer.positions, eligible,
-                   params_.kernel_size, params_.pooling, absl::MakeSpan(scores));
+    KVS_RETURN_IF_ERROR(PoolByPosition(backend, window_sums, layer.num_q_heads, heads, count,
+                                       layer.positions, eligible, params_.kernel_size,
+                                       params_.pooling, absl::MakeSpan(scores)));
     layer.state->step_protected_recent = window;
   }
   return absl::OkStatus();

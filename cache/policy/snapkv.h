@@ -37,7 +37,9 @@ class SnapKvPolicy final : public AttentionScoredPolicy {
                                     std::vector<float>& storage) const override;
 
  protected:
-  AttentionRequirement ScorerAttention(Phase) const override { return {true, params_.window}; }
+  AttentionRequirement ScorerAttention(Phase) const override {
+    return {.needed = true, .trailing_queries = params_.window, .column_sums = true};
+  }
   absl::Status ObserveLayers(Backend& backend, Phase phase,
                              absl::Span<const LayerStep> layers) const override;
   Protection Protect(Phase phase, const LayerSelection& layer) const override;

@@ -765,6 +765,202 @@ absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, Threa
   return absl::OkStatus();
 }
 
+namespace {
+
+// out[s] += e[s] * factor over n floats: the product NormalizeRow writes, then one add, so a sum
+// of these equals a sum of AttentionProbs' rows. AVX2 without FMA: nothing may be contracted.
+__attribute__((target("avx2"))) void AddScaledAvx2(float* out, const float* e, int64_t n,
+                                                   float factor) {
+  const __m256 f = _mm256_set1_ps(factor);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(e + j), f);
+    _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_loadu_ps(out + j), p));
+  }
+  for (; j < n; ++j) {
+    const float p = e[j] * factor;
+    out[j] += p;
+  }
+}
+
+void AddScaledScalar(float* out, const float* e, int64_t n, float factor) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = e[j] * factor;
+    out[j] += p;
+  }
+}
+
+// NormalizeRow's folding of a row's per-tile (max, sum) records, added into `out` (count floats)
+// instead of written over the row: the probabilities of the row never leave the cache.
+void AddNormalizedRow(const JobPlan& plan, const Records& records, int64_t row, float* out,
+                      bool avx2) {
+  const int64_t count = plan.job->keys.count;
+  const float* maxes = records.max + records.At(row, 0);
+  const float* sums = records.sum + records.At(row, 0);
+  const float* e = plan.job->probs + row * count;
+  float max = kNegInf;
+  for (int64_t t = 0; t < plan.tiles; ++t) max = std::max(max, maxes[t]);
+  if (max == kNegInf) return;  // every slot masked: probabilities 0
+  float sum = 0.0f;
+  for (int64_t t = 0; t < plan.tiles; ++t) {
+    if (sums[t] > 0.0f) sum += sums[t] * std::exp(maxes[t] - max);
+  }
+  const float inv = 1.0f / sum;
+  int64_t t = 0;
+  while (t < plan.tiles) {
+    if (sums[t] == 0.0f) {  // all zeros (masked)
+      ++t;
+      continue;
+    }
+    int64_t end = t + 1;
+    while (end < plan.tiles && maxes[end] == maxes[t] && sums[end] != 0.0f) ++end;
+    const float factor = std::exp(maxes[t] - max) * inv;
+    const int64_t begin_slot = t * kTile;
+    const int64_t end_slot = std::min<int64_t>(count, end * kTile);
+    if (avx2) {
+      AddScaledAvx2(out + begin_slot, e + begin_slot, end_slot - begin_slot, factor);
+    } else {
+      AddScaledScalar(out + begin_slot, e + begin_slot, end_slot - begin_slot, factor);
+    }
+    t = end;
+  }
+}
+
+// One task of RunAttentionColumnSums: kv heads [head_begin, head_end) of `job`. The window
+// kernel computes the heads' unnormalised exponentials into a per-thread buffer ([G*w][count]
+// per head: 4 MiB for 32 queries x 4 heads x 8K slots, which stays in the last-level cache),
+// and the normalisation adds each row straight into the sums.
+void ColumnSumsTask(const AttentionSumsJob& sums_job, int64_t head_begin, int64_t head_end,
+                    bool avx2) {
+  const AttentionJob& job = sums_job.attention;
+  const int64_t count = job.keys.count;
+  const int64_t group = job.num_q_heads / job.keys.num_kv_heads;
+  const int64_t w = job.num_queries;
+  const int64_t heads = head_end - head_begin;
+  const uint64_t row_bytes = static_cast<uint64_t>(job.keys.head_dim) * DTypeBytes(job.keys.dtype);
+  AttentionJob sub = job;
+  if (heads != job.keys.num_kv_heads) {
+    // One kv head as a one-head view: its rows of every block start at the head's offset.
+    sub.keys.arena +=
+        (static_cast<uint64_t>(job.keys.kv_index) * job.keys.num_kv_heads + head_begin) *
+        job.keys.block_tokens * row_bytes;
+    sub.keys.kv_index = 0;
+    sub.keys.num_kv_heads = static_cast<int32_t>(heads);
+    sub.num_q_heads = static_cast<int32_t>(heads * group);
+    sub.queries += head_begin * group * w * job.keys.head_dim;
+    sub.key_positions += head_begin * count;
+  }
+  thread_local std::vector<float> exps;
+  thread_local std::vector<float> buffer;
+  const int64_t task_rows = heads * group * w;
+  exps.resize(static_cast<size_t>(task_rows * count));
+  sub.probs = exps.data();
+  JobPlan plan;
+  plan.job = &sub;
+  plan.group = group;
+  plan.group_rows = group * w;
+  plan.tiles = (count + kTile - 1) / kTile;
+  plan.chunk_tiles = plan.tiles;
+  plan.chunks = 1;
+  plan.heads_per_task = heads;
+  plan.first_task = 0;
+  plan.row_bytes = row_bytes;
+  buffer.resize(static_cast<size_t>(2 * task_rows * plan.tiles));
+  const Records records{buffer.data(), buffer.data() + task_rows * plan.tiles, 0, plan.tiles};
+  RunTask(plan, records, 0, heads, 0, plan.tiles, avx2);
+  for (int64_t q = 0; q < heads * group; ++q) {
+    float* out = sums_job.sums + (head_begin * group + q) * count;
+    std::fill(out, out + count, 0.0f);
+    for (int64_t i = 0; i < w; ++i) AddNormalizedRow(plan, records, q * w + i, out, avx2);
+  }
+}
+
+}  // namespace
+
+absl::Status ValidateAttentionSumsJob(const AttentionSumsJob& job, size_t index) {
+  if (job.attention.keys.count > 0 && job.sums == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("attention job ", index, ": sums is null"));
+  }
+  AttentionJob check = job.attention;
+  check.probs = job.sums;  // the output the checks of AttentionProbs apply to
+  return ValidateAttentionJob(check, index);
+}
+
+absl::Status RunAttentionColumnSums(absl::Span<const AttentionSumsJob> jobs, ThreadPool& pool,
+                                    bool allow_avx2) {
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (auto status = ValidateAttentionSumsJob(jobs[i], i); !status.ok()) return status;
+  }
+  // One query row: its probabilities are its sums.
+  std::vector<AttentionJob> single;
+  // (job, first kv head, last kv head + 1): one kv head per task in the window kernel (8+ rows
+  // per head), every head of the job in the decode kernel.
+  struct Unit {
+    const AttentionSumsJob* job;
+    int64_t head_begin;
+    int64_t head_end;
+  };
+  std::vector<Unit> units;
+  uint64_t macs = 0;
+  for (const AttentionSumsJob& job : jobs) {
+    const AttentionJob& a = job.attention;
+    if (a.keys.count == 0) continue;
+    if (a.num_queries == 1) {
+      single.push_back(a);
+      single.back().probs = job.sums;
+      continue;
+    }
+    macs += static_cast<uint64_t>(a.num_q_heads) * a.num_queries * a.keys.count * a.keys.head_dim;
+    const int64_t group_rows = int64_t{a.num_q_heads / a.keys.num_kv_heads} * a.num_queries;
+    if (group_rows < 8) {
+      units.push_back({&job, 0, a.keys.num_kv_heads});
+    } else {
+      for (int64_t h = 0; h < a.keys.num_kv_heads; ++h) units.push_back({&job, h, h + 1});
+    }
+  }
+  if (!single.empty()) {
+    if (auto status = RunAttentionProbsWithIsa(single, pool, allow_avx2); !status.ok()) {
+      return status;
+    }
+  }
+  const bool avx2 = allow_avx2 && CpuSupportsAvx2();
+  const bool parallel = macs >= kParallelMinMacs && pool.num_threads() > 1;
+  pool.ParallelFor(
+      static_cast<int64_t>(units.size()),
+      [&](int64_t u) {
+        const Unit& unit = units[u];
+        const bool use_avx2 = avx2 && unit.job->attention.keys.head_dim % 8 == 0;
+        ColumnSumsTask(*unit.job, unit.head_begin, unit.head_end, use_avx2);
+      },
+      parallel ? 0 : 1);
+  return absl::OkStatus();
+}
+
+absl::Status Backend::AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs, Stream stream) {
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (auto status = ValidateAttentionSumsJob(jobs[i], i); !status.ok()) return status;
+  }
+  for (const AttentionSumsJob& job : jobs) {
+    const AttentionJob& a = job.attention;
+    if (a.keys.count == 0) continue;
+    const int64_t count = a.keys.count;
+    std::vector<float> probs(static_cast<size_t>(int64_t{a.num_q_heads} * a.num_queries * count));
+    AttentionJob full = a;
+    full.probs = probs.data();
+    if (auto status = AttentionProbs({&full, 1}, stream); !status.ok()) return status;
+    if (auto status = Synchronize(stream); !status.ok()) return status;
+    for (int64_t q = 0; q < a.num_q_heads; ++q) {
+      float* out = job.sums + q * count;
+      std::fill(out, out + count, 0.0f);
+      for (int64_t i = 0; i < a.num_queries; ++i) {
+        const float* row = probs.data() + (q * a.num_queries + i) * count;
+        for (int64_t s = 0; s < count; ++s) out[s] += row[s];
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RunAttentionProbs(absl::Span<const AttentionJob> jobs, ThreadPool& pool) {
   return RunAttentionProbsWithIsa(jobs, pool, /*allow_avx2=*/true);
 }

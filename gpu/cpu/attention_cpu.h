@@ -41,6 +41,15 @@ absl::Status RunAttentionLogits(absl::Span<const AttentionJob> jobs, ThreadPool&
 absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, ThreadPool& pool,
                                       bool allow_avx2);
 
+// Backend::AttentionColumnSums: validated like RunAttentionProbs (sums in place of probs), then
+// one task per (job, kv head) (per job when a head has fewer than 8 query rows) computes the
+// head's probabilities tile by tile with the window kernel into a per-thread buffer and adds the
+// normalised rows into `sums`; the probabilities never reach the caller's memory. Jobs of one
+// query row are AttentionProbs with probs = sums. `allow_avx2` false forces the scalar code.
+absl::Status ValidateAttentionSumsJob(const AttentionSumsJob& job, size_t index);
+absl::Status RunAttentionColumnSums(absl::Span<const AttentionSumsJob> jobs, ThreadPool& pool,
+                                    bool allow_avx2 = true);
+
 // Shared by the CPU kernels over paged layers (attention, CAOTE, nearest keys).
 
 // The row of (view.kv_index, head, slot) as gpu/backend.h lays it out.

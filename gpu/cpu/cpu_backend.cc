@@ -14,6 +14,7 @@
 #include "gpu/cpu/copy_cpu.h"
 #include "gpu/cpu/keydiff_cpu.h"
 #include "gpu/cpu/merge_cpu.h"
+#include "gpu/cpu/pool_cpu.h"
 #include "gpu/cpu/shm_arena.h"
 #include "gpu/cpu/thread_pool.h"
 #include "gpu/cpu/topk_cpu.h"
@@ -119,6 +120,12 @@ class CpuBackend final : public Backend {
 
   absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream) override {
     return RunAttentionProbs(jobs, pool_);
+  }
+  absl::Status AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs, Stream) override {
+    return RunAttentionColumnSums(jobs, pool_);
+  }
+  absl::Status PoolScores(absl::Span<const PoolJob> jobs, Stream) override {
+    return RunPoolScores(jobs, &pool_);
   }
   absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream) override {
     return RunAttentionLogits(jobs, pool_);

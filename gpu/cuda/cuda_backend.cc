@@ -27,6 +27,7 @@
 #include "gpu/cpu/copy_cpu.h"       // ValidateRowCopyJob, ValidateHostRowCopyJob
 #include "gpu/cpu/keydiff_cpu.h"    // ValidateKeyDiffJob
 #include "gpu/cpu/merge_cpu.h"      // ValidateNearestKeyJob, ValidateRowMergeJob
+#include "gpu/cpu/pool_cpu.h"       // ValidatePoolJob
 #include "gpu/cpu/topk_cpu.h"       // ValidateTopKJob
 #include "gpu/cuda/cuda_kernels.h"
 #include "gpu/cuda/cuda_status.h"
@@ -354,6 +355,69 @@ class CudaBackend final : public Backend {
   }
   absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream stream) override {
     return Attention(jobs, /*logits_only=*/true, stream);
+  }
+  absl::Status PoolScores(absl::Span<const PoolJob> jobs, Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const PoolJob& job = jobs[i];
+      const std::string context = absl::StrCat("pool job ", i);
+      PoolJob host = job;
+      std::vector<int32_t> lengths, order;
+      if (job.count > 0 && job.num_kv_heads > 0) {
+        // The validator reads both; negative shapes are its to report.
+        KVS_ASSIGN_OR_RETURN(lengths, Mirror(job.lengths, job.num_kv_heads, context, "lengths"));
+        KVS_ASSIGN_OR_RETURN(
+            order, Mirror(job.order, int64_t{job.num_kv_heads} * job.count, context, "order"));
+        host.lengths = job.lengths == nullptr ? nullptr : lengths.data();
+        host.order = job.order == nullptr ? nullptr : order.data();
+      }
+      KVS_RETURN_IF_ERROR(ValidatePoolJob(host, i));
+      if (job.count == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.in, context, "in"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.out, context, "out"));
+    }
+    for (const PoolJob& job : jobs) {
+      KVS_RETURN_IF_ERROR(
+          Launched(cuda::LaunchPool(job.in, job.order, job.lengths, job.rows, job.num_kv_heads,
+                                    job.count, job.kernel_size, job.kind == PoolKind::kMax ? 1 : 0,
+                                    job.out, ToStream(stream)),
+                   "PoolScores"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs,
+                                   Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const AttentionJob& job = jobs[i].attention;
+      const std::string context = absl::StrCat("attention job ", i);
+      std::vector<int32_t> table;
+      AttentionSumsJob host = jobs[i];
+      KVS_ASSIGN_OR_RETURN(host.attention.keys, MirrorView(job.keys, table, context, "keys"));
+      KVS_RETURN_IF_ERROR(ValidateAttentionSumsJob(host, i));
+      if (job.keys.count == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckViewAccessible(job.keys, context, "keys"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.key_positions, context, "key_positions"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.queries, context, "queries"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.query_positions, context, "query_positions"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(jobs[i].sums, context, "sums"));
+    }
+    for (const AttentionSumsJob& sums_job : jobs) {
+      const AttentionJob& job = sums_job.attention;
+      cuda::DevAttentionJob d;
+      d.keys = ToDev(job.keys);
+      d.key_positions = job.key_positions;
+      d.queries = job.queries;
+      d.query_positions = job.query_positions;
+      d.num_q_heads = job.num_q_heads;
+      d.num_queries = job.num_queries;
+      d.scale = job.scale;
+      KVS_RETURN_IF_ERROR(
+          Launched(cuda::LaunchAttentionColumnSums(d, sums_job.sums, ToStream(stream)),
+                   "AttentionColumnSums"));
+    }
+    return absl::OkStatus();
   }
 
   absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream stream) override {

@@ -487,6 +487,50 @@ __global__ void AttentionKernel(DevAttentionJob job, bool logits_only) {
   }
 }
 
+// Column sums of [rows][num_queries][count] probabilities: one thread per (row, slot), the
+// query rows added in ascending order (the CPU backend's order).
+__global__ void ColumnSumsKernel(const float* probs, int32_t num_q_heads, int32_t num_queries,
+                                 int64_t count, float* sums) {
+  const int64_t total = static_cast<int64_t>(num_q_heads) * count;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t q = idx / count;
+    const int64_t s = idx % count;
+    float sum = 0.0f;
+    for (int32_t i = 0; i < num_queries; ++i) sum += probs[(q * num_queries + i) * count + s];
+    sums[idx] = sum;
+  }
+}
+
+// Pooling along an order of slots (gpu/cpu/pool_cpu.cc): out already holds a copy of in.
+__global__ void PoolKernel(const float* in, const int32_t* order, const int32_t* lengths,
+                           int32_t rows, int32_t num_kv_heads, int64_t count, int32_t kernel_size,
+                           int kind, float* out) {
+  const int64_t total = static_cast<int64_t>(rows) * count;
+  const int32_t group = rows / num_kv_heads;
+  const int32_t half = kernel_size / 2;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = idx / count;
+    const int64_t j = idx % count;
+    const int64_t head = row / group;
+    const int32_t m = lengths[head];
+    if (j >= m) continue;
+    const int32_t* o = order + head * count;
+    const float* src = in + row * count;
+    const int64_t lo = j - half > 0 ? j - half : 0;
+    const int64_t hi = j + half < m - 1 ? j + half : m - 1;
+    float best = NegInf();
+    double sum = 0.0;
+    for (int64_t t = lo; t <= hi; ++t) {
+      const float v = src[o[t]];
+      best = StdMax(best, v);
+      sum += v;
+    }
+    out[row * count + o[j]] = kind == 1 ? best : static_cast<float>(sum / kernel_size);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // CAOTE (gpu/cpu/caote_cpu.cc ScoreHeadScalar): one block per row; X accumulates in double.
 
@@ -681,6 +725,43 @@ cudaError_t LaunchAttention(const DevAttentionJob& job, bool logits_only, cudaSt
   const int64_t rows = static_cast<int64_t>(job.num_q_heads) * job.num_queries;
   const size_t shared = static_cast<size_t>(job.keys.head_dim) * sizeof(float);
   AttentionKernel<<<GridFor(rows), kThreads, shared, stream>>>(job, logits_only);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAttentionColumnSums(const DevAttentionJob& job, float* sums,
+                                      cudaStream_t stream) {
+  if (job.keys.count == 0) return cudaSuccess;
+  const int64_t rows = static_cast<int64_t>(job.num_q_heads) * job.num_queries;
+  float* probs = nullptr;
+  cudaError_t error = cudaMallocAsync(reinterpret_cast<void**>(&probs),
+                                      static_cast<size_t>(rows * job.keys.count) * sizeof(float),
+                                      stream);
+  if (error != cudaSuccess) return error;
+  DevAttentionJob full = job;
+  full.out = probs;
+  const size_t shared = static_cast<size_t>(job.keys.head_dim) * sizeof(float);
+  AttentionKernel<<<GridFor(rows), kThreads, shared, stream>>>(full, false);
+  error = cudaGetLastError();
+  if (error == cudaSuccess) {
+    const int64_t outputs = static_cast<int64_t>(job.num_q_heads) * job.keys.count;
+    ColumnSumsKernel<<<GridFor((outputs + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        probs, job.num_q_heads, job.num_queries, job.keys.count, sums);
+    error = cudaGetLastError();
+  }
+  const cudaError_t freed = cudaFreeAsync(probs, stream);
+  return error != cudaSuccess ? error : freed;
+}
+
+cudaError_t LaunchPool(const float* in, const int32_t* order, const int32_t* lengths, int32_t rows,
+                       int32_t num_kv_heads, int32_t count, int32_t kernel_size, int kind,
+                       float* out, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  const int64_t total = static_cast<int64_t>(rows) * count;
+  cudaError_t error = cudaMemcpyAsync(out, in, static_cast<size_t>(total) * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream);
+  if (error != cudaSuccess) return error;
+  PoolKernel<<<GridFor((total + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      in, order, lengths, rows, num_kv_heads, count, kernel_size, kind, out);
   return cudaGetLastError();
 }
 

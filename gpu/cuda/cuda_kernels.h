@@ -64,6 +64,17 @@ struct DevAttentionJob {
 };
 // logits_only: write the scaled logits (-inf where masked) instead of the probabilities.
 cudaError_t LaunchAttention(const DevAttentionJob& job, bool logits_only, cudaStream_t stream);
+// sums[q][s] = the sum over the job's query rows i (ascending) of the probabilities
+// LaunchAttention writes; job.out is ignored. The probabilities go to a stream-ordered scratch
+// allocation freed on the same stream.
+cudaError_t LaunchAttentionColumnSums(const DevAttentionJob& job, float* sums, cudaStream_t stream);
+
+// PoolJob (gpu/backend.h): `in` copied to `out`, then one thread per (row, ordered slot)
+// computes its window in the CPU backend's order (fp64 sum ascending / `best < v` max). kind:
+// 0 = average, 1 = max.
+cudaError_t LaunchPool(const float* in, const int32_t* order, const int32_t* lengths, int32_t rows,
+                       int32_t num_kv_heads, int32_t count, int32_t kernel_size, int kind,
+                       float* out, cudaStream_t stream);
 
 cudaError_t LaunchCaote(const DevPagedView& values, const float* alpha, int32_t rows, bool fast,
                         float eps, float* scores, cudaStream_t stream);

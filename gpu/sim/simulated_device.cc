@@ -425,6 +425,36 @@ class SimBackend final : public Backend {
     KVS_ASSIGN_OR_RETURN(std::vector<AttentionJob> real, TranslateAttention(jobs));
     return cpu_->AttentionProbs(real, stream);
   }
+  absl::Status PoolScores(absl::Span<const PoolJob> jobs, Stream stream) override {
+    std::vector<PoolJob> real(jobs.begin(), jobs.end());
+    for (size_t i = 0; i < real.size(); ++i) {
+      PoolJob& j = real[i];
+      const Translator t(*state_, absl::StrCat("pool job ", i));
+      KVS_RETURN_IF_ERROR(t(j.in, Extent({j.rows, j.count}, 4), "in"));
+      KVS_RETURN_IF_ERROR(t(j.order, Extent({j.num_kv_heads, j.count}, 4), "order"));
+      KVS_RETURN_IF_ERROR(t(j.lengths, Extent({j.num_kv_heads}, 4), "lengths"));
+      KVS_RETURN_IF_ERROR(t(j.out, Extent({j.rows, j.count}, 4), "out"));
+    }
+    return cpu_->PoolScores(real, stream);
+  }
+  absl::Status AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs,
+                                   Stream stream) override {
+    std::vector<AttentionSumsJob> real(jobs.begin(), jobs.end());
+    for (size_t i = 0; i < real.size(); ++i) {
+      AttentionJob& a = real[i].attention;
+      const PagedLayerView& v = a.keys;
+      const Translator t(*state_, absl::StrCat("attention job ", i));
+      KVS_RETURN_IF_ERROR(
+          t(a.key_positions, Extent({v.num_kv_heads, v.count}, 4), "key_positions"));
+      KVS_RETURN_IF_ERROR(
+          t(a.queries, Extent({a.num_q_heads, a.num_queries, v.head_dim}, 4), "queries"));
+      KVS_RETURN_IF_ERROR(t(a.query_positions, Extent({a.num_queries}, 4), "query_positions"));
+      KVS_RETURN_IF_ERROR(t(real[i].sums, Extent({a.num_q_heads, v.count}, 4), "sums"));
+      KVS_RETURN_IF_ERROR(t.View(a.keys, "keys"));
+      a.probs = nullptr;  // not used by the sums
+    }
+    return cpu_->AttentionColumnSums(real, stream);
+  }
   absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream stream) override {
     KVS_ASSIGN_OR_RETURN(std::vector<AttentionJob> real, TranslateAttention(jobs));
     return cpu_->AttentionLogits(real, stream);

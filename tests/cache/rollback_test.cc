@@ -42,7 +42,16 @@ class FailingBackend final : public Backend {
     return cpu_->CopyRows(jobs, s);
   }
   absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream s) override {
+    probs_jobs += static_cast<int>(jobs.size());
     return cpu_->AttentionProbs(jobs, s);
+  }
+  absl::Status AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs, Stream s) override {
+    sums_jobs += static_cast<int>(jobs.size());
+    return cpu_->AttentionColumnSums(jobs, s);
+  }
+  absl::Status PoolScores(absl::Span<const PoolJob> jobs, Stream s) override {
+    pool_jobs += static_cast<int>(jobs.size());
+    return cpu_->PoolScores(jobs, s);
   }
   absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream s) override {
     return cpu_->AttentionLogits(jobs, s);
@@ -65,6 +74,10 @@ class FailingBackend final : public Backend {
   absl::Status Synchronize(Stream s) override { return cpu_->Synchronize(s); }
 
   std::atomic<bool> fail_topk{false};
+  // Jobs of the attention kernels the policies issued (one thread drives the pool here).
+  int probs_jobs = 0;
+  int sums_jobs = 0;
+  int pool_jobs = 0;
 
  private:
   std::unique_ptr<Backend> cpu_;
@@ -222,6 +235,25 @@ TEST_P(RollbackTest, FailedCommitAndCompressChangeNothing) {
   auto compressed = pool_->Compress(session_, "seq", params);
   ASSERT_TRUE(compressed.ok()) << compressed.status();
   for (const LayerCompressResult& layer : compressed->layers) EXPECT_EQ(layer.kept, kBudget);
+}
+
+// SnapKV reads only the column sums of its window: the backend sums the probabilities as it
+// computes them (never writing [Hq][w][count] out) and pools them; H2O still needs every row.
+TEST_P(RollbackTest, WindowVoteIsSummedAndPooledInsideTheBackend) {
+  CompressParams params;
+  params.attention = Query(4);
+  auto compressed = pool_->Compress(session_, "seq", params);
+  ASSERT_TRUE(compressed.ok()) << compressed.status();
+  for (const LayerCompressResult& layer : compressed->layers) EXPECT_EQ(layer.kept, kBudget);
+  if (GetParam() == "snapkv") {
+    EXPECT_EQ(backend_.probs_jobs, 0);
+    EXPECT_EQ(backend_.sums_jobs, layout_.num_layers);
+    EXPECT_EQ(backend_.pool_jobs, layout_.num_layers);
+  }
+  if (GetParam() == "h2o") {
+    EXPECT_EQ(backend_.probs_jobs, layout_.num_layers);
+    EXPECT_EQ(backend_.sums_jobs, 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(EvictingPolicies, RollbackTest,

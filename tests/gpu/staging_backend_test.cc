@@ -319,6 +319,105 @@ TEST_P(StagingTest, AttentionProbsAndLogitsBitIdentical) {
   }
 }
 
+TEST_P(StagingTest, AttentionColumnSumsMatchCpu) {
+  // The window vote through the staged device against the CPU backend's fused kernel: the device
+  // sums probabilities it computed itself, so agreement is to fp32 rounding, not to the bit.
+  const std::vector<Layer> layers = Layers(23);
+  std::mt19937 rng(10);
+  std::vector<std::vector<int32_t>> key_positions, query_positions;
+  std::vector<std::vector<float>> queries, cpu_out, dev_out;
+  std::vector<AttentionSumsJob> cpu_jobs, dev_jobs;
+  const int num_queries = 9;
+  for (const Layer& layer : layers) {
+    const PagedLayerView& v = layer.view;
+    const int q_heads = v.num_kv_heads * 3;
+    std::vector<int32_t> kp(static_cast<size_t>(v.num_kv_heads) * v.count);
+    for (size_t i = 0; i < kp.size(); ++i) kp[i] = static_cast<int32_t>(i % std::max(1, v.count));
+    key_positions.push_back(kp);
+    std::vector<int32_t> qp;
+    for (int i = 0; i < num_queries; ++i) qp.push_back(v.count * i / num_queries);
+    query_positions.push_back(qp);
+    queries.push_back(RandomFloats(static_cast<size_t>(q_heads) * num_queries * v.head_dim, rng));
+    cpu_out.emplace_back(static_cast<size_t>(q_heads) * v.count, -1.0f);
+    dev_out.emplace_back(static_cast<size_t>(q_heads) * v.count, -2.0f);
+  }
+  for (size_t i = 0; i < layers.size(); ++i) {
+    AttentionSumsJob job;
+    job.attention.num_q_heads = layers[i].view.num_kv_heads * 3;
+    job.attention.num_queries = num_queries;
+    job.attention.scale = 0.125f;
+    job.attention.key_positions = key_positions[i].data();
+    job.attention.queries = queries[i].data();
+    job.attention.query_positions = query_positions[i].data();
+    job.attention.keys = layers[i].On(cpu_base());
+    job.sums = cpu_out[i].data();
+    cpu_jobs.push_back(job);
+    job.attention.keys = layers[i].On(dev_base());
+    job.sums = dev_out[i].data();
+    dev_jobs.push_back(job);
+  }
+  ASSERT_TRUE(cpu_->AttentionColumnSums(cpu_jobs, nullptr).ok());
+  ASSERT_TRUE(staged_->AttentionColumnSums(dev_jobs, nullptr).ok());
+  for (size_t i = 0; i < cpu_out.size(); ++i) {
+    ASSERT_EQ(dev_out[i].size(), cpu_out[i].size());
+    for (size_t k = 0; k < cpu_out[i].size(); ++k) {
+      ASSERT_NEAR(dev_out[i][k], cpu_out[i][k], 1e-5) << "job " << i << " value " << k;
+    }
+  }
+}
+
+TEST_P(StagingTest, PoolScoresBitIdentical) {
+  std::mt19937 rng(12);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  for (const int32_t count : {0, 1, 7, 130}) {
+    for (const int32_t kernel : {1, 3, 7}) {
+      for (const PoolKind kind : {PoolKind::kAvg, PoolKind::kMax}) {
+        const int32_t heads = 2, rows = 6;
+        std::vector<float> in(static_cast<size_t>(rows) * count);
+        for (float& v : in) v = uniform(rng);
+        std::vector<int32_t> order(static_cast<size_t>(heads) * count), lengths(heads);
+        for (int32_t h = 0; h < heads; ++h) {
+          std::vector<int32_t> slots(count);
+          std::iota(slots.begin(), slots.end(), 0);
+          std::shuffle(slots.begin(), slots.end(), rng);
+          lengths[h] = h == 0 ? count : count / 2;  // head 1: half its slots are passed through
+          std::copy(slots.begin(), slots.end(), order.begin() + int64_t{h} * count);
+        }
+        std::vector<float> cpu_out(in.size(), -1.0f), dev_out(in.size(), -2.0f);
+        PoolJob job{.in = in.data(),
+                    .order = order.data(),
+                    .lengths = lengths.data(),
+                    .rows = rows,
+                    .num_kv_heads = heads,
+                    .count = count,
+                    .kernel_size = kernel,
+                    .kind = kind,
+                    .out = cpu_out.data()};
+        ASSERT_TRUE(cpu_->PoolScores({&job, 1}, nullptr).ok());
+        job.out = dev_out.data();
+        ASSERT_TRUE(staged_->PoolScores({&job, 1}, nullptr).ok());
+        ExpectBitEqual(dev_out, cpu_out, "pooled");
+      }
+    }
+  }
+  // A malformed job is refused by name and writes nothing.
+  std::vector<float> in(4, 1.0f), out(4, -3.0f);
+  std::vector<int32_t> order = {0, 1, 2, 9}, lengths = {4};
+  PoolJob bad{.in = in.data(),
+              .order = order.data(),
+              .lengths = lengths.data(),
+              .rows = 1,
+              .num_kv_heads = 1,
+              .count = 4,
+              .kernel_size = 3,
+              .kind = PoolKind::kAvg,
+              .out = out.data()};
+  const absl::Status status = staged_->PoolScores({&bad, 1}, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("pool job 0: order[0][3] = 9"));
+  EXPECT_EQ(out, std::vector<float>(4, -3.0f));
+}
+
 TEST_P(StagingTest, CaoteScoresBitIdentical) {
   const std::vector<Layer> layers = Layers(31);
   std::mt19937 rng(13);

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -143,6 +144,7 @@ TEST(PoolByPositionTest, MatchesTheDefinitionBitForBit) {
   std::mt19937 rng(13);
   std::uniform_real_distribution<float> value(0.0f, 1.0f);
   const int32_t heads = 2, rows = 6;
+  const std::unique_ptr<Backend> backend = MakeCpuBackend(2);
   for (const int32_t count : {1, 3, 7, 40, 257}) {
     for (const int32_t kernel : {1, 3, 7, 9}) {
       for (const Pooling pooling : {Pooling::kAvg, Pooling::kMax}) {
@@ -159,8 +161,9 @@ TEST(PoolByPositionTest, MatchesTheDefinitionBitForBit) {
           std::vector<float> in(rows * count);
           for (float& v : in) v = value(rng);
           std::vector<float> out(in.size(), -1.0f);
-          PoolByPosition(in, rows, heads, count, positions, eligible, kernel, pooling,
-                         absl::MakeSpan(out));
+          ASSERT_TRUE(PoolByPosition(*backend, in, rows, heads, count, positions, eligible, kernel,
+                                     pooling, absl::MakeSpan(out))
+                          .ok());
           EXPECT_EQ(out,
                     ReferencePool(in, rows, heads, count, positions, eligible, kernel, pooling))
               << "count " << count << " kernel " << kernel << " max " << (pooling == Pooling::kMax)

@@ -319,5 +319,121 @@ TEST(AttentionCpu, InvalidJobsAreRejectedAndNothingIsWritten) {
   for (float v : bad.probs) ASSERT_EQ(v, -7.0f);
 }
 
+// AttentionColumnSums: the probabilities summed over the window's rows, never written out. Checked
+// against the double reference summed the same way, and against summing AttentionProbs' own
+// output (the two kernels share their arithmetic), for odd sizes, GQA ratios and every dtype.
+class AttentionSumsTest : public ::testing::TestWithParam<std::tuple<DType, int, int, bool>> {};
+
+TEST_P(AttentionSumsTest, MatchesSummedReferenceAndProbs) {
+  const auto [dtype, group, window, avx2] = GetParam();
+  ThreadPool pool(2);
+  for (const int count : {1, 47, 100, 1000}) {
+    Problem p(/*heads=*/3, group, window, count, /*dim=*/dtype == DType::kFloat32 ? 24 : 64, dtype,
+              /*block_tokens=*/16, /*seed=*/static_cast<uint32_t>(count * 7 + group + window));
+    const int q_heads = 3 * group;
+    std::vector<float> sums(static_cast<size_t>(q_heads) * count, -7.0f);
+    AttentionSumsJob job{.attention = p.job, .sums = sums.data()};
+    job.attention.probs = nullptr;
+    ASSERT_TRUE(RunAttentionColumnSums({&job, 1}, pool, avx2).ok());
+    ASSERT_TRUE(RunAttentionProbsWithIsa({&p.job, 1}, pool, avx2).ok());
+    const std::vector<double> expected = p.Reference();
+    for (int q = 0; q < q_heads; ++q) {
+      for (int s = 0; s < count; ++s) {
+        double want = 0.0;
+        float from_probs = 0.0f;
+        for (int i = 0; i < window; ++i) {
+          const size_t k = (static_cast<size_t>(q) * window + i) * count + s;
+          want += expected[k];
+          from_probs += p.probs[k];
+        }
+        const float got = sums[static_cast<size_t>(q) * count + s];
+        ASSERT_NEAR(got, want, 1e-5 * window) << "count " << count << " q " << q << " s " << s;
+        ASSERT_NEAR(got, from_probs, 1e-6 * window)
+            << "count " << count << " q " << q << " s " << s;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionSumsTest,
+                         ::testing::Combine(::testing::Values(DType::kFloat16, DType::kBFloat16,
+                                                              DType::kFloat32),
+                                            ::testing::Values(1, 3, 4),
+                                            ::testing::Values(1, 2, 5, 32), ::testing::Bool()));
+
+TEST(AttentionCpu, BackendColumnSumsMatchesTheDefaultPath) {
+  // The CPU backend's fused kernel against Backend's default (AttentionProbs, then a host sum),
+  // reached through a backend that only forwards AttentionProbs.
+  class Forwarding : public Backend {
+   public:
+    explicit Forwarding(Backend& cpu) : cpu_(cpu) {}
+    std::string_view name() const override { return "forwarding"; }
+    bool healthy() const override { return true; }
+    absl::StatusOr<std::unique_ptr<Arena>> CreateArena(uint64_t b, const ArenaOptions& o) override {
+      return cpu_.CreateArena(b, o);
+    }
+    absl::Status KeyDiffScores(absl::Span<const KeyDiffScoreJob> j, Stream s) override {
+      return cpu_.KeyDiffScores(j, s);
+    }
+    absl::Status TopK(absl::Span<const TopKJob> j, Stream s) override { return cpu_.TopK(j, s); }
+    absl::Status CopyRows(absl::Span<const RowCopyJob> j, Stream s) override {
+      return cpu_.CopyRows(j, s);
+    }
+    absl::Status AttentionProbs(absl::Span<const AttentionJob> j, Stream s) override {
+      return cpu_.AttentionProbs(j, s);
+    }
+    absl::Status AttentionLogits(absl::Span<const AttentionJob> j, Stream s) override {
+      return cpu_.AttentionLogits(j, s);
+    }
+    absl::Status CopyHostRows(absl::Span<const HostRowCopyJob> j, Stream s) override {
+      return cpu_.CopyHostRows(j, s);
+    }
+    absl::Status CaoteScores(absl::Span<const CaoteJob> j, Stream s) override {
+      return cpu_.CaoteScores(j, s);
+    }
+    absl::Status NearestKeys(absl::Span<const NearestKeyJob> j, Stream s) override {
+      return cpu_.NearestKeys(j, s);
+    }
+    absl::Status MergeRows(absl::Span<const RowMergeJob> j, Stream s) override {
+      return cpu_.MergeRows(j, s);
+    }
+    absl::Status FindNonFinite(absl::Span<const FiniteCheckJob> j, Stream s) override {
+      return cpu_.FindNonFinite(j, s);
+    }
+    absl::Status Synchronize(Stream s) override { return cpu_.Synchronize(s); }
+
+   private:
+    Backend& cpu_;
+  };
+  auto cpu = MakeCpuBackend(2);
+  Forwarding forwarding(*cpu);
+  Problem p(/*heads=*/2, /*group=*/4, /*window=*/32, /*count=*/777, /*dim=*/128, DType::kFloat16,
+            /*block_tokens=*/16, /*seed=*/11);
+  std::vector<float> fused(static_cast<size_t>(8) * 777), host(fused.size());
+  AttentionSumsJob job{.attention = p.job, .sums = fused.data()};
+  ASSERT_TRUE(cpu->AttentionColumnSums({&job, 1}, nullptr).ok());
+  job.sums = host.data();
+  ASSERT_TRUE(forwarding.AttentionColumnSums({&job, 1}, nullptr).ok());
+  for (size_t k = 0; k < fused.size(); ++k) ASSERT_NEAR(fused[k], host[k], 1e-6) << k;
+}
+
+TEST(AttentionCpu, ColumnSumsRejectInvalidJobsAndWriteNothing) {
+  ThreadPool pool(2);
+  Problem good(2, 2, 4, 50, 16, DType::kFloat16, 16, 3);
+  Problem bad(2, 2, 4, 50, 16, DType::kFloat16, 16, 4);
+  std::vector<float> good_sums(4 * 50, -7.0f), bad_sums(4 * 50, -7.0f);
+  AttentionSumsJob jobs[2] = {{.attention = good.job, .sums = good_sums.data()},
+                              {.attention = bad.job, .sums = bad_sums.data()}};
+  jobs[1].attention.scale = -1.0f;
+  absl::Status status = RunAttentionColumnSums(jobs, pool);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("attention job 1: scale"));
+  jobs[1].attention.scale = 0.25f;
+  jobs[1].sums = nullptr;
+  status = RunAttentionColumnSums(jobs, pool);
+  EXPECT_THAT(status.message(), HasSubstr("attention job 1: sums is null"));
+  for (float v : good_sums) ASSERT_EQ(v, -7.0f);
+}
+
 }  // namespace
 }  // namespace kvs

@@ -390,6 +390,81 @@ TEST_F(CudaParityTest, AttentionProbsAndLogits) {
   }
 }
 
+TEST_F(CudaParityTest, AttentionColumnSums) {
+  uint32_t seed = 30;
+  for (const Shape& shape : kShapes) {
+    for (int group : {1, 4}) {
+      Layer layer(shape.heads, shape.count, shape.dim, shape.block_tokens, shape.dtype, seed++);
+      DeviceLayer device(*cuda_, layer);
+      std::mt19937 rng(seed);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      const int q_heads = shape.heads * group;
+      const int queries = 5;
+      std::vector<float> q(static_cast<size_t>(q_heads) * queries * shape.dim);
+      for (float& x : q) x = normal(rng);
+      std::vector<int32_t> key_positions(static_cast<size_t>(shape.heads) * shape.count);
+      for (size_t i = 0; i < key_positions.size(); ++i) {
+        key_positions[i] = static_cast<int32_t>(i % shape.count) * 2;
+      }
+      std::vector<int32_t> query_positions = {-1, shape.count / 2, shape.count, 2 * shape.count,
+                                              2 * shape.count + 1};
+      const size_t out_n = static_cast<size_t>(q_heads) * shape.count;
+      std::vector<float> expected(out_n, -7.0f);
+      AttentionSumsJob job;
+      job.attention = AttentionJob{layer.view, key_positions.data(), q.data(),
+                                   query_positions.data(), q_heads, queries, 0.125f, nullptr};
+      job.sums = expected.data();
+      ASSERT_TRUE(cpu_->AttentionColumnSums({job}, nullptr).ok());
+      DeviceBuffer<int32_t> d_key_positions(key_positions), d_query_positions(query_positions);
+      DeviceBuffer<float> d_q(q), d_out(out_n, -7.0f);
+      job.attention.keys = device.view;
+      job.attention.key_positions = d_key_positions.get();
+      job.attention.queries = d_q.get();
+      job.attention.query_positions = d_query_positions.get();
+      job.sums = d_out.get();
+      ASSERT_TRUE(cuda_->AttentionColumnSums({job}, nullptr).ok());
+      ExpectClose(d_out.ToHost(), expected, 1e-5f,
+                  std::string("sums ") + std::string(DTypeName(shape.dtype)) + " group " +
+                      std::to_string(group));
+    }
+  }
+}
+
+TEST_F(CudaParityTest, PoolScores) {
+  std::mt19937 rng(31);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  for (const int32_t count : {1, 7, 130, 4099}) {
+    for (const int32_t kernel : {1, 5, 7}) {
+      for (const PoolKind kind : {PoolKind::kAvg, PoolKind::kMax}) {
+        const int32_t heads = 2, rows = 8;
+        std::vector<float> in(static_cast<size_t>(rows) * count);
+        for (float& v : in) v = uniform(rng);
+        std::vector<int32_t> order(static_cast<size_t>(heads) * count), lengths(heads);
+        for (int32_t h = 0; h < heads; ++h) {
+          std::vector<int32_t> slots(count);
+          std::iota(slots.begin(), slots.end(), 0);
+          std::shuffle(slots.begin(), slots.end(), rng);
+          lengths[h] = h == 0 ? count : count / 2;
+          std::copy(slots.begin(), slots.end(), order.begin() + int64_t{h} * count);
+        }
+        std::vector<float> expected(in.size(), -1.0f);
+        PoolJob job{in.data(), order.data(), lengths.data(), rows, heads, count, kernel, kind,
+                    expected.data()};
+        ASSERT_TRUE(cpu_->PoolScores({job}, nullptr).ok());
+        DeviceBuffer<float> d_in(in), d_out(in.size(), -2.0f);
+        DeviceBuffer<int32_t> d_order(order), d_lengths(lengths);
+        job.in = d_in.get();
+        job.order = d_order.get();
+        job.lengths = d_lengths.get();
+        job.out = d_out.get();
+        ASSERT_TRUE(cuda_->PoolScores({job}, nullptr).ok());
+        // The CPU backend's order of sums and comparisons, rounded once.
+        ExpectClose(d_out.ToHost(), expected, 0.0f, "pooled count " + std::to_string(count));
+      }
+    }
+  }
+}
+
 TEST_F(CudaParityTest, CaoteScores) {
   uint32_t seed = 40;
   for (const Shape& shape : kShapes) {
