@@ -22,9 +22,9 @@ window queries from); then:
 Protocols (shared/design EVALUATION.md): "prefill" compresses once after the prefill and decodes
 without evicting (kvpress's protocol; the sidecar sequence has no budget and is compressed with
 Compress(budget_tokens=N): a window policy's Compress carries its window's queries, the
-every-query policies' evicts from what the Commit folded in); "decode" holds the budget while decoding
-(a budgeted sidecar sequence: compressed at the prefill's Commit, every DecodeStep evicts back to
-the budget; sidecar only).
+every-query policies' evicts from what the Commit folded in); "decode" holds the budget while
+decoding (a budgeted sidecar sequence: compressed after the prefill's Commit, every DecodeStep
+evicts back to the budget; sidecar only).
 """
 
 import inspect
