@@ -782,13 +782,17 @@ absl::Status Sequence::CoverageError(const Policy& policy, Phase phase,
   if (!policy.attention(phase).needed) return absl::OkStatus();
   for (size_t l = 0; l < keep.size(); ++l) {
     if (keep[l] >= counts[l] || Window(l) > 0) continue;
-    // A layer not listed now may still evict from what earlier steps left in its state (CAKE's
-    // cascade re-selects earlier layers from their prefill indicator, cake.md TV3); a policy
-    // whose choice is this step's attention only (TOVA, SnapKV) keeps nothing between calls.
+    // A layer this call gives no attention for (none at all, or not listed) evicts from what
+    // earlier calls left in its state: H2O/D2O (and CAOTE over H2O) from the column sums
+    // accumulated by earlier Commit / DecodeStep / Compress attention, CAKE's cascade from its
+    // prefill indicator (cake.md TV3), an allocator from its measured preference; so a worker
+    // never resends queries the sidecar already folded in. A policy whose choice is this step's
+    // attention only (TOVA, SnapKV) keeps nothing between calls. Sums are only what the policy
+    // reads: another policy's state (a Compress/Score policy override) does not count.
     const LayerPolicyState& state = states[l];
-    const bool remembered =
-        state.measured || !state.indicator.empty() || !state.accumulated.empty();
-    if (attention == nullptr || (attention->listed[l] == 0 && !remembered)) {
+    const bool remembered = state.measured || !state.indicator.empty() ||
+                            (policy.needs_accumulated() && !state.accumulated.empty());
+    if ((attention == nullptr || attention->listed[l] == 0) && !remembered) {
       return absl::InvalidArgumentError(absl::StrCat(
           "policy ", policy.config().name,
           " needs attention (queries or attention_scores) for layer ", l, ": field attention"));

@@ -21,9 +21,10 @@ window queries from); then:
 
 Protocols (shared/design EVALUATION.md): "prefill" compresses once after the prefill and decodes
 without evicting (kvpress's protocol; the sidecar sequence has no budget and is compressed with
-Compress(budget_tokens=N) given the prefill's queries); "decode" holds the budget while decoding
-(a budgeted sidecar sequence: compressed at the prefill's Commit, every DecodeStep evicts back to
-the budget; sidecar only).
+Compress(budget_tokens=N): a window policy's Compress carries its window's queries, the
+every-query policies' evicts from what the Commit folded in); "decode" holds the budget while
+decoding (a budgeted sidecar sequence: compressed after the prefill's Commit, every DecodeStep
+evicts back to the budget; sidecar only).
 """
 
 import inspect
@@ -37,7 +38,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from kvsidecar.client import attention, common_pb2
+from kvsidecar.client import common_pb2
 from kvsidecar.client import policy as make_policy
 from kvsidecar.hf import SidecarCache
 
@@ -167,15 +168,6 @@ class DynamicRunner:
         self.cache = None
 
 
-def _attention_fp16(step, row: int, num_layers: int):
-    """The row's recorded queries as AttentionInputs, fp16 (None for key-only policies)."""
-    if not step.queries:
-        return None
-    q = np.stack([step.queries[layer][row] for layer in range(num_layers)]).astype(np.float16)
-    return attention(q, query_positions=step.positions[-q.shape[2]:].tolist(),
-                     softmax_scale=step.scale)
-
-
 class SidecarRunner:
     """Decodes through a SidecarCache whose prefill was fed from the recorded prefill."""
 
@@ -200,12 +192,16 @@ class SidecarRunner:
                 cache._store(layer, k, 0)
                 cache._store(layer, v, 1)
                 cache._take_queries(layer, pre.queries[layer], pre.scale)
-            attn = [_attention_fp16(step, row, cache.num_layers) for row in range(b)]
-            # The Commit only stores the block (no queries, no compression); then one Compress
-            # per row with the prefill's queries (the window the policy reads) brings it to the
-            # budget. The queries go per row and in fp16: all 1024 queries of 30 layers are
-            # 35 MB per row in fp16, and gRPC's limit is 64 MiB per message.
-            step.queries = {}
+            # A policy that reads every prompt query (H2O, D2O, CAOTE) has them folded into its
+            # state by the commit (a few layers per message when they pass the message limit:
+            # SidecarCache's long-prompt path), and Compress then evicts from that state. A
+            # window policy (SnapKV, TOVA, CAKE) reads this step's window only: the Commit stores
+            # the block and the Compress carries the window.
+            every = cache._query_window is None
+            attn = [None if every else cache._attention_of(step, row, range(cache.num_layers))
+                    for row in range(b)]
+            if not every:
+                step.queries = {}
             saved, cache.budget_tokens = cache.budget_tokens, 0
             cache._end_step()
             cache.budget_tokens = saved
@@ -326,8 +322,12 @@ def sidecar_configs(budgets, protocols) -> List[Config]:
             "streaming_llm")),
         ("keydiff", "cosine to the mean normalised key (default)", lambda n: make_policy(
             "keydiff")),
+        ("knorm", "lowest key L2 norm kept (no parameters)", lambda n: make_policy("knorm")),
         ("h2o", "accumulated attention (plain sum) + 4 sinks + N/2 recent",
          h2o_like("h2o")),
+        ("h2o_plain", "accumulated attention (plain sum), no sinks, no recent window "
+         "(kvpress's ObservedAttention without its division)",
+         lambda n: make_policy("h2o", n_sink=0, n_recent=0)),
         ("tova", "last query, per kv-head group mean (sidecar default)",
          lambda n: make_policy("tova")),
         ("tova_allheads", "last query, mean over all query heads (kvpress's TOVA)",
@@ -364,6 +364,8 @@ def kvpress_configs(budgets, defaults: bool = False) -> List[Config]:
             compression_ratio=r, n_sink=4)),
         ("keydiff", "cosine to the mean normalised key (= sidecar)",
          lambda r: kp.KeyDiffPress(compression_ratio=r)),
+        ("knorm", "lowest key L2 norm kept (= sidecar)",
+         lambda r: kp.KnormPress(compression_ratio=r)),
         ("snapkv", "window 32, kernel 7 (matched; kvpress default 64 / 5)",
          lambda r: kp.SnapKVPress(compression_ratio=r, window_size=32, kernel_size=7)),
         ("pyramidkv", "window 32, kernel 7, beta 20 (matched; kvpress default 64 / 5)",

@@ -109,7 +109,7 @@ def write(out_dir: str, command: str = "", elapsed: float = 0.0, plots: bool = T
                 lines += [f"## {model}, protocol `{proto}`, {context}-token prompts", ""]
                 head = ["configuration", "budget"] + tasks + ["mean acc"]
                 if fid_ctx:
-                    head += [f"KL ({fid_ctx[0]} tok)", "top-1"]
+                    head += [f"KL ({fid_ctx[-1]} tok)", "top-1"]
                 head += ["kept", "n"]
                 lines += ["| " + " | ".join(head) + " |",
                           "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
@@ -130,7 +130,7 @@ def write(out_dir: str, command: str = "", elapsed: float = 0.0, plots: bool = T
                             ns.append(len(c["correct"]))
                     cols.append(f"{sum(all_vals) / len(all_vals):.3f}" if all_vals else "")
                     if fid_ctx:
-                        f = _with_full(cells, model, "fidelity", fid_ctx[0], proto).get(
+                        f = _with_full(cells, model, "fidelity", fid_ctx[-1], proto).get(
                             (label, b))
                         if f and f["kl"] and not f["error"]:
                             kls = list(f["kl"].values())
@@ -149,6 +149,7 @@ def write(out_dir: str, command: str = "", elapsed: float = 0.0, plots: bool = T
         lines += [f"- `{label}`: {err}" for label, err in errors]
         lines.append("")
     lines += ["## Which configuration wins", ""] + summary_lines
+    lines += [""] + never_worse(cells)
     lines += ["## Parameters of each configuration", "",
               "| configuration | protocol | parameters |", "|---|---|---|"]
     lines += [f"| {label} | {proto} | {p} |" for (label, proto), p in sorted(params.items())]
@@ -199,6 +200,61 @@ def summarize(cells, model, proto, context, tasks) -> List[str]:
                                                        [per[w2][k] for k in tk])
             out.append(f"  - {t}: {w1} {a1:.2f} vs {w2} {a2:.2f} (+{dd:.2f}, CI "
                        f"[{l2:+.2f}, {h2:+.2f}])")
+    return out
+
+
+# kvpress's press -> the sidecar rows of the same policy (its settings, best first chosen per cell).
+SHARED = [("streaming_llm", ["streaming_llm"]), ("keydiff", ["keydiff"]), ("knorm", ["knorm"]),
+          ("snapkv", ["snapkv"]),
+          # kvpress's PyramidKV is uniform SnapKV when N / beta < window (10-25 % of 1K here):
+          # the sidecar's setting for that is its uniform SnapKV (it has no fallback switch).
+          ("pyramidkv", ["pyramidkv", "snapkv"]),
+          ("tova", ["tova", "tova_allheads"]), ("observed_attention", ["h2o", "h2o_plain"])]
+
+
+def never_worse(cells) -> List[str]:
+    """For every policy both have, per budget (protocol `prefill`, the only one kvpress runs):
+    the sidecar's best setting against kvpress's press on the same prompts, on fidelity (mean
+    KL over the texts, lower is better) and on each task's accuracy; the paired bootstrap CI of
+    the difference says whether the sidecar is worse beyond the noise."""
+    out = ["## Never worse than kvpress (same model, prompts, budget, protocol `prefill`)", "",
+           "Sidecar: its best setting of the policy in that cell. d: sidecar minus kvpress "
+           "(KL: negative is better; accuracy: positive is better), paired over the same texts "
+           "or prompts, 95 % bootstrap CI. Verdict: `ok` when the sidecar is better or the CI "
+           "contains 0, `WORSE` when the CI excludes 0 on the wrong side.", "",
+           "| model | measure | context | policy | budget | kvpress | sidecar best | d [95 % CI] "
+           "| verdict |", "|---|---|---:|---|---:|---:|---|---|---|"]
+    keys = sorted({(k[0], k[1], k[2], k[5]) for k in cells if k[3] == "prefill"})
+    for model, task, ctx, b in keys:
+        metric = "kl" if task == "fidelity" else "correct"
+        sign = -1.0 if metric == "kl" else 1.0   # better = larger sign * value
+        for press, sides in SHARED:
+            kc = cells.get((model, task, ctx, "prefill", "kvpress:" + press, b))
+            if not kc or kc["error"] or not kc[metric]:
+                continue
+            best = None
+            for side in sides:
+                sc = cells.get((model, task, ctx, "prefill", side, b))
+                if not sc or sc["error"]:
+                    continue
+                common = sorted(set(sc[metric]) & set(kc[metric]))
+                if not common:
+                    continue
+                mean = sum(sc[metric][i] for i in common) / len(common)
+                if best is None or sign * mean > sign * best[0]:
+                    best = (mean, side, common, sc)
+            if best is None:
+                continue
+            mean, side, common, sc = best
+            kv = sum(kc[metric][i] for i in common) / len(common)
+            d, lo, hi = scoring.paired_bootstrap_diff([sc[metric][i] for i in common],
+                                                      [kc[metric][i] for i in common])
+            worse = lo > 0 if metric == "kl" else hi < 0
+            measure = "KL" if metric == "kl" else f"{task} acc"
+            out.append(f"| {model} | {measure} | {ctx} | {press} | {b:.0%} | {kv:.4f} | {side} "
+                       f"{mean:.4f} | {d:+.4f} [{lo:+.4f}, {hi:+.4f}] (n={len(common)}) | "
+                       f"{'WORSE' if worse else 'ok'} |")
+    out.append("")
     return out
 
 

@@ -1,8 +1,12 @@
 // Every option of the papers can be sent through the real kvsidecar binary: a zero that the paper
 // means (no sinks, no recent share, no variance weight) is honoured rather than read as "use the
 // default", a wrapper's base keeps its own parameters (CAOTE over TOVA with all_heads), and D2O's
-// rho is a budget of its own.
+// rho is a budget of its own. Attention already folded into a sequence (H2O's accumulated column
+// sums) serves a later Compress or Score that carries none, so the worker never resends queries
+// it already sent.
 #include <algorithm>
+#include <cstring>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -172,6 +176,152 @@ TEST_F(PaperOptionsE2eTest, CaoteOverTovaCarriesAllHeads) {
   auto layout = session_->GetLayout("caote");
   ASSERT_TRUE(layout.ok()) << layout.status();
   EXPECT_TRUE(layout->policy().caote().tova().all_heads());
+}
+
+// The worker's own probabilities [layers][Hq][1][count] fp32: `weight` on the positions
+// `favoured[layer]` (slot s holds position s in a sequence that has not evicted yet), a small
+// uniform floor elsewhere.
+v1::AttentionInputs FavouringScores(const v1::ModelLayout& layout, const std::vector<int>& layers,
+                                    int count, const std::vector<std::set<int>>& favoured,
+                                    float weight) {
+  v1::AttentionInputs attention;
+  for (int layer : layers) attention.add_layers(layer);
+  attention.set_num_queries(1);
+  std::string bytes;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    for (int q = 0; q < layout.num_q_heads(); ++q) {
+      for (int s = 0; s < count; ++s) {
+        const float p = favoured[i].count(s) ? weight : 0.001f;
+        char raw[sizeof(float)];
+        std::memcpy(raw, &p, sizeof(float));
+        bytes.append(raw, sizeof(float));
+      }
+    }
+  }
+  attention.set_attention_scores(bytes);
+  return attention;
+}
+
+// Commits `count` tokens with the worker's attention, observed but not compressed.
+absl::StatusOr<v1::CommitResponse> CommitObserved(kvsidecar::Session& session,
+                                                  const std::string& seq, int count,
+                                                  v1::AttentionInputs attention) {
+  auto reservation = session.Reserve(seq, count);
+  if (!reservation.ok()) return reservation.status();
+  absl::Status written = WritePattern(session, *reservation, kSeed);
+  if (!written.ok()) return written;
+  v1::CommitRequest request;
+  request.set_sequence_id(seq);
+  request.set_reservation_id(reservation->id());
+  *request.mutable_attention() = std::move(attention);
+  return session.Commit(std::move(request));
+}
+
+std::set<int> SortedHead(const google::protobuf::RepeatedField<int32_t>& positions, int head,
+                         int kept) {
+  return std::set<int>(positions.begin() + head * kept, positions.begin() + (head + 1) * kept);
+}
+
+v1::PolicySpec PlainH2o() {
+  v1::PolicySpec policy;
+  policy.set_name("h2o");
+  policy.mutable_h2o()->set_n_sink(0);
+  policy.mutable_h2o()->set_n_recent(0);
+  return policy;
+}
+
+TEST_F(PaperOptionsE2eTest, AccumulatedAttentionServesCompressAndScoreWithoutAttention) {
+  const std::vector<std::set<int>> favoured = {{2, 5, 7, 10}, {1, 3, 8, 11}};
+  ASSERT_TRUE(session_->CreateSequence(PlainH2o(), MakeBudget(4), "h2o").ok());
+  auto committed =
+      CommitObserved(*session_, "h2o", 12, FavouringScores(layout_, {0, 1}, 12, favoured, 1.0f));
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  ASSERT_EQ(committed->counts(0), 12);  // observed, not compressed
+
+  // Score without attention: the dry run reads the accumulated sums.
+  v1::ScoreRequest score;
+  score.set_sequence_id("h2o");
+  auto scored = session_->Score(score);
+  ASSERT_TRUE(scored.ok()) << scored.status();
+  ASSERT_EQ(scored->layers_size(), 2);
+  for (const auto& layer : scored->layers()) {
+    ASSERT_EQ(layer.kept(), 4);
+    for (int h = 0; h < layout_.num_kv_heads(); ++h) {
+      EXPECT_EQ(SortedHead(layer.kept_slots(), h, 4), favoured[layer.layer()])
+          << "layer " << layer.layer() << " head " << h;
+    }
+  }
+
+  // Compress without attention keeps what Score said.
+  v1::CompressRequest compress;
+  compress.set_sequence_id("h2o");
+  compress.set_return_positions(true);
+  auto compressed = session_->Compress(compress);
+  ASSERT_TRUE(compressed.ok()) << compressed.status();
+  for (const auto& layer : compressed->layers()) {
+    ASSERT_EQ(layer.kept(), 4);
+    for (int h = 0; h < layout_.num_kv_heads(); ++h) {
+      EXPECT_EQ(SortedHead(layer.positions(), h, 4), favoured[layer.layer()])
+          << "layer " << layer.layer() << " head " << h;
+    }
+  }
+  auto verified = VerifySequence(*session_, "h2o", kSeed);
+  ASSERT_TRUE(verified.ok()) << verified.status();
+}
+
+// A call that carries attention for some layers adds it to what those layers accumulated (it
+// never replaces it); the layers it does not list use their accumulated sums alone.
+TEST_F(PaperOptionsE2eTest, AttentionInACallAddsToTheAccumulatedSums) {
+  const std::vector<std::set<int>> first = {{2, 5, 7, 10}, {1, 3, 8, 11}};
+  ASSERT_TRUE(session_->CreateSequence(PlainH2o(), MakeBudget(4), "mixed").ok());
+  ASSERT_TRUE(
+      CommitObserved(*session_, "mixed", 12, FavouringScores(layout_, {0, 1}, 12, first, 1.0f))
+          .ok());
+  // Layer 0 only: 0.6 on {2, 5, 0, 1}. Summed: 2 and 5 lead (1.6), then 7 and 10 (1.0) beat
+  // 0 and 1 (0.6); had the call replaced the sums, 0 and 1 would be kept instead of 7 and 10.
+  v1::CompressRequest compress;
+  compress.set_sequence_id("mixed");
+  compress.set_return_positions(true);
+  *compress.mutable_attention() = FavouringScores(layout_, {0}, 12, {{2, 5, 0, 1}}, 0.6f);
+  auto compressed = session_->Compress(compress);
+  ASSERT_TRUE(compressed.ok()) << compressed.status();
+  for (const auto& layer : compressed->layers()) {
+    for (int h = 0; h < layout_.num_kv_heads(); ++h) {
+      EXPECT_EQ(SortedHead(layer.positions(), h, 4), first[layer.layer()])
+          << "layer " << layer.layer() << " head " << h;
+    }
+  }
+}
+
+// Nothing accumulated yet, or a policy that remembers nothing between calls: still refused,
+// naming the policy and the field, and nothing changes.
+TEST_F(PaperOptionsE2eTest, CompressWithoutAttentionOrAccumulatedSumsIsRefused) {
+  ASSERT_TRUE(session_->CreateSequence(PlainH2o(), MakeBudget(4), "fresh").ok());
+  ASSERT_TRUE(WriteTokens(*session_, "fresh", 12, kSeed).ok());
+  v1::CompressRequest compress;
+  compress.set_sequence_id("fresh");
+  auto refused = session_->Compress(compress);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(MessageOf(refused.status()).find("policy h2o needs attention"), std::string::npos)
+      << MessageOf(refused.status());
+
+  v1::PolicySpec tova;
+  tova.set_name("tova");
+  ASSERT_TRUE(session_->CreateSequence(tova, MakeBudget(4), "tova").ok());
+  ASSERT_TRUE(CommitObserved(*session_, "tova", 12,
+                             FavouringScores(layout_, {0, 1}, 12, {{1, 2, 3, 4}, {1, 2, 3, 4}},
+                                             1.0f))
+                  .ok());
+  compress.set_sequence_id("tova");
+  refused = session_->Compress(compress);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(MessageOf(refused.status()).find("attention"), std::string::npos);
+  // An H2O override on the TOVA sequence finds no sums either (TOVA accumulates none).
+  *compress.mutable_policy() = PlainH2o();
+  EXPECT_EQ(session_->Compress(compress).status().code(), absl::StatusCode::kInvalidArgument);
+  auto layout = session_->GetLayout("tova");
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  for (const auto& layer : layout->layers()) EXPECT_EQ(layer.count(), 12);
 }
 
 }  // namespace

@@ -65,9 +65,17 @@ The model's position ids (from the mask) decide RoPE; the sidecar's positions on
 tokens. Padding after the first block, or on the right, is refused.
 
 Queries sent per policy (as `AttentionInputs`, post-RoPE, fp32, with their positions and the
-model's softmax scale): streaming_llm and keydiff none; tova the last query of the block; snapkv
-and cake the last ``window`` (their spec's, default 32); h2o, d2o, caote and the d2o/cake layer
-allocators every query of the block. A decode step always sends its one query.
+model's softmax scale): streaming_llm, keydiff and knorm none; tova the last query of the block;
+snapkv and cake the last ``window`` (their spec's, default 32); h2o, d2o, caote and the d2o/cake
+layer allocators every query of the block. A decode step always sends its one query.
+
+Long prompts. Every query of a block is L x Hq x T x D x 4 bytes per row (SmolLM2 at 2K tokens:
+70 MB), past gRPC's 64 MiB per message. When a block's queries would make the BatchCommit larger
+than ``max_message_bytes`` (32 MiB by default), the BatchCommit carries the K/V alone, each row's
+queries follow a few layers per message in Compress calls whose budget no layer reaches (they
+evict nothing; the sidecar only folds the queries into the policy state), and a last Compress
+without attention evicts to the budget from the state accumulated (the sidecar reuses attention
+already folded in: common.proto AttentionInputs). The kept set is the one-message path's.
 
 Overlap: the DecodeStep is sent without waiting; its answer is applied when the cache is next
 used (the model computes its logits meanwhile). `sync()` waits for it.
@@ -107,10 +115,16 @@ from kvsidecar.v1 import common_pb2, sidecar_pb2
 __all__ = ["SidecarCache", "UnsupportedModelError", "layout_for", "blocks_for", "layer_windows"]
 
 # Policies that score keys only: no queries are sent.
-KEY_ONLY_POLICIES = {"streaming_llm", "keydiff"}
+KEY_ONLY_POLICIES = {"streaming_llm", "keydiff", "knorm"}
 # Policies that read only the last `window` queries of a prefill block (default 32).
 WINDOW_POLICIES = {"snapkv", "cake"}
 DEFAULT_WINDOW = 32
+# A Compress budget above anything a layer can hold (the sidecar's largest, 2^24 tokens): the call
+# evicts nothing and only observes its attention, under every allocator.
+OBSERVE_ONLY_BUDGET = 1 << 24
+# The queries of one message: gRPC refuses messages over 64 MiB; a step whose queries would make
+# a larger BatchCommit sends them a few layers at a time (SidecarCache._observe_in_chunks).
+MAX_QUERY_MESSAGE_BYTES = 32 << 20
 _WRAPPED_PREFIX = "kvsidecar:"
 
 
@@ -407,6 +421,8 @@ class SidecarCache(Cache):
         self._query_window = self._window()
         self._mask_sizes: Dict[int, Tuple[int, int, int]] = {}
         self.last_attention: List[Optional[common_pb2.AttentionInputs]] = []
+        # Query bytes one message may carry (see MAX_QUERY_MESSAGE_BYTES).
+        self.max_message_bytes = MAX_QUERY_MESSAGE_BYTES
         # The model's sliding window per layer (0 = global). The sidecar keeps W - 1 tokens of a
         # sliding layer: with the new token that is all its attention can see.
         self.windows = layer_windows(model)
@@ -421,8 +437,10 @@ class SidecarCache(Cache):
         every query of the block, w = the last w."""
         if self.policy is None:
             return 0
-        if self.policy.HasField("allocator") and self.policy.allocator.kind:
+        if self.policy.HasField("allocator") and self.policy.allocator.kind in (
+                common_pb2.LAYER_ALLOCATOR_D2O, common_pb2.LAYER_ALLOCATOR_CAKE):
             return None  # the d2o / cake allocators read the prefill queries as d2o / cake do
+        # (PyramidKV's and the uniform split read no attention: the scorer's window is enough.)
         if self._name in KEY_ONLY_POLICIES:
             return 0
         if self._name == "tova":
@@ -749,11 +767,12 @@ class SidecarCache(Cache):
             self._end_step()
 
     @staticmethod
-    def _attention_of(step: _Step, row: int, num_layers: int
+    def _attention_of(step: _Step, row: int, layers: Sequence[int], listed: bool = False
                       ) -> Optional[common_pb2.AttentionInputs]:
+        """The row's queries of `layers` as AttentionInputs (`listed`: naming the layers)."""
         if not step.queries:
             return None
-        q = np.stack([step.queries[layer][row] for layer in range(num_layers)])
+        q = np.stack([step.queries[layer][row] for layer in layers])
         w = q.shape[2]
         positions = step.positions[-w:]
         if step.real is not None:
@@ -762,17 +781,23 @@ class SidecarCache(Cache):
             if not real.any():
                 return None
             q, positions = np.ascontiguousarray(q[:, :, real]), positions[real]
-        return attention(q, query_positions=positions.tolist(), softmax_scale=step.scale)
+        return attention(q, query_positions=positions.tolist(), softmax_scale=step.scale,
+                         layers=list(layers) if listed else None)
+
+    def _query_bytes(self, step: _Step) -> int:
+        """Bytes of queries one row sends for every layer of the step (fp32)."""
+        return sum(int(q[0].nbytes) for q in step.queries.values())
 
     def _end_step(self) -> None:
         step = self._step
         assert step is not None, "no forward pass in progress"
         self._step = None
-        attns = [self._attention_of(step, row, self.num_layers)
-                 for row in range(len(self.sequence_ids))]
-        self.last_attention = attns
         t = len(step.positions)
+        every = range(self.num_layers)
+        rows_total = len(self.sequence_ids)
         if step.decode:
+            attns = [self._attention_of(step, row, every) for row in range(rows_total)]
+            self.last_attention = attns
             items = [DecodeItem(seq, attention=attn, inline_kv=buf.tobytes())
                      for seq, attn, buf in zip(self.sequence_ids, attns, step.inline)]
             future = self.session.decode_step_future(items)
@@ -785,14 +810,49 @@ class SidecarCache(Cache):
             torch.cuda.synchronize()  # the K/V writes land before the Commit that publishes them
         compress = self.budget_tokens > 0
         rows = [row for row, res in enumerate(step.reservations) if res is not None]
+        if len(rows) * self._query_bytes(step) <= self.max_message_bytes:
+            attns = [self._attention_of(step, row, every) for row in range(rows_total)]
+            self.last_attention = attns
+            self._commit(step, rows, compress, attns)
+        else:
+            self.last_attention = []
+            self._commit(step, rows, False, [None] * rows_total)
+            for row in rows:
+                self._observe_in_chunks(step, row, compress)
+        self._seen += t
+
+    def _commit(self, step: _Step, rows: List[int], compress: bool,
+                attns: List[Optional[common_pb2.AttentionInputs]]) -> None:
+        """One BatchCommit of the block's reservations, each with its row's attention."""
+        if not rows:
+            return
         request = sidecar_pb2.BatchCommitRequest(requests=[
             self.session._commit_request(step.reservations[row], compress, attns[row])
             for row in rows])
-        if rows:
-            resp = self.session._call(self.session.stub.BatchCommit, request)
-            for row, out in zip(rows, resp.responses):
-                self._counts[row] = list(out.counts)
-        self._seen += t
+        resp = self.session._call(self.session.stub.BatchCommit, request)
+        for row, out in zip(rows, resp.responses):
+            self._counts[row] = list(out.counts)
+
+    def _observe_in_chunks(self, step: _Step, row: int, compress: bool) -> None:
+        """A committed block whose queries do not fit one message (a long prompt under a policy
+        that reads every query): the sidecar observes them a few layers per Compress whose budget
+        exceeds what any layer holds (so it evicts nothing and only folds the queries into the
+        policy state), then one Compress without attention evicts to the budget from the
+        accumulated state (common.proto AttentionInputs: attention already folded in is
+        reused). Each message stays under max_message_bytes."""
+        seq = self.sequence_ids[row]
+        per_layer = max(1, self._query_bytes(step) // max(1, self.num_layers))
+        chunk = max(1, self.max_message_bytes // per_layer)
+        for first in range(0, self.num_layers, chunk):
+            layers = list(range(first, min(self.num_layers, first + chunk)))
+            attn = self._attention_of(step, row, layers, listed=True)
+            if attn is None:
+                return  # a row of padding only: nothing to observe, nothing to evict
+            self.session.compress(seq, budget_tokens=OBSERVE_ONLY_BUDGET, attention=attn)
+        if compress:
+            resp = self.session.compress(seq)
+            self._counts[row] = [entry.kept for entry in sorted(resp.layers,
+                                                                key=lambda e: e.layer)]
 
     def sync(self) -> None:
         """Waits for the DecodeStep in flight and applies its answer (raises its error)."""

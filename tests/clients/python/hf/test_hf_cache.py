@@ -34,16 +34,16 @@ SLIDING = 8
 GEMMA_TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
 
 
-def _common(**extra):
+def _common(max_positions=256, **extra):
     return dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                initializer_range=0.2, **extra)
+                num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=max_positions, initializer_range=0.2, **extra)
 
 
-def make_model(family="llama", attn="sdpa"):
+def make_model(family="llama", attn="sdpa", max_positions=256):
     torch.manual_seed(0)
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**_common()))
+        model = LlamaForCausalLM(LlamaConfig(**_common(max_positions)))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**_common()))
     elif family == "gemma3":
@@ -422,3 +422,91 @@ def test_attention_functions_wrapped_by_another_library(session, monkeypatch):
     out = _generate(model, ids, cache)
     assert torch.equal(out.sequences, ref.sequences)
     cache.release()
+
+
+# -- long prompts: the queries of a policy that reads every one of them -----------------------------
+
+LONG = 4096
+
+
+def _kept_positions(session, cache):
+    """Per row and layer, the sorted positions of kv head 0 (every head holds as many)."""
+    out = []
+    for seq in cache.sequence_ids:
+        layout = session.get_layout(seq)
+        out.append([sorted(list(e.positions[:e.count])) for e in
+                    sorted(layout.layers, key=lambda e: e.layer)])
+    return out
+
+
+@pytest.mark.parametrize("name", ["h2o", "d2o"])
+def test_long_prompt_queries_go_in_messages_under_the_limit(server, monkeypatch, name):
+    """H2O and D2O read every prompt query; at a 4K prompt a batch's queries in one BatchCommit
+    grow past any message limit (here lowered to one layer's worth, 1 MiB per row, so that a tiny
+    model shows what SmolLM2 does at 2K: 70 MB against gRPC's 64 MiB). The cache then commits
+    the K/V alone, sends the queries a layer at a time, and compresses from the accumulated
+    state: every message stays under the limit, and the kept set, the counts and the decoded
+    logits are those of the one-message path."""
+    model = make_model(max_positions=LONG + 16)
+    ids = prompts(2, LONG, seed=3)
+    budget = LONG // 4
+    with kvs.Client(server.address, timeout=120) as client, \
+            client.attach(layout_for(model), num_blocks=2 * blocks_for(model, LONG + 16, 2)) as s:
+        whole = SidecarCache(s, model, policy=name, budget=budget)
+        whole.max_message_bytes = 1 << 30  # one BatchCommit (this tiny model's fits 64 MiB)
+        split = SidecarCache(s, model, policy=name, budget=budget)
+        split.max_message_bytes = 4 * LONG * 16 * 4  # Hq x T x D fp32: one layer of one row
+        sizes = []
+        original = s._call
+
+        def recording(method, request):
+            sizes.append(request.ByteSize())
+            return original(method, request)
+
+        logits = {}
+        with torch.no_grad():
+            for key, cache in (("whole", whole), ("split", split)):
+                if key == "split":
+                    monkeypatch.setattr(s, "_call", recording)
+                out = model(ids, **{CACHE: cache}, use_cache=True).logits
+                seq = [out]
+                for _ in range(3):
+                    seq.append(model(seq[-1][:, -1:].argmax(-1), **{CACHE: cache},
+                                     use_cache=True).logits)
+                logits[key] = seq
+                monkeypatch.setattr(s, "_call", original)
+        # The queries went in several messages, none over the limit (positions add a few KB).
+        assert len(sizes) >= 2 * 3, sizes
+        assert max(sizes) <= split.max_message_bytes + (64 << 10), max(sizes)
+        # (D2O's allocator splits the budget across layers by their attention density.)
+        assert split.counts == whole.counts
+        if name == "h2o":
+            assert split.counts == [[budget] * 3] * 2
+        assert _kept_positions(s, split) == _kept_positions(s, whole)
+        for a, b in zip(logits["split"], logits["whole"]):
+            assert float((a - b).abs().max()) <= LOGIT_TOL
+        whole.release()
+        split.release()
+
+
+@pytest.mark.parametrize("context", [2048, LONG])
+def test_every_policy_serves_a_long_prompt(server, context):
+    """Contexts of 2K and 4K under every policy SidecarCache drives, with messages held under a
+    limit lowered to 1 MiB (the all-query policies then go a layer at a time): each row ends its
+    prefill at the budget and keeps it while decoding."""
+    model = make_model(max_positions=LONG + 16)
+    ids = prompts(1, context, seed=4)
+    budget = context // 4
+    names = ["streaming_llm", "keydiff", "knorm", "h2o", "tova", "snapkv", "cake", "d2o",
+             "caote"]
+    with kvs.Client(server.address, timeout=120) as client, \
+            client.attach(layout_for(model), num_blocks=blocks_for(model, context + 16, 1)) as s:
+        for name in names:
+            cache = SidecarCache(s, model, policy=name, budget=budget)
+            cache.max_message_bytes = 1 << 20
+            out = _generate(model, ids, cache, steps=3)
+            assert out.sequences.shape == (1, context + 3), name
+            if name not in ("cake", "d2o"):  # their allocators split the budget unevenly
+                assert cache.counts == [[budget] * 3], (name, cache.counts)
+            assert sum(cache.counts[0]) <= 3 * budget, (name, cache.counts)
+            cache.release()
