@@ -130,6 +130,18 @@ absl::StatusOr<SnapKvConfig> SnapKvFromProto(const v1::SnapKvParams& params,
   out.kernel_size = params.kernel_size();
   KVS_ASSIGN_OR_RETURN(out.pooling,
                        PoolingFromProto(params.pooling(), prefix, absl::StrCat(field, ".pooling")));
+  switch (params.defaults()) {
+    case v1::SnapKvParams::DEFAULTS_UNSPECIFIED:
+    case v1::SnapKvParams::DEFAULTS_PAPER:
+      out.defaults = SnapKvDefaults::kPaper;
+      break;
+    case v1::SnapKvParams::DEFAULTS_KVPRESS:
+      out.defaults = SnapKvDefaults::kKvpress;
+      break;
+    default:
+      return UnknownEnum(prefix, absl::StrCat(field, ".defaults"),
+                         static_cast<int>(params.defaults()));
+  }
   return out;
 }
 
@@ -137,6 +149,9 @@ void SnapKvToProto(const SnapKvConfig& config, v1::SnapKvParams* out) {
   out->set_window(config.window);
   out->set_kernel_size(config.kernel_size);
   out->set_pooling(PoolingToProto(config.pooling));
+  if (config.defaults == SnapKvDefaults::kKvpress) {
+    out->set_defaults(v1::SnapKvParams::DEFAULTS_KVPRESS);
+  }
 }
 
 CakeConfig CakeFromProto(const v1::CakeParams& params) {
@@ -429,10 +444,12 @@ absl::StatusOr<std::optional<PolicyConfig>> PolicyFromProto(const v1::PolicySpec
     case v1::PolicySpec::kH2OFieldNumber: {
       out.h2o.n_sink = spec.h2o().n_sink();
       out.h2o.n_recent = spec.h2o().n_recent();
+      out.h2o.normalize_by_queries = spec.h2o().normalize_by_queries();
       break;
     }
     case v1::PolicySpec::kTovaFieldNumber: {
       out.tova.all_heads = spec.tova().all_heads();
+      out.tova.keep_last_token = spec.tova().keep_last_token();
       break;
     }
     case v1::PolicySpec::kSnapkvFieldNumber: {
@@ -454,6 +471,7 @@ absl::StatusOr<std::optional<PolicyConfig>> PolicyFromProto(const v1::PolicySpec
         return Invalid(prefix, "caote.tova", "is set but caote.base is not BASE_TOVA");
       }
       out.tova.all_heads = spec.caote().tova().all_heads();
+      out.tova.keep_last_token = spec.caote().tova().keep_last_token();
       break;
     }
     case v1::PolicySpec::kOmnikvFieldNumber: {
@@ -532,10 +550,12 @@ void PolicyToProto(const PolicyConfig& policy, v1::PolicySpec* out) {
     case v1::PolicySpec::kH2OFieldNumber: {
       out->mutable_h2o()->set_n_sink(policy.h2o.n_sink);
       out->mutable_h2o()->set_n_recent(policy.h2o.n_recent);
+      out->mutable_h2o()->set_normalize_by_queries(policy.h2o.normalize_by_queries);
       break;
     }
     case v1::PolicySpec::kTovaFieldNumber: {
       out->mutable_tova()->set_all_heads(policy.tova.all_heads);
+      out->mutable_tova()->set_keep_last_token(policy.tova.keep_last_token);
       break;
     }
     case v1::PolicySpec::kSnapkvFieldNumber: {
@@ -556,6 +576,9 @@ void PolicyToProto(const PolicyConfig& policy, v1::PolicySpec* out) {
       // back unchanged).
       if (policy.caote.base == CaoteBase::kTova && policy.tova.all_heads) {
         out->mutable_caote()->mutable_tova()->set_all_heads(true);
+      }
+      if (policy.caote.base == CaoteBase::kTova && policy.tova.keep_last_token) {
+        out->mutable_caote()->mutable_tova()->set_keep_last_token(true);
       }
       break;
     }

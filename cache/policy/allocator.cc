@@ -150,14 +150,25 @@ class UniformAllocator final : public LayerAllocator {
 
 class PyramidAllocator final : public LayerAllocator {
  public:
-  explicit PyramidAllocator(AllocatorConfig config) : config_(config) {}
+  // kvpress_window > 0: kvpress's budget rule with that observation window.
+  PyramidAllocator(AllocatorConfig config, int32_t kvpress_window)
+      : config_(config), kvpress_window_(kvpress_window) {}
   AttentionRequirement attention(Phase) const override { return {}; }
   absl::StatusOr<Allocation> Allocate(const AllocationRequest& request) const override {
     if (absl::Status status = CheckRequest(request, false, "pyramidkv"); !status.ok()) {
       return status;
     }
-    const std::vector<int32_t> budgets = PyramidBudgets(
-        request.budget, static_cast<int32_t>(request.counts.size()), config_.pyramid_beta);
+    const int32_t num_layers = static_cast<int32_t>(request.counts.size());
+    std::vector<int32_t> budgets;
+    if (kvpress_window_ > 0) {
+      // kvpress decides from the tokens the layer holds, so each layer gets its own count.
+      for (int32_t l = 0; l < num_layers; ++l) {
+        budgets.push_back(KvpressPyramidBudget(request.budget, request.counts[l], num_layers, l,
+                                               config_.pyramid_beta, kvpress_window_));
+      }
+    } else {
+      budgets = PyramidBudgets(request.budget, num_layers, config_.pyramid_beta);
+    }
     Allocation allocation;
     for (size_t l = 0; l < request.counts.size(); ++l) {
       allocation.keep.push_back(std::min(budgets[l], request.counts[l]));
@@ -168,6 +179,7 @@ class PyramidAllocator final : public LayerAllocator {
 
  private:
   const AllocatorConfig config_;
+  const int32_t kvpress_window_;
 };
 
 // D2O (d2o.md §4.1): once a layer exceeds the budget, every layer's density from its
@@ -398,7 +410,8 @@ std::unique_ptr<LayerAllocator> MakeLayerAllocator(const PolicyConfig& config) {
   if (kind == LayerAllocatorKind::kDefault) kind = defaults.kind;
   switch (kind) {
     case LayerAllocatorKind::kPyramidKv:
-      return std::make_unique<PyramidAllocator>(config.allocator);
+      return std::make_unique<PyramidAllocator>(
+          config.allocator, defaults.kvpress_pyramid ? std::max(defaults.window, 1) : 0);
     case LayerAllocatorKind::kD2o:
       return std::make_unique<D2oAllocator>(config.allocator, config.d2o);
     case LayerAllocatorKind::kCake:
@@ -426,6 +439,25 @@ std::vector<int32_t> PyramidBudgets(int32_t budget, int32_t num_layers, float be
     budgets[l] = ClampToInt32(max_budget - int64_t{l} * step);
   }
   return budgets;
+}
+
+int32_t KvpressPyramidBudget(int32_t budget, int32_t count, int32_t num_layers, int32_t layer,
+                             float beta, int32_t window) {
+  const double b = budget;
+  const double w = window;
+  const double t = count;
+  double min_num = b / std::max<double>(beta, 1.0);
+  double max_num = 2.0 * b - min_num;
+  if (max_num >= t - w) {
+    max_num = t - w;
+    min_num = 2.0 * b - max_num;
+  }
+  // std::nearbyint in the default rounding mode halves to even, as Python's round().
+  if (!(t >= max_num && max_num >= min_num && min_num >= w)) {
+    return ClampToInt32(std::max<int64_t>(1, static_cast<int64_t>(std::nearbyint(b))));
+  }
+  const double steps = num_layers > 1 ? (max_num - min_num) / (num_layers - 1) : 0.0;
+  return ClampToInt32(static_cast<int64_t>(std::nearbyint(max_num - layer * steps)));
 }
 
 double D2oLayerDensity(absl::Span<const float> column_sums, int32_t num_q_heads, int32_t count,

@@ -1,7 +1,8 @@
 // Layer allocators: how a sequence budget of `budget` tokens per layer is split across layers.
 //   uniform   every layer keeps the budget.
 //   PyramidKV budgets falling linearly with depth (min = budget / beta at the top layer, max =
-//             2 * budget - min at layer 0), summing to about L * budget.
+//             2 * budget - min at layer 0), summing to about L * budget; or kvpress's rule
+//             (KvpressPyramidBudget) for SnapKV with kvpress's defaults.
 //   D2O       inverse-variance softmax over the layers' attention density, clamped (d2o.md §4.1).
 //   CAKE      preference-proportional water-filling with caps, largest-remainder rounding, and
 //             ceiling-provisional cascade stages that end equal to the one-shot split (cake.md §3).
@@ -36,6 +37,15 @@ int32_t CakeWindowFor(const PolicyConfig& config);
 
 // PyramidKV: per-layer budgets for L layers (before the floor and the counts cap).
 std::vector<int32_t> PyramidBudgets(int32_t budget, int32_t num_layers, float beta);
+
+// PyramidKV by kvpress 0.5.5's rule (PyramidKVPress.get_layer_budget) for layer `layer` of L
+// holding `count` tokens, budget B tokens per layer and observation window w, in doubles:
+//   min = B / beta, max = 2B - min; if max >= count - w: max = count - w, min = 2B - max;
+//   unless count >= max >= min >= w: max(1, round(B)) (uniform, SnapKV's budget);
+//   otherwise round(max - layer * (max - min) / (L - 1)),
+// round() halving to even as Python's. Before the floor and the counts cap.
+int32_t KvpressPyramidBudget(int32_t budget, int32_t count, int32_t num_layers, int32_t layer,
+                             float beta, int32_t window);
 
 // D2O layer density F^l from the column sums [num_q_heads][count] of one layer (d2o.md §4.1 step
 // 2): unbiased variance per query head, then head-min-max-normalised mean (kHeadNorm) or mean

@@ -471,6 +471,7 @@ void EncodeCaoteParams(const PolicyConfig& config, FieldWriter& out) {
   out.Bytes(9, cake.bytes());
   // The TOVA base's own parameter (CAOTE over TOVA).
   out.Bool(10, config.tova.all_heads);
+  if (config.tova.keep_last_token) out.Bool(11, true);  // absent = false, as earlier builds
 }
 bool DecodeCaoteParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
   CaoteConfig& c = config->caote;
@@ -481,7 +482,7 @@ bool DecodeCaoteParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
          in.Bool(7, &c.greedy) && in.Bytes(8, &snapkv_bytes) && snapkv.Parse(snapkv_bytes) &&
          DecodeSnapKvFields(snapkv, &c.snapkv) && in.Bytes(9, &cake_bytes) &&
          cake.Parse(cake_bytes) && DecodeCakeFields(cake, &c.cake) &&
-         in.Bool(10, &config->tova.all_heads);
+         in.Bool(10, &config->tova.all_heads) && in.Bool(11, &config->tova.keep_last_token);
 }
 AllocatorDefaults CaoteAllocatorDefaults(const PolicyConfig& config) {
   if (config.caote.base == CaoteBase::kCake) {

@@ -4,6 +4,10 @@
 // runs on every step that carries attention, evicting or not. Optional n_sink lowest and n_recent
 // newest positions are always kept (0 / 0 by default, as in the paper). The selection score of a
 // kv head is the GQA mean of its group (AttentionScoredPolicy).
+// normalize_by_queries (kvpress's ObservedAttentionPress): each key's sum is divided by the
+// number of observed queries that can see it (query position >= key position), from the runs of
+// observed query positions kept in LayerPolicyState::observed_queries; a key no query has seen
+// yet scores 0.
 //
 // Immutable; safe to share across threads (per-sequence state lives in LayerPolicyState).
 #ifndef KVSIDECAR_CACHE_POLICY_H2O_H_
@@ -16,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "cache/policy/policy.h"
 
 namespace kvs {
@@ -33,6 +38,9 @@ class H2oPolicy final : public AttentionScoredPolicy {
  protected:
   AttentionRequirement ScorerAttention(Phase) const override { return {true, 0}; }
   bool ScorerNeedsAccumulated() const override { return true; }
+  // Records the step's query positions when normalising.
+  absl::Status ObserveLayers(Backend& backend, Phase phase,
+                             absl::Span<const LayerStep> layers) const override;
   Protection Protect(Phase phase, const LayerSelection& layer) const override;
 
  private:
@@ -43,6 +51,11 @@ class H2oPolicy final : public AttentionScoredPolicy {
 absl::Status ResolveH2oConfig(PolicyConfig& config);
 // `config` must be resolved.
 std::unique_ptr<Policy> MakeH2oPolicy(const PolicyConfig& config);
+
+// For each of the `count` key `positions`, the number of observed queries that can see it: the
+// query positions in `runs` (LayerPolicyState::observed_queries) at or after the key's.
+std::vector<int32_t> ObserverCounts(absl::Span<const int32_t> runs,
+                                    absl::Span<const int32_t> positions);
 
 }  // namespace kvs
 

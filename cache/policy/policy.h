@@ -70,6 +70,10 @@ struct LayerPolicyState {
   // D2O: EMA merge thresholds tau, one per kv head (or one per layer for threshold_scope=layer);
   // empty until the first merge set tau_0.
   std::vector<float> threshold;
+  // H2O with normalize_by_queries: the positions of every query observed so far, as runs
+  // [start, end) flattened (start0, end0, start1, end1, ...) in the order observed. Not
+  // slot-aligned: a key's observer count is read from it by position.
+  std::vector<int32_t> observed_queries;
   // Allocator input measured from attention: CAKE's preference P_l, D2O's density F_l.
   double preference = 0.0;
   bool measured = false;

@@ -45,18 +45,28 @@ struct KeyDiffConfig {
 };
 
 // H2O: accumulated attention (column sums of every query the sidecar saw), sinks + recent kept.
+// normalize_by_queries = kvpress's ObservedAttentionPress: each key's sum divided by the number
+// of observed queries whose position is at or after the key's (the queries that can see it).
 struct H2oConfig {
   int32_t n_sink = 0;
   int32_t n_recent = 0;
+  bool normalize_by_queries = false;
 };
 
 // TOVA: the last query's attention; all_heads = one score per layer from the mean over every
 // query head of the layer (original TOVA) instead of per kv head group.
+// keep_last_token = kvpress's TOVAPress: the newest position of every head is always kept.
 struct TovaConfig {
   bool all_heads = false;
+  bool keep_last_token = false;
 };
 
 enum class Pooling { kAvg, kMax };
+
+// Which defaults a SnapKV configuration takes: the paper's (window 32, kernel 7, PyramidKV's
+// pyramid always) or kvpress 0.5.5's (window 64, kernel 5, and PyramidKV's budgets by kvpress's
+// rule: top layer capped at T - window, uniform when the pyramid would go below the window).
+enum class SnapKvDefaults { kPaper, kKvpress };
 
 // SnapKV: the last w queries' attention summed, pooled along the prefix (stride 1, zero padding
 // kernel/2, divide by kernel), the window's own tokens always kept.
@@ -64,6 +74,7 @@ struct SnapKvConfig {
   int32_t window = 32;
   int32_t kernel_size = 7;
   Pooling pooling = Pooling::kAvg;
+  SnapKvDefaults defaults = SnapKvDefaults::kPaper;
 };
 
 // CAKE (cake.md): window W, preference temperatures, variance weight, pooling kernel.

@@ -119,6 +119,9 @@ struct AllocatorDefaults {
   LayerAllocatorKind kind = LayerAllocatorKind::kUniform;
   const CakeConfig* cake = nullptr;  // CAKE's knobs for the CAKE allocator (null: config.cake)
   int32_t window = 0;                // window tokens the CAKE allocator adds (0: cake.window)
+  // PyramidKV budgets by kvpress 0.5.5's rule (PyramidKVPress.get_layer_budget, with `window`)
+  // instead of the paper's pyramid (SnapKV with kvpress's defaults).
+  bool kvpress_pyramid = false;
 };
 
 // One policy.

@@ -97,6 +97,17 @@ absl::Status ResolveSnapKvParams(SnapKvConfig& params, const char* field, int32_
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".window must be >= 1, got ", params.window));
   }
+  switch (params.defaults) {
+    case SnapKvDefaults::kPaper:
+      break;
+    case SnapKvDefaults::kKvpress:
+      default_window = kKvpressSnapKvWindow;
+      default_kernel = kKvpressSnapKvKernel;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(field, ".defaults is not a known set: ",
+                                                     static_cast<int>(params.defaults)));
+  }
   if (params.window == 0) params.window = default_window;
   if (params.kernel_size == 0) params.kernel_size = default_kernel;
   if (params.kernel_size < 1 || params.kernel_size % 2 == 0) {
@@ -124,11 +135,14 @@ void EncodeSnapKvFields(const SnapKvConfig& params, FieldWriter& out) {
   out.I32(1, params.window);
   out.I32(2, params.kernel_size);
   out.Enum(3, params.pooling);
+  // Written only when it differs from the default, so a paper-defaults snapshot is byte-for-byte
+  // what earlier builds wrote; absent reads back as kPaper.
+  if (params.defaults != SnapKvDefaults::kPaper) out.Enum(4, params.defaults);
 }
 
 bool DecodeSnapKvFields(const FieldReader& in, SnapKvConfig* params) {
   return in.I32(1, &params->window) && in.I32(2, &params->kernel_size) &&
-         in.Enum(3, &params->pooling);
+         in.Enum(3, &params->pooling) && in.Enum(4, &params->defaults);
 }
 
 // ---- Registry unit (cache/policy/registry.h) ----------------------------------------
@@ -142,8 +156,10 @@ bool DecodeSnapKvParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
 }
 AllocatorDefaults SnapKvAllocatorDefaults(const PolicyConfig& config) {
   // Composed with the CAKE allocator, SnapKV's observation window is the window every layer
-  // keeps on top of its share.
-  return {LayerAllocatorKind::kUniform, nullptr, config.snapkv.window};
+  // keeps on top of its share; composed with PyramidKV, kvpress's defaults bring kvpress's
+  // budget rule, which reads the window too.
+  return {LayerAllocatorKind::kUniform, nullptr, config.snapkv.window,
+          config.snapkv.defaults == SnapKvDefaults::kKvpress};
 }
 }  // namespace
 

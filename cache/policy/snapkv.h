@@ -25,6 +25,9 @@ class FieldReader;
 
 inline constexpr int32_t kDefaultSnapKvWindow = 32;
 inline constexpr int32_t kDefaultSnapKvKernel = 7;
+// kvpress 0.5.5's SnapKVPress / PyramidKVPress defaults (SnapKvDefaults::kKvpress).
+inline constexpr int32_t kKvpressSnapKvWindow = 64;
+inline constexpr int32_t kKvpressSnapKvKernel = 5;
 
 class SnapKvPolicy final : public AttentionScoredPolicy {
  public:
@@ -48,12 +51,13 @@ class SnapKvPolicy final : public AttentionScoredPolicy {
   const SnapKvConfig params_;
 };
 
-// Validates `params` and fills its zero values with `default_window` / `default_kernel`;
-// `field` prefixes the messages ("policy.snapkv" -> "policy.snapkv.kernel_size must be odd and
-// >= 1, got 4"). Shared with CAOTE (field "policy.caote.snapkv", kernel default 5).
+// Validates `params` and fills its zero values with `default_window` / `default_kernel`, or with
+// kvpress's 64 / 5 when params.defaults is kKvpress; `field` prefixes the messages
+// ("policy.snapkv" -> "policy.snapkv.kernel_size must be odd and >= 1, got 4"). Shared with CAOTE
+// (field "policy.caote.snapkv", kernel default 5).
 absl::Status ResolveSnapKvParams(SnapKvConfig& params, const char* field, int32_t default_window,
                                  int32_t default_kernel);
-// Validates config.snapkv (defaults: window 32, kernel 7, avg).
+// Validates config.snapkv (defaults: window 32, kernel 7, avg; kvpress's: window 64, kernel 5).
 absl::Status ResolveSnapKvConfig(PolicyConfig& config);
 std::unique_ptr<Policy> MakeSnapKvPolicy(const PolicyConfig& config);
 

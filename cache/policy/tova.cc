@@ -1,5 +1,7 @@
 #include "cache/policy/tova.h"
 
+#include <algorithm>
+
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "cache/policy/allocator.h"
@@ -67,6 +69,11 @@ absl::StatusOr<AttentionScoredPolicy::RawRows> TovaPolicy::RawScores(
   return RawRows{raw, static_cast<int32_t>(heads)};
 }
 
+ScoredPolicy::Protection TovaPolicy::Protect(Phase, const LayerSelection& layer) const {
+  // kvpress scores the last token max + 1, so it survives any budget of at least one token.
+  return Protection{0, params_.keep_last_token ? std::min(1, layer.keep) : 0};
+}
+
 absl::Status ResolveTovaConfig(PolicyConfig&) { return absl::OkStatus(); }
 
 std::unique_ptr<Policy> MakeTovaPolicy(const PolicyConfig& config) {
@@ -79,9 +86,11 @@ namespace {
 
 void EncodeTovaParams(const PolicyConfig& config, FieldWriter& out) {
   out.Bool(1, config.tova.all_heads);
+  // Only when set: a default snapshot stays what earlier builds wrote; absent reads as false.
+  if (config.tova.keep_last_token) out.Bool(2, true);
 }
 bool DecodeTovaParams(const FieldReader& in, uint32_t, PolicyConfig* config) {
-  return in.Bool(1, &config->tova.all_heads);
+  return in.Bool(1, &config->tova.all_heads) && in.Bool(2, &config->tova.keep_last_token);
 }
 }  // namespace
 

@@ -1,7 +1,9 @@
 // TOVA (Oren et al., "Transformers are Multi-State RNNs"; policies/caote.md §4): a token's score
 // is the attention the step's LAST query gives it, per query head; the selection score of a kv
 // head is the GQA mean of its group. all_heads = original TOVA: one score per token, the mean over
-// every query head of the layer, shared by all kv heads. Nothing is protected. The scores are
+// every query head of the layer, shared by all kv heads. Nothing is protected, unless
+// keep_last_token (kvpress's TOVAPress) keeps each head's newest position whatever its score. The
+// scores are
 // transient (LayerPolicyState::step_scores, [Hq][count]): a call that must evict without this
 // step's attention is INVALID_ARGUMENT.
 //
@@ -32,13 +34,13 @@ class TovaPolicy final : public AttentionScoredPolicy {
   AttentionRequirement ScorerAttention(Phase) const override { return {true, 1}; }
   absl::Status ObserveLayers(Backend& backend, Phase phase,
                              absl::Span<const LayerStep> layers) const override;
-  Protection Protect(Phase, const LayerSelection&) const override { return {}; }
+  Protection Protect(Phase phase, const LayerSelection& layer) const override;
 
  private:
   const TovaConfig params_;
 };
 
-// config.tova has nothing to validate; present for the registry's uniformity.
+// config.tova has nothing to validate (two booleans); present for the registry's uniformity.
 absl::Status ResolveTovaConfig(PolicyConfig& config);
 std::unique_ptr<Policy> MakeTovaPolicy(const PolicyConfig& config);
 

@@ -3,13 +3,16 @@
 // default", a wrapper's base keeps its own parameters (CAOTE over TOVA with all_heads), and D2O's
 // rho is a budget of its own. Attention already folded into a sequence (H2O's accumulated column
 // sums) serves a later Compress or Score that carries none, so the worker never resends queries
-// it already sent.
+// it already sent. kvpress's variants are options beside the papers' defaults
+// (docs/policies/kvpress_variants.md): H2O normalised by the queries that see each key, TOVA's
+// kept last token, SnapKV/PyramidKV's kvpress defaults.
 #include <algorithm>
 #include <cstring>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvsidecar/client.h"
 #include "tests/e2e/e2e_util.h"
@@ -322,6 +325,144 @@ TEST_F(PaperOptionsE2eTest, CompressWithoutAttentionOrAccumulatedSumsIsRefused) 
   auto layout = session_->GetLayout("tova");
   ASSERT_TRUE(layout.ok()) << layout.status();
   for (const auto& layer : layout->layers()) EXPECT_EQ(layer.count(), 12);
+}
+
+// --- kvpress's variants ---------------------------------------------------------------------
+
+// The worker's probabilities [layers][Hq][rows][count] fp32: every layer and query head gets
+// `rows` (position order = slot order: nothing has been evicted yet).
+std::string ScoresBytes(const v1::ModelLayout& layout, const std::vector<std::vector<float>>& rows) {
+  std::string bytes;
+  for (int l = 0; l < layout.num_layers(); ++l) {
+    for (int q = 0; q < layout.num_q_heads(); ++q) {
+      for (const std::vector<float>& row : rows) {
+        for (float p : row) bytes.append(reinterpret_cast<const char*>(&p), sizeof p);
+      }
+    }
+  }
+  return bytes;
+}
+
+// Compresses `seq` to `budget` with `rows` as the prompt's attention; the kept positions of every
+// (layer, kv head), sorted.
+absl::StatusOr<std::vector<std::vector<int>>> CompressKept(
+    kvsidecar::Session& session, const v1::ModelLayout& layout, const std::string& seq,
+    int budget, const std::vector<std::vector<float>>& rows) {
+  v1::CompressRequest request;
+  request.set_sequence_id(seq);
+  request.set_budget_tokens(budget);
+  request.set_return_positions(true);
+  request.mutable_attention()->set_num_queries(static_cast<int>(rows.size()));
+  request.mutable_attention()->set_attention_scores(ScoresBytes(layout, rows));
+  auto response = session.Compress(std::move(request));
+  if (!response.ok()) return response.status();
+  std::vector<std::vector<int>> kept;
+  for (const auto& layer : response->layers()) {
+    for (int h = 0; h < layout.num_kv_heads(); ++h) {
+      std::vector<int> head(layer.positions().begin() + h * layer.kept(),
+                            layer.positions().begin() + (h + 1) * layer.kept());
+      std::sort(head.begin(), head.end());
+      kept.push_back(head);
+    }
+  }
+  return kept;
+}
+
+// Causal attention of 4 queries over 4 tokens: sums [1.8, 1.0, .85, .35]; divided by the
+// queries that see each key [4, 3, 2, 1]: [.45, .333, .425, .35].
+const std::vector<std::vector<float>> kCausalRows = {
+    {1, 0, 0, 0}, {.5f, .5f, 0, 0}, {.2f, .2f, .6f, 0}, {.1f, .3f, .25f, .35f}};
+
+TEST_F(PaperOptionsE2eTest, H2oNormalizedByQueriesKeepsWhatObservedAttentionKeeps) {
+  for (const bool normalize : {false, true}) {
+    const std::string seq = normalize ? "h2o-normalized" : "h2o-sum";
+    v1::PolicySpec policy;
+    policy.set_name("h2o");
+    if (normalize) policy.mutable_h2o()->set_normalize_by_queries(true);
+    auto created = session_->CreateSequence(policy, MakeBudget(64), seq);
+    ASSERT_TRUE(created.ok()) << created.status();
+    EXPECT_EQ(created->policy().h2o().normalize_by_queries(), normalize);
+    ASSERT_TRUE(WriteTokens(*session_, seq, 4, kSeed).ok());
+    auto kept = CompressKept(*session_, layout_, seq, 2, kCausalRows);
+    ASSERT_TRUE(kept.ok()) << kept.status();
+    const std::vector<int> want = normalize ? std::vector<int>{0, 2} : std::vector<int>{0, 1};
+    for (const std::vector<int>& head : *kept) EXPECT_EQ(head, want) << seq;
+    auto layout = session_->GetLayout(seq);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_EQ(layout->policy().h2o().normalize_by_queries(), normalize);
+  }
+}
+
+TEST_F(PaperOptionsE2eTest, TovaKeepLastTokenKeepsTheNewestToken) {
+  // The last query: [.4, .3, .2, .1]; the paper keeps 0 and 1, kvpress's variant 0 and 3.
+  for (const bool keep_last : {false, true}) {
+    const std::string seq = keep_last ? "tova-last" : "tova";
+    v1::PolicySpec policy;
+    policy.set_name("tova");
+    policy.mutable_tova()->set_all_heads(true);
+    if (keep_last) policy.mutable_tova()->set_keep_last_token(true);
+    auto created = session_->CreateSequence(policy, MakeBudget(64), seq);
+    ASSERT_TRUE(created.ok()) << created.status();
+    EXPECT_EQ(created->policy().tova().keep_last_token(), keep_last);
+    ASSERT_TRUE(WriteTokens(*session_, seq, 4, kSeed).ok());
+    auto kept = CompressKept(*session_, layout_, seq, 2, {{.4f, .3f, .2f, .1f}});
+    ASSERT_TRUE(kept.ok()) << kept.status();
+    const std::vector<int> want = keep_last ? std::vector<int>{0, 3} : std::vector<int>{0, 1};
+    for (const std::vector<int>& head : *kept) EXPECT_EQ(head, want) << seq;
+  }
+}
+
+TEST_F(PaperOptionsE2eTest, SnapKvKvpressDefaultsAndPyramidRule) {
+  v1::PolicySpec policy;
+  policy.set_name("snapkv");
+  policy.mutable_snapkv()->set_defaults(v1::SnapKvParams::DEFAULTS_KVPRESS);
+  auto created = session_->CreateSequence(policy, MakeBudget(64), "snapkv-kvpress");
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->policy().snapkv().window(), 64);
+  EXPECT_EQ(created->policy().snapkv().kernel_size(), 5);
+  EXPECT_EQ(created->policy().snapkv().defaults(), v1::SnapKvParams::DEFAULTS_KVPRESS);
+  v1::PolicySpec paper;
+  paper.set_name("snapkv");
+  paper.mutable_snapkv();
+  auto defaulted = session_->CreateSequence(paper, MakeBudget(64), "snapkv-paper");
+  ASSERT_TRUE(defaulted.ok()) << defaulted.status();
+  EXPECT_EQ(defaulted->policy().snapkv().window(), 32);
+  EXPECT_EQ(defaulted->policy().snapkv().kernel_size(), 7);
+
+  // PyramidKV over 2 layers of 32 tokens, budget 8, window 4: the paper's pyramid gives 16 and 0
+  // (raised to the floor of 4); kvpress's rule falls back to uniform 8 / 8 (min 8/20 < window).
+  for (const bool kvpress : {false, true}) {
+    const std::string seq = kvpress ? "pyramid-kvpress" : "pyramid-paper";
+    v1::PolicySpec pyramid;
+    pyramid.set_name("snapkv");
+    pyramid.mutable_snapkv()->set_window(4);
+    if (kvpress) pyramid.mutable_snapkv()->set_defaults(v1::SnapKvParams::DEFAULTS_KVPRESS);
+    pyramid.mutable_allocator()->set_kind(v1::LAYER_ALLOCATOR_PYRAMIDKV);
+    ASSERT_TRUE(session_->CreateSequence(pyramid, MakeBudget(64), seq).ok());
+    ASSERT_TRUE(WriteTokens(*session_, seq, 32, kSeed).ok());
+    v1::CompressRequest request;
+    request.set_sequence_id(seq);
+    request.set_budget_tokens(8);
+    request.mutable_attention()->set_num_queries(4);
+    request.mutable_attention()->set_attention_scores(
+        ScoresBytes(layout_, std::vector<std::vector<float>>(4, std::vector<float>(32, 1 / 32.f))));
+    auto response = session_->Compress(std::move(request));
+    ASSERT_TRUE(response.ok()) << response.status();
+    std::vector<int> kept;
+    for (const auto& layer : response->layers()) kept.push_back(layer.kept());
+    EXPECT_EQ(kept, kvpress ? std::vector<int>({8, 8}) : std::vector<int>({16, 4})) << seq;
+  }
+}
+
+TEST_F(PaperOptionsE2eTest, UnknownSnapKvDefaultsIsRefusedNamingTheField) {
+  v1::PolicySpec policy;
+  policy.set_name("snapkv");
+  policy.mutable_snapkv()->set_defaults(static_cast<v1::SnapKvParams::Defaults>(7));
+  auto created = session_->CreateSequence(policy, MakeBudget(64), "bad-defaults");
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(created.status().message()),
+              ::testing::HasSubstr("policy.snapkv.defaults"));
+  EXPECT_EQ(session_->GetLayout("bad-defaults").status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -84,7 +84,11 @@ def policy(name: str, allocator: Optional[common_pb2.LayerAllocator] = None,
            **params: Any) -> common_pb2.PolicySpec:
     """A ``PolicySpec`` by name with its parameters, e.g. ``policy("keydiff", recent_fraction=0.1)``
     or ``policy("streaming_llm", n_sink=4)``. Names: streaming_llm, keydiff, h2o, tova, snapkv,
-    cake, d2o, caote, omnikv."""
+    cake, d2o, caote, omnikv. kvpress's variants are parameters too:
+    ``policy("h2o", normalize_by_queries=True)`` (ObservedAttentionPress),
+    ``policy("tova", all_heads=True, keep_last_token=True)`` (TOVAPress) and
+    ``policy("snapkv", defaults=common_pb2.SnapKvParams.DEFAULTS_KVPRESS)`` (SnapKVPress; with a
+    PyramidKV allocator, PyramidKVPress)."""
     spec = common_pb2.PolicySpec(name=name)
     field_desc = common_pb2.PolicySpec.DESCRIPTOR.fields_by_name.get(name)
     if field_desc is not None and field_desc.containing_oneof is not None:

@@ -663,5 +663,49 @@ TEST(LayerAllocatorTest, CakePromptFitFreezesTheUniformBudget) {
   EXPECT_THAT(allocation->keep, ElementsAre(7, 8, 8));
 }
 
+// kvpress 0.5.5's PyramidKVPress.get_layer_budget (docs/policies/snapkv_kvpress_defaults.md),
+// hand-computed.
+TEST(KvpressPyramidTest, CapFallbackAndRounding) {
+  // B 128 of T 256, window 64: max = 249.6 >= T - w = 192 -> max 192, min 2B - 192 = 64 >= w;
+  // steps 128 / 3 -> 192, 149.33, 106.67, 64.
+  std::vector<int32_t> got;
+  for (int32_t l = 0; l < 4; ++l) got.push_back(KvpressPyramidBudget(128, 256, 4, l, 20, 64));
+  EXPECT_THAT(got, ElementsAre(192, 149, 107, 64));
+  // B 64 of 256: min = 3.2 < w = 64 -> uniform SnapKV (the paper would give 125, 85, 45, 5).
+  got.clear();
+  for (int32_t l = 0; l < 4; ++l) got.push_back(KvpressPyramidBudget(64, 256, 4, l, 20, 64));
+  EXPECT_THAT(got, ElementsAre(64, 64, 64, 64));
+  // Neither: B 100 of 1000, beta 2, window 10 -> min 50, max 150, steps 50.
+  got.clear();
+  for (int32_t l = 0; l < 3; ++l) got.push_back(KvpressPyramidBudget(100, 1000, 3, l, 2, 10));
+  EXPECT_THAT(got, ElementsAre(150, 100, 50));
+  // Halves round to even, as Python's round(): 7.5 -> 8, 2.5 -> 2.
+  EXPECT_EQ(KvpressPyramidBudget(5, 100, 2, 0, 2, 1), 8);
+  EXPECT_EQ(KvpressPyramidBudget(5, 100, 2, 1, 2, 1), 2);
+  // One layer: max itself (steps 0).
+  EXPECT_EQ(KvpressPyramidBudget(100, 1000, 1, 0, 2, 10), 150);
+}
+
+TEST(LayerAllocatorTest, SnapKvKvpressDefaultsBringKvpressPyramid) {
+  PolicyConfig config;
+  config.name = kPolicySnapKv;
+  config.snapkv.window = 64;
+  config.snapkv.defaults = SnapKvDefaults::kKvpress;
+  config.allocator.kind = LayerAllocatorKind::kPyramidKv;
+  std::vector<LayerPolicyState> states(4);
+  const std::vector<int32_t> counts = {256, 256, 256, 256};
+  auto allocation = MakeLayerAllocator(config)->Allocate(Request(128, counts, states));
+  ASSERT_TRUE(allocation.ok()) << allocation.status();
+  EXPECT_THAT(allocation->keep, ElementsAre(192, 149, 107, 64));
+  allocation = MakeLayerAllocator(config)->Allocate(Request(64, counts, states));
+  ASSERT_TRUE(allocation.ok());
+  EXPECT_THAT(allocation->keep, ElementsAre(64, 64, 64, 64));
+  // The paper's set keeps the paper's pyramid: 250, 169, 88, 7 -> the floor (16) on the top.
+  config.snapkv.defaults = SnapKvDefaults::kPaper;
+  allocation = MakeLayerAllocator(config)->Allocate(Request(128, counts, states));
+  ASSERT_TRUE(allocation.ok());
+  EXPECT_THAT(allocation->keep, ElementsAre(250, 169, 88, 16));
+}
+
 }  // namespace
 }  // namespace kvs

@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "cache/policy/registry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/cache/policy/attention_policy_test_util.h"
@@ -169,6 +170,89 @@ TEST(SnapKvConfigTest, DefaultsAndValidation) {
   config.snapkv.window = 1;
   config.snapkv.pooling = static_cast<Pooling>(7);
   EXPECT_EQ(ResolveSnapKvConfig(config).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// SnapKvDefaults::kKvpress (docs/policies/snapkv_kvpress_defaults.md): kvpress 0.5.5's window
+// 64 and kernel 5 for the fields left at zero; explicit values still win.
+TEST(SnapKvConfigTest, KvpressDefaults) {
+  PolicyConfig config;
+  config.name = kPolicySnapKv;
+  config.snapkv = SnapKvConfig{0, 0, Pooling::kAvg, SnapKvDefaults::kKvpress};
+  ASSERT_TRUE(ResolveSnapKvConfig(config).ok());
+  EXPECT_EQ(config.snapkv.window, 64);
+  EXPECT_EQ(config.snapkv.kernel_size, 5);
+  config.snapkv = SnapKvConfig{16, 0, Pooling::kAvg, SnapKvDefaults::kKvpress};
+  ASSERT_TRUE(ResolveSnapKvConfig(config).ok());
+  EXPECT_EQ(config.snapkv.window, 16);
+  EXPECT_EQ(config.snapkv.kernel_size, 5);
+  config.snapkv = SnapKvConfig{0, 0, Pooling::kAvg, static_cast<SnapKvDefaults>(9)};
+  EXPECT_EQ(ResolveSnapKvConfig(config).message(), "policy.snapkv.defaults is not a known set: 9");
+  // CAOTE's SnapKV base takes the same set under its own field name.
+  SnapKvConfig base{0, 0, Pooling::kAvg, SnapKvDefaults::kKvpress};
+  ASSERT_TRUE(ResolveSnapKvParams(base, "policy.caote.snapkv", 32, 5).ok());
+  EXPECT_EQ(base.window, 64);
+}
+
+TEST(SnapKvRegistryTest, DefaultsSurviveASnapshot) {
+  auto unit = FindPolicyUnit(kPolicySnapKv);
+  ASSERT_TRUE(unit.ok());
+  PolicyConfig config;
+  config.name = kPolicySnapKv;
+  config.snapkv = SnapKvConfig{0, 0, Pooling::kAvg, SnapKvDefaults::kKvpress};
+  ASSERT_TRUE(ResolveSnapKvConfig(config).ok());
+  FieldWriter out;
+  (*unit)->encode_params(config, out);
+  FieldReader in;
+  ASSERT_TRUE(in.Parse(out.bytes()));
+  PolicyConfig back;
+  ASSERT_TRUE((*unit)->decode_params(in, (*unit)->params_version, &back));
+  EXPECT_EQ(back.snapkv.window, 64);
+  EXPECT_EQ(back.snapkv.kernel_size, 5);
+  EXPECT_EQ(back.snapkv.defaults, SnapKvDefaults::kKvpress);
+  // The paper's set writes no tag (what earlier builds wrote) and reads back as the paper's.
+  FieldWriter plain;
+  (*unit)->encode_params(SnapKv(0, 0), plain);
+  ASSERT_TRUE(in.Parse(plain.bytes()));
+  EXPECT_FALSE(in.has(4));
+  back = PolicyConfig{};
+  ASSERT_TRUE((*unit)->decode_params(in, (*unit)->params_version, &back));
+  EXPECT_EQ(back.snapkv.defaults, SnapKvDefaults::kPaper);
+}
+
+TEST_F(SnapKvTest, KvpressDefaultsProtectA64TokenWindowAndPoolBy5) {
+  // 70 keys, 65 queries: w' = 64, so only positions 0..5 are scored (pooled with kernel 5) and
+  // the 64 newest are kept whatever their scores.
+  const auto policy = MakeSnapKvPolicy([] {
+    PolicyConfig config;
+    config.name = kPolicySnapKv;
+    config.snapkv.window = 0;
+    config.snapkv.kernel_size = 0;
+    config.snapkv.defaults = SnapKvDefaults::kKvpress;
+    EXPECT_TRUE(ResolveSnapKvConfig(config).ok());
+    return config;
+  }());
+  constexpr int32_t kCount = 70, kQueries = 65;
+  std::vector<float> probs(static_cast<size_t>(kQueries) * kCount, 0.0f);
+  // Every window query puts its mass on position 1 (and the rest on itself).
+  for (int32_t i = 0; i < kQueries; ++i) {
+    probs[static_cast<size_t>(i) * kCount + 1] = .5f;
+    probs[static_cast<size_t>(i) * kCount + std::min(kCount - 1, 5 + i)] += .5f;
+  }
+  TestLayer layer({Values(kCount)}, Identity(1, kCount));
+  auto round = ObserveSelect(*policy, *backend_, Phase::kPrefill, layer, 1, probs, kQueries, 66);
+  ASSERT_TRUE(round.ok()) << round.status();
+  // Window sums over the last 64 queries: position 1 gets 32, position 5 gets 0 (query 0 is
+  // outside the window). Pooled (kernel 5, zero padded) over positions 0..5:
+  //   0: (0 + 0 + 0 + 32 + 0) / 5 = 6.4, 1: 32/5, 2: 32/5, 3: 32/5, 4: 0, 5: 0.
+  EXPECT_NEAR(round->scores[0], 6.4f, 1e-4);
+  EXPECT_NEAR(round->scores[3], 6.4f, 1e-4);
+  EXPECT_NEAR(round->scores[4], 0.0f, 1e-4);
+  for (int32_t s = 6; s < kCount; ++s) EXPECT_EQ(round->scores[s], kInf) << s;
+  // 66 kept: the 64-token window and the two best-pooled of 0..3 (ties: the lowest positions).
+  ASSERT_EQ(round->kept[0].size(), 66u);
+  EXPECT_EQ(round->kept[0][0], 0);
+  EXPECT_EQ(round->kept[0][1], 1);
+  EXPECT_EQ(round->kept[0][2], 6);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cache/policy/registry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/cache/policy/attention_policy_test_util.h"
@@ -135,6 +136,74 @@ TEST_F(TovaTest, MissingAttentionIsInvalidArgument) {
   ASSERT_EQ(round.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(round.status().message(),
             "policy tova needs attention (the last query) in this call: field attention");
+}
+
+// keep_last_token (docs/policies/tova_keep_last_token.md): the newest position of every head
+// stays whatever its score, as kvpress's TOVAPress scores it max + 1.
+TEST_F(TovaTest, KeepLastTokenProtectsTheNewestPosition) {
+  // Two query heads of one kv head, last query: [.4, .3, .2, .1] and [.4, .1, .4, .1];
+  // GQA mean [.4, .2, .3, .1]: the paper keeps 0 and 2, kvpress's variant 0 and the newest (3).
+  const std::vector<float> probs = {.4f, .3f, .2f, .1f, .4f, .1f, .4f, .1f};
+  {
+    const auto policy = MakeTovaPolicy(Tova());
+    TestLayer layer({Values(4)}, Identity(1, 4));
+    auto round = ObserveSelect(*policy, *backend_, Phase::kPrefill, layer, 2, probs, 1, 2);
+    ASSERT_TRUE(round.ok()) << round.status();
+    EXPECT_THAT(round->kept[0], ElementsAre(0, 2));
+  }
+  PolicyConfig config = Tova();
+  config.tova.keep_last_token = true;
+  const auto policy = MakeTovaPolicy(config);
+  TestLayer layer({Values(4)}, Identity(1, 4));
+  auto round = ObserveSelect(*policy, *backend_, Phase::kPrefill, layer, 2, probs, 1, 2);
+  ASSERT_TRUE(round.ok()) << round.status();
+  EXPECT_THAT(round->kept[0], ElementsAre(0, 3));
+  ASSERT_EQ(round->scores.size(), 4u);
+  EXPECT_NEAR(round->scores[0], .4f, 1e-6);
+  EXPECT_NEAR(round->scores[2], .3f, 1e-6);
+  EXPECT_TRUE(std::isinf(round->scores[3]));  // protected
+  // A budget of one keeps the last token alone.
+  round = ObserveSelect(*policy, *backend_, Phase::kPrefill, layer, 2, probs, 1, 1);
+  ASSERT_TRUE(round.ok()) << round.status();
+  EXPECT_THAT(round->kept[0], ElementsAre(3));
+}
+
+TEST_F(TovaTest, KvpressTovaIsAllHeadsPlusLastTokenOnScrambledSlots) {
+  // The newest position sits in slot 0 of head 0 and slot 3 of head 1.
+  const std::vector<std::vector<int32_t>> positions = {{3, 2, 1, 0}, {0, 1, 2, 3}};
+  // Head 0 by slot (positions 3 2 1 0): .1 .2 .3 .4; head 1 by position: .5 .1 .3 .1.
+  // All-head means by position: 0: .45, 1: .2, 2: .25, 3: .1.
+  const std::vector<float> probs = {.1f, .2f, .3f, .4f, .5f, .1f, .3f, .1f};
+  PolicyConfig config = Tova(true);
+  config.tova.keep_last_token = true;
+  const auto policy = MakeTovaPolicy(config);
+  TestLayer layer({Values(4), Values(4)}, positions);
+  auto round = ObserveSelect(*policy, *backend_, Phase::kPrefill, layer, 2, probs, 1, 2);
+  ASSERT_TRUE(round.ok()) << round.status();
+  EXPECT_THAT(round->kept[0], ElementsAre(0, 3));  // slots of positions 3 and 0
+  EXPECT_THAT(round->kept[1], ElementsAre(0, 3));  // slots of positions 0 and 3
+}
+
+TEST(TovaRegistryTest, KeepLastTokenSurvivesASnapshot) {
+  auto unit = FindPolicyUnit(kPolicyTova);
+  ASSERT_TRUE(unit.ok());
+  PolicyConfig config = Tova(true);
+  config.tova.keep_last_token = true;
+  FieldWriter out;
+  (*unit)->encode_params(config, out);
+  FieldReader in;
+  ASSERT_TRUE(in.Parse(out.bytes()));
+  PolicyConfig back;
+  ASSERT_TRUE((*unit)->decode_params(in, (*unit)->params_version, &back));
+  EXPECT_TRUE(back.tova.all_heads);
+  EXPECT_TRUE(back.tova.keep_last_token);
+  FieldWriter plain;
+  (*unit)->encode_params(Tova(), plain);
+  ASSERT_TRUE(in.Parse(plain.bytes()));
+  EXPECT_FALSE(in.has(2));  // the paper's default writes what earlier builds wrote
+  back = PolicyConfig{};
+  ASSERT_TRUE((*unit)->decode_params(in, (*unit)->params_version, &back));
+  EXPECT_FALSE(back.tova.keep_last_token);
 }
 
 }  // namespace

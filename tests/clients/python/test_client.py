@@ -352,3 +352,12 @@ def test_prefix_key_and_publish_create_from_prefix(client):
         b.unpublish(key)
         with pytest.raises(kvs.errors.NotFound):
             b.create_sequence(from_prefix=key)
+
+
+# kvpress's variants (docs/policies/kvpress_variants.md) go through the same helper.
+def test_policy_helper_accepts_the_variants():
+    assert kvs.policy("h2o", normalize_by_queries=True).h2o.normalize_by_queries
+    spec = kvs.policy("tova", all_heads=True, keep_last_token=True)
+    assert spec.tova.all_heads and spec.tova.keep_last_token
+    spec = kvs.policy("snapkv", defaults=kvs.common_pb2.SnapKvParams.DEFAULTS_KVPRESS)
+    assert spec.snapkv.defaults == kvs.common_pb2.SnapKvParams.DEFAULTS_KVPRESS
