@@ -788,13 +788,15 @@ absl::StatusOr<std::vector<SelectResult>> KvPool::Select(absl::Span<const Select
   }
   std::vector<SelectTask> tasks(items.size());
   absl::Status checked = CheckSelectItemsLocked(batch, items, *mover_, envs, tasks);
-  absl::StatusOr<std::vector<SelectResult>> results = checked;
-  if (checked.ok()) {
-    // Side by side (RunSelects): the results are those of running the items in order.
-    const absl::Time now = clock_->Now();
-    for (SelectTask& task : tasks) task.sequence->Touch(now);
-    results = RunSelects(absl::MakeSpan(tasks), *decode_pool_);
+  if (!checked.ok()) {
+    batch.UnlockAll();
+    return checked;
   }
+  // Side by side (RunSelects): the results are those of running the items in order.
+  const absl::Time now = clock_->Now();
+  for (SelectTask& task : tasks) task.sequence->Touch(now);
+  absl::StatusOr<std::vector<SelectResult>> results =
+      RunSelects(absl::MakeSpan(tasks), *decode_pool_);
   batch.UnlockAll();
   return results;
 }
