@@ -119,6 +119,7 @@ KEY_ONLY_POLICIES = {"streaming_llm", "keydiff", "knorm"}
 # Policies that read only the last `window` queries of a prefill block (default 32).
 WINDOW_POLICIES = {"snapkv", "cake"}
 DEFAULT_WINDOW = 32
+KVPRESS_WINDOW = 64  # SnapKV's window under DEFAULTS_KVPRESS
 # A Compress budget above anything a layer can hold (the sidecar's largest, 2^24 tokens): the call
 # evicts nothing and only observes its attention, under every allocator.
 OBSERVE_ONLY_BUDGET = 1 << 24
@@ -447,7 +448,14 @@ class SidecarCache(Cache):
             return 1
         if self._name in WINDOW_POLICIES:
             params = getattr(self.policy, self._name)
-            return int(params.window) or DEFAULT_WINDOW
+            if params.window:
+                return int(params.window)
+            # An unset window is the policy's default: kvpress's 64 under SnapKV's
+            # DEFAULTS_KVPRESS, the paper's 32 otherwise (as the sidecar resolves it).
+            if self._name == "snapkv" and \
+                    self.policy.snapkv.defaults == common_pb2.SnapKvParams.DEFAULTS_KVPRESS:
+                return KVPRESS_WINDOW
+            return DEFAULT_WINDOW
         return None
 
     # -- what transformers calls ----------------------------------------------------------------

@@ -227,6 +227,35 @@ def test_under_budget_attention_reads_the_layout_and_the_score_kept_set(
     small.release()
 
 
+def test_snapkv_with_kvpress_defaults_sends_the_window_the_sidecar_resolves(session, monkeypatch):
+    # DEFAULTS_KVPRESS resolves SnapKV's unset window to kvpress's 64 queries, not the paper's
+    # 32: SidecarCache must send that many, or the kept set is the one a 32-query window gives.
+    model = make_model()
+    length, fraction = 120, 0.75  # 90 kept: above the window, so the scores decide
+    ids = prompts(1, length=length)
+    spec = kvs.policy("snapkv", defaults=kvs.common_pb2.SnapKvParams.DEFAULTS_KVPRESS)
+    recorder = _Recorder()
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", recorder)
+    full = SidecarCache(session, model, policy="streaming_llm", budget=0)
+    small = SidecarCache(session, model, policy=spec, budget=fraction)
+    with torch.no_grad():
+        model(ids, **{CACHE: DynamicCache(config=model.config)}, use_cache=True)
+        queries = [recorder.queries[layer] for layer in range(3)]
+        model(ids, **{CACHE: full}, use_cache=True)
+        model(ids, **{CACHE: small}, use_cache=True)
+    small.sync()
+    budget = small.budget_tokens
+    assert budget == int(np.ceil(fraction * length))
+    attn = kvs.attention(torch.stack([q[0] for q in queries]).numpy(),
+                         query_positions=list(range(length)))
+    for layer in range(3):
+        kept = _score_kept(session, full.sequence_ids[0], layer, budget, spec, attn)
+        _, _, pos = _layer_state(session, small.sequence_ids[0], layer)
+        assert [sorted(p) for p in pos.tolist()] == kept, layer
+    full.release()
+    small.release()
+
+
 def test_batch_of_four_generates_under_a_budget(session):
     model = make_model()
     ids = prompts(4, 32, seed=5)
