@@ -337,6 +337,20 @@ def sidecar_configs(budgets, protocols) -> List[Config]:
         ("pyramidkv", "snapkv window 32 kernel 7 + PyramidKV allocator beta 20",
          lambda n: make_policy("snapkv", allocator=alloc(
              kind=common_pb2.LAYER_ALLOCATOR_PYRAMIDKV, pyramid_beta=20))),
+        # kvpress's variants, as options of the same policies (docs/policies/kvpress_variants.md).
+        ("h2o_observed", "accumulated attention / queries that see each key, no sinks, no recent "
+         "(option normalize_by_queries: kvpress's ObservedAttention)",
+         lambda n: make_policy("h2o", n_sink=0, n_recent=0, normalize_by_queries=True)),
+        ("tova_kvpress", "last query, all-head mean, last token kept (options all_heads + "
+         "keep_last_token: kvpress's TOVA)",
+         lambda n: make_policy("tova", all_heads=True, keep_last_token=True)),
+        ("snapkv_kvpress", "window 64, kernel 5 (option defaults = DEFAULTS_KVPRESS)",
+         lambda n: make_policy("snapkv", defaults=common_pb2.SnapKvParams.DEFAULTS_KVPRESS)),
+        ("pyramidkv_kvpress", "window 64, kernel 5, kvpress's PyramidKV budgets (DEFAULTS_KVPRESS "
+         "+ PyramidKV allocator beta 20)",
+         lambda n: make_policy("snapkv", defaults=common_pb2.SnapKvParams.DEFAULTS_KVPRESS,
+                               allocator=alloc(kind=common_pb2.LAYER_ALLOCATOR_PYRAMIDKV,
+                                               pyramid_beta=20))),
         ("cake", "CAKE defaults (window 32, kernel 5, cascading allocator)",
          lambda n: make_policy("cake")),
         ("d2o", "D2O defaults (4 sinks, recent 0.25, merging)", lambda n: make_policy("d2o")),

@@ -204,12 +204,18 @@ def summarize(cells, model, proto, context, tasks) -> List[str]:
 
 
 # kvpress's press -> the sidecar rows of the same policy (its settings, best first chosen per cell).
+# The `_kvpress` / `_observed` rows are the sidecar's options that reproduce kvpress's variant
+# (docs/policies/kvpress_variants.md).
 SHARED = [("streaming_llm", ["streaming_llm"]), ("keydiff", ["keydiff"]), ("knorm", ["knorm"]),
           ("snapkv", ["snapkv"]),
           # kvpress's PyramidKV is uniform SnapKV when N / beta < window (10-25 % of 1K here):
-          # the sidecar's setting for that is its uniform SnapKV (it has no fallback switch).
-          ("pyramidkv", ["pyramidkv", "snapkv"]),
-          ("tova", ["tova", "tova_allheads"]), ("observed_attention", ["h2o", "h2o_plain"])]
+          # the sidecar's uniform SnapKV is that setting, and its DEFAULTS_KVPRESS option
+          # applies kvpress's budget rule itself.
+          ("pyramidkv", ["pyramidkv", "snapkv", "pyramidkv_kvpress"]),
+          ("snapkv_default", ["snapkv_kvpress", "snapkv"]),
+          ("pyramidkv_default", ["pyramidkv_kvpress", "pyramidkv", "snapkv_kvpress"]),
+          ("tova", ["tova", "tova_allheads", "tova_kvpress"]),
+          ("observed_attention", ["h2o", "h2o_plain", "h2o_observed"])]
 
 
 def never_worse(cells) -> List[str]:
