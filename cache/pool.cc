@@ -103,6 +103,23 @@ int64_t EarlierItem(absl::Span<Sequence* const> earlier, const Sequence* sequenc
   return -1;
 }
 
+// With the batch's sessions locked: item `i`'s sequence (restored first when spilled), refused
+// when an earlier item of the batch (`sequences`[0, i)) names it too: "is already <verb> by
+// items[j]". Stored into sequences[i] when found.
+absl::Status DistinctSequenceLocked(const BatchSessions& batch, std::string_view sequence_id,
+                                    size_t i, TierMover& mover, std::string_view verb,
+                                    std::vector<Sequence*>& sequences) {
+  Session& session = batch.of(i);
+  session.mu.AssertHeld();
+  KVS_ASSIGN_OR_RETURN(Sequence * sequence, BatchSequenceLocked(session, sequence_id, mover));
+  sequences[i] = sequence;
+  if (const int64_t j = EarlierItem(absl::MakeConstSpan(sequences.data(), i), sequence); j >= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence ", Sv(sequence_id), " is already ", Sv(verb), " by items[", j, "]"));
+  }
+  return absl::OkStatus();
+}
+
 int DecodeThreads(int32_t requested) {
   if (requested > 0) return requested;
   return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
@@ -659,17 +676,8 @@ absl::Status CheckDecodeItemsLocked(const BatchSessions& batch, absl::Span<const
   for (size_t i = 0; i < items.size(); ++i) {
     Session& session = batch.of(i);
     session.mu.AssertHeld();
-    absl::StatusOr<Sequence*> sequence =
-        BatchSequenceLocked(session, items[i].sequence_id, mover);
-    absl::Status status = sequence.status();
-    if (status.ok()) {
-      sequences[i] = *sequence;
-      if (const int64_t j = EarlierItem(absl::MakeConstSpan(sequences.data(), i), *sequence);
-          j >= 0) {
-        status = absl::InvalidArgumentError(absl::StrCat(
-            "sequence ", items[i].sequence_id, " is already stepped by items[", j, "]"));
-      }
-    }
+    absl::Status status =
+        DistinctSequenceLocked(batch, items[i].sequence_id, i, mover, "stepped", sequences);
     if (status.ok()) status = sequences[i]->CheckDecode(env_of(session), items[i]);
     if (!status.ok()) return ItemError(i, status);
   }
@@ -725,26 +733,15 @@ absl::Status CheckSelectItemsLocked(const BatchSessions& batch, absl::Span<const
                                     std::vector<SelectTask>& tasks) {
   std::vector<Sequence*> sequences(items.size(), nullptr);
   for (size_t i = 0; i < items.size(); ++i) {
-    Session& session = batch.of(i);
-    session.mu.AssertHeld();
-    absl::StatusOr<Sequence*> sequence =
-        BatchSequenceLocked(session, items[i].sequence_id, mover);
-    absl::Status status = sequence.status();
-    if (status.ok()) {
-      sequences[i] = *sequence;
-      if (const int64_t j = EarlierItem(absl::MakeConstSpan(sequences.data(), i), *sequence);
-          j >= 0) {
-        status = absl::InvalidArgumentError(absl::StrCat(
-            "sequence ", items[i].sequence_id, " is already selected by items[", j, "]"));
-      }
-    }
     const SequenceEnv& env = envs[batch.index_of(i)];
+    absl::Status status =
+        DistinctSequenceLocked(batch, items[i].sequence_id, i, mover, "selected", sequences);
     if (status.ok()) status = sequences[i]->CheckSelect(env, items[i]);
     if (!status.ok()) return ItemError(i, status);
     tasks[i].sequence = sequences[i];
     tasks[i].env = &env;
     tasks[i].item = &items[i];
-    tasks[i].pin = &session.host_pin;
+    tasks[i].pin = &batch.of(i).host_pin;
   }
   return absl::OkStatus();
 }

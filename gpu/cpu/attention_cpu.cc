@@ -519,23 +519,25 @@ void ScaleScalar(float* p, int64_t n, float factor) {
   for (int64_t j = 0; j < n; ++j) p[j] *= factor;
 }
 
-// Folds a row's per-tile (max, sum) into the softmax normaliser and rescales each tile's
-// exp(l - tile max) to exp(l - row max) / sum.
-void NormalizeRow(const JobPlan& plan, const Records& records, int64_t row, bool avx2) {
+// Calls apply(begin_slot, end_slot, factor) for the runs of a row's tiles that share one factor
+// exp(tile max - row max) / sum (the softmax normaliser folded from the per-tile (max, sum)
+// records). Runs of tiles with the same max (the common case once the row max has been seen
+// early) share one factor, so the sweeps cover long contiguous stretches. Fully masked tiles
+// (sum 0) are skipped, and so is a row whose every slot is masked.
+template <typename Apply>
+void ForEachNormalizedRun(const JobPlan& plan, const Records& records, int64_t row,
+                          Apply&& apply) {
   const int64_t count = plan.job->keys.count;
   const float* maxes = records.max + records.At(row, 0);
   const float* sums = records.sum + records.At(row, 0);
-  float* out = plan.job->probs + row * count;
   float max = kNegInf;
   for (int64_t t = 0; t < plan.tiles; ++t) max = std::max(max, maxes[t]);
-  if (max == kNegInf) return;  // every slot masked: the tiles already wrote zeros
+  if (max == kNegInf) return;
   float sum = 0.0f;
   for (int64_t t = 0; t < plan.tiles; ++t) {
     if (sums[t] > 0.0f) sum += sums[t] * std::exp(maxes[t] - max);
   }
   const float inv = 1.0f / sum;
-  // Runs of tiles with the same max (the common case once the row max has been seen early)
-  // share one factor, so the multiply sweeps long contiguous stretches.
   int64_t t = 0;
   while (t < plan.tiles) {
     if (sums[t] == 0.0f) {  // all zeros (masked)
@@ -544,16 +546,22 @@ void NormalizeRow(const JobPlan& plan, const Records& records, int64_t row, bool
     }
     int64_t end = t + 1;
     while (end < plan.tiles && maxes[end] == maxes[t] && sums[end] != 0.0f) ++end;
-    const float factor = std::exp(maxes[t] - max) * inv;
-    const int64_t begin_slot = t * kTile;
-    const int64_t end_slot = std::min<int64_t>(count, end * kTile);
-    if (avx2) {
-      ScaleAvx2(out + begin_slot, end_slot - begin_slot, factor);
-    } else {
-      ScaleScalar(out + begin_slot, end_slot - begin_slot, factor);
-    }
+    apply(t * kTile, std::min<int64_t>(count, end * kTile), std::exp(maxes[t] - max) * inv);
     t = end;
   }
+}
+
+// Rescales each tile's exp(l - tile max) to exp(l - row max) / sum, in place. A fully masked
+// row keeps the zeros the tiles wrote.
+void NormalizeRow(const JobPlan& plan, const Records& records, int64_t row, bool avx2) {
+  float* out = plan.job->probs + row * plan.job->keys.count;
+  ForEachNormalizedRun(plan, records, row, [&](int64_t begin, int64_t end, float factor) {
+    if (avx2) {
+      ScaleAvx2(out + begin, end - begin, factor);
+    } else {
+      ScaleScalar(out + begin, end - begin, factor);
+    }
+  });
 }
 
 bool ValidDType(DType dtype) {
@@ -794,36 +802,14 @@ void AddScaledScalar(float* out, const float* e, int64_t n, float factor) {
 // instead of written over the row: the probabilities of the row never leave the cache.
 void AddNormalizedRow(const JobPlan& plan, const Records& records, int64_t row, float* out,
                       bool avx2) {
-  const int64_t count = plan.job->keys.count;
-  const float* maxes = records.max + records.At(row, 0);
-  const float* sums = records.sum + records.At(row, 0);
-  const float* e = plan.job->probs + row * count;
-  float max = kNegInf;
-  for (int64_t t = 0; t < plan.tiles; ++t) max = std::max(max, maxes[t]);
-  if (max == kNegInf) return;  // every slot masked: probabilities 0
-  float sum = 0.0f;
-  for (int64_t t = 0; t < plan.tiles; ++t) {
-    if (sums[t] > 0.0f) sum += sums[t] * std::exp(maxes[t] - max);
-  }
-  const float inv = 1.0f / sum;
-  int64_t t = 0;
-  while (t < plan.tiles) {
-    if (sums[t] == 0.0f) {  // all zeros (masked)
-      ++t;
-      continue;
-    }
-    int64_t end = t + 1;
-    while (end < plan.tiles && maxes[end] == maxes[t] && sums[end] != 0.0f) ++end;
-    const float factor = std::exp(maxes[t] - max) * inv;
-    const int64_t begin_slot = t * kTile;
-    const int64_t end_slot = std::min<int64_t>(count, end * kTile);
+  const float* e = plan.job->probs + row * plan.job->keys.count;
+  ForEachNormalizedRun(plan, records, row, [&](int64_t begin, int64_t end, float factor) {
     if (avx2) {
-      AddScaledAvx2(out + begin_slot, e + begin_slot, end_slot - begin_slot, factor);
+      AddScaledAvx2(out + begin, e + begin, end - begin, factor);
     } else {
-      AddScaledScalar(out + begin_slot, e + begin_slot, end_slot - begin_slot, factor);
+      AddScaledScalar(out + begin, e + begin, end - begin, factor);
     }
-    t = end;
-  }
+  });
 }
 
 // One task of RunAttentionColumnSums: kv heads [head_begin, head_end) of `job`. The window
