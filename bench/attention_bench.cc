@@ -115,6 +115,25 @@ struct Cache {
   }
 };
 
+// The FLOP counters of a window benchmark: Q.K^T of `window` queries over `count` keys per layer,
+// as a rate, against the dot-product peak of `threads`, and per CPU second (all threads) against
+// one core's peak, which is robust to other processes sharing the cores.
+void ReportWindowFlops(benchmark::State& state, int threads, int window, int count, int layers,
+                       double cpu_seconds) {
+  const double flops = 2.0 * kQHeads * window * static_cast<double>(count) * kHeadDim * layers;
+  const double peak = DotPeakFlopsPerSecond(threads);
+  state.counters["GFLOPs"] =
+      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["dot_peak_GFLOPs"] = peak / 1e9;
+  state.counters["flops_per_peak"] =
+      benchmark::Counter(flops / peak, benchmark::Counter::kIsIterationInvariantRate);
+  const double flops_per_cpu_second = flops * state.iterations() / cpu_seconds;
+  const double core_peak = DotPeakFlopsPerCpuSecond();
+  state.counters["GFLOP_per_cpu_s"] = flops_per_cpu_second / 1e9;
+  state.counters["core_peak_GFLOP_per_cpu_s"] = core_peak / 1e9;
+  state.counters["cpu_flops_per_core_peak"] = flops_per_cpu_second / core_peak;
+}
+
 void BM_AttentionWindow(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
   const int window = static_cast<int>(state.range(1));
@@ -127,20 +146,7 @@ void BM_AttentionWindow(benchmark::State& state) {
   for (auto _ : state) {
     Check(backend->AttentionProbs(cache.jobs, nullptr));
   }
-  const double cpu_seconds = ProcessCpuSeconds() - cpu_start;
-  const double flops = 2.0 * kQHeads * window * static_cast<double>(count) * kHeadDim * layers;
-  const double peak = DotPeakFlopsPerSecond(threads);
-  state.counters["GFLOPs"] =
-      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["dot_peak_GFLOPs"] = peak / 1e9;
-  state.counters["flops_per_peak"] =
-      benchmark::Counter(flops / peak, benchmark::Counter::kIsIterationInvariantRate);
-  // Per CPU second (all threads): robust to other processes sharing the cores.
-  const double flops_per_cpu_second = flops * state.iterations() / cpu_seconds;
-  const double core_peak = DotPeakFlopsPerCpuSecond();
-  state.counters["GFLOP_per_cpu_s"] = flops_per_cpu_second / 1e9;
-  state.counters["core_peak_GFLOP_per_cpu_s"] = core_peak / 1e9;
-  state.counters["cpu_flops_per_core_peak"] = flops_per_cpu_second / core_peak;
+  ReportWindowFlops(state, threads, window, count, layers, ProcessCpuSeconds() - cpu_start);
   const double limit = std::max(MemcpyBytesPerSecond(256ull << 20),
                                 ParallelMemcpyBytesPerSecond(256ull << 20, threads));
   state.counters["key_GBps"] =
@@ -185,19 +191,7 @@ void BM_AttentionColumnSums(benchmark::State& state) {
   for (auto _ : state) {
     Check(backend->AttentionColumnSums(jobs, nullptr));
   }
-  const double cpu_seconds = ProcessCpuSeconds() - cpu_start;
-  const double flops = 2.0 * kQHeads * window * static_cast<double>(count) * kHeadDim * layers;
-  const double peak = DotPeakFlopsPerSecond(threads);
-  state.counters["GFLOPs"] =
-      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["dot_peak_GFLOPs"] = peak / 1e9;
-  state.counters["flops_per_peak"] =
-      benchmark::Counter(flops / peak, benchmark::Counter::kIsIterationInvariantRate);
-  const double flops_per_cpu_second = flops * state.iterations() / cpu_seconds;
-  const double core_peak = DotPeakFlopsPerCpuSecond();
-  state.counters["GFLOP_per_cpu_s"] = flops_per_cpu_second / 1e9;
-  state.counters["core_peak_GFLOP_per_cpu_s"] = core_peak / 1e9;
-  state.counters["cpu_flops_per_core_peak"] = flops_per_cpu_second / core_peak;
+  ReportWindowFlops(state, threads, window, count, layers, ProcessCpuSeconds() - cpu_start);
 }
 
 // args: threads, window, count, jobs (layers).
