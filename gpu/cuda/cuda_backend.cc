@@ -211,6 +211,19 @@ cuda::DevPagedView ToDev(const PagedLayerView& v) {
   return d;
 }
 
+// The device-side description of an attention job's inputs (the output pointer is the caller's).
+cuda::DevAttentionJob ToDev(const AttentionJob& job) {
+  cuda::DevAttentionJob d;
+  d.keys = ToDev(job.keys);
+  d.key_positions = job.key_positions;
+  d.queries = job.queries;
+  d.query_positions = job.query_positions;
+  d.num_q_heads = job.num_q_heads;
+  d.num_queries = job.num_queries;
+  d.scale = job.scale;
+  return d;
+}
+
 // ---------------------------------------------------------------------------------------------
 
 class CudaBackend final : public Backend {
@@ -404,15 +417,7 @@ class CudaBackend final : public Backend {
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(jobs[i].sums, context, "sums"));
     }
     for (const AttentionSumsJob& sums_job : jobs) {
-      const AttentionJob& job = sums_job.attention;
-      cuda::DevAttentionJob d;
-      d.keys = ToDev(job.keys);
-      d.key_positions = job.key_positions;
-      d.queries = job.queries;
-      d.query_positions = job.query_positions;
-      d.num_q_heads = job.num_q_heads;
-      d.num_queries = job.num_queries;
-      d.scale = job.scale;
+      const cuda::DevAttentionJob d = ToDev(sums_job.attention);
       KVS_RETURN_IF_ERROR(
           Launched(cuda::LaunchAttentionColumnSums(d, sums_job.sums, ToStream(stream)),
                    "AttentionColumnSums"));
@@ -579,14 +584,7 @@ class CudaBackend final : public Backend {
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.probs, context, "probs"));
     }
     for (const AttentionJob& job : jobs) {
-      cuda::DevAttentionJob d;
-      d.keys = ToDev(job.keys);
-      d.key_positions = job.key_positions;
-      d.queries = job.queries;
-      d.query_positions = job.query_positions;
-      d.num_q_heads = job.num_q_heads;
-      d.num_queries = job.num_queries;
-      d.scale = job.scale;
+      cuda::DevAttentionJob d = ToDev(job);
       d.out = job.probs;
       KVS_RETURN_IF_ERROR(Launched(cuda::LaunchAttention(d, logits_only, ToStream(stream)),
                                    logits_only ? "AttentionLogits" : "AttentionProbs"));
