@@ -389,12 +389,38 @@ __device__ void BlockCopyRow(uint8_t* dst, const uint8_t* src, uint64_t bytes) {
   }
 }
 
+// The fallback when no scratch can be had: one block, rows in order (a destination may be an
+// earlier row's source). Correct, and about a microsecond per row.
 __global__ void CopyRowsKernel(uint8_t* arena, const uint64_t* src_offsets,
                                const uint64_t* dst_offsets, int64_t count, uint64_t row_bytes) {
-  // One block, rows in order: a destination may be an earlier row's source.
   for (int64_t r = 0; r < count; ++r) {
     BlockCopyRow(arena + dst_offsets[r], arena + src_offsets[r], row_bytes);
     __syncthreads();
+  }
+}
+
+// Moves `count` rows of `row_bytes` from src (+ src_offsets[r], or r * row_bytes when null) to
+// dst (+ dst_offsets[r], or r * row_bytes when null), every row in parallel: one thread per
+// 16-byte word when row_bytes is a multiple of 16 (a row whose two ends are not 16-byte aligned
+// is copied a byte at a time by the same threads), else one thread per byte.
+__global__ void MoveRowsKernel(uint8_t* dst, const uint64_t* dst_offsets, const uint8_t* src,
+                               const uint64_t* src_offsets, int64_t count, uint64_t row_bytes) {
+  const bool words = row_bytes % 16 == 0;
+  const uint64_t unit = words ? 16 : 1;
+  const uint64_t per_row = row_bytes / unit;
+  const uint64_t total = static_cast<uint64_t>(count) * per_row;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t r = i / per_row, at = (i % per_row) * unit;
+    const uint8_t* from = src + (src_offsets != nullptr ? src_offsets[r] : r * row_bytes) + at;
+    uint8_t* to = dst + (dst_offsets != nullptr ? dst_offsets[r] : r * row_bytes) + at;
+    if (!words) {
+      *to = *from;
+    } else if (((reinterpret_cast<uintptr_t>(from) | reinterpret_cast<uintptr_t>(to)) & 15) == 0) {
+      *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+    } else {
+      for (int b = 0; b < 16; ++b) to[b] = from[b];
+    }
   }
 }
 
@@ -694,8 +720,26 @@ cudaError_t LaunchTopK(const float* scores, const int32_t* positions, const uint
 cudaError_t LaunchCopyRows(uint8_t* arena, const uint64_t* src_offsets, const uint64_t* dst_offsets,
                            int64_t count, uint64_t row_bytes, cudaStream_t stream) {
   if (count <= 0 || row_bytes == 0) return cudaSuccess;
-  CopyRowsKernel<<<1, kThreads, 0, stream>>>(arena, src_offsets, dst_offsets, count, row_bytes);
-  return cudaGetLastError();
+  // A destination may be an earlier row's source (never a later one's: RowCopyJob), so every
+  // read must land before the write that could clobber it. Reading all rows into scratch, then
+  // writing them all, keeps that order with every row in flight at once: twice the traffic of a
+  // plain gather, thousands of times less time than rows one by one.
+  uint8_t* scratch = nullptr;
+  const uint64_t bytes = static_cast<uint64_t>(count) * row_bytes;
+  if (cudaMallocAsync(reinterpret_cast<void**>(&scratch), bytes, stream) != cudaSuccess) {
+    (void)cudaGetLastError();  // no scratch: the sequential copy needs none
+    CopyRowsKernel<<<1, kThreads, 0, stream>>>(arena, src_offsets, dst_offsets, count, row_bytes);
+    return cudaGetLastError();
+  }
+  const uint64_t units = row_bytes % 16 == 0 ? bytes / 16 : bytes;
+  const int grid = GridFor(static_cast<int64_t>((units + kThreads - 1) / kThreads));
+  MoveRowsKernel<<<grid, kThreads, 0, stream>>>(scratch, nullptr, arena, src_offsets, count,
+                                                row_bytes);
+  MoveRowsKernel<<<grid, kThreads, 0, stream>>>(arena, dst_offsets, scratch, nullptr, count,
+                                                row_bytes);
+  const cudaError_t error = cudaGetLastError();
+  const cudaError_t freed = cudaFreeAsync(scratch, stream);
+  return error != cudaSuccess ? error : freed;
 }
 
 cudaError_t LaunchCopyHostRows(uint8_t* arena, uint8_t* host, const uint64_t* arena_offsets,
