@@ -265,6 +265,12 @@ absl::StatusOr<int> KvPool::DuplicateArenaFd(std::string_view session_id) const 
   return session->arena->DuplicateFd();
 }
 
+absl::Status KvPool::ReadArena(std::string_view session_id, uint64_t offset, void* out,
+                               uint64_t bytes) const {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, sessions_->Find(session_id));
+  return session->arena->Read(offset, out, bytes);
+}
+
 // ---- Sequences ----
 
 namespace {

@@ -81,6 +81,11 @@ class KvPool {
   // to hand to the session's worker. NOT_FOUND for an unknown session; FAILED_PRECONDITION when
   // its arena is not a memfd (a named file or device memory).
   absl::StatusOr<int> DuplicateArenaFd(std::string_view session_id) const;
+  // Copies `bytes` of the session's arena from `offset` into host memory `out` (Arena::Read):
+  // what a worker would see there, on any backend, for diagnostics and tests. NOT_FOUND for an
+  // unknown session; OUT_OF_RANGE past the arena's end.
+  absl::Status ReadArena(std::string_view session_id, uint64_t offset, void* out,
+                         uint64_t bytes) const;
 
   // Sequences.
   absl::StatusOr<SequenceCreated> CreateSequence(std::string_view session_id,

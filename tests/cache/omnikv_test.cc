@@ -76,16 +76,21 @@ AttentionInput FilterQueries(const std::vector<int32_t>& layers, int salt = 0) {
   return input;
 }
 
-// A read-only mapping of a session's arena (a memfd: the descriptor the worker would receive).
+// What a worker sees in a session's arena: a read-only mapping of the memfd the worker would
+// receive; a device arena (the /cuda runs) is read through the pool (Arena::Read) at each At.
 class ArenaReader {
  public:
-  ArenaReader(const KvPool& pool, const SessionView& view) : size_(view.arena.size_bytes) {
+  ArenaReader(const KvPool& pool, const SessionView& view)
+      : pool_(pool), session_(view.session_id), size_(view.arena.size_bytes) {
+    if (view.arena.kind == ArenaHandle::Kind::kCudaIpc) return;
     const int fd = pool.DuplicateArenaFd(view.session_id).value_or(-1);
     EXPECT_GE(fd, 0) << view.session_id;
     data_ = static_cast<const uint8_t*>(mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0));
     close(fd);
   }
-  ~ArenaReader() { munmap(const_cast<uint8_t*>(data_), size_); }
+  ~ArenaReader() {
+    if (data_ != nullptr) munmap(const_cast<uint8_t*>(data_), size_);
+  }
   // Element d of (kv, head, slot) of a view with `block_table`.
   float At(const ModelLayout& layout, const std::vector<int32_t>& block_table, int kv, int head,
            int slot, int d) const {
@@ -94,10 +99,16 @@ class ArenaReader {
         ((static_cast<uint64_t>(kv) * layout.num_kv_heads + head) * layout.block_tokens +
          slot % layout.block_tokens) *
             layout.row_bytes();
-    return LoadAsFloat(data_ + offset, layout.dtype, d);
+    if (data_ != nullptr) return LoadAsFloat(data_ + offset, layout.dtype, d);
+    std::vector<uint8_t> row(layout.row_bytes());
+    const absl::Status read = pool_.ReadArena(session_, offset, row.data(), row.size());
+    EXPECT_TRUE(read.ok()) << read;
+    return LoadAsFloat(row.data(), layout.dtype, d);
   }
 
  private:
+  const KvPool& pool_;
+  std::string session_;
   uint64_t size_;
   const uint8_t* data_ = nullptr;
 };

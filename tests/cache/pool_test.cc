@@ -97,7 +97,10 @@ TEST(PoolAttachTest, ResolvesDefaults) {
   auto again = pool.pool.GetSession(view->session_id);
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->arena.generation, view->arena.generation);
-  EXPECT_EQ(again->arena.kind, ArenaHandle::Kind::kMemfd);
+  // A host arena is a memfd; the CUDA backend's is device memory shared through CUDA IPC.
+  EXPECT_EQ(again->arena.kind, testing_util::TestBackendName() == "cuda"
+                                   ? ArenaHandle::Kind::kCudaIpc
+                                   : ArenaHandle::Kind::kMemfd);
 }
 
 TEST(PoolAttachTest, Validation) {

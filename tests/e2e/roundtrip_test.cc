@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "kvsidecar/client.h"
 #include "tests/e2e/e2e_util.h"
+#include "tests/test_backend.h"
 
 namespace kvs_e2e {
 namespace {
@@ -76,7 +77,9 @@ TEST_F(RoundTripTest, KeyDiffZeroCopyCompressReadsBackBitForBit) {
   auto session = Attach(layout, 256);
   ASSERT_NE(session, nullptr);
   EXPECT_EQ(session->layout().block_tokens(), 16);
-  EXPECT_EQ(session->arena().kind(), v1::ArenaHandle::KIND_MEMFD);
+  EXPECT_EQ(session->arena().kind(), kvs::testing_util::TestBackendName() == "cuda"
+                                         ? v1::ArenaHandle::KIND_CUDA_IPC
+                                         : v1::ArenaHandle::KIND_MEMFD);
   EXPECT_TRUE(PollUntil([&] { return session->watching(); }, absl::Seconds(30)));
 
   // A witness sequence that nobody compresses: must stay intact through everything below.
