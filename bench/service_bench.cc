@@ -232,8 +232,8 @@ int EnvInt(const char* name, int fallback) {
 // One decode step of a batch as a worker on any backend sends it: per sequence the new token's
 // K/V ([L][2][H][1][D]) and its query ([L][Hq][1][D]) inline in one DecodeStep. H2O at its budget:
 // the step commits the token, scores it and every kept key with the query in every layer and
-// evicts one token per (layer, head). $KVS_BENCH_DECODE_SEQUENCES / _PREFILL shrink it (smoke
-// runs); the request size is reported, as loopback gRPC moves it at the BM_Append rate.
+// evicts one token per (layer, head). $KVS_BENCH_DECODE_SEQUENCES / _PREFILL / _STEPS shrink it
+// (smoke and device runs); the request size is reported, as loopback gRPC moves it at the BM_Append rate.
 void BM_DecodeStep(benchmark::State& state) {
   const char* backend_env = std::getenv("KVS_BENCH_BACKEND");
   const std::string backend = backend_env != nullptr ? backend_env : "cpu";
@@ -297,10 +297,11 @@ void BM_DecodeStep(benchmark::State& state) {
   state.counters["step_p50_us"] = Percentile(step_us, 0.50);
   state.counters["step_p99_us"] = Percentile(step_us, 0.99);
 }
+// $KVS_BENCH_DECODE_STEPS: the steps timed (a device run with little time left times fewer).
 BENCHMARK(BM_DecodeStep)
     ->ArgName("sequences")
     ->Arg(64)
-    ->Iterations(200)
+    ->Iterations(EnvInt("KVS_BENCH_DECODE_STEPS", 200))
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 

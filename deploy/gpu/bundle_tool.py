@@ -46,6 +46,17 @@ PROGRAMS = {
 }
 # Test programs selected besides the /cuda runs: --backend=auto and cuda selection.
 EXTRA_TESTS = ("e2e_backend_test",)
+# Tests of the selected programs that the device run leaves out, and why.
+NOT_ON_DEVICE = {
+    "CudaIpcWorkerChild.MapsAndWritesUntilKilled":
+        "the child process of CudaIpcE2eTest.KilledWriterLeavesNoGpuMemoryBehind, not a test alone",
+    "BackendE2eTest.CudaExits2WithTheReason": "runs only where no CUDA device is usable",
+}
+# Tests the device run starts alone, after the others, and why.
+SERIAL = {
+    "CudaIpcE2eTest.KilledWriterLeavesNoGpuMemoryBehind":
+        "measures the device's free memory, which tests running beside it change",
+}
 
 
 def _ninja_executables(build: Path):
@@ -158,6 +169,8 @@ def cmd_stage(build: Path, source: Path, stage: Path) -> int:
             continue
         if group == "cuda_suite" and not test["name"].endswith("/cuda"):
             continue  # the plain and /device_sim runs of these programs ran here already
+        if test["name"] in NOT_ON_DEVICE:
+            continue
         props = {p["name"]: p["value"] for p in test.get("properties", [])}
         env = {}
         for item in props.get("ENVIRONMENT", []):
@@ -172,6 +185,7 @@ def cmd_stage(build: Path, source: Path, stage: Path) -> int:
                                  for m in props.get("ENVIRONMENT_MODIFICATION", [])],
             "working_directory": _replace_paths(props.get("WORKING_DIRECTORY", str(build)),
                                                 build, source),
+            "serial": test["name"] in SERIAL,
             "skip_return_code": props.get("SKIP_RETURN_CODE"),
             "timeout": props.get("TIMEOUT"),
         })

@@ -14,7 +14,8 @@
 #   1. nvidia-smi, the image's Python/torch, the bundle's library check on this machine
 #   2. the CUDA parity tests, the CUDA IPC tests, --backend=auto, every /cuda suite (manifest.json)
 #   3. the Python CudaArena with the image's torch (tests/clients/python/test_cuda_arena.py and
-#      deploy/gpu/cuda_arena_check.py)
+#      deploy/gpu/cuda_arena_check.py), and kvsidecar.hf.SidecarCache generating with tiny
+#      transformers models on the GPU (deploy/gpu/hf_cuda_check.py)
 #   4. cuda_bench: gather, KeyDiff scoring, top-k, attention window, each against a limit of the
 #      same run (device-to-device copy, cuBLAS GEMM)
 #   5. each policy's whole compress through the sidecar vs PyTorch on the same GPU
@@ -156,11 +157,14 @@ if want python && step "Python client install" 40 "$py_log" python_setup; then
   step "CudaArena pytest" 60 "$py_log" arena_pytest
   step "CudaArena torch check" 60 "$py_log" python3 "$root/deploy/gpu/cuda_arena_check.py" \
     --json "$work/arena.json"
+  step "SidecarCache on CUDA" 90 "$py_log" python3 "$root/deploy/gpu/hf_cuda_check.py" \
+    --json "$work/hf.json"
 fi
 
 # --- 4. cuda_bench -------------------------------------------------------------------------------
 cuda_bench() {
-  LD_LIBRARY_PATH=$ld_path "$bin/bench/cuda_bench" --benchmark_out="$work/cuda_bench.json" \
+  # stdbuf: each benchmark's line reaches the log as it ends, also when the step is cut off.
+  LD_LIBRARY_PATH=$ld_path stdbuf -oL "$bin/bench/cuda_bench" --benchmark_out="$work/cuda_bench.json" \
     --benchmark_out_format=json || return 1
   # Google Benchmark exits 0 after a benchmark's SkipWithError: an error fails the step.
   ! grep -q '"error_occurred": true' "$work/cuda_bench.json"
@@ -181,7 +185,8 @@ decode() {
   for backend in cuda cpu; do
     echo "-- --backend=$backend"
     LD_LIBRARY_PATH=$ld_path KVS_BENCH_BACKEND=$backend \
-      KVS_SERVER_BINARY="$bin/service/kvsidecar" "$bin/bench/service_bench" --benchmark_filter='BM_DecodeStep' \
+      KVS_BENCH_DECODE_STEPS=${KVS_CHECK_DECODE_STEPS:-50} \
+      KVS_SERVER_BINARY="$bin/service/kvsidecar" stdbuf -oL "$bin/bench/service_bench" --benchmark_filter='BM_DecodeStep' \
       --benchmark_out="$work/decode_$backend.json" --benchmark_out_format=json || rc=1
     ! grep -q '"error_occurred": true' "$work/decode_$backend.json" 2>/dev/null || rc=1
   done

@@ -102,18 +102,26 @@ def main() -> int:
     deadline = time.monotonic() + args.deadline
     counts = {}
     log = open(args.log, "a") if args.log else None
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        library_path = args.library_path or str(bundle / "lib")
-        futures = [pool.submit(_run, e, build, source, library_path, args.timeout, deadline)
-                   for e in entries]
-        for future in concurrent.futures.as_completed(futures):
-            entry, result, seconds, out = future.result()
-            group = counts.setdefault(entry["group"], {"PASS": 0, "FAIL": 0, "SKIP": 0,
-                                                       "TIMEOUT": 0, "NOT RUN": 0})
-            group[result] += 1
-            print(f"{result:7} {seconds:7.2f}s  {entry['name']}", flush=True)
-            if log and result != "PASS":
-                log.write(f"===== {result} {entry['name']}\n{out}\n")
+    library_path = args.library_path or str(bundle / "lib")
+
+    def results():
+        # Tests marked serial (bundle_tool.SERIAL) run alone, after the others.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            futures = [pool.submit(_run, e, build, source, library_path, args.timeout, deadline)
+                       for e in entries if not e.get("serial")]
+            for future in concurrent.futures.as_completed(futures):
+                yield future.result()
+        for e in entries:
+            if e.get("serial"):
+                yield _run(e, build, source, library_path, args.timeout, deadline)
+
+    for entry, result, seconds, out in results():
+        group = counts.setdefault(entry["group"], {"PASS": 0, "FAIL": 0, "SKIP": 0,
+                                                   "TIMEOUT": 0, "NOT RUN": 0})
+        group[result] += 1
+        print(f"{result:7} {seconds:7.2f}s  {entry['name']}", flush=True)
+        if log and result != "PASS":
+            log.write(f"===== {result} {entry['name']}\n{out}\n")
     if log:
         log.close()
     bad = 0
