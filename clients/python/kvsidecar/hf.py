@@ -724,11 +724,14 @@ class SidecarCache(Cache):
                 pos = per_layer[layer]
                 inside = pos[None, :] > (self._seen + q)[:, None] - window  # [T][held]
                 visible[row, :, :len(pos)] &= inside
-        visible = visible[:, None]  # [B][1][T][S]
+        # Built on the CPU (small; the held counts and positions live there); attention runs where
+        # the query is.
+        visible = visible[:, None].to(query.device)  # [B][1][T][S]
         if original == "sdpa":
             return visible
         neg = torch.finfo(query.dtype).min
-        return torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, neg)
+        return torch.zeros(visible.shape, dtype=query.dtype,
+                           device=query.device).masked_fill(~visible, neg)
 
     def _check_no_padding(self, given: Any, t: int, layer: int) -> None:
         """The library's mask (sized by get_mask_sizes) must be plain causal (within the sliding
