@@ -461,8 +461,15 @@ void Sequence::CommitPending(const SequenceEnv& env) {
     // Position rows are made on a layer's first tokens, so an empty sequence stays small even
     // for the largest layouts.
     if (state.positions.empty()) state.positions.resize(layout_.num_kv_heads);
-    for (std::vector<int32_t>& head : state.positions) {
-      head.insert(head.end(), pending.positions.begin(), pending.positions.end());
+    if (pending.positions.size() == 1) {
+      // A decode token: one position per head, appended without the range insert's overhead
+      // (a decode commit makes layers x heads of these appends per sequence).
+      const int32_t position = pending.positions.front();
+      for (std::vector<int32_t>& head : state.positions) head.push_back(position);
+    } else {
+      for (std::vector<int32_t>& head : state.positions) {
+        head.insert(head.end(), pending.positions.begin(), pending.positions.end());
+      }
     }
     // New tokens start at zero in every slot-aligned policy array.
     states_[layer].Extend(layout_.num_kv_heads, state.count, pending.num_tokens);
