@@ -461,8 +461,15 @@ void Sequence::CommitPending(const SequenceEnv& env) {
     // Position rows are made on a layer's first tokens, so an empty sequence stays small even
     // for the largest layouts.
     if (state.positions.empty()) state.positions.resize(layout_.num_kv_heads);
-    for (std::vector<int32_t>& head : state.positions) {
-      head.insert(head.end(), pending.positions.begin(), pending.positions.end());
+    if (pending.positions.size() == 1) {
+      // A decode token: one position per head, appended without the range insert's overhead
+      // (a decode commit makes layers x heads of these appends per sequence).
+      const int32_t position = pending.positions.front();
+      for (std::vector<int32_t>& head : state.positions) head.push_back(position);
+    } else {
+      for (std::vector<int32_t>& head : state.positions) {
+        head.insert(head.end(), pending.positions.begin(), pending.positions.end());
+      }
     }
     // New tokens start at zero in every slot-aligned policy array.
     states_[layer].Extend(layout_.num_kv_heads, state.count, pending.num_tokens);
@@ -480,40 +487,74 @@ void Sequence::CommitPending(const SequenceEnv& env) {
   }
 }
 
+size_t PendingRowChecks::AddGroup() {
+  group_begin_.push_back(jobs_.size());
+  return group_begin_.size() - 1;
+}
+
+uint64_t* PendingRowChecks::AddJob(const uint8_t* arena, int64_t rows, int32_t row_elements,
+                                   DType dtype) {
+  FiniteCheckJob job;
+  job.arena = arena;
+  job.count = rows;
+  job.row_elements = row_elements;
+  job.dtype = dtype;
+  jobs_.push_back(job);
+  offset_begin_.push_back(offsets_.size());
+  offsets_.resize(offsets_.size() + static_cast<size_t>(rows));
+  return offsets_.data() + offset_begin_.back();
+}
+
+absl::Status PendingRowChecks::Run(Backend& backend) {
+  // Pointers are set only now: offsets_ grows while jobs are added.
+  first_.assign(jobs_.size(), -1);
+  for (size_t j = 0; j < jobs_.size(); ++j) {
+    jobs_[j].row_offsets = offsets_.data() + offset_begin_[j];
+    jobs_[j].first_non_finite = &first_[j];
+  }
+  if (jobs_.empty()) return absl::OkStatus();
+  KVS_RETURN_IF_ERROR(backend.FindNonFinite(jobs_, nullptr));
+  return backend.Synchronize(nullptr);
+}
+
+absl::Span<const int64_t> PendingRowChecks::first(size_t group) const {
+  const size_t begin = group_begin_[group];
+  const size_t end = group + 1 < group_begin_.size() ? group_begin_[group + 1] : first_.size();
+  return absl::MakeConstSpan(first_).subspan(begin, end - begin);
+}
+
 absl::Status Sequence::CheckPendingFinite(const SequenceEnv& env) const {
+  PendingRowChecks checks;
+  AddPendingRowChecks(env, checks);
+  KVS_RETURN_IF_ERROR(checks.Run(env.backend));
+  return PendingRowsResult(checks.first(0));
+}
+
+void Sequence::AddPendingRowChecks(const SequenceEnv& env, PendingRowChecks& checks) const {
   const Pending& pending = *pending_;
   const int32_t heads = layout_.num_kv_heads;
   const int32_t tokens = pending.num_tokens;
   // One job per (layer, K or V), rows [head][token]: the backend reads the arena where it lives.
-  // The row offsets of every job in one buffer: a decode commit checks 2 x layers jobs of a few
-  // rows each, and one allocation per job was most of the check's bookkeeping.
-  const size_t num_jobs = pending.layers.size() * 2;
-  const size_t rows_per_job = static_cast<size_t>(heads) * tokens;
-  std::vector<uint64_t> offsets(num_jobs * rows_per_job);
-  std::vector<int64_t> first(num_jobs, -1);
-  std::vector<FiniteCheckJob> jobs(num_jobs);
-  for (size_t i = 0; i < pending.layers.size(); ++i) {
-    const LayerState& state = layers_[pending.layers[i]];
+  checks.AddGroup();
+  const int64_t rows_per_job = int64_t{heads} * tokens;
+  for (int32_t layer : pending.layers) {
+    const LayerState& state = layers_[layer];
     for (int kv = 0; kv < 2; ++kv) {
-      const size_t j = i * 2 + kv;
-      uint64_t* rows = offsets.data() + j * rows_per_job;
+      uint64_t* rows =
+          checks.AddJob(env.arena.data(), rows_per_job, layout_.head_dim, layout_.dtype);
       for (int32_t h = 0; h < heads; ++h) {
         for (int32_t t = 0; t < tokens; ++t) {
           *rows++ = layout_.SlotRowOffset(state.blocks.data(), kv, h, int64_t{state.count} + t);
         }
       }
-      FiniteCheckJob& job = jobs[j];
-      job.arena = env.arena.data();
-      job.row_offsets = offsets.data() + j * rows_per_job;
-      job.count = static_cast<int64_t>(rows_per_job);
-      job.row_elements = layout_.head_dim;
-      job.dtype = layout_.dtype;
-      job.first_non_finite = &first[j];
     }
   }
-  KVS_RETURN_IF_ERROR(env.backend.FindNonFinite(jobs, nullptr));
-  KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
-  for (size_t j = 0; j < num_jobs; ++j) {
+}
+
+absl::Status Sequence::PendingRowsResult(absl::Span<const int64_t> first) const {
+  const Pending& pending = *pending_;
+  const int32_t tokens = pending.num_tokens;
+  for (size_t j = 0; j < first.size(); ++j) {
     if (first[j] < 0) continue;
     const int64_t row = first[j] / layout_.head_dim;
     const int64_t token = row % tokens;
@@ -995,7 +1036,8 @@ absl::StatusOr<Sequence::Eviction> Sequence::RunStep(const SequenceEnv& env, con
 
 absl::StatusOr<CommitResult> Sequence::Commit(const SequenceEnv& env, uint64_t reservation_id,
                                               bool compress_if_over_budget,
-                                              const AttentionInput* attention) {
+                                              const AttentionInput* attention,
+                                              const absl::Status* rows_checked) {
   KVS_RETURN_IF_ERROR(CheckPending(reservation_id));
   // Everything is validated against the sequence as it will be after the commit, before
   // anything changes.
@@ -1015,7 +1057,7 @@ absl::StatusOr<CommitResult> Sequence::Commit(const SequenceEnv& env, uint64_t r
     KVS_RETURN_IF_ERROR(CheckAttentionCoverage(*policy_, Phase::kPrefill, budget, after, step_ptr));
   }
 
-  KVS_RETURN_IF_ERROR(CheckPendingFinite(env));
+  KVS_RETURN_IF_ERROR(rows_checked != nullptr ? *rows_checked : CheckPendingFinite(env));
 
   // Only a policy step can fail once the checks above passed; a commit without one (a plain
   // decode token) needs no copy of the sequence's state to roll back to.

@@ -79,6 +79,31 @@ struct SequenceEnv {
 absl::StatusOr<std::vector<int32_t>> ResolveLayers(absl::Span<const int32_t> layers,
                                                    int32_t num_layers);
 
+// The finiteness checks of the rows workers wrote into the pending reservations of several
+// sequences, run as one Backend::FindNonFinite call: a decode BatchCommit checks a few rows of
+// every (sequence, layer, K or V), and one call over the whole batch lets the backend spread
+// them over its threads and keep the reads of many rows in flight, where one small call per
+// sequence ran each on one thread.
+class PendingRowChecks {
+ public:
+  // Starts the jobs of one more sequence; the index it returns names them in first().
+  size_t AddGroup();
+  // One job of the current group: `rows` row offsets (filled in by the caller) of `row_elements`
+  // values of `dtype` in `arena`.
+  uint64_t* AddJob(const uint8_t* arena, int64_t rows, int32_t row_elements, DType dtype);
+  // One backend call over every job (and a synchronisation); then first() holds the results.
+  absl::Status Run(Backend& backend);
+  // Per job of group `group`, in the order added: the first non-finite flat index, or -1.
+  absl::Span<const int64_t> first(size_t group) const;
+
+ private:
+  std::vector<uint64_t> offsets_;
+  std::vector<FiniteCheckJob> jobs_;  // row_offsets and first_non_finite are set by Run
+  std::vector<size_t> offset_begin_;  // per job: where its rows start in offsets_
+  std::vector<size_t> group_begin_;   // per group: its first job
+  std::vector<int64_t> first_;
+};
+
 class Sequence {
  public:
   // `policy` must be non-null; `budget` must already be validated against the session.
@@ -120,9 +145,21 @@ class Sequence {
   // `attention` (may be null) is observed after the commit (Phase::kPrefill). Under a strict
   // budget a policy that needs attention evicts here (not in Reserve), whatever
   // `compress_if_over_budget` says, so the commit must then carry attention.
+  // `rows_checked`: the outcome of the pending rows' finiteness check when the caller ran it
+  // already (KvPool::CommitBatch checks every item's rows in one backend call, through
+  // AddPendingRowChecks and PendingRowsResult); null: Commit runs the check itself. Either way
+  // it is reported at the same point of the validation.
   absl::StatusOr<CommitResult> Commit(const SequenceEnv& env, uint64_t reservation_id,
                                       bool compress_if_over_budget,
-                                      const AttentionInput* attention = nullptr);
+                                      const AttentionInput* attention = nullptr,
+                                      const absl::Status* rows_checked = nullptr);
+  // The finiteness check of the pending reservation's rows in two halves, for a caller batching
+  // several sequences' checks: the jobs of those rows (one per listed layer and K or V, rows
+  // [head][token]) as one group of `checks`; then, once `checks` ran, the outcome from that
+  // group's results (INVALID_ARGUMENT naming the first non-finite value). Needs a pending
+  // reservation; changes nothing.
+  void AddPendingRowChecks(const SequenceEnv& env, PendingRowChecks& checks) const;
+  absl::Status PendingRowsResult(absl::Span<const int64_t> first) const;
   absl::StatusOr<CompressResult> Compress(const SequenceEnv& env, const CompressParams& params);
   // DecodeStep of one item (KvPool::DecodeStep): CheckDecode validates without changing anything;
   // Decode (after a successful CheckDecode) appends/commits the token, observes, evicts to the

@@ -57,27 +57,61 @@ inline void PrefetchRow(const uint8_t* row, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, /*rw=*/0, /*locality=*/3);
 }
 
+// A position in the rows of a run of jobs: job j, row r.
+struct RowCursor {
+  size_t job = 0;
+  int64_t row = 0;
+};
+
+// Moves `at` to the next row of `jobs` that has one (past the end: at.job == jobs.size()).
+inline void NextRow(absl::Span<const FiniteCheckJob> jobs, RowCursor& at) {
+  ++at.row;
+  while (at.job < jobs.size() && at.row >= jobs[at.job].count) {
+    ++at.job;
+    at.row = 0;
+  }
+}
+
+inline int64_t RowBytes(const FiniteCheckJob& job) {
+  return job.row_elements * static_cast<int64_t>(DTypeBytes(job.dtype));
+}
+
 }  // namespace
 
 void FindNonFiniteRows(const FiniteCheckJob& job) {
-  *job.first_non_finite = -1;
-  if (job.row_elements <= 0) return;
-  // Rows are scattered over the arena's blocks (one per head and token), so the hardware
-  // prefetcher does not see them coming: ask for the rows a few ahead, which keeps several
-  // cache misses in flight instead of one (the check is bound by the latency of those misses).
-  constexpr int64_t kPrefetchRows = 4;
-  const int64_t row_bytes = job.row_elements * static_cast<int64_t>(DTypeBytes(job.dtype));
-  for (int64_t r = 0; r < job.count && r < kPrefetchRows; ++r) {
-    PrefetchRow(job.arena + job.row_offsets[r], row_bytes);
+  FindNonFiniteRows(absl::MakeConstSpan(&job, 1));
+}
+
+void FindNonFiniteRows(absl::Span<const FiniteCheckJob> jobs) {
+  // Rows are scattered over the arena's blocks (one per head and token, each in its own page), so
+  // neither the hardware prefetcher nor the TLB sees them coming: ask for the rows a few ahead,
+  // which keeps several cache misses and page walks in flight instead of one (the check is
+  // bound by their latency). The cursor runs ahead across jobs: a decode commit's jobs are a
+  // few rows each, and a prefetch that stopped at every job's end would leave most rows
+  // unprefetched.
+  constexpr int kPrefetchRows = 8;
+  RowCursor ahead{0, -1};
+  NextRow(jobs, ahead);
+  for (int i = 0; i < kPrefetchRows && ahead.job < jobs.size(); ++i, NextRow(jobs, ahead)) {
+    const FiniteCheckJob& job = jobs[ahead.job];
+    PrefetchRow(job.arena + job.row_offsets[ahead.row], RowBytes(job));
   }
-  for (int64_t r = 0; r < job.count; ++r) {
-    if (r + kPrefetchRows < job.count) {
-      PrefetchRow(job.arena + job.row_offsets[r + kPrefetchRows], row_bytes);
-    }
-    const int64_t at = FirstNonFinite(job.arena + job.row_offsets[r], job.row_elements, job.dtype);
-    if (at >= 0) {
-      *job.first_non_finite = r * job.row_elements + at;
-      return;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const FiniteCheckJob& job = jobs[j];
+    *job.first_non_finite = -1;
+    for (int64_t r = 0; r < job.count; ++r) {
+      if (ahead.job < jobs.size()) {
+        const FiniteCheckJob& next = jobs[ahead.job];
+        PrefetchRow(next.arena + next.row_offsets[ahead.row], RowBytes(next));
+        NextRow(jobs, ahead);
+      }
+      if (job.row_elements <= 0) break;
+      const int64_t at =
+          FirstNonFinite(job.arena + job.row_offsets[r], job.row_elements, job.dtype);
+      if (at >= 0) {
+        *job.first_non_finite = r * job.row_elements + at;
+        break;
+      }
     }
   }
 }

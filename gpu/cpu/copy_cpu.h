@@ -10,6 +10,7 @@
 #include <cstddef>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "gpu/backend.h"
 
 namespace kvs {
@@ -27,6 +28,9 @@ absl::Status ValidateFiniteCheckJob(const FiniteCheckJob& job, size_t index);
 
 // The job's result, computed on the host (the CPU backend's kernel; row offsets trusted).
 void FindNonFiniteRows(const FiniteCheckJob& job);
+// The same for a run of jobs, in order, reading ahead across the jobs' boundaries (a decode
+// commit's jobs are a few rows each).
+void FindNonFiniteRows(absl::Span<const FiniteCheckJob> jobs);
 
 }  // namespace kvs
 

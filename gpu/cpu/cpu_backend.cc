@@ -174,11 +174,28 @@ class CpuBackend final : public Backend {
       bytes += static_cast<uint64_t>(jobs[i].count) * jobs[i].row_elements *
                DTypeBytes(jobs[i].dtype);
     }
-    // One job per (layer, K or V) of a commit: they spread over the pool; a decode token's few
-    // rows are checked inline.
+    // One job per (sequence, layer, K or V) of a commit: runs of consecutive jobs of about
+    // equal bytes spread over the pool (a run reads ahead across its jobs); a few rows are
+    // checked inline.
+    const int parallel = bytes < kParallelCopyMinBytes ? 1 : pool_.num_threads();
+    const uint64_t per_run = bytes / (static_cast<uint64_t>(parallel) * 4) + 1;
+    std::vector<size_t> run_begin = {0};
+    uint64_t in_run = 0;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      if (in_run >= per_run) {
+        run_begin.push_back(i);
+        in_run = 0;
+      }
+      in_run += static_cast<uint64_t>(jobs[i].count) * jobs[i].row_elements *
+                DTypeBytes(jobs[i].dtype);
+    }
+    run_begin.push_back(jobs.size());
     pool_.ParallelFor(
-        static_cast<int64_t>(jobs.size()), [&](int64_t i) { FindNonFiniteRows(jobs[i]); },
-        bytes < kParallelCopyMinBytes ? 1 : 0);
+        static_cast<int64_t>(run_begin.size() - 1),
+        [&](int64_t r) {
+          FindNonFiniteRows(jobs.subspan(run_begin[r], run_begin[r + 1] - run_begin[r]));
+        },
+        parallel);
     return absl::OkStatus();
   }
 

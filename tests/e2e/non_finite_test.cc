@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -244,6 +245,76 @@ TEST_P(NonFiniteTest, NonFiniteInputIsRefusedAndChangesNothing) {
     EXPECT_THAT(verified->counts, Each(kBudget));
   }
   EXPECT_EQ(State().second, kBudget + 2);
+}
+
+// BatchCommit checks the rows of every item in one pass before committing any; what it reports is
+// what committing the items one by one in order would: the first item with a non-finite row is
+// refused naming where it is, the items before it are committed, it and the items after it keep
+// their pending reservations (a later item's bad row is reported once the first is fixed).
+TEST_P(NonFiniteTest, BatchCommitRefusesTheFirstItemWithNonFiniteRows) {
+  constexpr int kItems = 4, kTokens = 2;
+  std::vector<kvsidecar::ReserveItem> items;
+  for (int i = 0; i < kItems; ++i) {
+    const std::string id = "batch-" + std::to_string(i);
+    ASSERT_TRUE(session_->CreateSequence(Policy(GetParam()), std::nullopt, id).ok());
+    ASSERT_TRUE(WriteTokens(*session_, id, kTokens, kSeed + i).ok());
+    items.push_back({id, 1, {}});
+  }
+  auto reservations = session_->BatchReserve(items);
+  ASSERT_TRUE(reservations.ok()) << reservations.status();
+  for (int i = 0; i < kItems; ++i) {
+    ASSERT_TRUE(WritePattern(*session_, (*reservations)[i], kSeed + i).ok());
+  }
+  // Item 1: a NaN in K of layer 0, head 1, dim 4; item 3: an inf in V of layer 1, head 0, dim 2.
+  auto poison = [&](int item, int layer, int kv, int head, int dim, uint16_t bits) {
+    std::vector<uint8_t> row = PatternRow(layout_, kSeed + item, layer, kv, head, kTokens);
+    std::memcpy(row.data() + 2 * dim, &bits, sizeof(bits));
+    return session_->WriteReserved((*reservations)[item], layer, kv, head, 0, row);
+  };
+  ASSERT_TRUE(poison(1, 0, 0, 1, 4, kHalfNan).ok());
+  ASSERT_TRUE(poison(3, 1, 1, 0, 2, kHalfInf).ok());
+  auto counts = [&](int item) {
+    auto layout = session_->GetLayout(items[item].sequence_id, {}, /*omit_positions=*/true);
+    EXPECT_TRUE(layout.ok()) << layout.status();
+    std::vector<int> out;
+    if (layout.ok()) {
+      for (const v1::LayerLayout& layer : layout->layers()) out.push_back(layer.count());
+    }
+    return out;
+  };
+
+  auto refused = session_->BatchCommit(*reservations);
+  ExpectRefused(refused.status(),
+                "requests[1]: reservation " +
+                    std::to_string((*reservations)[1].response().reservation_id()) +
+                    ": non-finite value (NaN or inf) in K at layer 0 head 1 token 0 (position " +
+                    std::to_string(kTokens) + ") dim 4");
+  EXPECT_THAT(MessageOf(refused.status()),
+              HasSubstr("(requests[0..0] were committed; requests[1..3] were not)"));
+  EXPECT_THAT(counts(0), Each(kTokens + 1));
+  for (int i = 1; i < kItems; ++i) EXPECT_THAT(counts(i), Each(kTokens)) << "item " << i;
+
+  // Item 1 rewritten finite: item 3's row is the one refused now, items 1 and 2 commit.
+  ASSERT_TRUE(WritePattern(*session_, (*reservations)[1], kSeed + 1).ok());
+  std::vector<kvsidecar::Reservation> rest(reservations->begin() + 1, reservations->end());
+  refused = session_->BatchCommit(rest);
+  ExpectRefused(refused.status(),
+                "requests[2]: reservation " +
+                    std::to_string((*reservations)[3].response().reservation_id()) +
+                    ": non-finite value (NaN or inf) in V at layer 1 head 0 token 0 (position " +
+                    std::to_string(kTokens) + ") dim 2");
+  for (int i = 0; i < 3; ++i) EXPECT_THAT(counts(i), Each(kTokens + 1)) << "item " << i;
+  EXPECT_THAT(counts(3), Each(kTokens));
+
+  // Item 3 rewritten finite commits; every row kept is the one written for its position.
+  ASSERT_TRUE(WritePattern(*session_, (*reservations)[3], kSeed + 3).ok());
+  auto committed = session_->BatchCommit({(*reservations)[3]});
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  for (int i = 0; i < kItems; ++i) {
+    auto verified = VerifySequence(*session_, items[i].sequence_id, kSeed + i);
+    ASSERT_TRUE(verified.ok()) << "item " << i << ": " << verified.status();
+    EXPECT_THAT(verified->counts, Each(kTokens + 1)) << "item " << i;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryPolicy, NonFiniteTest,

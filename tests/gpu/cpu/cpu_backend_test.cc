@@ -811,5 +811,56 @@ TEST(CpuBackendTest, FindNonFiniteFindsTheFirstNaNOrInfInEveryDtype) {
   EXPECT_EQ(backend->FindNonFinite({bad}, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A commit's check: thousands of jobs of a few rows each (some empty), in one call large enough to
+// be split over the pool, the rows scattered. Every job gets its own answer: its first
+// non-finite value (the first of several), or -1, whatever the jobs around it hold.
+TEST(CpuBackendTest, FindNonFiniteAnswersEveryJobOfAManyJobCall) {
+  for (int threads : {1, 2, 4}) {
+    SCOPED_TRACE(threads);
+    auto backend = MakeCpuBackend(threads);
+    constexpr int kRow = 128;  // fp16 values per row
+    constexpr int kRowBytes = kRow * 2;
+    constexpr int kArenaRows = 8192;
+    std::vector<uint8_t> arena(static_cast<size_t>(kArenaRows) * kRowBytes, 0);
+    std::mt19937 rng(7);
+    constexpr int kJobs = 3000;
+    std::vector<std::vector<uint64_t>> offsets(kJobs);
+    std::vector<int64_t> expected(kJobs, -1);
+    std::vector<int> used(kArenaRows);
+    std::iota(used.begin(), used.end(), 0);
+    std::shuffle(used.begin(), used.end(), rng);
+    size_t next_row = 0;
+    auto set = [&](uint64_t offset, int element, uint16_t bits) {
+      std::memcpy(arena.data() + offset + 2 * element, &bits, sizeof(bits));
+    };
+    for (int j = 0; j < kJobs && next_row + 9 < used.size(); ++j) {
+      const int count = static_cast<int>(rng() % 10);  // 0..9 rows
+      for (int r = 0; r < count; ++r) {
+        offsets[j].push_back(static_cast<uint64_t>(used[next_row++]) * kRowBytes);
+      }
+      if (count == 0 || rng() % 3 != 0) continue;
+      // One or two non-finite values; the answer is the lower flat index.
+      const int r1 = static_cast<int>(rng() % count), e1 = static_cast<int>(rng() % kRow);
+      set(offsets[j][r1], e1, 0x7e00);  // NaN
+      expected[j] = int64_t{r1} * kRow + e1;
+      const int r2 = static_cast<int>(rng() % count), e2 = static_cast<int>(rng() % kRow);
+      set(offsets[j][r2], e2, 0xfc00);  // -inf
+      expected[j] = std::min<int64_t>(expected[j], int64_t{r2} * kRow + e2);
+    }
+    std::vector<int64_t> first(kJobs, 7);
+    std::vector<FiniteCheckJob> jobs(kJobs);
+    for (int j = 0; j < kJobs; ++j) {
+      jobs[j].arena = arena.data();
+      jobs[j].row_offsets = offsets[j].data();
+      jobs[j].count = static_cast<int64_t>(offsets[j].size());
+      jobs[j].row_elements = kRow;
+      jobs[j].dtype = DType::kFloat16;
+      jobs[j].first_non_finite = &first[j];
+    }
+    ASSERT_TRUE(backend->FindNonFinite(jobs, nullptr).ok());
+    EXPECT_EQ(first, expected);
+  }
+}
+
 }  // namespace
 }  // namespace kvs
