@@ -523,4 +523,32 @@ absl::Status OmniKvKind::Gather(const Sequence& sequence, SelectTask& task) {
   return absl::OkStatus();
 }
 
+absl::Status ResolveOmniKvSequence(PolicyConfig& policy, const SequenceParams& params,
+                                   int32_t num_layers, bool has_tiers) {
+  if (params.retain_evicted) {
+    return absl::InvalidArgumentError(
+        "retain_evicted does not apply to policy omnikv, which never evicts");
+  }
+  if (policy.omnikv.filter_layers.empty()) {
+    policy.omnikv.filter_layers = DefaultOmniKvFilterLayers(num_layers);
+  }
+  if (policy.omnikv.filter_layers.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.omnikv.filter_layers is required: no default is known for a model of ",
+        num_layers, " layers (defaults exist for 32, 48 and 80)"));
+  }
+  KVS_RETURN_IF_ERROR(PlanOmniKvLayers(policy.omnikv, num_layers).status());
+  if (policy.omnikv.offload && !has_tiers) {
+    return absl::FailedPreconditionError(
+        "policy.omnikv.offload needs the host tier, which this pool was built without");
+  }
+  if (params.budget.has_value() &&
+      (params.budget->tokens_per_layer != 0 || !params.budget->per_layer_tokens.empty())) {
+    return absl::InvalidArgumentError(
+        "budget must be unset for policy omnikv, which never evicts (Select bounds what the "
+        "sparse layers attend to)");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvs

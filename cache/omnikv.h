@@ -24,6 +24,13 @@
 
 namespace kvs {
 
+// A new OmniKV sequence's parameters, before the sequence exists (SequenceAdmission): fills in
+// the filter layers (the policy's, else the paper's for this depth of model, omnikv.md §5),
+// which must plan; refuses what bounds or keeps evictions (retain_evicted, a budget), since the
+// policy never evicts, and offload without the host tier (`has_tiers`).
+absl::Status ResolveOmniKvSequence(PolicyConfig& policy, const SequenceParams& params,
+                                   int32_t num_layers, bool has_tiers);
+
 struct OmniKvState {
   OmniKvPlan plan;
   int64_t prompt_end = 0;  // N: positions below it are the prompt

@@ -13,7 +13,6 @@
 #include "cache/internal/session_table.h"
 #include "cache/internal/tenant_ledger.h"
 #include "cache/internal/tier_mover.h"
-#include "cache/policy/omnikv.h"
 #include "cache/policy/policy.h"
 #include "cache/policy/registry.h"
 #include "cache/sequence.h"
@@ -275,36 +274,6 @@ absl::Status KvPool::ReadArena(std::string_view session_id, uint64_t offset, voi
 
 namespace {
 
-// Policy omnikv never evicts: its filter layers (the policy's, else the paper's for this depth of
-// model, omnikv.md §5) must plan, and the options that bound or keep evictions do not apply.
-absl::Status ResolveOmniKv(PolicyConfig& policy, const SequenceParams& params, int32_t num_layers,
-                           bool has_tiers) {
-  if (params.retain_evicted) {
-    return absl::InvalidArgumentError(
-        "retain_evicted does not apply to policy omnikv, which never evicts");
-  }
-  if (policy.omnikv.filter_layers.empty()) {
-    policy.omnikv.filter_layers = DefaultOmniKvFilterLayers(num_layers);
-  }
-  if (policy.omnikv.filter_layers.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "policy.omnikv.filter_layers is required: no default is known for a model of ",
-        num_layers, " layers (defaults exist for 32, 48 and 80)"));
-  }
-  KVS_RETURN_IF_ERROR(PlanOmniKvLayers(policy.omnikv, num_layers).status());
-  if (policy.omnikv.offload && !has_tiers) {
-    return absl::FailedPreconditionError(
-        "policy.omnikv.offload needs the host tier, which this pool was built without");
-  }
-  if (params.budget.has_value() &&
-      (params.budget->tokens_per_layer != 0 || !params.budget->per_layer_tokens.empty())) {
-    return absl::InvalidArgumentError(
-        "budget must be unset for policy omnikv, which never evicts (Select bounds what the "
-        "sparse layers attend to)");
-  }
-  return absl::OkStatus();
-}
-
 // tokens_per_layer and prefill_block_tokens (defaulted) against what the arena holds per layer.
 absl::Status CheckBudgetTokens(BudgetConfig& budget, int64_t per_layer_capacity,
                                int32_t max_tokens_per_call) {
@@ -358,13 +327,8 @@ absl::Status CheckPerLayerTokens(const BudgetConfig& budget, int32_t num_layers,
   return absl::OkStatus();
 }
 
-absl::Status CheckLayerWindows(const std::vector<int32_t>& windows, bool omnikv,
-                               int32_t num_layers) {
+absl::Status CheckLayerWindows(const std::vector<int32_t>& windows, int32_t num_layers) {
   if (windows.empty()) return absl::OkStatus();
-  if (omnikv) {
-    return absl::InvalidArgumentError(
-        "layer_windows does not apply to policy omnikv, which never evicts");
-  }
   if (windows.size() != static_cast<size_t>(num_layers)) {
     return absl::InvalidArgumentError(absl::StrCat("layer_windows has ", windows.size(),
                                                    " entries, the model has ", num_layers,
@@ -413,17 +377,18 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
   }
   const int32_t num_layers = session->layout.num_layers;
   PolicyConfig policy_config = params.policy.value_or(default_policy());
-  const bool omnikv = CapabilitiesOf(policy_config).never_evicts;
-  if (omnikv) {
-    KVS_RETURN_IF_ERROR(ResolveOmniKv(policy_config, params, num_layers, mover_->has_tiers()));
-  }
+  // What the sequence's kind makes of the parameters (OmniKV's defaults and refusals).
+  KVS_ASSIGN_OR_RETURN(const SequenceAdmission admission,
+                       SequenceAdmission::Resolve(policy_config, params, num_layers,
+                                                  mover_->has_tiers()));
   KVS_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, MakePolicy(policy_config));
-  BudgetConfig budget = omnikv ? BudgetConfig{} : params.budget.value_or(default_budget());
+  BudgetConfig budget = admission.Budget(params.budget.value_or(default_budget()));
   const int64_t per_layer_capacity =
       int64_t{session->num_blocks / num_layers} * session->layout.block_tokens;
   KVS_RETURN_IF_ERROR(CheckBudgetTokens(budget, per_layer_capacity, options_.max_tokens_per_call));
   KVS_RETURN_IF_ERROR(CheckPerLayerTokens(budget, num_layers, per_layer_capacity));
-  KVS_RETURN_IF_ERROR(CheckLayerWindows(params.layer_windows, omnikv, num_layers));
+  KVS_RETURN_IF_ERROR(admission.CheckLayerWindows(params.layer_windows));
+  KVS_RETURN_IF_ERROR(CheckLayerWindows(params.layer_windows, num_layers));
   if (!params.sequence_id.empty()) KVS_RETURN_IF_ERROR(ValidateSequenceId(params.sequence_id));
 
   absl::MutexLock lock(&session->mu);

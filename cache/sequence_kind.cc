@@ -101,6 +101,24 @@ std::unique_ptr<SequenceKind> MakeSequenceKind(const PolicyConfig& config) {
   return std::make_unique<EvictingKind>(config.name);
 }
 
+absl::StatusOr<SequenceAdmission> SequenceAdmission::Resolve(PolicyConfig& policy,
+                                                             const SequenceParams& params,
+                                                             int32_t num_layers, bool has_tiers) {
+  if (!CapabilitiesOf(policy).never_evicts) return SequenceAdmission(true);
+  KVS_RETURN_IF_ERROR(ResolveOmniKvSequence(policy, params, num_layers, has_tiers));
+  return SequenceAdmission(false);
+}
+
+BudgetConfig SequenceAdmission::Budget(const BudgetConfig& requested) const {
+  return evicts_ ? requested : BudgetConfig{};
+}
+
+absl::Status SequenceAdmission::CheckLayerWindows(absl::Span<const int32_t> windows) const {
+  if (evicts_ || windows.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      "layer_windows does not apply to policy omnikv, which never evicts");
+}
+
 absl::StatusOr<std::vector<SelectResult>> RunSelects(absl::Span<SelectTask> tasks,
                                                      ThreadPool& pool) {
   std::vector<absl::Status> statuses(tasks.size());

@@ -92,6 +92,30 @@ class SequenceKind {
 // evicts, evicting otherwise.
 std::unique_ptr<SequenceKind> MakeSequenceKind(const PolicyConfig& config);
 
+// A new sequence's parameters as its kind takes them, settled before the sequence exists
+// (KvPool::CreateSequence), so that the generic path asks the kind rather than testing for a
+// policy. The kind is chosen as MakeSequenceKind chooses it. A kind that never evicts (OmniKV)
+// completes its configuration and refuses what applies only to eviction (retain_evicted, a
+// budget, layer_windows); an evicting kind takes the parameters as given.
+class SequenceAdmission {
+ public:
+  // Before the policy is made from `policy`, which it may complete. `has_tiers`: the pool has
+  // the host tier. The error names the field.
+  static absl::StatusOr<SequenceAdmission> Resolve(PolicyConfig& policy,
+                                                   const SequenceParams& params,
+                                                   int32_t num_layers, bool has_tiers);
+
+  bool evicts() const { return evicts_; }
+  // The budget the sequence runs with: `requested` for a kind that evicts, none otherwise.
+  BudgetConfig Budget(const BudgetConfig& requested) const;
+  // INVALID_ARGUMENT naming layer_windows when a kind that never evicts is given windows.
+  absl::Status CheckLayerWindows(absl::Span<const int32_t> windows) const;
+
+ private:
+  explicit SequenceAdmission(bool evicts) : evicts_(evicts) {}
+  bool evicts_ = true;
+};
+
 // Runs the Selects of `tasks` (checked, distinct sequences, their sessions locked): Begin and the
 // staging allocation in task order, Choose and Gather side by side on `pool`. The results, block
 // tables included, are those of running the tasks one after another. A failing task fails the call with the lowest

@@ -143,6 +143,46 @@ struct PoolJob {
   float* out = nullptr;  // out: [rows][count]
 };
 
+// CAKE's per-slot statistics of a window of attention probabilities (policies/cake.md step 3):
+// with `probs` [num_q_heads][num_queries][count] and the window its trailing `window` rows,
+//   scores[q][s] = mean + gamma * var, mean and the unbiased variance (0 when window = 1) of
+//   probs[q][i][s] over the window's rows i,
+// each accumulated per slot in fp64 in ascending i (the mean first, then the squared
+// deviations from it), rounded once to fp32. No reduction across slots, so a backend that keeps
+// the order and rounds like the CPU backend (no fused multiply-add) gives the same bits.
+struct WindowVarianceJob {
+  const float* probs = nullptr;  // [num_q_heads][num_queries][count]
+  int32_t num_q_heads = 0;       // >= 1
+  int32_t num_queries = 0;       // >= 1
+  int32_t window = 1;            // 1 <= window <= num_queries
+  int32_t count = 0;             // >= 0
+  double gamma = 0.0;            // finite
+  float* scores = nullptr;       // out: [num_q_heads][count]
+};
+
+// CAKE's layer preference terms (policies/cake.md step 2) from a window of attention
+// probabilities laid out as WindowVarianceJob's, over the prefix slots only: slot s of query
+// head q counts when key_positions[q / (num_q_heads / num_kv_heads)][s] < first_query_position.
+//   *entropy = -sum over counted (q, s) of e[q][s], with e[q][s] = the sum over the window's rows
+//              of p ln(p + 1e-10) accumulated in fp32 (NaN for a p + 1e-10 the log cannot take);
+//   *shift   = sum over counted (q, s) of the unbiased variance over the window's rows (fp64 per
+//              slot, as WindowVarianceJob; nothing is added when window < 2).
+// The sums across slots are fp64. The CPU backend adds in (q, s) order, with its own fp32
+// logarithm; other backends may reduce in another order and use their own logf: the values agree
+// to fp64 rounding (shift) and a few fp32 ulps per term (entropy), not to the bit.
+struct WindowEntropyJob {
+  const float* probs = nullptr;            // [num_q_heads][num_queries][count]
+  const int32_t* key_positions = nullptr;  // [num_kv_heads][count]
+  int32_t num_q_heads = 0;                 // a positive multiple of num_kv_heads
+  int32_t num_kv_heads = 0;                // >= 1
+  int32_t num_queries = 0;                 // >= 1
+  int32_t window = 1;                      // 1 <= window <= num_queries
+  int32_t count = 0;                       // >= 0
+  int32_t first_query_position = 0;
+  double* entropy = nullptr;  // out: one value
+  double* shift = nullptr;    // out: one value
+};
+
 // CAOTE output-error scores (policies/caote.md §3): for every row r, reading the values of kv
 // head r / (rows / num_kv_heads), with alpha[r][:] >= 0 summing to 1 (the caller normalises):
 //   X_r = sum_s alpha[r][s] * v_s (exact) or the plain mean of the row's values (fast),
@@ -239,6 +279,12 @@ class Backend {
   // an order entry out of range); nothing is written then. The default computes on host memory
   // (gpu/cpu/pool_cpu.h): right for host backends; device backends override it.
   virtual absl::Status PoolScores(absl::Span<const PoolJob> jobs, Stream stream);
+  // WindowVarianceJob / WindowEntropyJob. INVALID_ARGUMENT naming the job index and field for
+  // malformed jobs; nothing is written then. The defaults compute on host memory
+  // (gpu/cpu/window_stats_cpu.h): right for host backends; device backends override them.
+  virtual absl::Status WindowVarianceScores(absl::Span<const WindowVarianceJob> jobs,
+                                            Stream stream);
+  virtual absl::Status WindowEntropyShift(absl::Span<const WindowEntropyJob> jobs, Stream stream);
   virtual absl::Status CopyHostRows(absl::Span<const HostRowCopyJob> jobs, Stream stream) = 0;
   virtual absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream stream) = 0;
   virtual absl::Status NearestKeys(absl::Span<const NearestKeyJob> jobs, Stream stream) = 0;

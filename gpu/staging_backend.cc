@@ -25,6 +25,7 @@
 #include "gpu/cpu/merge_cpu.h"      // ValidateNearestKeyJob, ValidateRowMergeJob
 #include "gpu/cpu/pool_cpu.h"       // ValidatePoolJob
 #include "gpu/cpu/topk_cpu.h"       // ValidateTopKJob
+#include "gpu/cpu/window_stats_cpu.h"  // ValidateWindowVarianceJob, ValidateWindowEntropyJob
 
 namespace kvs {
 namespace {
@@ -267,6 +268,51 @@ class StagingBackend final : public Backend {
       KVS_RETURN_IF_ERROR(stager.Output(&d.out, job.out, values));
     }
     return Run(stager, device_jobs, stream, &Backend::PoolScores);
+  }
+
+  absl::Status WindowVarianceScores(absl::Span<const WindowVarianceJob> jobs,
+                                    Stream stream) override {
+    Stager stager(*memory_);
+    std::vector<WindowVarianceJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const WindowVarianceJob& job = jobs[i];
+      KVS_RETURN_IF_ERROR(ValidateWindowVarianceJob(job, i));
+      if (job.count == 0) continue;  // nothing is read or written
+      const std::string context = absl::StrCat("window variance job ", i);
+      WindowVarianceJob& d = device_jobs.emplace_back(job);
+      KVS_ASSIGN_OR_RETURN(
+          const uint64_t probs,
+          Elements({job.num_q_heads, job.num_queries, job.count}, context, "probs"));
+      KVS_ASSIGN_OR_RETURN(const uint64_t scores,
+                           Elements({job.num_q_heads, job.count}, context, "scores"));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.probs, job.probs, probs));
+      KVS_RETURN_IF_ERROR(stager.Output(&d.scores, job.scores, scores));
+    }
+    return Run(stager, device_jobs, stream, &Backend::WindowVarianceScores);
+  }
+
+  absl::Status WindowEntropyShift(absl::Span<const WindowEntropyJob> jobs, Stream stream) override {
+    Stager stager(*memory_);
+    std::vector<WindowEntropyJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const WindowEntropyJob& job = jobs[i];
+      KVS_RETURN_IF_ERROR(ValidateWindowEntropyJob(job, i));
+      // Every job writes its two outputs (zeros without slots), so every job goes to the device.
+      const std::string context = absl::StrCat("window entropy job ", i);
+      WindowEntropyJob& d = device_jobs.emplace_back(job);
+      KVS_ASSIGN_OR_RETURN(
+          const uint64_t probs,
+          Elements({job.num_q_heads, job.num_queries, job.count}, context, "probs"));
+      KVS_ASSIGN_OR_RETURN(const uint64_t positions,
+                           Elements({job.num_kv_heads, job.count}, context, "key_positions"));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.probs, job.probs, probs));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.key_positions, job.key_positions, positions));
+      KVS_RETURN_IF_ERROR(stager.Output(&d.entropy, job.entropy, 1));
+      KVS_RETURN_IF_ERROR(stager.Output(&d.shift, job.shift, 1));
+    }
+    return Run(stager, device_jobs, stream, &Backend::WindowEntropyShift);
   }
 
   absl::Status AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs,

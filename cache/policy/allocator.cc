@@ -3,8 +3,6 @@
 // per-sequence value (measured preferences, frozen budgets) lives in LayerPolicyState.
 #include "cache/policy/allocator.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,7 +19,8 @@
 #include "cache/policy/policy.h"
 #include "cache/policy/policy_config.h"
 #include "cache/policy/registry.h"
-#include "gpu/cpu/avx2_util.h"
+#include "gpu/base/status_macros.h"
+#include "gpu/cpu/window_stats_cpu.h"
 
 namespace kvs {
 namespace {
@@ -284,7 +283,7 @@ class CakeAllocator final : public LayerAllocator {
     return {};
   }
 
-  absl::Status Observe(Phase phase, const LayerStep& layer) const override {
+  absl::Status Observe(Backend& backend, Phase phase, const LayerStep& layer) const override {
     if (phase != Phase::kPrefill || layer.state == nullptr || layer.num_queries <= 0) {
       return absl::OkStatus();
     }
@@ -308,20 +307,18 @@ class CakeAllocator final : public LayerAllocator {
     // The observation window: the trailing min(W, queries) rows of every head.
     const int32_t rows = std::min(std::max(window_, 1), layer.num_queries);
     const int32_t first = layer.num_queries - rows;
-    std::vector<float> window;
-    absl::Span<const float> probs = layer.probs;
-    if (first > 0) {
-      window.resize(static_cast<size_t>(num_q_heads) * rows * count);
-      for (int32_t h = 0; h < num_q_heads; ++h) {
-        const float* src =
-            layer.probs.data() + (static_cast<int64_t>(h) * layer.num_queries + first) * count;
-        std::copy(src, src + static_cast<int64_t>(rows) * count,
-                  window.begin() + static_cast<int64_t>(h) * rows * count);
-      }
-      probs = window;
-    }
-    const CakeMeasure measure = CakeLayerMeasure(probs, num_q_heads, rows, count, num_kv_heads,
-                                                 layer.positions, layer.query_positions[first]);
+    CakeMeasure measure;
+    const WindowEntropyJob job{.probs = layer.probs.data(),
+                               .key_positions = layer.positions.data(),
+                               .num_q_heads = num_q_heads,
+                               .num_kv_heads = num_kv_heads,
+                               .num_queries = layer.num_queries,
+                               .window = rows,
+                               .count = count,
+                               .first_query_position = layer.query_positions[first],
+                               .entropy = &measure.entropy,
+                               .shift = &measure.shift};
+    KVS_RETURN_IF_ERROR(backend.WindowEntropyShift({&job, 1}, nullptr));
     if (!std::isfinite(measure.entropy) || !std::isfinite(measure.shift)) {
       return absl::InvalidArgumentError(
           absl::StrCat("attention: the probabilities of layer ", layer.layer, " are not finite"));
@@ -520,132 +517,6 @@ std::vector<double> D2oLayerRatios(absl::Span<const double> density, double rho,
   return ratios;
 }
 
-namespace {
-
-// CakeLayerMeasure streams the W rows of a head row by row (contiguous) over blocks of slots,
-// keeping per-slot accumulators: W rows x kMeasureBlock floats stay in L2 for the second pass.
-constexpr int32_t kMeasureBlock = 512;
-
-// Per-slot accumulators of one block: sum of p and sum of p ln(p + 1e-10) over the rows (the
-// latter in float; NaN for an input the log cannot take), then the squared deviations from the
-// mean. The sums and squares are fp64 in the same row order as the per-slot definition.
-struct MeasureBlock {
-  double sum[kMeasureBlock];
-  double squares[kMeasureBlock];
-  float plogp[kMeasureBlock];
-};
-
-void MeasureBlockScalar(const float* head, int64_t stride, int32_t rows, int32_t len,
-                        MeasureBlock& block) {
-  std::fill(block.sum, block.sum + len, 0.0);
-  std::fill(block.squares, block.squares + len, 0.0);
-  std::fill(block.plogp, block.plogp + len, 0.0f);
-  for (int32_t i = 0; i < rows; ++i) {
-    const float* row = head + i * stride;
-    for (int32_t s = 0; s < len; ++s) {
-      block.sum[s] += row[s];
-      block.plogp[s] += row[s] * std::log(row[s] + 1e-10f);
-    }
-  }
-  if (rows < 2) return;
-  for (int32_t i = 0; i < rows; ++i) {
-    const float* row = head + i * stride;
-    for (int32_t s = 0; s < len; ++s) {
-      const double d = row[s] - block.sum[s] / rows;
-      block.squares[s] += d * d;
-    }
-  }
-}
-
-// AVX2 without FMA on purpose: GCC contracts the vector mul + add into an FMA when FMA is
-// enabled, and the fp64 squares must round like the scalar definition.
-#define KVS_CAKE_AVX2 __attribute__((target("avx2")))
-
-// ln(x) for x > 0 (Cephes' logf: frexp, a degree-8 polynomial on [sqrt(1/2) - 1, sqrt(2) - 1],
-// ~1 ulp). Garbage for x <= 0 / inf / NaN: the caller masks those.
-KVS_CAKE_AVX2 inline __m256 LogPositive(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  __m256 e =
-      _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(126)));
-  // Mantissa in [0.5, 1).
-  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
-      _mm256_and_si256(bits, _mm256_set1_epi32(0x007FFFFF)), _mm256_set1_epi32(0x3F000000)));
-  const __m256 small = _mm256_cmp_ps(m, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
-  e = _mm256_sub_ps(e, _mm256_and_ps(small, _mm256_set1_ps(1.0f)));
-  m = _mm256_sub_ps(_mm256_add_ps(m, _mm256_and_ps(small, m)), _mm256_set1_ps(1.0f));
-  const __m256 z = _mm256_mul_ps(m, m);
-  __m256 y = _mm256_set1_ps(7.0376836292E-2f);
-  y = _mm256_add_ps(_mm256_mul_ps(y, m), _mm256_set1_ps(-1.1514610310E-1f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, m), _mm256_set1_ps(1.1676998740E-1f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, m), _mm256_set1_ps(-1.2420140846E-1f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, m), _mm256_set1_ps(1.4249322787E-1f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, m), _mm256_set1_ps(-1.6668057665E-1f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, m), _mm256_set1_ps(2.0000714765E-1f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, m), _mm256_set1_ps(-2.4999993993E-1f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, m), _mm256_set1_ps(3.3333331174E-1f));
-  y = _mm256_mul_ps(_mm256_mul_ps(y, m), z);
-  y = _mm256_add_ps(y, _mm256_mul_ps(e, _mm256_set1_ps(-2.12194440e-4f)));
-  y = _mm256_sub_ps(y, _mm256_mul_ps(z, _mm256_set1_ps(0.5f)));
-  return _mm256_add_ps(_mm256_add_ps(m, y), _mm256_mul_ps(e, _mm256_set1_ps(0.693359375f)));
-}
-
-KVS_CAKE_AVX2 void MeasureBlockAvx2(const float* head, int64_t stride, int32_t rows, int32_t len,
-                                    MeasureBlock& block) {
-  const int32_t vec = len & ~7;
-  std::fill(block.sum, block.sum + len, 0.0);
-  std::fill(block.squares, block.squares + len, 0.0);
-  std::fill(block.plogp, block.plogp + len, 0.0f);
-  const __m256 tiny = _mm256_set1_ps(1e-10f);
-  const __m256 zero = _mm256_setzero_ps();
-  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
-  const __m256 nan = _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN());
-  for (int32_t i = 0; i < rows; ++i) {
-    const float* row = head + i * stride;
-    for (int32_t s = 0; s < vec; s += 8) {
-      const __m256 p = _mm256_loadu_ps(row + s);
-      _mm256_storeu_pd(block.sum + s, _mm256_add_pd(_mm256_loadu_pd(block.sum + s),
-                                                    _mm256_cvtps_pd(_mm256_castps256_ps128(p))));
-      _mm256_storeu_pd(block.sum + s + 4,
-                       _mm256_add_pd(_mm256_loadu_pd(block.sum + s + 4),
-                                     _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1))));
-      const __m256 x = _mm256_add_ps(p, tiny);
-      // ln takes (0, max]; anything else (negative, inf, NaN) poisons the slot as std::log would.
-      const __m256 ok =
-          _mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_GT_OQ), _mm256_cmp_ps(x, largest, _CMP_LE_OQ));
-      const __m256 term = _mm256_blendv_ps(nan, _mm256_mul_ps(p, LogPositive(x)), ok);
-      _mm256_storeu_ps(block.plogp + s, _mm256_add_ps(_mm256_loadu_ps(block.plogp + s), term));
-    }
-    for (int32_t s = vec; s < len; ++s) {
-      block.sum[s] += row[s];
-      block.plogp[s] += row[s] * std::log(row[s] + 1e-10f);
-    }
-  }
-  if (rows < 2) return;
-  const double count = rows;
-  alignas(32) double mean[kMeasureBlock];
-  for (int32_t s = 0; s < len; ++s) mean[s] = block.sum[s] / count;
-  for (int32_t i = 0; i < rows; ++i) {
-    const float* row = head + i * stride;
-    for (int32_t s = 0; s < vec; s += 8) {
-      const __m256 p = _mm256_loadu_ps(row + s);
-      const __m256d d0 =
-          _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(p)), _mm256_load_pd(mean + s));
-      const __m256d d1 =
-          _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)), _mm256_load_pd(mean + s + 4));
-      _mm256_storeu_pd(block.squares + s,
-                       _mm256_add_pd(_mm256_loadu_pd(block.squares + s), _mm256_mul_pd(d0, d0)));
-      _mm256_storeu_pd(block.squares + s + 4, _mm256_add_pd(_mm256_loadu_pd(block.squares + s + 4),
-                                                            _mm256_mul_pd(d1, d1)));
-    }
-    for (int32_t s = vec; s < len; ++s) {
-      const double d = row[s] - mean[s];
-      block.squares[s] += d * d;
-    }
-  }
-}
-
-}  // namespace
-
 CakeMeasure CakeLayerMeasure(absl::Span<const float> probs, int32_t num_q_heads,
                              int32_t num_queries, int32_t count, int32_t num_kv_heads,
                              absl::Span<const int32_t> key_positions,
@@ -657,30 +528,17 @@ CakeMeasure CakeLayerMeasure(absl::Span<const float> probs, int32_t num_q_heads,
       key_positions.size() < static_cast<size_t>(num_kv_heads) * count) {
     return measure;
   }
-  const int32_t group = num_q_heads / num_kv_heads;
-  const bool avx2 = CpuSupportsAvx2();
-  auto block = std::make_unique<MeasureBlock>();
-  // Entropy terms summed per slot in float over the rows, then in fp64; squares as defined.
-  double plogp = 0.0;
-  for (int32_t h = 0; h < num_q_heads; ++h) {
-    const int32_t* positions = key_positions.data() + static_cast<int64_t>(h / group) * count;
-    const float* head = probs.data() + static_cast<int64_t>(h) * num_queries * count;
-    for (int32_t s0 = 0; s0 < count; s0 += kMeasureBlock) {
-      const int32_t len = std::min(kMeasureBlock, count - s0);
-      if (avx2) {
-        MeasureBlockAvx2(head + s0, count, num_queries, len, *block);
-      } else {
-        MeasureBlockScalar(head + s0, count, num_queries, len, *block);
-      }
-      for (int32_t s = 0; s < len; ++s) {
-        if (positions[s0 + s] >= first_query_position) continue;  // a window token, not prefix
-        plogp += block->plogp[s];
-        // The unbiased variance needs two rows.
-        if (num_queries >= 2) measure.shift += block->squares[s] / (num_queries - 1);
-      }
-    }
-  }
-  measure.entropy = -plogp;
+  const WindowEntropyJob job{.probs = probs.data(),
+                             .key_positions = key_positions.data(),
+                             .num_q_heads = num_q_heads,
+                             .num_kv_heads = num_kv_heads,
+                             .num_queries = num_queries,
+                             .window = num_queries,
+                             .count = count,
+                             .first_query_position = first_query_position,
+                             .entropy = &measure.entropy,
+                             .shift = &measure.shift};
+  if (!RunWindowEntropyShift({&job, 1}, nullptr).ok()) return CakeMeasure();
   return measure;
 }
 

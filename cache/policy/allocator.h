@@ -77,7 +77,10 @@ inline D2oSplit SplitD2oBudget(int32_t budget, int32_t n_sink, float recent_frac
 // CAKE preference terms of one layer from its window attention probs [Hq][W][count] (the W
 // window queries of the prompt, slot order): over the prefix slots of each query head's kv head
 // (key_positions[g][s] < first_query_position) entropy H = -sum p ln(p + 1e-10) and shift V = sum
-// over (head, slot) of the unbiased variance over the W rows (cake.md step 2). fp64.
+// over (head, slot) of the unbiased variance over the W rows (cake.md step 2). fp64. The
+// allocator measures through Backend::WindowEntropyShift (gpu/backend.h WindowEntropyJob, the
+// same definition); this is its host form, the CPU backend's code over host arrays, for callers
+// without a backend. Zeros for a malformed shape.
 struct CakeMeasure {
   double entropy = 0.0;
   double shift = 0.0;

@@ -1,7 +1,5 @@
 #include "cache/policy/cake.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -11,7 +9,6 @@
 #include "cache/policy/attention_stats.h"
 #include "cache/policy/registry.h"
 #include "gpu/base/status_macros.h"
-#include "gpu/cpu/avx2_util.h"
 
 namespace kvs {
 namespace {
@@ -19,75 +16,6 @@ namespace {
 constexpr int32_t kDefaultWindow = 32;
 constexpr float kDefaultTau = 1.0f;
 constexpr int32_t kDefaultKernel = 5;
-
-// Observe streams the W window rows of a head row by row (contiguous) over blocks of slots with
-// per-slot fp64 accumulators; W rows x kBlock floats stay in L2 for the second (variance) pass.
-constexpr int32_t kBlock = 512;
-
-// out[s] = mean + gamma * unbiased variance of rows[i][s] over the `rows` rows (stride apart),
-// fp64 per slot in row order, for s in [0, len). `mean` and `squares` are kBlock scratch.
-void MeanVarianceScalar(const float* head, int64_t stride, int32_t rows, int32_t len, double gamma,
-                        double* mean, double* squares, float* out) {
-  std::fill(mean, mean + len, 0.0);
-  std::fill(squares, squares + len, 0.0);
-  for (int32_t i = 0; i < rows; ++i) {
-    const float* row = head + i * stride;
-    for (int32_t s = 0; s < len; ++s) mean[s] += row[s];
-  }
-  for (int32_t s = 0; s < len; ++s) mean[s] /= rows;
-  for (int32_t i = 0; i < rows; ++i) {
-    const float* row = head + i * stride;
-    for (int32_t s = 0; s < len; ++s) {
-      const double d = row[s] - mean[s];
-      squares[s] += d * d;
-    }
-  }
-  for (int32_t s = 0; s < len; ++s) {
-    const double var = rows > 1 ? squares[s] / (rows - 1) : 0.0;
-    out[s] = static_cast<float>(mean[s] + gamma * var);
-  }
-}
-
-// AVX2 without FMA on purpose: GCC contracts the vector mul + add into an FMA when FMA is
-// enabled, and the scores must round exactly like the scalar definition (ties pick positions).
-#define KVS_CAKE_AVX2 __attribute__((target("avx2")))
-
-KVS_CAKE_AVX2 void MeanVarianceAvx2(const float* head, int64_t stride, int32_t rows, int32_t len,
-                                    double gamma, double* mean, double* squares, float* out) {
-  const int32_t vec = len & ~3;
-  std::fill(mean, mean + len, 0.0);
-  std::fill(squares, squares + len, 0.0);
-  for (int32_t i = 0; i < rows; ++i) {
-    const float* row = head + i * stride;
-    for (int32_t s = 0; s < vec; s += 4) {
-      _mm256_storeu_pd(mean + s, _mm256_add_pd(_mm256_loadu_pd(mean + s),
-                                               _mm256_cvtps_pd(_mm_loadu_ps(row + s))));
-    }
-    for (int32_t s = vec; s < len; ++s) mean[s] += row[s];
-  }
-  const __m256d divisor = _mm256_set1_pd(rows);
-  for (int32_t s = 0; s < vec; s += 4) {
-    _mm256_storeu_pd(mean + s, _mm256_div_pd(_mm256_loadu_pd(mean + s), divisor));
-  }
-  for (int32_t s = vec; s < len; ++s) mean[s] /= rows;
-  for (int32_t i = 0; i < rows; ++i) {
-    const float* row = head + i * stride;
-    for (int32_t s = 0; s < vec; s += 4) {
-      const __m256d d =
-          _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(row + s)), _mm256_loadu_pd(mean + s));
-      _mm256_storeu_pd(squares + s,
-                       _mm256_add_pd(_mm256_loadu_pd(squares + s), _mm256_mul_pd(d, d)));
-    }
-    for (int32_t s = vec; s < len; ++s) {
-      const double d = row[s] - mean[s];
-      squares[s] += d * d;
-    }
-  }
-  for (int32_t s = 0; s < len; ++s) {
-    const double var = rows > 1 ? squares[s] / (rows - 1) : 0.0;
-    out[s] = static_cast<float>(mean[s] + gamma * var);
-  }
-}
 
 }  // namespace
 
@@ -103,7 +31,6 @@ absl::Status CakePolicy::ObserveLayers(Backend& backend, Phase phase,
   std::vector<uint8_t> eligible;
   std::vector<int32_t> scratch;
   std::vector<uint64_t> bitmap;
-  std::vector<double> mean(kBlock), squares(kBlock);
   for (const LayerStep& step : layers) {
     KVS_RETURN_IF_ERROR(CheckLayerStep(config().name, step));
     const int32_t hq = step.num_q_heads;
@@ -116,23 +43,17 @@ absl::Status CakePolicy::ObserveLayers(Backend& backend, Phase phase,
       // Step 3 over the trailing window: mean + gamma * unbiased variance, fp64 per slot.
       const int32_t w = std::min(cake_.window, nq);
       const int32_t first_window_position = step.query_positions[nq - w];
-      const bool avx2 = CpuSupportsAvx2();
-      const double gamma = cake_.gamma;
       // Every slot of both is written below (the indicator rows, then the pooling).
       rows.resize(static_cast<size_t>(hq) * n);
       pooled.resize(rows.size());
-      for (int64_t q = 0; q < hq; ++q) {
-        const float* head = step.probs.data() + (q * nq + (nq - w)) * n;
-        for (int64_t s0 = 0; s0 < n; s0 += kBlock) {
-          const int32_t len = static_cast<int32_t>(std::min<int64_t>(kBlock, n - s0));
-          float* out = rows.data() + q * n + s0;
-          if (avx2) {
-            MeanVarianceAvx2(head + s0, n, w, len, gamma, mean.data(), squares.data(), out);
-          } else {
-            MeanVarianceScalar(head + s0, n, w, len, gamma, mean.data(), squares.data(), out);
-          }
-        }
-      }
+      const WindowVarianceJob job{.probs = step.probs.data(),
+                                  .num_q_heads = hq,
+                                  .num_queries = nq,
+                                  .window = w,
+                                  .count = count,
+                                  .gamma = cake_.gamma,
+                                  .scores = rows.data()};
+      KVS_RETURN_IF_ERROR(backend.WindowVarianceScores({&job, 1}, nullptr));
       for (int64_t j = 0; j < heads * n; ++j) {
         eligible[j] = step.positions[j] < first_window_position ? 1 : 0;
       }

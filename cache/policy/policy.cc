@@ -128,7 +128,9 @@ void LayerPolicyState::Extend(int32_t num_kv_heads, int32_t old_count, int32_t a
   }
 }
 
-absl::Status LayerAllocator::Observe(Phase, const LayerStep&) const { return absl::OkStatus(); }
+absl::Status LayerAllocator::Observe(Backend&, Phase, const LayerStep&) const {
+  return absl::OkStatus();
+}
 
 AttentionRequirement Policy::attention(Phase phase) const {
   const AttentionRequirement scorer = ScorerAttention(phase);
@@ -161,7 +163,7 @@ absl::Status Policy::Observe(Backend& backend, Phase phase,
   }
   KVS_RETURN_IF_ERROR(ObserveLayers(backend, phase, layers));
   for (const LayerStep& layer : layers) {
-    KVS_RETURN_IF_ERROR(allocator_->Observe(phase, layer));
+    KVS_RETURN_IF_ERROR(allocator_->Observe(backend, phase, layer));
   }
   return absl::OkStatus();
 }

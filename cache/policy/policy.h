@@ -146,7 +146,7 @@ class LayerAllocator {
   // Whether LayerPolicyState::accumulated must be maintained (D2O's density).
   virtual bool needs_accumulated() const { return false; }
   // Measures a layer's preference from this step's attention (CAKE). Default: nothing.
-  virtual absl::Status Observe(Phase phase, const LayerStep& layer) const;
+  virtual absl::Status Observe(Backend& backend, Phase phase, const LayerStep& layer) const;
   virtual absl::StatusOr<Allocation> Allocate(const AllocationRequest& request) const = 0;
 };
 

@@ -18,6 +18,7 @@
 #include "gpu/cpu/shm_arena.h"
 #include "gpu/cpu/thread_pool.h"
 #include "gpu/cpu/topk_cpu.h"
+#include "gpu/cpu/window_stats_cpu.h"
 
 namespace kvs {
 namespace {
@@ -126,6 +127,12 @@ class CpuBackend final : public Backend {
   }
   absl::Status PoolScores(absl::Span<const PoolJob> jobs, Stream) override {
     return RunPoolScores(jobs, &pool_);
+  }
+  absl::Status WindowVarianceScores(absl::Span<const WindowVarianceJob> jobs, Stream) override {
+    return RunWindowVarianceScores(jobs, &pool_);
+  }
+  absl::Status WindowEntropyShift(absl::Span<const WindowEntropyJob> jobs, Stream) override {
+    return RunWindowEntropyShift(jobs, &pool_);
   }
   absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream) override {
     return RunAttentionLogits(jobs, pool_);

@@ -29,6 +29,7 @@
 #include "gpu/cpu/merge_cpu.h"      // ValidateNearestKeyJob, ValidateRowMergeJob
 #include "gpu/cpu/pool_cpu.h"       // ValidatePoolJob
 #include "gpu/cpu/topk_cpu.h"       // ValidateTopKJob
+#include "gpu/cpu/window_stats_cpu.h"  // ValidateWindowVarianceJob, ValidateWindowEntropyJob
 #include "gpu/cuda/cuda_kernels.h"
 #include "gpu/cuda/cuda_status.h"
 
@@ -395,6 +396,48 @@ class CudaBackend final : public Backend {
                                     job.count, job.kernel_size, job.kind == PoolKind::kMax ? 1 : 0,
                                     job.out, ToStream(stream)),
                    "PoolScores"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status WindowVarianceScores(absl::Span<const WindowVarianceJob> jobs,
+                                    Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const WindowVarianceJob& job = jobs[i];
+      KVS_RETURN_IF_ERROR(ValidateWindowVarianceJob(job, i));
+      if (job.count == 0) continue;
+      const std::string context = absl::StrCat("window variance job ", i);
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.probs, context, "probs"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.scores, context, "scores"));
+    }
+    for (const WindowVarianceJob& job : jobs) {
+      KVS_RETURN_IF_ERROR(Launched(
+          cuda::LaunchWindowVariance(job.probs, job.num_q_heads, job.num_queries, job.window,
+                                     job.count, job.gamma, job.scores, ToStream(stream)),
+          "WindowVarianceScores"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status WindowEntropyShift(absl::Span<const WindowEntropyJob> jobs, Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const WindowEntropyJob& job = jobs[i];
+      KVS_RETURN_IF_ERROR(ValidateWindowEntropyJob(job, i));
+      const std::string context = absl::StrCat("window entropy job ", i);
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.probs, context, "probs"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.key_positions, context, "key_positions"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.entropy, context, "entropy"));
+      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.shift, context, "shift"));
+    }
+    for (const WindowEntropyJob& job : jobs) {
+      KVS_RETURN_IF_ERROR(
+          Launched(cuda::LaunchWindowEntropy(job.probs, job.key_positions, job.num_q_heads,
+                                             job.num_kv_heads, job.num_queries, job.window,
+                                             job.count, job.first_query_position, job.entropy,
+                                             job.shift, ToStream(stream)),
+                   "WindowEntropyShift"));
     }
     return absl::OkStatus();
   }

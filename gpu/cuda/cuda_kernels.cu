@@ -558,6 +558,111 @@ __global__ void PoolKernel(const float* in, const int32_t* order, const int32_t*
 }
 
 // ---------------------------------------------------------------------------------------------
+// CAKE's window statistics (gpu/cpu/window_stats_cpu.cc).
+
+// One thread per (query head, slot): the window's rows of that slot, ascending, fp64.
+__global__ void WindowVarianceKernel(const float* probs, int32_t num_q_heads, int32_t num_queries,
+                                     int32_t window, int64_t count, double gamma, float* scores) {
+  const int64_t total = static_cast<int64_t>(num_q_heads) * count;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t q = idx / count;
+    const int64_t s = idx % count;
+    const float* column = probs + (q * num_queries + (num_queries - window)) * count + s;
+    double mean = 0.0;
+    for (int32_t i = 0; i < window; ++i) mean += column[i * count];
+    mean /= window;
+    double squares = 0.0;
+    for (int32_t i = 0; i < window; ++i) {
+      const double d = static_cast<double>(column[i * count]) - mean;
+      squares += d * d;
+    }
+    const double var = window > 1 ? squares / (window - 1) : 0.0;
+    scores[idx] = static_cast<float>(mean + gamma * var);
+  }
+}
+
+// Blocks of the entropy reduction: fixed for a job's size, so the sums are deterministic.
+constexpr int kEntropyMaxBlocks = 1024;
+
+// Sums `value` over the block's threads by a fixed tree; the result is valid in thread 0.
+__device__ double BlockSum(double value, double* shared) {
+  shared[threadIdx.x] = value;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
+    __syncthreads();
+  }
+  const double sum = shared[0];
+  __syncthreads();
+  return sum;
+}
+
+// Per-block partial sums of the entropy terms and the variances of the prefix (q, s) pairs:
+// partials[2 * block] (sum of p ln(p + 1e-10), each slot's rows summed in fp32) and
+// partials[2 * block + 1] (sum of unbiased variances).
+__global__ void WindowEntropyPartialsKernel(const float* probs, const int32_t* key_positions,
+                                            int32_t num_q_heads, int32_t group, int32_t num_queries,
+                                            int32_t window, int64_t count,
+                                            int32_t first_query_position, double* partials) {
+  __shared__ double shared[kThreads];
+  const int64_t total = static_cast<int64_t>(num_q_heads) * count;
+  const float largest = 3.402823466e+38f;
+  double plogp = 0.0;
+  double shift = 0.0;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t q = idx / count;
+    const int64_t s = idx % count;
+    if (key_positions[(q / group) * count + s] >= first_query_position) continue;
+    const float* column = probs + (q * num_queries + (num_queries - window)) * count + s;
+    float terms = 0.0f;
+    double sum = 0.0;
+    for (int32_t i = 0; i < window; ++i) {
+      const float p = column[i * count];
+      sum += p;
+      const float x = p + 1e-10f;
+      // ln takes (0, max]; anything else poisons the slot, as on the CPU.
+      terms += (x > 0.0f && x <= largest) ? p * logf(x) : __int_as_float(0x7fc00000);
+    }
+    plogp += terms;
+    if (window >= 2) {
+      const double mean = sum / window;
+      double squares = 0.0;
+      for (int32_t i = 0; i < window; ++i) {
+        const double d = static_cast<double>(column[i * count]) - mean;
+        squares += d * d;
+      }
+      shift += squares / (window - 1);
+    }
+  }
+  plogp = BlockSum(plogp, shared);
+  shift = BlockSum(shift, shared);
+  if (threadIdx.x == 0) {
+    partials[2 * blockIdx.x] = plogp;
+    partials[2 * blockIdx.x + 1] = shift;
+  }
+}
+
+// One block: the partials summed by a fixed tree into the job's two outputs.
+__global__ void WindowEntropyFinishKernel(const double* partials, int32_t blocks, double* entropy,
+                                          double* shift) {
+  __shared__ double shared[kThreads];
+  double plogp = 0.0;
+  double sum = 0.0;
+  for (int32_t b = threadIdx.x; b < blocks; b += kThreads) {
+    plogp += partials[2 * b];
+    sum += partials[2 * b + 1];
+  }
+  plogp = BlockSum(plogp, shared);
+  sum = BlockSum(sum, shared);
+  if (threadIdx.x == 0) {
+    *entropy = -plogp;
+    *shift = sum;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // CAOTE (gpu/cpu/caote_cpu.cc ScoreHeadScalar): one block per row; X accumulates in double.
 
 __global__ void CaoteKernel(DevPagedView v, const float* alpha_all, int32_t rows, bool fast,
@@ -807,6 +912,40 @@ cudaError_t LaunchPool(const float* in, const int32_t* order, const int32_t* len
   PoolKernel<<<GridFor((total + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       in, order, lengths, rows, num_kv_heads, count, kernel_size, kind, out);
   return cudaGetLastError();
+}
+
+cudaError_t LaunchWindowVariance(const float* probs, int32_t num_q_heads, int32_t num_queries,
+                                 int32_t window, int32_t count, double gamma, float* scores,
+                                 cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  const int64_t total = static_cast<int64_t>(num_q_heads) * count;
+  WindowVarianceKernel<<<GridFor((total + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      probs, num_q_heads, num_queries, window, count, gamma, scores);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchWindowEntropy(const float* probs, const int32_t* key_positions,
+                                int32_t num_q_heads, int32_t num_kv_heads, int32_t num_queries,
+                                int32_t window, int32_t count, int32_t first_query_position,
+                                double* entropy, double* shift, cudaStream_t stream) {
+  const int64_t total = static_cast<int64_t>(num_q_heads) * count;
+  const int64_t wanted = (total + kThreads - 1) / kThreads;
+  const int32_t blocks =
+      wanted < 1 ? 1 : (wanted > kEntropyMaxBlocks ? kEntropyMaxBlocks : static_cast<int>(wanted));
+  double* partials = nullptr;
+  cudaError_t error = cudaMallocAsync(reinterpret_cast<void**>(&partials),
+                                      static_cast<size_t>(blocks) * 2 * sizeof(double), stream);
+  if (error != cudaSuccess) return error;
+  WindowEntropyPartialsKernel<<<blocks, kThreads, 0, stream>>>(
+      probs, key_positions, num_q_heads, num_q_heads / num_kv_heads, num_queries, window, count,
+      first_query_position, partials);
+  error = cudaGetLastError();
+  if (error == cudaSuccess) {
+    WindowEntropyFinishKernel<<<1, kThreads, 0, stream>>>(partials, blocks, entropy, shift);
+    error = cudaGetLastError();
+  }
+  const cudaError_t freed = cudaFreeAsync(partials, stream);
+  return error != cudaSuccess ? error : freed;
 }
 
 cudaError_t LaunchCaote(const DevPagedView& values, const float* alpha, int32_t rows, bool fast,

@@ -76,6 +76,21 @@ cudaError_t LaunchPool(const float* in, const int32_t* order, const int32_t* len
                        int32_t num_kv_heads, int32_t count, int32_t kernel_size, int kind,
                        float* out, cudaStream_t stream);
 
+// WindowVarianceJob (gpu/backend.h): one thread per (query head, slot), the window's rows in
+// ascending order in fp64 as the CPU backend does (with --fmad=false: the same bits).
+cudaError_t LaunchWindowVariance(const float* probs, int32_t num_q_heads, int32_t num_queries,
+                                 int32_t window, int32_t count, double gamma, float* scores,
+                                 cudaStream_t stream);
+
+// WindowEntropyJob (gpu/backend.h): per-slot terms as the CPU backend defines them (logf in
+// place of its polynomial), summed across slots in fp64 by a fixed tree (per-block partials in a
+// stream-ordered scratch allocation, then one block): deterministic, but not the CPU's order.
+// `entropy` and `shift` are device pointers to one double each.
+cudaError_t LaunchWindowEntropy(const float* probs, const int32_t* key_positions,
+                                int32_t num_q_heads, int32_t num_kv_heads, int32_t num_queries,
+                                int32_t window, int32_t count, int32_t first_query_position,
+                                double* entropy, double* shift, cudaStream_t stream);
+
 cudaError_t LaunchCaote(const DevPagedView& values, const float* alpha, int32_t rows, bool fast,
                         float eps, float* scores, cudaStream_t stream);
 

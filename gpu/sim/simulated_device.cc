@@ -437,6 +437,30 @@ class SimBackend final : public Backend {
     }
     return cpu_->PoolScores(real, stream);
   }
+  absl::Status WindowVarianceScores(absl::Span<const WindowVarianceJob> jobs,
+                                    Stream stream) override {
+    std::vector<WindowVarianceJob> real(jobs.begin(), jobs.end());
+    for (size_t i = 0; i < real.size(); ++i) {
+      WindowVarianceJob& j = real[i];
+      const Translator t(*state_, absl::StrCat("window variance job ", i));
+      KVS_RETURN_IF_ERROR(t(j.probs, Extent({j.num_q_heads, j.num_queries, j.count}, 4), "probs"));
+      KVS_RETURN_IF_ERROR(t(j.scores, Extent({j.num_q_heads, j.count}, 4), "scores"));
+    }
+    return cpu_->WindowVarianceScores(real, stream);
+  }
+  absl::Status WindowEntropyShift(absl::Span<const WindowEntropyJob> jobs, Stream stream) override {
+    std::vector<WindowEntropyJob> real(jobs.begin(), jobs.end());
+    for (size_t i = 0; i < real.size(); ++i) {
+      WindowEntropyJob& j = real[i];
+      const Translator t(*state_, absl::StrCat("window entropy job ", i));
+      KVS_RETURN_IF_ERROR(t(j.probs, Extent({j.num_q_heads, j.num_queries, j.count}, 4), "probs"));
+      KVS_RETURN_IF_ERROR(
+          t(j.key_positions, Extent({j.num_kv_heads, j.count}, 4), "key_positions"));
+      KVS_RETURN_IF_ERROR(t(j.entropy, Extent({1}, 8), "entropy"));
+      KVS_RETURN_IF_ERROR(t(j.shift, Extent({1}, 8), "shift"));
+    }
+    return cpu_->WindowEntropyShift(real, stream);
+  }
   absl::Status AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs,
                                    Stream stream) override {
     std::vector<AttentionSumsJob> real(jobs.begin(), jobs.end());

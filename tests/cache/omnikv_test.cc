@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "cache/pool.h"
+#include "cache/policy/omnikv.h"
+#include "cache/sequence_kind.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "storage/tier_manager.h"
@@ -507,6 +509,71 @@ TEST(OmniKvSelect, BadInputIsRefusedNamingTheField) {
   item.attention = FilterQueries({1});
   EXPECT_THAT(f.pool.pool.Select({&item, 1}).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, "Select needs a sequence created"));
+}
+
+// A new sequence's parameters are settled by its kind (SequenceAdmission), not by tests for a
+// policy in the pool: OmniKV fills in its filter layers and refuses what applies only to
+// eviction; an evicting kind takes everything as given.
+TEST(SequenceAdmission, TheKindSettlesANewSequencesParameters) {
+  SequenceParams params;
+  params.budget = BudgetConfig{};
+  params.budget->tokens_per_layer = 8;
+  const std::vector<int32_t> windows = {1, 2};
+
+  PolicyConfig h2o;
+  h2o.name = kPolicyH2o;
+  auto evicting = SequenceAdmission::Resolve(h2o, params, 32, /*has_tiers=*/false);
+  ASSERT_TRUE(evicting.ok()) << evicting.status();
+  EXPECT_TRUE(evicting->evicts());
+  EXPECT_EQ(evicting->Budget(*params.budget).tokens_per_layer, 8);
+  EXPECT_TRUE(evicting->CheckLayerWindows(windows).ok());
+  // retain_evicted is the pool's to check against its tiers, not the evicting kind's.
+  params.retain_evicted = true;
+  EXPECT_TRUE(SequenceAdmission::Resolve(h2o, params, 32, false).ok());
+  params.retain_evicted = false;
+
+  PolicyConfig omnikv;
+  omnikv.name = kPolicyOmniKv;
+  EXPECT_THAT(SequenceAdmission::Resolve(omnikv, params, 32, false).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "budget must be unset"));
+  params.budget.reset();
+  auto selecting = SequenceAdmission::Resolve(omnikv, params, 32, false);
+  ASSERT_TRUE(selecting.ok()) << selecting.status();
+  EXPECT_FALSE(selecting->evicts());
+  EXPECT_EQ(omnikv.omnikv.filter_layers, DefaultOmniKvFilterLayers(32));
+  BudgetConfig requested;
+  requested.tokens_per_layer = 8;
+  EXPECT_EQ(selecting->Budget(requested).tokens_per_layer, 0);
+  EXPECT_TRUE(selecting->CheckLayerWindows({}).ok());
+  EXPECT_THAT(selecting->CheckLayerWindows(windows),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "layer_windows does not apply to policy omnikv, which never evicts"));
+  params.retain_evicted = true;
+  EXPECT_THAT(SequenceAdmission::Resolve(omnikv, params, 32, true).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "retain_evicted does not apply to policy omnikv"));
+  params.retain_evicted = false;
+  omnikv.omnikv.offload = true;
+  EXPECT_THAT(SequenceAdmission::Resolve(omnikv, params, 32, false).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "policy.omnikv.offload needs"));
+  EXPECT_TRUE(SequenceAdmission::Resolve(omnikv, params, 32, true).ok());
+}
+
+// Through the pool: the kind's refusal of layer_windows, with its text, and nothing created.
+TEST(SequenceAdmission, PoolRefusesLayerWindowsForOmniKv) {
+  TestPool pool;
+  const std::string session = pool.Attach(MakeLayout(kLayers, kHkv, kDim, DType::kFloat32, 4), 64);
+  SequenceParams params;
+  params.policy = PolicyConfig{};
+  params.policy->name = kPolicyOmniKv;
+  params.policy->omnikv.filter_layers = {3};
+  params.layer_windows = std::vector<int32_t>(kLayers, 2);
+  params.sequence_id = "w";
+  EXPECT_THAT(pool.pool.CreateSequence(session, params).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "layer_windows does not apply to policy omnikv, which never evicts"));
+  params.layer_windows.clear();
+  EXPECT_TRUE(pool.pool.CreateSequence(session, params).ok());
 }
 
 TEST(OmniKvSelect, WindowSelectorForcesThePromptQueriesTokensTv3) {

@@ -53,6 +53,16 @@ class FailingBackend final : public Backend {
     pool_jobs += static_cast<int>(jobs.size());
     return cpu_->PoolScores(jobs, s);
   }
+  absl::Status WindowVarianceScores(absl::Span<const WindowVarianceJob> jobs, Stream s) override {
+    if (fail_window) return absl::InternalError("injected WindowVarianceScores failure");
+    variance_jobs += static_cast<int>(jobs.size());
+    return cpu_->WindowVarianceScores(jobs, s);
+  }
+  absl::Status WindowEntropyShift(absl::Span<const WindowEntropyJob> jobs, Stream s) override {
+    if (fail_window) return absl::InternalError("injected WindowEntropyShift failure");
+    entropy_jobs += static_cast<int>(jobs.size());
+    return cpu_->WindowEntropyShift(jobs, s);
+  }
   absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream s) override {
     return cpu_->AttentionLogits(jobs, s);
   }
@@ -74,10 +84,13 @@ class FailingBackend final : public Backend {
   absl::Status Synchronize(Stream s) override { return cpu_->Synchronize(s); }
 
   std::atomic<bool> fail_topk{false};
+  std::atomic<bool> fail_window{false};
   // Jobs of the attention kernels the policies issued (one thread drives the pool here).
   int probs_jobs = 0;
   int sums_jobs = 0;
   int pool_jobs = 0;
+  int variance_jobs = 0;
+  int entropy_jobs = 0;
 
  private:
   std::unique_ptr<Backend> cpu_;
@@ -254,6 +267,28 @@ TEST_P(RollbackTest, WindowVoteIsSummedAndPooledInsideTheBackend) {
     EXPECT_EQ(backend_.probs_jobs, layout_.num_layers);
     EXPECT_EQ(backend_.sums_jobs, 0);
   }
+}
+
+// CAKE's window statistics (the scorer's mean + gamma * variance per slot, the allocator's
+// entropy and shift per layer) are backend jobs, so a device backend runs them: one of each per
+// layer of a prefill Compress, and a failing backend fails the call and changes nothing.
+TEST_P(RollbackTest, CakeWindowStatisticsRunInsideTheBackend) {
+  CompressParams params;
+  params.attention = Query(4);
+  if (GetParam() == "cake") {
+    const State before = Snapshot();
+    backend_.fail_window = true;
+    const absl::Status failed = pool_->Compress(session_, "seq", params).status();
+    EXPECT_THAT(failed.message(), ::testing::HasSubstr("injected Window"));
+    ExpectSame(before, Snapshot());
+    backend_.fail_window = false;
+  }
+  auto compressed = pool_->Compress(session_, "seq", params);
+  ASSERT_TRUE(compressed.ok()) << compressed.status();
+  for (const LayerCompressResult& layer : compressed->layers) EXPECT_EQ(layer.kept, kBudget);
+  const int expected = GetParam() == "cake" ? layout_.num_layers : 0;
+  EXPECT_EQ(backend_.variance_jobs, expected);
+  EXPECT_EQ(backend_.entropy_jobs, expected);
 }
 
 INSTANTIATE_TEST_SUITE_P(EvictingPolicies, RollbackTest,

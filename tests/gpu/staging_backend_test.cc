@@ -418,6 +418,115 @@ TEST_P(StagingTest, PoolScoresBitIdentical) {
   EXPECT_EQ(out, std::vector<float>(4, -3.0f));
 }
 
+// Random window probabilities [hq][nq][count] and key positions (a shuffled permutation per kv
+// head) for the CAKE window statistics.
+struct WindowCase {
+  int32_t hq, kv, nq, window, count;
+};
+const WindowCase kWindowCases[] = {{2, 1, 1, 1, 7}, {4, 2, 6, 4, 130}, {3, 3, 5, 5, 513},
+                                   {2, 2, 3, 2, 0}, {8, 2, 9, 9, 33},  {1, 1, 2, 2, 1}};
+
+TEST_P(StagingTest, WindowVarianceScoresBitIdentical) {
+  std::mt19937 rng(14);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  // A multi-job call (one of them without slots) and one job per call.
+  std::vector<std::vector<float>> probs, cpu_out, dev_out;
+  for (const WindowCase& c : kWindowCases) {
+    probs.emplace_back(static_cast<size_t>(c.hq) * c.nq * c.count);
+    for (float& v : probs.back()) v = uniform(rng);
+    cpu_out.emplace_back(static_cast<size_t>(c.hq) * c.count, -1.0f);
+    dev_out.emplace_back(static_cast<size_t>(c.hq) * c.count, -2.0f);
+  }
+  std::vector<WindowVarianceJob> cpu_jobs, dev_jobs;
+  for (size_t i = 0; i < std::size(kWindowCases); ++i) {
+    const WindowCase& c = kWindowCases[i];
+    WindowVarianceJob job{.probs = probs[i].data(),
+                          .num_q_heads = c.hq,
+                          .num_queries = c.nq,
+                          .window = c.window,
+                          .count = c.count,
+                          .gamma = 0.5 + static_cast<double>(i),
+                          .scores = cpu_out[i].data()};
+    cpu_jobs.push_back(job);
+    job.scores = dev_out[i].data();
+    dev_jobs.push_back(job);
+  }
+  ASSERT_TRUE(cpu_->WindowVarianceScores(cpu_jobs, nullptr).ok());
+  ASSERT_TRUE(staged_->WindowVarianceScores(dev_jobs, nullptr).ok());
+  for (size_t i = 0; i < cpu_out.size(); ++i) ExpectBitEqual(dev_out[i], cpu_out[i], "variance");
+  for (size_t i = 0; i < cpu_out.size(); ++i) {
+    std::fill(dev_out[i].begin(), dev_out[i].end(), -3.0f);
+    ASSERT_TRUE(staged_->WindowVarianceScores({&dev_jobs[i], 1}, nullptr).ok());
+    ExpectBitEqual(dev_out[i], cpu_out[i], "variance, one job");
+  }
+  // A malformed job is refused by name and writes nothing.
+  WindowVarianceJob bad = dev_jobs[1];
+  bad.window = bad.num_queries + 1;
+  std::fill(dev_out[1].begin(), dev_out[1].end(), -4.0f);
+  const absl::Status status = staged_->WindowVarianceScores({&bad, 1}, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("window variance job 0: window must be"));
+  EXPECT_EQ(dev_out[1], std::vector<float>(dev_out[1].size(), -4.0f));
+}
+
+TEST_P(StagingTest, WindowEntropyShiftBitIdentical) {
+  std::mt19937 rng(15);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  std::vector<std::vector<float>> probs;
+  std::vector<std::vector<int32_t>> positions;
+  std::vector<int32_t> first;
+  for (const WindowCase& c : kWindowCases) {
+    probs.emplace_back(static_cast<size_t>(c.hq) * c.nq * c.count);
+    for (float& v : probs.back()) v = uniform(rng);
+    positions.emplace_back();
+    for (int32_t h = 0; h < c.kv; ++h) {
+      std::vector<int32_t> slots(c.count);
+      std::iota(slots.begin(), slots.end(), 0);
+      std::shuffle(slots.begin(), slots.end(), rng);
+      positions.back().insert(positions.back().end(), slots.begin(), slots.end());
+    }
+    first.push_back(c.count - c.count / 4);  // the newest quarter is window, not prefix
+  }
+  const size_t n = std::size(kWindowCases);
+  std::vector<double> cpu_entropy(n, -1.0), cpu_shift(n, -1.0);
+  std::vector<double> dev_entropy(n, -2.0), dev_shift(n, -2.0);
+  std::vector<WindowEntropyJob> cpu_jobs, dev_jobs;
+  for (size_t i = 0; i < n; ++i) {
+    const WindowCase& c = kWindowCases[i];
+    WindowEntropyJob job{.probs = probs[i].data(),
+                         .key_positions = positions[i].data(),
+                         .num_q_heads = c.hq,
+                         .num_kv_heads = c.kv,
+                         .num_queries = c.nq,
+                         .window = c.window,
+                         .count = c.count,
+                         .first_query_position = first[i],
+                         .entropy = &cpu_entropy[i],
+                         .shift = &cpu_shift[i]};
+    cpu_jobs.push_back(job);
+    job.entropy = &dev_entropy[i];
+    job.shift = &dev_shift[i];
+    dev_jobs.push_back(job);
+  }
+  ASSERT_TRUE(cpu_->WindowEntropyShift(cpu_jobs, nullptr).ok());
+  ASSERT_TRUE(staged_->WindowEntropyShift(dev_jobs, nullptr).ok());
+  ExpectBitEqual(dev_entropy, cpu_entropy, "entropy");
+  ExpectBitEqual(dev_shift, cpu_shift, "shift");
+  // Something was measured: the cases with prefix slots and two window rows have a shift.
+  EXPECT_GT(cpu_entropy[1], 0.0);
+  EXPECT_GT(cpu_shift[1], 0.0);
+  // A malformed job is refused by name and writes nothing.
+  WindowEntropyJob bad = dev_jobs[1];
+  bad.num_kv_heads = 3;
+  dev_entropy[1] = dev_shift[1] = -5.0;
+  const absl::Status status = staged_->WindowEntropyShift({&bad, 1}, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("window entropy job 0: num_q_heads must be a positive multiple"));
+  EXPECT_EQ(dev_entropy[1], -5.0);
+  EXPECT_EQ(dev_shift[1], -5.0);
+}
+
 TEST_P(StagingTest, CaoteScoresBitIdentical) {
   const std::vector<Layer> layers = Layers(31);
   std::mt19937 rng(13);

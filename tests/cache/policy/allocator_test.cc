@@ -17,6 +17,7 @@
 #include "cache/policy/policy.h"
 #include "cache/policy/policy_config.h"
 #include "gmock/gmock.h"
+#include "gpu/backend.h"
 #include "gtest/gtest.h"
 
 namespace kvs {
@@ -547,7 +548,7 @@ absl::Status ObserveCakeLayer(const LayerAllocator& allocator, int layer, LayerP
   step.query_positions = query_positions;
   step.step_queries = step.num_queries;
   step.state = &state;
-  return allocator.Observe(Phase::kPrefill, step);
+  return allocator.Observe(*MakeCpuBackend(1), Phase::kPrefill, step);
 }
 
 PolicyConfig CakeConfig3(int32_t min_layer_tokens) {
@@ -570,7 +571,7 @@ TEST(LayerAllocatorTest, CakeObserveMeasuresTheTrailingWindow) {
   LayerPolicyState state;
   LayerStep step;
   step.state = &state;
-  EXPECT_TRUE(allocator->Observe(Phase::kDecode, step).ok());
+  EXPECT_TRUE(allocator->Observe(*MakeCpuBackend(1), Phase::kDecode, step).ok());
   EXPECT_FALSE(state.measured);
   // Malformed probabilities are an error naming the field.
   std::vector<float> probs(5, 0.1f);
@@ -582,7 +583,7 @@ TEST(LayerAllocatorTest, CakeObserveMeasuresTheTrailingWindow) {
   step.num_queries = 2;
   const std::vector<int32_t> qpos = {6, 7};
   step.query_positions = qpos;
-  const absl::Status status = allocator->Observe(Phase::kPrefill, step);
+  const absl::Status status = allocator->Observe(*MakeCpuBackend(1), Phase::kPrefill, step);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("attention"));
   EXPECT_FALSE(state.measured);
