@@ -502,14 +502,18 @@ class _OmniKv:
         w = self.prompt_window
         q = query.detach()[:, :, -w:].to(device="cpu", dtype=torch.float32).numpy().copy()
         positions = step.positions[-w:]
-        real = None if step.real is None else step.real[:, -w:].numpy()
+        real = (np.ones((q.shape[0], q.shape[2]), bool) if step.real is None
+                else step.real[:, -w:].numpy())
         held = self.prompt_queries.get(layer)
         if held is not None:  # a chunked prefill: the window spans the blocks
+            before = (np.ones((held.shape[0], held.shape[2]), bool) if self.prompt_real is None
+                      else self.prompt_real)
             q = np.concatenate([held, q], axis=2)[:, :, -w:]
             positions = np.concatenate([self.prompt_positions, positions])[-w:]
+            real = np.concatenate([before, real], axis=1)[:, -w:]
         self.prompt_queries[layer] = q
         self.prompt_positions = positions
-        self.prompt_real = real
+        self.prompt_real = None if real.all() else real
 
     def _answer(self, f: int) -> List[sidecar_pb2.SelectResponse.Item]:
         items = self.selection.get(f)
@@ -529,7 +533,11 @@ class _OmniKv:
         if self.roles[layer] != "sparse":
             return
         for row, item in enumerate(self._answer(self.feeding[layer])):
-            view = next(v for v in item.sparse_layers if v.layer == layer)
+            views = [v for v in item.sparse_layers if v.layer == layer]
+            if not views:
+                raise RuntimeError(f"Select of filter layer {self.feeding[layer]} staged no view "
+                                   f"of its sparse layer {layer}")
+            view = views[0]
             step.held[row][layer] = int(view.count)
             step.tables[row][layer] = view.block_table
 
@@ -550,6 +558,8 @@ class SidecarCache(Cache):
         policy: a policy name ("snapkv", "h2o", ...) or a `PolicySpec` (`kvsidecar.policy`).
         budget: tokens per layer (int > 0); or a fraction in (0, 1) of the first block's length
             (the prompt), resolved when it arrives; 0, None or >= 1.0: no budget (the full cache).
+            OmniKV evicts nothing: there the budget is the prompt tokens each filter layer
+            selects per decode step (int: k; fraction: of the prompt; >= 1.0: all of them).
         overlap: send each DecodeStep without waiting for its answer (applied at the next use).
     """
 
