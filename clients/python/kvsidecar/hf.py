@@ -429,10 +429,8 @@ class _OmniKv:
         # The last decode step's Select answer per filter layer, one item per row.
         self.selection: Dict[int, List[sidecar_pb2.SelectResponse.Item]] = {}
         # Window selectors: per filter layer the prefill's last W - 1 queries [B][Hq][w][D],
-        # their positions [w] and which are real tokens ([B][w], None = all).
-        self.prompt_queries: Dict[int, np.ndarray] = {}
-        self.prompt_positions = np.zeros(0, np.int32)
-        self.prompt_real: Any = None
+        # their positions [w] and which are real tokens ([B][w] bool).
+        self.prompt_queries: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def plan(self, resolved: common_pb2.PolicySpec, num_layers: int) -> None:
         """Layer roles from the policy the sidecar resolved (omnikv.md §2, PlanOmniKvLayers)."""
@@ -485,10 +483,10 @@ class _OmniKv:
             if prompt is not None:
                 # The first Select starts the window from the prompt's last queries, marked by
                 # their positions (< N): their tokens are then always selected (§4.5).
-                real = (np.ones(len(self.prompt_positions), bool) if self.prompt_real is None
-                        else self.prompt_real[row])
-                q = np.concatenate([prompt[row][:, real], q], axis=1)
-                positions = self.prompt_positions[real].tolist() + [int(step.positions[0])]
+                prompt_q, prompt_positions, prompt_real = prompt
+                real = prompt_real[row]
+                q = np.concatenate([prompt_q[row][:, real], q], axis=1)
+                positions = prompt_positions[real].tolist() + [int(step.positions[0])]
             items.append(sidecar_pb2.SelectRequest.Item(
                 session_id=cache.session.session_id, sequence_id=seq, step_id=self.step_id,
                 prompt_tokens=self.prompt_tokens,
@@ -506,14 +504,10 @@ class _OmniKv:
                 else step.real[:, -w:].numpy())
         held = self.prompt_queries.get(layer)
         if held is not None:  # a chunked prefill: the window spans the blocks
-            before = (np.ones((held.shape[0], held.shape[2]), bool) if self.prompt_real is None
-                      else self.prompt_real)
-            q = np.concatenate([held, q], axis=2)[:, :, -w:]
-            positions = np.concatenate([self.prompt_positions, positions])[-w:]
-            real = np.concatenate([before, real], axis=1)[:, -w:]
-        self.prompt_queries[layer] = q
-        self.prompt_positions = positions
-        self.prompt_real = None if real.all() else real
+            q = np.concatenate([held[0], q], axis=2)[:, :, -w:]
+            positions = np.concatenate([held[1], positions])[-w:]
+            real = np.concatenate([held[2], real], axis=1)[:, -w:]
+        self.prompt_queries[layer] = (q, positions, real)
 
     def _answer(self, f: int) -> List[sidecar_pb2.SelectResponse.Item]:
         items = self.selection.get(f)

@@ -168,26 +168,33 @@ def test_left_padded_rows_generate_what_each_row_does_alone(session, selector):
         solo.release()
 
 
-def test_window_selector_forces_the_prompt_queries_tokens_in(session):
+@pytest.mark.parametrize("window", [4, 16])
+def test_window_selector_forces_the_prompt_queries_tokens_in(server, window):
     """The uniform selector keeps the last W filter queries: the prompt's last W - 1 (sent with
-    their positions at the first Select) and the decode ones. While prompt queries are in the
-    window their tokens are always selected (omnikv.md §4.5), and the selection keeps k tokens."""
-    model = make_model("llama")
+    their positions at the first Select; from both blocks of a chunked prefill when W is 16) and
+    the decode ones. While prompt queries are in the window their tokens are always selected
+    (omnikv.md §4.5), and the selection keeps k tokens: at both filter layers."""
+    model = _six_layer_llama()
     ids = prompts(2)
-    window, k = 4, 10
-    policy = kvs.policy("omnikv", filter_layers=[0], selected_tokens=k, window=window,
+    k = 20
+    policy = kvs.policy("omnikv", filter_layers=FILTERS, selected_tokens=k, window=window,
                         selector=kvs.common_pb2.OmniKvParams.SELECTOR_UNIFORM)
-    cache = SidecarCache(session, model, policy=policy)
-    with torch.no_grad():
-        logits = model(ids, **{CACHE: cache}, use_cache=True).logits
-        for step in range(1, window + 2):
-            logits = model(logits[:, -1:].argmax(-1), **{CACHE: cache}, use_cache=True).logits
-            forced = max(0, window - step)  # prompt queries still in the window
-            for item in cache.last_selection[0]:
-                positions = list(item.filters[0].positions)
-                assert len(positions) == k, step
-                assert set(range(PROMPT - forced, PROMPT)) <= set(positions), step
-    cache.release()
+    with kvs.Client(server.address, timeout=60) as client, \
+            client.attach(layout_for(model), num_blocks=3 * blocks_for(model, 64, 2)) as s:
+        cache = SidecarCache(s, model, policy=policy)
+        with torch.no_grad():
+            model(ids[:, :30], **{CACHE: cache}, use_cache=True)
+            logits = model(ids[:, 30:], **{CACHE: cache}, use_cache=True).logits
+            for step in range(1, window + 2):
+                logits = model(logits[:, -1:].argmax(-1), **{CACHE: cache},
+                               use_cache=True).logits
+                forced = max(0, window - step)  # prompt queries still in the window
+                for f in FILTERS:
+                    for item in cache.last_selection[f]:
+                        positions = list(item.filters[0].positions)
+                        assert len(positions) == k, (step, f)
+                        assert set(range(PROMPT - forced, PROMPT)) <= set(positions), (step, f)
+        cache.release()
 
 
 def test_omnikv_refusals_are_named(session):
