@@ -178,6 +178,10 @@ class SidecarRunner:
         b = int(pre.ids.shape[0])
         self.budget_tokens = max(1, math.ceil(cfg.budget * t))
         spec = cfg.make(self.budget_tokens)
+        self.omnikv = spec.name == "omnikv"
+        if self.omnikv:
+            self._omnikv_prefill(model, session, pre, spec)
+            return
         hold = cfg.protocol == "decode"
         self.cache = SidecarCache(session, model, policy=spec,
                                   budget=self.budget_tokens if hold else None)
@@ -215,12 +219,37 @@ class SidecarRunner:
             cache.release()
             raise
 
+    def _omnikv_prefill(self, model, session, pre: Prefill, spec) -> None:
+        """OmniKV: the whole prompt committed (nothing is evicted; k is the policy's
+        selected_tokens), the filter layers' prompt queries kept for the window selectors; every
+        decode step then Selects through the cache."""
+        layers = int(model.config.num_hidden_layers)
+        if not spec.omnikv.filter_layers:
+            spec.omnikv.filter_layers.extend(omnikv_filter_layers(layers))
+        b = int(pre.ids.shape[0])
+        self.cache = cache = SidecarCache(session, model, policy=spec)
+        try:
+            cache._begin_step(b, pre.length)
+            for layer in range(cache.num_layers):
+                k, v = _layer_kv(pre.cache, layer)
+                cache._store(layer, k, 0)
+                cache._store(layer, v, 1)
+                cache._omni.filter_query(cache, layer, pre.queries[layer], pre.scale)
+            cache._end_step()
+        except Exception:
+            cache.release()
+            raise
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             out = self.model(input_ids=ids, use_cache=True, **{self.kw: self.cache})
         return out.logits.float()
 
     def kept_fraction(self, prompt: int) -> float:
+        if self.omnikv:
+            # Every token stays (the sparse layers' prompt in the host tier when offloaded);
+            # the selection bounds what is attended to, not what is held.
+            return float(self.cache.get_seq_length()) / prompt
         return float(np.mean(self.cache.counts)) / prompt
 
     def close(self) -> None:
@@ -362,10 +391,28 @@ def sidecar_configs(budgets, protocols) -> List[Config]:
         for b in budgets:
             for name, params, make in fams:
                 out.append(Config("sidecar", name, b, proto, params, make))
-            out.append(Config("sidecar", "omnikv", b, proto, "", None,
-                              error="omnikv needs Select (per decode step, filter layers choose "
-                              "what sparse layers read); SidecarCache does not drive it"))
+    # OmniKV never evicts: it selects what the sparse layers attend to at every decode step,
+    # whichever protocol; its rows go with the protocol that acts while decoding.
+    omni_proto = "decode" if "decode" in protocols else protocols[0] if protocols else None
+    if omni_proto is not None:
+        for b in budgets:
+            out.append(Config(
+                "sidecar", "omnikv", b, omni_proto,
+                "Select per decode step, last selector, k = budget x prompt (as the other rows' "
+                "budget), filter layers = the paper's Llama-3-8B {2,8,18} scaled to the depth "
+                "(30 layers: 2, 8, 17; the paper's own at 32/48/80), 1 wait layer, sparse "
+                "prompt offloaded to the host tier; never evicts (kept: every token held)",
+                lambda n: make_policy("omnikv", selected_tokens=n, offload=True)))
     return out
+
+
+def omnikv_filter_layers(num_layers: int) -> List[int]:
+    """OmniKV's filter layers for a depth: empty (the sidecar's paper defaults) at 32, 48 and 80
+    layers, else Llama-3-8B's {2, 8, 18} scaled to the depth (distinct, ascending)."""
+    if num_layers in (32, 48, 80):
+        return []
+    scaled = sorted({min(num_layers - 1, round(f * num_layers / 32)) for f in (2, 8, 18)})
+    return scaled
 
 
 def kvpress_configs(budgets, defaults: bool = False) -> List[Config]:

@@ -294,8 +294,9 @@ def run_fidelity(args, model_name, model, tok, session, store, cfgs, encode):
                 # block: transformers builds one mask from layer 0's length. One token at a
                 # time needs no mask.
                 ragged = cfg.method == "kvpress" and cfg.policy.startswith("pyramidkv")
-                logits = engine.teacher_forced(runner, cont,
-                                               one_by_one=cfg.protocol == "decode" or ragged)
+                # OmniKV selects per decode step: a block would be attended in full.
+                one_by_one = cfg.protocol == "decode" or ragged or cfg.policy == "omnikv"
+                logits = engine.teacher_forced(runner, cont, one_by_one=one_by_one)
                 kept = runner.kept_fraction(p)
             finally:
                 runner.close()

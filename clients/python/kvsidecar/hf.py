@@ -77,14 +77,38 @@ evict nothing; the sidecar only folds the queries into the policy state), and a 
 without attention evicts to the budget from the state accumulated (the sidecar reuses attention
 already folded in: common.proto AttentionInputs). The kept set is the one-message path's.
 
+OmniKV (``policy="omnikv"`` or ``kvsidecar.policy("omnikv", filter_layers=[...], ...)``). OmniKV
+never evicts: every token's K/V stays in the sidecar (the sequences have no budget), and the
+cache's ``budget`` says how many prompt tokens the filter layers select at each decode step: an
+int is k (``selected_tokens``), a fraction of the prompt ``selected_fraction`` (1.0 or more: all
+of it); 0 or None leaves the policy's own (the sidecar's default 6.7 %; the filter layers default
+to the paper's only for 32, 48 and 80 layers, so name them for other depths). The prefill is plain
+full attention. At each decode step, at a filter layer's attention, the wrapper sends ONE Select
+for the batch (one item per row: the current post-RoPE query of that layer, ``prompt_tokens`` N =
+the tokens seen before the first decode step, ``step_id`` = the decode step); it runs while the
+filter and wait layers compute. The first sparse layer of the segment waits for the answer; every
+sparse layer then attends to its staging view, read from the arena by its block table as any held
+layer is: the selected prompt tokens T_f (ascending), then the layer's generated tokens, then the
+new token. Prefix, filter and wait layers attend to everything held. Positions/RoPE: staged keys
+are copies of the stored post-RoPE keys, so each keeps the rotation of its position; the new
+token's position is the tokens seen, as always; a subset is attended in position order with no
+mask (all staged tokens are older than the new one). The window selectors (uniform, exp) start
+from the prefill's last W - 1 filter queries, sent with their positions at the first Select, so
+their tokens are forced in while they stay in the window (omnikv.md §4.5). With ``offload`` the
+sparse layers' prompt K/V move to the sidecar's host tier at the first Select (``counts`` then
+shows their generated tokens only). ``last_selection`` gives the last step's Select answer per
+filter layer. Not supported with OmniKV: sliding-window layers (the sidecar keeps every token), a
+block of several tokens after decoding began (the prompt the filters choose from is fixed). A
+left-padded row's candidates are its real prompt tokens; a fractional k is taken of N, the padded
+length.
+
 Overlap: the DecodeStep is sent without waiting; its answer is applied when the cache is next
 used (the model computes its logits meanwhile). `sync()` waits for it.
 
 Not supported, with an error naming it: chunked or linear-attention layers (any layer type but
 'full_attention' and 'sliding_attention'), bidirectional attention, cross-attention and
 encoder-decoder models, quantized KV caches, attention implementations other than sdpa and eager,
-right or interior padding, beam search and other cache reordering or cropping, the OmniKV policy
-(it needs Select).
+right or interior padding, beam search and other cache reordering or cropping.
 
 Not thread-safe: one cache is used by one thread at a time.
 """
@@ -107,7 +131,8 @@ except ImportError as e:  # pragma: no cover - only without the extra
     raise ImportError("kvsidecar.hf needs torch and transformers: pip install 'kvsidecar[hf]'"
                       ) from e
 
-from kvsidecar.client import DecodeItem, ReserveItem, Session, attention, model_layout
+from kvsidecar.client import (CallFuture, DecodeItem, ReserveItem, Session, attention,
+                              model_layout)
 from kvsidecar.client import budget as make_budget
 from kvsidecar.client import policy as make_policy
 from kvsidecar.v1 import common_pb2, sidecar_pb2
@@ -253,7 +278,10 @@ def _make_wrapper(original: str) -> Any:
         _pending.call = None
         cache = call[0]
         mask = cache._layer_mask(layer, attention_mask, query, original)
-        cache._take_queries(layer, query, kwargs.get("scaling", getattr(module, "scaling", None)))
+        scale = kwargs.get("scaling", getattr(module, "scaling", None))
+        cache._take_queries(layer, query, scale)
+        if cache._omni is not None:
+            cache._omni.filter_query(cache, layer, query, scale)
         out = fn(module, query, key, value, mask, *args, **kwargs)
         cache._attended(layer)
         return out
@@ -363,6 +391,157 @@ class _Step:
         self.attended = -1                           # last layer whose attention ran
 
 
+def _omnikv_spec(spec: common_pb2.PolicySpec, budget: Union[int, float, None]
+                 ) -> common_pb2.PolicySpec:
+    """The omnikv PolicySpec with the cache's budget as its selection: an int is k
+    (selected_tokens), a float in (0, 1) the fraction of the prompt (selected_fraction), 1.0 or
+    more every prompt token; 0 or None leaves the spec's own (the sidecar's default: 6.7 %)."""
+    out = common_pb2.PolicySpec()
+    out.CopyFrom(spec)
+    out.omnikv.SetInParent()
+    if not budget:
+        return out
+    params = out.omnikv
+    if params.selected_tokens or params.selected_fraction:
+        raise ValueError(
+            f"omnikv: budget={budget!r} and the policy's selected_tokens="
+            f"{params.selected_tokens} / selected_fraction={params.selected_fraction} both set "
+            "how many prompt tokens Select picks; give one")
+    if isinstance(budget, float):
+        params.selected_fraction = min(budget, 1.0)
+    else:
+        params.selected_tokens = int(budget)
+    return out
+
+
+class _OmniKv:
+    """OmniKV's side of a SidecarCache (see the module comment): the layer plan, and per decode
+    step one Select per filter layer for the whole batch, whose staging views the sparse layers
+    of its segment read."""
+
+    def __init__(self) -> None:
+        self.roles: List[str] = []      # per layer: "dense", "filter" or "sparse"
+        self.feeding: List[int] = []    # per layer: the filter layer a sparse layer reads
+        self.prompt_window = 0          # prompt queries a window selector starts from (W - 1)
+        self.prompt_tokens = 0          # N: fixed at the first decode step
+        self.step_id = 0
+        self.pending: Dict[int, CallFuture] = {}
+        # The last decode step's Select answer per filter layer, one item per row.
+        self.selection: Dict[int, List[sidecar_pb2.SelectResponse.Item]] = {}
+        # Window selectors: per filter layer the prefill's last W - 1 queries [B][Hq][w][D],
+        # their positions [w] and which are real tokens ([B][w] bool).
+        self.prompt_queries: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def plan(self, resolved: common_pb2.PolicySpec, num_layers: int) -> None:
+        """Layer roles from the policy the sidecar resolved (omnikv.md §2, PlanOmniKvLayers)."""
+        params = resolved.omnikv
+        filters = list(params.filter_layers)
+        wait = params.wait_layers or 1
+        self.roles = ["dense"] * num_layers
+        self.feeding = [-1] * num_layers
+        for i, f in enumerate(filters):
+            end = filters[i + 1] if i + 1 < len(filters) else num_layers
+            self.roles[f] = "filter"
+            for layer in range(min(end, f + wait + 1), end):
+                self.roles[layer] = "sparse"
+                self.feeding[layer] = f
+        if params.selector in (common_pb2.OmniKvParams.SELECTOR_UNIFORM,
+                               common_pb2.OmniKvParams.SELECTOR_EXP):
+            self.prompt_window = max(0, (params.window or 16) - 1)
+
+    def begin(self, step: "_Step", seen: int) -> None:
+        self.pending = {}
+        if step.decode:
+            if self.prompt_tokens == 0:
+                self.prompt_tokens = seen
+            self.step_id += 1
+            self.selection = {}
+        elif self.prompt_tokens > 0:
+            raise UnsupportedModelError(
+                "the omnikv policy: a block of several tokens after decoding began is not "
+                f"supported (the prompt Select chooses from, {self.prompt_tokens} tokens, was "
+                "fixed at the first decode step); start a new cache")
+
+    def filter_query(self, cache: "SidecarCache", layer: int, query: Any,
+                     scale: Optional[float]) -> None:
+        """At a filter layer's attention: a prefill block keeps the window selectors' prompt
+        queries; a decode step sends the batch's Select for this layer (answered while the
+        filter and wait layers run)."""
+        step = cache._step
+        if step is None or not self.roles or self.roles[layer] != "filter":
+            return
+        if not step.decode:
+            if self.prompt_window:
+                self._keep_prompt_queries(step, layer, query)
+            return
+        current = query.detach().to(device="cpu", dtype=torch.float32).numpy()  # [B][Hq][1][D]
+        prompt = self.prompt_queries.pop(layer, None)
+        items = []
+        for row, seq in enumerate(cache.sequence_ids):
+            q = current[row]
+            positions: Optional[List[int]] = None
+            if prompt is not None:
+                # The first Select starts the window from the prompt's last queries, marked by
+                # their positions (< N): their tokens are then always selected (§4.5).
+                prompt_q, prompt_positions, prompt_real = prompt
+                real = prompt_real[row]
+                q = np.concatenate([prompt_q[row][:, real], q], axis=1)
+                positions = prompt_positions[real].tolist() + [int(step.positions[0])]
+            items.append(sidecar_pb2.SelectRequest.Item(
+                session_id=cache.session.session_id, sequence_id=seq, step_id=self.step_id,
+                prompt_tokens=self.prompt_tokens,
+                attention=attention(q[None], query_positions=positions, softmax_scale=scale,
+                                    layers=[layer])))
+        request = sidecar_pb2.SelectRequest(items=items)
+        self.pending[layer] = CallFuture(
+            cache.session.stub.Select.future(request, timeout=cache.session.timeout))
+
+    def _keep_prompt_queries(self, step: "_Step", layer: int, query: Any) -> None:
+        w = self.prompt_window
+        q = query.detach()[:, :, -w:].to(device="cpu", dtype=torch.float32).numpy().copy()
+        positions = step.positions[-w:]
+        real = (np.ones((q.shape[0], q.shape[2]), bool) if step.real is None
+                else step.real[:, -w:].numpy())
+        held = self.prompt_queries.get(layer)
+        if held is not None:  # a chunked prefill: the window spans the blocks
+            q = np.concatenate([held[0], q], axis=2)[:, :, -w:]
+            positions = np.concatenate([held[1], positions])[-w:]
+            real = np.concatenate([held[2], real], axis=1)[:, -w:]
+        self.prompt_queries[layer] = (q, positions, real)
+
+    def _answer(self, f: int) -> List[sidecar_pb2.SelectResponse.Item]:
+        items = self.selection.get(f)
+        if items is None:
+            future = self.pending.pop(f, None)
+            if future is None:
+                raise RuntimeError(
+                    f"no Select of filter layer {f} at this step (its attention did not go "
+                    "through the kvsidecar wrapper)")
+            items = list(future.result().items)
+            self.selection[f] = items
+        return items
+
+    def stage(self, step: "_Step", layer: int) -> None:
+        """Before a sparse layer's update: what it attends to is its filter's staging view
+        (T_f, then the layer's generated tokens), read from the arena by block table."""
+        if self.roles[layer] != "sparse":
+            return
+        for row, item in enumerate(self._answer(self.feeding[layer])):
+            views = [v for v in item.sparse_layers if v.layer == layer]
+            if not views:
+                raise RuntimeError(f"Select of filter layer {self.feeding[layer]} staged no view "
+                                   f"of its sparse layer {layer}")
+            view = views[0]
+            step.held[row][layer] = int(view.count)
+            step.tables[row][layer] = view.block_table
+
+    def finish(self) -> None:
+        """End of a decode step: every Select answered (errors raised) before the DecodeStep
+        appends the step's token."""
+        for f in list(self.pending):
+            self._answer(f)
+
+
 class SidecarCache(Cache):
     """A transformers Cache backed by a sidecar session (see the module comment).
 
@@ -373,6 +552,8 @@ class SidecarCache(Cache):
         policy: a policy name ("snapkv", "h2o", ...) or a `PolicySpec` (`kvsidecar.policy`).
         budget: tokens per layer (int > 0); or a fraction in (0, 1) of the first block's length
             (the prompt), resolved when it arrives; 0, None or >= 1.0: no budget (the full cache).
+            OmniKV evicts nothing: there the budget is the prompt tokens each filter layer
+            selects per decode step (int: k; fraction: of the prompt; >= 1.0: all of them).
         overlap: send each DecodeStep without waiting for its answer (applied at the next use).
     """
 
@@ -389,13 +570,21 @@ class SidecarCache(Cache):
                 f"not match the model's L={want.num_layers} H={want.num_kv_heads} "
                 f"D={want.head_dim} (attach with kvsidecar.hf.layout_for(model))")
         spec = make_policy(policy) if isinstance(policy, str) else policy
-        if spec is not None and spec.name == "omnikv":
-            raise UnsupportedModelError("the omnikv policy needs Select (sparse layers read a "
-                                        "staging view); SidecarCache does not drive it")
         if budget is not None and not isinstance(budget, (int, float)):
             raise TypeError(f"budget must be an int (tokens) or a float fraction, got {budget!r}")
         if budget is not None and budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
+        # OmniKV never evicts: the budget is how many prompt tokens Select picks per step.
+        self._omni: Optional[_OmniKv] = None
+        if spec is not None and spec.name == "omnikv":
+            if any(layer_windows(model)):
+                raise UnsupportedModelError(
+                    f"{type(_text_config(model)).__name__}: the omnikv policy with "
+                    "sliding-window layers is not supported (OmniKV keeps every token; the "
+                    "sidecar refuses layer_windows on an omnikv sequence)")
+            spec = _omnikv_spec(spec, budget)
+            self._omni = _OmniKv()
+            budget = None
         self._attn_original = install(model)
         if not getattr(model, "_kvsidecar_mask_hook", False):
             model.register_forward_pre_hook(_capture_mask, with_kwargs=True)
@@ -436,8 +625,8 @@ class SidecarCache(Cache):
     def _window(self) -> Optional[int]:
         """Queries sent per prefill block: 0 = none at all (not even at decode steps), None =
         every query of the block, w = the last w."""
-        if self.policy is None:
-            return 0
+        if self.policy is None or self._name == "omnikv":
+            return 0  # OmniKV's queries go to Select (_OmniKv), not to Commit or DecodeStep
         if self.policy.HasField("allocator") and self.policy.allocator.kind in (
                 common_pb2.LAYER_ALLOCATOR_D2O, common_pb2.LAYER_ALLOCATOR_CAKE):
             return None  # the d2o / cake allocators read the prefill queries as d2o / cake do
@@ -514,6 +703,8 @@ class SidecarCache(Cache):
             raise UnsupportedModelError(
                 f"batch of {b} rows; this cache holds {len(self.sequence_ids)} sequences")
         step.next_layer = layer_idx + 1
+        if self._omni is not None and step.decode:
+            self._omni.stage(step, layer_idx)
         new_k = self._store(layer_idx, key_states, 0)
         new_v = self._store(layer_idx, value_states, 1)
         keys, values = self._assemble(layer_idx, new_k, new_v)
@@ -544,6 +735,8 @@ class SidecarCache(Cache):
                     budget=make_budget(self.budget_tokens) if self.budget_tokens > 0 else None,
                     layer_windows=self.sidecar_windows if any(self.sidecar_windows) else None)
                 made.append(resp.sequence_id)
+                if self._omni is not None and len(made) == 1:
+                    self._omni.plan(resp.policy, self.num_layers)
         except Exception:
             for seq in made:
                 self.session.release_sequence(seq)
@@ -570,6 +763,8 @@ class SidecarCache(Cache):
         positions = np.arange(self._seen, self._seen + tokens, dtype=np.int32)
         step = _Step(positions, decode=self._seen > 0 and tokens == 1)
         step.real = self._real_tokens(batch, tokens)
+        if self._omni is not None:
+            self._omni.begin(step, self._seen)
         self._input_mask = None
         if self._seen > 0:
             # A block after held tokens masks a sliding layer's held slots by position.
@@ -807,6 +1002,8 @@ class SidecarCache(Cache):
         every = range(self.num_layers)
         rows_total = len(self.sequence_ids)
         if step.decode:
+            if self._omni is not None:
+                self._omni.finish()
             attns = [self._attention_of(step, row, every) for row in range(rows_total)]
             self.last_attention = attns
             items = [DecodeItem(seq, attention=attn, inline_kv=buf.tobytes())
@@ -909,6 +1106,8 @@ class SidecarCache(Cache):
             session.release_sequence(created.sequence_id)
             raise
         by_layer = sorted(layout.layers, key=lambda e: e.layer)
+        if cache._omni is not None:
+            cache._omni.plan(created.policy, cache.num_layers)
         cache.sequence_ids = [created.sequence_id]
         cache.budget_tokens = int(created.budget.tokens_per_layer)
         cache._seen = int(layout.next_position)
@@ -916,6 +1115,12 @@ class SidecarCache(Cache):
         return cache
 
     # -- state and accounting ----------------------------------------------------------------
+
+    @property
+    def last_selection(self) -> Dict[int, List[sidecar_pb2.SelectResponse.Item]]:
+        """OmniKV: the last decode step's Select answer per filter layer, one item per row
+        (selected positions, staging views of the sparse layers); empty for other policies."""
+        return {} if self._omni is None else dict(self._omni.selection)
 
     @property
     def counts(self) -> List[List[int]]:
@@ -941,6 +1146,8 @@ class SidecarCache(Cache):
             self._seen = 0
             self._padded = False
             self._arena_t = None
+            if self._omni is not None:
+                self._omni = _OmniKv()
             for seq in ids:
                 self.session.release_sequence(seq)
 

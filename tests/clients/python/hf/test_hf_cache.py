@@ -374,8 +374,6 @@ def test_unsupported_models_and_calls_are_named(session):
     with pytest.raises(UnsupportedModelError, match="does not match"):
         SidecarCache(session, bigger)
     model = make_model()
-    with pytest.raises(UnsupportedModelError, match="omnikv"):
-        SidecarCache(session, model, policy="omnikv")
     # Right padding is refused before anything is committed (left padding is served).
     ids = prompts(2, 16)
     mask = torch.ones_like(ids)

@@ -244,3 +244,54 @@ def test_greedy_decodes_every_row_to_its_end_and_stops_at_max_new():
     assert [len(o["tokens"]) for o in out] == [1, 5, 12]
     assert [o["truncated"] for o in out] == [False, False, True]
     assert out[1]["tokens"] == [1, 1, 1, 1, stop_token]
+
+
+def test_omnikv_rows_run_through_select(server):
+    """The harness's OmniKV rows run (they used to be error rows): on a tiny random Llama and a
+    real sidecar, selecting every prompt token decodes what the full cache does, and a quarter
+    selects that many tokens per filter layer at each step while every token stays held."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import engine
+    import kvsidecar as kvs
+    from kvsidecar.hf import blocks_for, layout_for
+
+    cfgs = [c for c in engine.sidecar_configs([0.25, 1.0], ["prefill", "decode"])
+            if c.policy == "omnikv"]
+    assert [(c.protocol, c.budget, c.error) for c in cfgs] == [("decode", 0.25, ""),
+                                                               ("decode", 1.0, "")]
+    assert engine.omnikv_filter_layers(30) == [2, 8, 17]  # SmolLM2
+    assert engine.omnikv_filter_layers(32) == []          # the sidecar's paper default
+    assert engine.omnikv_filter_layers(6) == [0, 2, 3]    # layer 5 is sparse (filter 3)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2)).eval()
+    model.set_attn_implementation("sdpa")
+    prompt, new = 48, 8
+    ids = torch.randint(1, 96, (2, prompt), generator=torch.Generator().manual_seed(1))
+    pre = engine.prefill(model, ids)
+    never = lambda row, toks: False  # noqa: E731
+    full = engine.make_runner(model, None, pre, engine.Config("full", "full", 1.0, "prefill"))
+    ref = engine.greedy(full, pre.logits, new, never)
+    outs = {}
+    with kvs.Client(server.address, timeout=60) as client, \
+            client.attach(layout_for(model), num_blocks=2 * blocks_for(model, 64, 2)) as s:
+        for cfg in cfgs:
+            runner = engine.make_runner(model, s, pre, cfg)
+            try:
+                outs[cfg.budget] = engine.greedy(runner, pre.logits, new, never)
+                kept = runner.kept_fraction(prompt)
+                selection = runner.cache.last_selection
+            finally:
+                runner.close()
+            assert kept == (prompt + new - 1) / prompt  # nothing evicted
+            assert sorted(selection) == [0, 2, 3]
+            k = int(np.ceil(cfg.budget * prompt))
+            for item in selection[3]:
+                assert len(item.filters[0].positions) == k
+                assert [v.layer for v in item.sparse_layers] == [5]
+                assert item.host_bytes > 0  # the sparse layer's prompt went to the host tier
+    assert [o["tokens"] for o in outs[1.0]] == [o["tokens"] for o in ref]
