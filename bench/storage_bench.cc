@@ -5,9 +5,17 @@
 // time / operation time, same run) go to bench/README.md. The spill/restore loops run after one
 // untimed round (steady state: spill buffers mapped, cache/spill_buffers.h); BM_SpillHostCold
 // spills with no idle buffer. Run: build/bench/storage_bench (fixed iterations).
+//
+// On a GPU (KVS_BENCH_BACKEND=cuda): the pool's arena is device memory and the spill buffers are
+// page-locked as the server makes them (cache/spill_buffers.h, Backend::PinHostMemory); the limit
+// is then the device copy itself, measured here too: BM_ArenaRead256MiB / BM_ArenaWrite256MiB
+// copy 256 MiB between a device arena and page-locked host memory in one cudaMemcpy
+// (Arena::Read/Write), and the _Pageable variants the same from plain host memory.
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -20,6 +28,7 @@
 #include "cache/pool.h"
 #include "cache/spill_buffers.h"
 #include "gpu/backend.h"
+#include "gpu/backend_factory.h"
 #include "storage/tier_manager.h"
 
 namespace kvs {
@@ -35,12 +44,30 @@ std::string BenchDir() {
   return dir;
 }
 
+// The backend KVS_BENCH_BACKEND names (cpu when unset), with the spill buffers pinned for it as
+// the server pins them.
+std::unique_ptr<Backend> MakeBenchBackend() {
+  const char* name = std::getenv("KVS_BENCH_BACKEND");
+  const std::string chosen = name != nullptr ? name : "cpu";
+  absl::StatusOr<std::unique_ptr<Backend>> made =
+      MakeBackend(chosen == "cuda" ? BackendKind::kCuda : BackendKind::kCpu, 2);
+  if (!made.ok()) {
+    std::fprintf(stderr, "backend %s: %s\n", chosen.c_str(), made.status().ToString().c_str());
+    std::exit(1);
+  }
+  Backend* b = made->get();
+  SpillBuffers::Default().SetPinner(
+      {[b](void* p, size_t bytes) { return b->PinHostMemory(p, bytes); },
+       [b](void* p) { b->UnpinHostMemory(p); }});
+  return *std::move(made);
+}
+
 // One pool with tiers and one 256 MiB sequence, built once.
 struct Fixture {
   Fixture() {
     std::filesystem::remove_all(BenchDir() + "/rocksdb");
     tiers = storage::TierManager::Open({uint64_t{1} << 30, BenchDir() + "/rocksdb", 0});
-    backend = MakeCpuBackend(2);
+    backend = MakeBenchBackend();
     PoolOptions options;
     options.arena_capacity_bytes = uint64_t{1} << 30;
     options.arena_options.name_prefix = "kvs-storage-bench";
@@ -96,6 +123,31 @@ void BM_Memcpy256MiB(benchmark::State& state) {
   }
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kBytes));
 }
+
+// 256 MiB between the pool's backend's arena and host memory in one Arena::Read or Write: on the
+// CUDA backend one cudaMemcpy, from page-locked memory (pinned) or plain memory.
+void ArenaCopy(benchmark::State& state, bool to_host, bool pinned) {
+  Fixture& f = Shared();
+  absl::StatusOr<std::unique_ptr<Arena>> arena = f.backend->CreateArena(kBytes, {});
+  if (!arena.ok()) {
+    state.SkipWithError(arena.status().ToString().c_str());
+    return;
+  }
+  std::vector<uint8_t> host(kBytes, 3);
+  const bool locked = pinned && f.backend->PinHostMemory(host.data(), host.size());
+  if (pinned && !locked) state.SetLabel("not pinned (this backend pins nothing)");
+  for (auto _ : state) {
+    const absl::Status copied = to_host ? (*arena)->Read(0, host.data(), kBytes)
+                                        : (*arena)->Write(0, host.data(), kBytes);
+    if (!copied.ok()) state.SkipWithError(copied.ToString().c_str());
+  }
+  if (locked) f.backend->UnpinHostMemory(host.data());
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kBytes));
+}
+void BM_ArenaRead256MiB(benchmark::State& state) { ArenaCopy(state, true, true); }
+void BM_ArenaWrite256MiB(benchmark::State& state) { ArenaCopy(state, false, true); }
+void BM_ArenaRead256MiB_Pageable(benchmark::State& state) { ArenaCopy(state, true, false); }
+void BM_ArenaWrite256MiB_Pageable(benchmark::State& state) { ArenaCopy(state, false, false); }
 
 void BM_WriteFdatasync256MiB(benchmark::State& state) {
   std::vector<uint8_t> data(kBytes, 7);
@@ -161,6 +213,13 @@ void BM_SpillDisk(benchmark::State& state) { SpillRestore(state, StorageTier::kD
 void BM_RestoreDisk(benchmark::State& state) { SpillRestore(state, StorageTier::kDisk, false); }
 
 BENCHMARK(BM_Memcpy256MiB)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
+BENCHMARK(BM_ArenaRead256MiB)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
+BENCHMARK(BM_ArenaWrite256MiB)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
+BENCHMARK(BM_ArenaRead256MiB_Pageable)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
+BENCHMARK(BM_ArenaWrite256MiB_Pageable)
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(5)
+    ->UseRealTime();
 BENCHMARK(BM_WriteFdatasync256MiB)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
 BENCHMARK(BM_SpillHost)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
 BENCHMARK(BM_RestoreHost)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();

@@ -9,13 +9,23 @@
 // buffers under 64 KiB, are freed at once. Header-only so that cache/ (which fills the buffers)
 // and storage/ (which stores and frees them) share one instance without a link dependency.
 //
-// Threading: thread-safe (one internal mutex around the idle list; no copying under it).
+// Page-locked on a device: with a pinner installed (SetPinner: the CUDA backend's
+// Backend::PinHostMemory, by the server at start), every new buffer of at least kMinPinBytes is
+// page-locked once when it is made, so that the device <-> host copies of a spill or restore run
+// at the bus's speed (a pageable copy goes through the driver's own staging buffers), and stays
+// so while it is recycled. A pinned buffer is unpinned before it is freed: every way a buffer
+// leaves for good goes through Give (a SpilledSequence's destructor gives its layers back, see
+// cache/tier.h), which unpins what it frees.
+//
+// Threading: thread-safe (one internal mutex around the idle list and the pinned set; no
+// copying, pinning or unpinning under it).
 #ifndef KVSIDECAR_CACHE_SPILL_BUFFERS_H_
 #define KVSIDECAR_CACHE_SPILL_BUFFERS_H_
 
 #include <sys/mman.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -23,6 +33,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "cache/tier.h"
 
@@ -31,11 +42,46 @@ namespace kvs {
 class SpillBuffers {
  public:
   static constexpr size_t kMinBytes = size_t{64} << 10;
+  // Smaller buffers are not worth a registration with the driver (it costs about a page walk).
+  static constexpr size_t kMinPinBytes = size_t{1} << 20;
+
+  // Page-locks [p, p + bytes) for the device (false: not pinned, the buffer works anyway), and
+  // undoes it.
+  struct Pinner {
+    std::function<bool(void* p, size_t bytes)> pin;
+    std::function<void(void* p)> unpin;
+  };
 
   // The one instance of the process (never destroyed: buffers may come back during exit).
   static SpillBuffers& Default() {
-    static SpillBuffers* const instance = new SpillBuffers();
+    static SpillBuffers* const instance = [] {
+      auto* buffers = new SpillBuffers();
+      SetSpilledLayersRecycler(
+          [](std::vector<std::string>&& layers) { Default().Give(std::move(layers)); });
+      return buffers;
+    }();
     return *instance;
+  }
+
+  // Installs `pinner` for the buffers made from now on; each pinned buffer is unpinned by the
+  // pinner that pinned it. Clearing it (null functions) also forgets every buffer pinned so far:
+  // they stay page-locked until the process exits. The server clears it at shutdown, before its
+  // backend goes, so that no buffer that comes back later reaches a destroyed backend.
+  void SetPinner(Pinner pinner) {
+    absl::MutexLock lock(&mu_);
+    if (pinner.pin && pinner.unpin) {
+      pinner_ = std::make_shared<const Pinner>(std::move(pinner));
+    } else {
+      pinner_ = nullptr;
+      pinned_.clear();
+    }
+  }
+  // Bytes of the buffers alive now that were page-locked when made.
+  size_t pinned_bytes() const {
+    absl::MutexLock lock(&mu_);
+    size_t total = 0;
+    for (const auto& [p, pinned] : pinned_) total += pinned.bytes;
+    return total;
   }
 
   // A buffer of exactly `bytes` bytes whose contents are unspecified (the caller overwrites them
@@ -55,8 +101,10 @@ class SpillBuffers {
       }
     }
     if (out.capacity() < bytes) {
+      if (out.capacity() > 0) Unpin(out.data());  // reserve() frees the old allocation
       out.reserve(bytes);
       AdviseHugePages(out.data(), bytes);
+      Pin(out);
     }
     // Shrinking writes nothing; growing zero-fills only the tail beyond the buffer's last size
     // (nothing when a buffer of the same size comes back, the steady state).
@@ -68,10 +116,15 @@ class SpillBuffers {
   void Give(std::string buffer) {
     const size_t capacity = buffer.capacity();
     if (capacity < kMinBytes) return;
-    absl::MutexLock lock(&mu_);
-    if (idle_bytes_ + capacity > max_idle_bytes_) return;  // freed outside the lock, on return
-    idle_bytes_ += capacity;
-    idle_.emplace(capacity, std::move(buffer));
+    {
+      absl::MutexLock lock(&mu_);
+      if (idle_bytes_ + capacity <= max_idle_bytes_) {
+        idle_bytes_ += capacity;
+        idle_.emplace(capacity, std::move(buffer));
+        return;
+      }
+    }
+    Unpin(buffer.data());  // then freed on return
   }
   void Give(std::vector<std::string> buffers) {
     for (std::string& buffer : buffers) Give(std::move(buffer));
@@ -99,13 +152,16 @@ class SpillBuffers {
   // Frees idle buffers beyond the new bound.
   void SetMaxIdleBytes(size_t bytes) {
     std::multimap<size_t, std::string> freed;
-    absl::MutexLock lock(&mu_);
-    max_idle_bytes_ = bytes;
-    while (idle_bytes_ > max_idle_bytes_ && !idle_.empty()) {
-      auto largest = std::prev(idle_.end());
-      idle_bytes_ -= largest->first;
-      freed.insert(idle_.extract(largest));
+    {
+      absl::MutexLock lock(&mu_);
+      max_idle_bytes_ = bytes;
+      while (idle_bytes_ > max_idle_bytes_ && !idle_.empty()) {
+        auto largest = std::prev(idle_.end());
+        idle_bytes_ -= largest->first;
+        freed.insert(idle_.extract(largest));
+      }
     }
+    for (auto& [capacity, buffer] : freed) Unpin(buffer.data());
   }
 
  private:
@@ -120,7 +176,39 @@ class SpillBuffers {
     if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
   }
 
+  // Page-locks a new buffer when a pinner is installed and the buffer is large enough.
+  void Pin(std::string& buffer) {
+    if (buffer.capacity() < kMinPinBytes) return;
+    std::shared_ptr<const Pinner> pinner;
+    {
+      absl::MutexLock lock(&mu_);
+      pinner = pinner_;
+    }
+    if (pinner == nullptr || !pinner->pin(buffer.data(), buffer.capacity())) return;
+    absl::MutexLock lock(&mu_);
+    pinned_[buffer.data()] = Pinned{buffer.capacity(), std::move(pinner)};
+  }
+  // Undoes Pin for the buffer at `data` (nothing if it was not pinned) before it is freed.
+  void Unpin(const char* data) {
+    std::shared_ptr<const Pinner> pinner;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = pinned_.find(data);
+      if (it == pinned_.end()) return;
+      pinner = std::move(it->second.pinner);
+      pinned_.erase(it);
+    }
+    pinner->unpin(const_cast<char*>(data));
+  }
+
+  struct Pinned {
+    size_t bytes = 0;
+    std::shared_ptr<const Pinner> pinner;  // the one that pinned it
+  };
+
   mutable absl::Mutex mu_;
+  std::shared_ptr<const Pinner> pinner_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<const char*, Pinned> pinned_ ABSL_GUARDED_BY(mu_);
   std::multimap<size_t, std::string> idle_ ABSL_GUARDED_BY(mu_);  // by capacity
   size_t idle_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t max_idle_bytes_ ABSL_GUARDED_BY(mu_) = size_t{512} << 20;

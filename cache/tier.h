@@ -16,6 +16,7 @@
 #ifndef KVSIDECAR_CACHE_TIER_H_
 #define KVSIDECAR_CACHE_TIER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -53,10 +54,54 @@ struct SpillKey {
   }
 };
 
+// Where the layer buffers of a SpilledSequence go when it is destroyed: cache/spill_buffers.h
+// installs its pool, which recycles them and unpins a page-locked buffer before freeing it. Null
+// (the default): they are freed.
+using SpilledLayersRecycler = void (*)(std::vector<std::string>&& layers);
+inline std::atomic<SpilledLayersRecycler>& SpilledLayersRecyclerSlot() {
+  static std::atomic<SpilledLayersRecycler> slot{nullptr};
+  return slot;
+}
+inline void SetSpilledLayersRecycler(SpilledLayersRecycler recycler) {
+  SpilledLayersRecyclerSlot().store(recycler);
+}
+
 // The bytes of one spilled sequence.
 struct SpilledSequence {
+  SpilledSequence() = default;
+  SpilledSequence(std::string meta, std::vector<std::string> layers)
+      : meta(std::move(meta)), layers(std::move(layers)) {}
+  SpilledSequence(const SpilledSequence&) = default;
+  SpilledSequence(SpilledSequence&&) = default;
+  SpilledSequence& operator=(const SpilledSequence& other) {
+    if (this != &other) {
+      Recycle();
+      meta = other.meta;
+      layers = other.layers;
+    }
+    return *this;
+  }
+  SpilledSequence& operator=(SpilledSequence&& other) {
+    if (this != &other) {
+      Recycle();
+      meta = std::move(other.meta);
+      layers = std::move(other.layers);
+    }
+    return *this;
+  }
+  ~SpilledSequence() { Recycle(); }
+
   std::string meta;                 // EncodeSnapshot(...) of the sequence's full state
   std::vector<std::string> layers;  // per layer: its blocks' bytes, whole, in table order
+
+  // Hands the layer buffers to the recycler (see above); `layers` is left empty.
+  void Recycle() {
+    if (layers.empty()) return;
+    if (SpilledLayersRecycler recycler = SpilledLayersRecyclerSlot().load()) {
+      recycler(std::move(layers));
+    }
+    layers.clear();
+  }
 
   uint64_t bytes() const {
     uint64_t total = meta.size();

@@ -292,6 +292,14 @@ class Backend {
   // INVALID_ARGUMENT naming the job index and field for malformed jobs; nothing is written then.
   virtual absl::Status FindNonFinite(absl::Span<const FiniteCheckJob> jobs, Stream stream) = 0;
   virtual absl::Status Synchronize(Stream stream) = 0;
+
+  // Page-locks [p, p + bytes) of host memory so that copies between it and this backend's arenas
+  // (Arena::Read/Write) run at the bus's speed and its kernels may reach it (CUDA:
+  // cudaHostRegister). False where nothing needs pinning (host backends) or the driver refused:
+  // the memory works either way, only slower. A pinned range is unpinned (UnpinHostMemory with
+  // the same p) before it is freed. The spill buffers use it (cache/spill_buffers.h).
+  virtual bool PinHostMemory(void* p, uint64_t bytes) { return false; }
+  virtual void UnpinHostMemory(void* p) {}
 };
 
 // The always-available reference backend. `num_threads` <= 0 picks the hardware concurrency.

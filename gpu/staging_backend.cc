@@ -166,6 +166,8 @@ class StagingBackend final : public Backend {
   }
 
   absl::Status Synchronize(Stream stream) override { return device_->Synchronize(stream); }
+  bool PinHostMemory(void* p, uint64_t bytes) override { return device_->PinHostMemory(p, bytes); }
+  void UnpinHostMemory(void* p) override { device_->UnpinHostMemory(p); }
 
   absl::Status KeyDiffScores(absl::Span<const KeyDiffScoreJob> jobs, Stream stream) override {
     Stager stager(*memory_);

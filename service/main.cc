@@ -19,6 +19,7 @@
 #include <set>
 #include <string>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -36,6 +37,7 @@
 #include "absl/time/time.h"
 #include "cache/clock.h"
 #include "cache/pool.h"
+#include "cache/spill_buffers.h"
 #include "gpu/backend.h"
 #include "gpu/backend_factory.h"
 #include "gpu/cpu/shm_arena.h"
@@ -386,6 +388,13 @@ int main(int argc, char** argv) {
     }
   }
   std::unique_ptr<kvs::Backend> backend = *std::move(made_backend);
+  // Spill buffers page-locked for the device (the CUDA backend; nothing on the others), so that
+  // a spill or restore between the arena and the host tier runs at the bus's speed. The pinner
+  // is cleared before the backend goes (this guard is destroyed first).
+  kvs::SpillBuffers::Default().SetPinner(
+      {[b = backend.get()](void* p, size_t bytes) { return b->PinHostMemory(p, bytes); },
+       [b = backend.get()](void* p) { b->UnpinHostMemory(p); }});
+  absl::Cleanup forget_pinner = [] { kvs::SpillBuffers::Default().SetPinner({}); };
   kvs::RealClock clock;
   kvs::KvPool pool(backend.get(), &clock, *pool_options);
   pool.SetTierUsageFn([tiers = tiers.get()](std::string_view tenant, bool host) {

@@ -43,6 +43,7 @@ PROGRAMS = {
     "kvs_demo": "clients/cpp/kvs_demo",
     "cuda_bench": "bench/cuda_bench",
     "service_bench": "bench/service_bench",
+    "storage_bench": "bench/storage_bench",
 }
 # Test programs selected besides the /cuda runs: --backend=auto and cuda selection.
 EXTRA_TESTS = ("e2e_backend_test",)

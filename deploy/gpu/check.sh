@@ -22,12 +22,14 @@
 #      (bench/gpu/torch_compress_bench.py)
 #   6. DecodeStep, 64 sequences x 32 layers: p50/p99 on --backend=cuda and on --backend=cpu
 #      (service_bench BM_DecodeStep)
+#   7. spill and restore of a 256 MiB sequence between the CUDA arena and the host tier, against
+#      cudaMemcpy from page-locked memory in the same run (storage_bench, KVS_BENCH_BACKEND=cuda)
 # $OUT gets at most 8 files: summary.md (step status + figures), env.txt, tests.log,
-# failures.log, python.log, cuda_bench.log, torch_bench.log, decode.log.
+# failures.log, python.log, cuda_bench.log, torch_bench.log, decode.log (DecodeStep and spill).
 #   deploy/gpu/check.sh [BUNDLE_ARCHIVE]     (default .gpu/kvs-gpu-bundle.tar.xz; OUT defaults
 #                                             to .gpu/out when unset)
 # A rerun of some steps only: KVS_CHECK_ONLY=tests,python (keys: machine tests suites python
-# cuda_bench torch decode), e.g. run(command="KVS_CHECK_ONLY=suites bash deploy/gpu/check.sh", ...).
+# cuda_bench torch decode spill), e.g. run(command="KVS_CHECK_ONLY=suites bash deploy/gpu/check.sh", ...).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 archive=${1:-$root/.gpu/kvs-gpu-bundle.tar.xz}
@@ -39,7 +41,7 @@ begin=$SECONDS
 declare -a steps=()
 
 left() { echo $((budget - (SECONDS - begin))); }
-only=",${KVS_CHECK_ONLY:-machine,tests,suites,python,cuda_bench,torch,decode},"
+only=",${KVS_CHECK_ONLY:-machine,tests,suites,python,cuda_bench,torch,decode,spill},"
 want() { [[ $only == *",$1,"* ]]; }
 # step NAME LIMIT_S LOG CMD...: runs CMD with its output appended to LOG, killed after
 # min(LIMIT_S, time left - 5 s); records the result line for summary.md.
@@ -194,6 +196,19 @@ decode() {
 }
 export -f decode
 want decode && step "DecodeStep 64x32" 70 "$out/decode.log" decode
+
+# --- 7. spill and restore, GPU <-> host tier ----------------------------------------------------------
+spill() {
+  # The pool's spill/restore of one 256 MiB sequence between the CUDA arena and the host tier
+  # (page-locked spill buffers), next to one cudaMemcpy of 256 MiB from page-locked and from plain
+  # host memory (Arena::Read/Write).
+  LD_LIBRARY_PATH=$ld_path KVS_BENCH_BACKEND=cuda stdbuf -oL "$bin/bench/storage_bench" \
+    --benchmark_filter='Arena|SpillHost|RestoreHost' \
+    --benchmark_out="$work/spill.json" --benchmark_out_format=json || return 1
+  ! grep -q '"error_occurred": true' "$work/spill.json"
+}
+export -f spill
+want spill && step "spill/restore GPU<->host" 60 "$out/decode.log" spill
 
 # --- summary ---------------------------------------------------------------------------------------
 {

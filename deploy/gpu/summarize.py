@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The figures table of deploy/gpu/check.sh: reads the JSON the steps left in WORK_DIR
-(cuda_bench.json, torch_bench.json, decode_cuda.json, decode_cpu.json, arena.json) and prints
+(cuda_bench.json, torch_bench.json, decode_cuda.json, decode_cpu.json, spill.json, arena.json) and prints
 markdown. A missing file prints a line saying the step left no figures.
 
   summarize.py WORK_DIR
@@ -89,6 +89,34 @@ def main():
     print("|---|---|---|---|---|")
     print("\n".join(rows))
     print()
+
+    print("## Spill and restore of 256 MiB, CUDA arena <-> host tier (storage_bench)\n")
+    spill = benchmarks(load(work / "spill.json"))
+    if not spill:
+        print("storage_bench left no figures (see decode.log)\n")
+    else:
+        def seconds(name):
+            b = spill.get(name)
+            if b is None or b.get("error_occurred"):
+                return None
+            scale = {"ms": 1e-3, "us": 1e-6, "ns": 1e-9, "s": 1.0}[b["time_unit"]]
+            return b["real_time"] * scale
+
+        print("| operation | time | GB/s | limit (same run) | of limit |")
+        print("|---|---|---|---|---|")
+        for name, limit in (("BM_SpillHost", "BM_ArenaRead256MiB"),
+                            ("BM_RestoreHost", "BM_ArenaWrite256MiB"),
+                            ("BM_ArenaRead256MiB_Pageable", "BM_ArenaRead256MiB"),
+                            ("BM_ArenaWrite256MiB_Pageable", "BM_ArenaWrite256MiB")):
+            t, lim = seconds(name), seconds(limit)
+            if t is None:
+                print(f"| {name} | — | — | {limit} | |")
+                continue
+            ratio = f"{lim / t:.2f}" if lim else "—"
+            print(f"| {name} | {t * 1e3:.2f} ms | {(256 << 20) / t / 1e9:.1f} | {limit} "
+                  f"({(256 << 20) / lim / 1e9:.1f} GB/s) | {ratio} |" if lim else
+                  f"| {name} | {t * 1e3:.2f} ms | {(256 << 20) / t / 1e9:.1f} | — | — |")
+        print()
 
     arena = load(work / "arena.json")
     print("## Python CudaArena (torch views over CUDA IPC)\n")

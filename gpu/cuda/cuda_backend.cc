@@ -577,6 +577,21 @@ class CudaBackend final : public Backend {
     return Launched(cudaStreamSynchronize(ToStream(stream)), "cudaStreamSynchronize");
   }
 
+  // cudaHostRegisterPortable: the pages are locked for every context of the process, so a copy
+  // issued on any thread's device context runs at the bus's speed.
+  bool PinHostMemory(void* p, uint64_t bytes) override {
+    if (p == nullptr || bytes == 0 || !Enter().ok()) return false;
+    if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) != cudaSuccess) {
+      cudaGetLastError();  // not sticky: the memory is simply not pinned
+      return false;
+    }
+    return true;
+  }
+  void UnpinHostMemory(void* p) override {
+    if (p == nullptr || !Enter().ok()) return;
+    if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+  }
+
  private:
   static cudaStream_t ToStream(Stream stream) { return static_cast<cudaStream_t>(stream); }
 

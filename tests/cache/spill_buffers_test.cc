@@ -3,6 +3,7 @@
 // back when its last reference goes.
 #include "cache/spill_buffers.h"
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -69,6 +70,85 @@ TEST_F(SpillBuffersTest, SharedCopiesGiveTheirLayersBackWhenTheLastReferenceGoes
   reader.reset();
   EXPECT_GE(buffers().idle_bytes(), 2 * kMiB);
   EXPECT_LT(buffers().idle_bytes(), 3 * kMiB) << "the 10-byte layer is not kept";
+}
+
+TEST_F(SpillBuffersTest, ASpilledSequenceGivesItsLayersBackWhenDestroyed) {
+  {
+    SpilledSequence data;
+    data.layers.push_back(buffers().Take(2 * kMiB));
+    SpilledSequence moved = std::move(data);  // the buffer follows the move, once
+    EXPECT_EQ(buffers().idle_bytes(), 0u);
+  }
+  EXPECT_GE(buffers().idle_bytes(), 2 * kMiB);
+  // Assigning over a sequence gives the buffers it held back too.
+  SpilledSequence held;
+  held.layers.push_back(buffers().Take(2 * kMiB));
+  EXPECT_EQ(buffers().idle_bytes(), 0u);
+  held = SpilledSequence("meta", {});
+  EXPECT_GE(buffers().idle_bytes(), 2 * kMiB);
+}
+
+// A pinner that records what is page-locked; every pinned buffer must be unpinned before it is
+// freed (a freed range still registered with the driver leaks its pages and refuses the next
+// registration of that address).
+class RecordingPinner {
+ public:
+  SpillBuffers::Pinner Make() {
+    return {[this](void* p, size_t bytes) {
+              locked_[p] = bytes;
+              ++pins_;
+              return true;
+            },
+            [this](void* p) {
+              EXPECT_EQ(locked_.erase(p), 1u) << "unpinned a buffer that was not pinned";
+            }};
+  }
+  size_t locked() const { return locked_.size(); }
+  int pins() const { return pins_; }
+
+ private:
+  std::map<void*, size_t> locked_;
+  int pins_ = 0;
+};
+
+TEST_F(SpillBuffersTest, PinnedBuffersStayPinnedWhileRecycledAndAreUnpinnedBeforeFreed) {
+  RecordingPinner pinner;
+  buffers().SetPinner(pinner.Make());
+  std::string big = buffers().Take(2 * kMiB);
+  std::string small = buffers().Take(128 << 10);  // under kMinPinBytes: not pinned
+  EXPECT_EQ(pinner.locked(), 1u);
+  EXPECT_EQ(buffers().pinned_bytes(), big.capacity());
+  const char* address = big.data();
+  // Recycled: it comes back pinned, and is not pinned again.
+  {
+    SpilledSequence data;
+    data.layers.push_back(std::move(big));
+    data.layers.push_back(std::move(small));
+  }
+  std::string again = buffers().Take(2 * kMiB);
+  EXPECT_EQ(again.data(), address);
+  EXPECT_EQ(pinner.pins(), 1);
+  // Beyond the idle bound: unpinned, then freed.
+  buffers().SetMaxIdleBytes(0);
+  buffers().Give(std::move(again));
+  EXPECT_EQ(pinner.locked(), 0u);
+  EXPECT_EQ(buffers().pinned_bytes(), 0u);
+  // Idle buffers freed by a smaller bound are unpinned too.
+  buffers().SetMaxIdleBytes(8 * kMiB);
+  buffers().Give(buffers().Take(3 * kMiB));
+  EXPECT_EQ(pinner.locked(), 1u);
+  buffers().SetMaxIdleBytes(0);
+  EXPECT_EQ(pinner.locked(), 0u);
+  // Cleared: buffers made from now on are not pinned, and nothing reaches the old pinner.
+  buffers().SetMaxIdleBytes(8 * kMiB);
+  buffers().Give(buffers().Take(2 * kMiB));
+  EXPECT_EQ(pinner.locked(), 1u);
+  buffers().SetPinner({});
+  buffers().SetMaxIdleBytes(0);  // frees the buffer the cleared pinner pinned, without a call
+  buffers().SetMaxIdleBytes(8 * kMiB);
+  std::string plain = buffers().Take(2 * kMiB);
+  EXPECT_EQ(pinner.pins(), 3);
+  EXPECT_EQ(buffers().pinned_bytes(), 0u);
 }
 
 }  // namespace
