@@ -29,11 +29,11 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "cache/tier.h"
 
@@ -208,7 +208,7 @@ class SpillBuffers {
 
   mutable absl::Mutex mu_;
   std::shared_ptr<const Pinner> pinner_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<const char*, Pinned> pinned_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<const char*, Pinned> pinned_ ABSL_GUARDED_BY(mu_);
   std::multimap<size_t, std::string> idle_ ABSL_GUARDED_BY(mu_);  // by capacity
   size_t idle_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t max_idle_bytes_ ABSL_GUARDED_BY(mu_) = size_t{512} << 20;
