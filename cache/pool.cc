@@ -619,9 +619,9 @@ CommitBatchResult KvPool::CommitBatch(absl::Span<const CommitItem> items,
   BatchSessions batch;
   for (const SessionRef& session : found) batch.Add(session.session_);
   size_t failed = 0;
-  if (absl::Status found = batch.Find(*sessions_, items, &failed); !found.ok()) {
+  if (absl::Status looked_up = batch.Find(*sessions_, items, &failed); !looked_up.ok()) {
     out.failed = static_cast<int32_t>(failed);
-    out.status = found;
+    out.status = looked_up;
     return out;
   }
   // Locked together, in id order as DecodeStep does, so that what is checked is what commits.
@@ -797,8 +797,10 @@ absl::Status CheckSelectItemsLocked(const BatchSessions& batch, absl::Span<const
 
 }  // namespace
 
-absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const DecodeItem> items) {
+absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const DecodeItem> items,
+                                                              absl::Span<const SessionRef> found) {
   BatchSessions batch;
+  for (const SessionRef& session : found) batch.Add(session.session_);
   size_t failed = 0;
   if (absl::Status found = batch.Find(*sessions_, items, &failed); !found.ok()) {
     return ItemError(failed, found);
@@ -817,8 +819,10 @@ absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const De
   return results;
 }
 
-absl::StatusOr<std::vector<SelectResult>> KvPool::Select(absl::Span<const SelectItem> items) {
+absl::StatusOr<std::vector<SelectResult>> KvPool::Select(absl::Span<const SelectItem> items,
+                                                          absl::Span<const SessionRef> found) {
   BatchSessions batch;
+  for (const SessionRef& session : found) batch.Add(session.session_);
   size_t failed = 0;
   if (absl::Status found = batch.Find(*sessions_, items, &failed); !found.ok()) {
     return ItemError(failed, found);

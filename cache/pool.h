@@ -154,8 +154,9 @@ class KvPool {
   // run side by side on PoolOptions::decode_threads threads, with every session of the batch
   // locked for the whole step. Results in item order. An item that fails while running (arena
   // exhausted, backend error) fails the call with the lowest such item's error; the other items
-  // have run.
-  absl::StatusOr<std::vector<DecodeResult>> DecodeStep(absl::Span<const DecodeItem> items);
+  // have run. `found`: as for CommitBatch.
+  absl::StatusOr<std::vector<DecodeResult>> DecodeStep(absl::Span<const DecodeItem> items,
+                                                       absl::Span<const SessionRef> found = {});
 
   // OmniKV: per item, the top-k prompt tokens of each listed filter layer and their K/V gathered
   // (host tier or arena -> staging blocks in the arena) for every sparse layer of its segment.
@@ -166,7 +167,9 @@ class KvPool {
   // threads with the results of running them in order (RunSelects, cache/sequence_kind.h); the
   // lowest item that fails while running (arena or host tier full) fails the call with its error,
   // earlier items having run. FAILED_PRECONDITION for a sequence whose policy is not omnikv.
-  absl::StatusOr<std::vector<SelectResult>> Select(absl::Span<const SelectItem> items);
+  // `found`: as for CommitBatch.
+  absl::StatusOr<std::vector<SelectResult>> Select(absl::Span<const SelectItem> items,
+                                                   absl::Span<const SessionRef> found = {});
 
   // The tokens a retain_evicted sequence evicted, per (layer in `layers` (empty = all), kv head),
   // in eviction order. FAILED_PRECONDITION for a sequence created without retain_evicted.

@@ -162,6 +162,7 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
     // The sessions sending attention (their layout sizes it), looked up once each; the pool
     // uses these and looks up only the others.
     absl::flat_hash_map<std::string, SessionRef> layouts;
+    std::vector<SessionRef> found;  // the same, in the order the items first name them
     std::vector<std::optional<AttentionInput>> attention(n);
     std::vector<CommitItem> items(n);
     for (int i = 0; i < n; ++i) {
@@ -173,6 +174,7 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
         if (known == layouts.end()) {
           absl::StatusOr<SessionRef> session = pool_->FindSession(item.session_id());
           KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
+          found.push_back(*session);
           known = layouts.emplace(item.session_id(), *std::move(session)).first;
         }
         KVS_ASSIGN_OR_RETURN(attention[i],
@@ -183,9 +185,6 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
                             item.compress_if_over_budget(),
                             attention[i].has_value() ? &*attention[i] : nullptr};
     }
-    std::vector<SessionRef> found;
-    found.reserve(layouts.size());
-    for (const auto& [id, session] : layouts) found.push_back(session);
     CommitBatchResult done = pool_->CommitBatch(items, found);
     for (const CommitResult& result : done.results) {
       CommitResultToProto(result, response->add_responses());
@@ -207,11 +206,13 @@ grpc::ServerUnaryReactor* SidecarService::DecodeStep(grpc::CallbackServerContext
                                                      v1::DecodeStepResponse* response) {
   return RunUnary(context, "DecodeStep", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
-    KVS_ASSIGN_OR_RETURN(std::vector<DecodeItem> items,
-                         ItemsFromProto(request->items(), *pool_, &DecodeItemFromProto));
+    std::vector<SessionRef> sessions;  // looked up once here; the pool uses them as they are
+    KVS_ASSIGN_OR_RETURN(
+        std::vector<DecodeItem> items,
+        ItemsFromProto(request->items(), *pool_, &DecodeItemFromProto, &sessions));
     // The pool validates every item again (reservations, positions, attention sizes) before it
     // changes anything, and prefixes its errors with "items[i]: ".
-    KVS_ASSIGN_OR_RETURN(std::vector<DecodeResult> results, pool_->DecodeStep(items));
+    KVS_ASSIGN_OR_RETURN(std::vector<DecodeResult> results, pool_->DecodeStep(items, sessions));
     if (results.size() != items.size()) {
       return absl::InternalError(absl::StrCat("DecodeStep: the pool returned ", results.size(),
                                               " results for ", items.size(), " items"));

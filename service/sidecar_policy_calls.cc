@@ -198,9 +198,11 @@ grpc::ServerUnaryReactor* SidecarService::Select(grpc::CallbackServerContext* co
                                                  v1::SelectResponse* response) {
   return RunUnary(context, "Select", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
-    KVS_ASSIGN_OR_RETURN(std::vector<SelectItem> items,
-                         ItemsFromProto(request->items(), *pool_, &SelectItemFromProto));
-    KVS_ASSIGN_OR_RETURN(std::vector<SelectResult> results, pool_->Select(items));
+    std::vector<SessionRef> sessions;  // looked up once here; the pool uses them as they are
+    KVS_ASSIGN_OR_RETURN(
+        std::vector<SelectItem> items,
+        ItemsFromProto(request->items(), *pool_, &SelectItemFromProto, &sessions));
+    KVS_ASSIGN_OR_RETURN(std::vector<SelectResult> results, pool_->Select(items, sessions));
     for (const SelectResult& result : results) SelectResultToProto(result, response->add_items());
     return absl::OkStatus();
   });

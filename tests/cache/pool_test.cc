@@ -522,6 +522,16 @@ TEST_F(PoolTest, SessionRefCallsAndASessionEndedAfterTheLookup) {
               StatusIs(absl::StatusCode::kNotFound, gone));
   EXPECT_THAT(pool_.pool.Score(*ref, seq_, ScoreParams{}).status(),
               StatusIs(absl::StatusCode::kNotFound, gone));
+  DecodeItem decode;
+  decode.session_id = session_;
+  decode.sequence_id = seq_;
+  EXPECT_THAT(pool_.pool.DecodeStep({decode}, found).status(),
+              StatusIs(absl::StatusCode::kNotFound, "items[0]: " + gone));
+  SelectItem select;
+  select.session_id = session_;
+  select.sequence_id = seq_;
+  EXPECT_THAT(pool_.pool.Select({select}, found).status(),
+              StatusIs(absl::StatusCode::kNotFound, "items[0]: " + gone));
   EXPECT_EQ(pool_.pool.GetStats().sessions, 0);
 }
 
