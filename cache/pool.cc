@@ -132,10 +132,7 @@ auto KvPool::OnSequence(std::string_view session_id, std::string_view sequence_i
                              std::declval<Session&>()));
   absl::StatusOr<std::shared_ptr<Session>> session = sessions_->Find(session_id);
   if (!session.ok()) return Result(session.status());
-  return WithSequence(
-      **session, sequence_id, *mover_, *clock_,
-      [this](Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return EnvOf(s); },
-      std::forward<Fn>(fn));
+  return OnSequence(**session, sequence_id, std::forward<Fn>(fn));
 }
 
 template <typename Fn>
@@ -145,8 +142,21 @@ auto KvPool::OnSequence(std::string_view session_id, std::string_view sequence_i
                              std::declval<Session&>()));
   absl::StatusOr<std::shared_ptr<Session>> session = sessions_->Find(session_id);
   if (!session.ok()) return Result(session.status());
+  return OnSequence(**session, sequence_id, std::forward<Fn>(fn));
+}
+
+template <typename Fn>
+auto KvPool::OnSequence(Session& session, std::string_view sequence_id, Fn&& fn) {
   return WithSequence(
-      **session, sequence_id, *mover_, *clock_,
+      session, sequence_id, *mover_, *clock_,
+      [this](Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return EnvOf(s); },
+      std::forward<Fn>(fn));
+}
+
+template <typename Fn>
+auto KvPool::OnSequence(Session& session, std::string_view sequence_id, Fn&& fn) const {
+  return WithSequence(
+      session, sequence_id, *mover_, *clock_,
       [this](Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
         return s.Env(*backend_, options_.max_tokens_per_call);
       },
@@ -255,6 +265,11 @@ absl::StatusOr<ReleaseCounts> KvPool::Reclaim(std::string_view session_id) {
 absl::StatusOr<SessionView> KvPool::GetSession(std::string_view session_id) const {
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, sessions_->Find(session_id));
   return session->View();
+}
+
+absl::StatusOr<SessionRef> KvPool::FindSession(std::string_view session_id) const {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, sessions_->Find(session_id));
+  return SessionRef(std::move(session));
 }
 
 absl::StatusOr<int> KvPool::DuplicateArenaFd(std::string_view session_id) const {
@@ -470,11 +485,17 @@ absl::StatusOr<Reservation> KvPool::Reserve(std::string_view session_id,
                                             std::string_view sequence_id, int32_t num_tokens,
                                             absl::Span<const int32_t> positions,
                                             absl::Span<const int32_t> layers) {
-  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, sessions_->Find(session_id));
-  KVS_RETURN_IF_ERROR(ledger_->CheckArenaGrowth(session->tenant));
-  return WithSequence(
-      *session, sequence_id, *mover_, *clock_,
-      [this](Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return EnvOf(s); },
+  KVS_ASSIGN_OR_RETURN(SessionRef session, FindSession(session_id));
+  return Reserve(session, sequence_id, num_tokens, positions, layers);
+}
+
+absl::StatusOr<Reservation> KvPool::Reserve(const SessionRef& session,
+                                            std::string_view sequence_id, int32_t num_tokens,
+                                            absl::Span<const int32_t> positions,
+                                            absl::Span<const int32_t> layers) {
+  KVS_RETURN_IF_ERROR(ledger_->CheckArenaGrowth(session.tenant()));
+  return OnSequence(
+      Of(session), sequence_id,
       [&](Sequence& sequence, const SequenceEnv& env,
           Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) -> absl::StatusOr<Reservation> {
         absl::StatusOr<Reservation> reservation =
@@ -519,7 +540,15 @@ absl::StatusOr<CommitResult> KvPool::Commit(std::string_view session_id,
                                             std::string_view sequence_id, uint64_t reservation_id,
                                             bool compress_if_over_budget,
                                             const AttentionInput* attention) {
-  return OnSequence(session_id, sequence_id,
+  KVS_ASSIGN_OR_RETURN(SessionRef session, FindSession(session_id));
+  return Commit(session, sequence_id, reservation_id, compress_if_over_budget, attention);
+}
+
+absl::StatusOr<CommitResult> KvPool::Commit(const SessionRef& session,
+                                            std::string_view sequence_id, uint64_t reservation_id,
+                                            bool compress_if_over_budget,
+                                            const AttentionInput* attention) {
+  return OnSequence(Of(session), sequence_id,
                     [&](Sequence& sequence, const SequenceEnv& env, Session&) {
                       return sequence.Commit(env, reservation_id, compress_if_over_budget,
                                              attention);
@@ -582,14 +611,17 @@ std::vector<absl::Status> CheckBatchRowsLocked(const BatchSessions& batch,
 
 }  // namespace
 
-CommitBatchResult KvPool::CommitBatch(absl::Span<const CommitItem> items) {
+CommitBatchResult KvPool::CommitBatch(absl::Span<const CommitItem> items,
+                                      absl::Span<const SessionRef> found) {
   CommitBatchResult out;
-  // The batch's sessions, each looked up once (a decode batch names one session many times).
+  // The batch's sessions, each looked up once (a decode batch names one session many times);
+  // those the caller found are not looked up again.
   BatchSessions batch;
+  for (const SessionRef& session : found) batch.Add(session.session_);
   size_t failed = 0;
-  if (absl::Status found = batch.Find(*sessions_, items, &failed); !found.ok()) {
+  if (absl::Status looked_up = batch.Find(*sessions_, items, &failed); !looked_up.ok()) {
     out.failed = static_cast<int32_t>(failed);
-    out.status = found;
+    out.status = looked_up;
     return out;
   }
   // Locked together, in id order as DecodeStep does, so that what is checked is what commits.
@@ -628,7 +660,14 @@ CommitBatchResult KvPool::CommitBatch(absl::Span<const CommitItem> items) {
 absl::StatusOr<CompressResult> KvPool::Compress(std::string_view session_id,
                                                 std::string_view sequence_id,
                                                 const CompressParams& params) {
-  return OnSequence(session_id, sequence_id,
+  KVS_ASSIGN_OR_RETURN(SessionRef session, FindSession(session_id));
+  return Compress(session, sequence_id, params);
+}
+
+absl::StatusOr<CompressResult> KvPool::Compress(const SessionRef& session,
+                                                std::string_view sequence_id,
+                                                const CompressParams& params) {
+  return OnSequence(Of(session), sequence_id,
                     [&](Sequence& sequence, const SequenceEnv& env, Session&) {
                       return sequence.Compress(env, params);
                     });
@@ -638,7 +677,15 @@ absl::StatusOr<SequenceLayout> KvPool::GetLayout(std::string_view session_id,
                                                  std::string_view sequence_id,
                                                  absl::Span<const int32_t> layers,
                                                  bool with_positions) const {
-  return OnSequence(session_id, sequence_id,
+  KVS_ASSIGN_OR_RETURN(SessionRef session, FindSession(session_id));
+  return GetLayout(session, sequence_id, layers, with_positions);
+}
+
+absl::StatusOr<SequenceLayout> KvPool::GetLayout(const SessionRef& session,
+                                                 std::string_view sequence_id,
+                                                 absl::Span<const int32_t> layers,
+                                                 bool with_positions) const {
+  return OnSequence(Of(session), sequence_id,
                     [&](Sequence& sequence, const SequenceEnv& env, Session&) {
                       return sequence.GetLayout(env, layers, with_positions);
                     });
@@ -750,8 +797,10 @@ absl::Status CheckSelectItemsLocked(const BatchSessions& batch, absl::Span<const
 
 }  // namespace
 
-absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const DecodeItem> items) {
+absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const DecodeItem> items,
+                                                              absl::Span<const SessionRef> found) {
   BatchSessions batch;
+  for (const SessionRef& session : found) batch.Add(session.session_);
   size_t failed = 0;
   if (absl::Status found = batch.Find(*sessions_, items, &failed); !found.ok()) {
     return ItemError(failed, found);
@@ -770,8 +819,10 @@ absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const De
   return results;
 }
 
-absl::StatusOr<std::vector<SelectResult>> KvPool::Select(absl::Span<const SelectItem> items) {
+absl::StatusOr<std::vector<SelectResult>> KvPool::Select(absl::Span<const SelectItem> items,
+                                                          absl::Span<const SessionRef> found) {
   BatchSessions batch;
+  for (const SessionRef& session : found) batch.Add(session.session_);
   size_t failed = 0;
   if (absl::Status found = batch.Find(*sessions_, items, &failed); !found.ok()) {
     return ItemError(failed, found);
@@ -811,8 +862,15 @@ absl::StatusOr<std::vector<RetainedHead>> KvPool::GetRetained(std::string_view s
 absl::StatusOr<std::vector<LayerScores>> KvPool::Score(std::string_view session_id,
                                                        std::string_view sequence_id,
                                                        const ScoreParams& params) {
+  KVS_ASSIGN_OR_RETURN(SessionRef session, FindSession(session_id));
+  return Score(session, sequence_id, params);
+}
+
+absl::StatusOr<std::vector<LayerScores>> KvPool::Score(const SessionRef& session,
+                                                       std::string_view sequence_id,
+                                                       const ScoreParams& params) {
   return std::as_const(*this).OnSequence(
-      session_id, sequence_id, [&](Sequence& sequence, const SequenceEnv& env, Session&) {
+      Of(session), sequence_id, [&](Sequence& sequence, const SequenceEnv& env, Session&) {
         return sequence.Score(env, params);
       });
 }

@@ -13,7 +13,7 @@
 // KvPool is the facade over its parts (cache/internal/): SessionTable (sessions, leases, the
 // arena capacity), TenantLedger (quotas and usage; it admits or refuses growth) and TierMover
 // (spill, restore, pressure demotion, published prefixes). Each public method looks its session
-// up once.
+// up once; the calls that take a SessionRef (cache/session_ref.h) none.
 //
 // Threading: every method is thread-safe. The session table has its own lock; each session has a
 // lock that serialises work on its sequences, so different sessions proceed in parallel.
@@ -41,6 +41,7 @@
 #include "cache/pool_options.h"
 #include "cache/select_types.h"
 #include "cache/sequence_types.h"
+#include "cache/session_ref.h"
 #include "cache/session_types.h"
 #include "cache/tenant_types.h"
 #include "cache/tier.h"
@@ -77,6 +78,10 @@ class KvPool {
   // Reclaims one session at once (its worker's connection ended). NOT_FOUND if already gone.
   absl::StatusOr<ReleaseCounts> Reclaim(std::string_view session_id);
   absl::StatusOr<SessionView> GetSession(std::string_view session_id) const;
+  // The live session under `session_id`, as a handle for the calls below that take one (a
+  // handler that needs the layout or owner first then looks the session up once per RPC).
+  // NOT_FOUND as every call by id answers for an unknown or lapsed session.
+  absl::StatusOr<SessionRef> FindSession(std::string_view session_id) const;
   // A new descriptor of the session's arena memory (the caller closes it), for the arena socket
   // to hand to the session's worker. NOT_FOUND for an unknown session; FAILED_PRECONDITION when
   // its arena is not a memfd (a named file or device memory).
@@ -103,6 +108,9 @@ class KvPool {
   absl::StatusOr<Reservation> Reserve(std::string_view session_id, std::string_view sequence_id,
                                       int32_t num_tokens, absl::Span<const int32_t> positions,
                                       absl::Span<const int32_t> layers);
+  absl::StatusOr<Reservation> Reserve(const SessionRef& session, std::string_view sequence_id,
+                                      int32_t num_tokens, absl::Span<const int32_t> positions,
+                                      absl::Span<const int32_t> layers);
   // Drops a pending reservation, returning its blocks.
   absl::Status CancelReservation(std::string_view session_id, std::string_view sequence_id,
                                  uint64_t reservation_id);
@@ -123,14 +131,22 @@ class KvPool {
   absl::StatusOr<CommitResult> Commit(std::string_view session_id, std::string_view sequence_id,
                                       uint64_t reservation_id, bool compress_if_over_budget,
                                       const AttentionInput* attention = nullptr);
+  absl::StatusOr<CommitResult> Commit(const SessionRef& session, std::string_view sequence_id,
+                                      uint64_t reservation_id, bool compress_if_over_budget,
+                                      const AttentionInput* attention = nullptr);
   // The commits of one BatchCommit, each as Commit does it, with one lookup per session: the
   // batch's sessions are locked (in id order) for the whole call; every item's sequence and
   // pending reservation is checked before any item is committed (a failure there commits
   // nothing), then the items are committed in order, and a failing item stops the batch with
   // the items before it committed. A sequence named twice is INVALID_ARGUMENT.
-  CommitBatchResult CommitBatch(absl::Span<const CommitItem> items);
+  // `found`: sessions of the batch the caller has already looked up (FindSession); the batch
+  // uses them as they are and looks up only the others.
+  CommitBatchResult CommitBatch(absl::Span<const CommitItem> items,
+                                absl::Span<const SessionRef> found = {});
 
   absl::StatusOr<CompressResult> Compress(std::string_view session_id, std::string_view sequence_id,
+                                          const CompressParams& params);
+  absl::StatusOr<CompressResult> Compress(const SessionRef& session, std::string_view sequence_id,
                                           const CompressParams& params);
 
   // One decode step for many sequences (Phase::kDecode). Every item is validated before any is
@@ -138,8 +154,9 @@ class KvPool {
   // run side by side on PoolOptions::decode_threads threads, with every session of the batch
   // locked for the whole step. Results in item order. An item that fails while running (arena
   // exhausted, backend error) fails the call with the lowest such item's error; the other items
-  // have run.
-  absl::StatusOr<std::vector<DecodeResult>> DecodeStep(absl::Span<const DecodeItem> items);
+  // have run. `found`: as for CommitBatch.
+  absl::StatusOr<std::vector<DecodeResult>> DecodeStep(absl::Span<const DecodeItem> items,
+                                                       absl::Span<const SessionRef> found = {});
 
   // OmniKV: per item, the top-k prompt tokens of each listed filter layer and their K/V gathered
   // (host tier or arena -> staging blocks in the arena) for every sparse layer of its segment.
@@ -150,7 +167,9 @@ class KvPool {
   // threads with the results of running them in order (RunSelects, cache/sequence_kind.h); the
   // lowest item that fails while running (arena or host tier full) fails the call with its error,
   // earlier items having run. FAILED_PRECONDITION for a sequence whose policy is not omnikv.
-  absl::StatusOr<std::vector<SelectResult>> Select(absl::Span<const SelectItem> items);
+  // `found`: as for CommitBatch.
+  absl::StatusOr<std::vector<SelectResult>> Select(absl::Span<const SelectItem> items,
+                                                   absl::Span<const SessionRef> found = {});
 
   // The tokens a retain_evicted sequence evicted, per (layer in `layers` (empty = all), kv head),
   // in eviction order. FAILED_PRECONDITION for a sequence created without retain_evicted.
@@ -162,9 +181,16 @@ class KvPool {
   absl::StatusOr<std::vector<LayerScores>> Score(std::string_view session_id,
                                                  std::string_view sequence_id,
                                                  const ScoreParams& params);
+  absl::StatusOr<std::vector<LayerScores>> Score(const SessionRef& session,
+                                                 std::string_view sequence_id,
+                                                 const ScoreParams& params);
 
   // `layers` empty = all. Positions only if `with_positions`.
   absl::StatusOr<SequenceLayout> GetLayout(std::string_view session_id,
+                                           std::string_view sequence_id,
+                                           absl::Span<const int32_t> layers,
+                                           bool with_positions) const;
+  absl::StatusOr<SequenceLayout> GetLayout(const SessionRef& session,
                                            std::string_view sequence_id,
                                            absl::Span<const int32_t> layers,
                                            bool with_positions) const;
@@ -269,6 +295,13 @@ class KvPool {
   auto OnSequence(std::string_view session_id, std::string_view sequence_id, Fn&& fn);
   template <typename Fn>
   auto OnSequence(std::string_view session_id, std::string_view sequence_id, Fn&& fn) const;
+  // The same on a session already looked up (SessionRef): a session that ended since answers
+  // NOT_FOUND as an unknown one does.
+  template <typename Fn>
+  auto OnSequence(Session& session, std::string_view sequence_id, Fn&& fn);
+  template <typename Fn>
+  auto OnSequence(Session& session, std::string_view sequence_id, Fn&& fn) const;
+  static Session& Of(const SessionRef& ref) { return *ref.session_; }
   // With session.mu held, before a sequence joins `session`: the session's end, a taken id
   // (ALREADY_EXISTS), the session's and the tenant's sequence limits (RESOURCE_EXHAUSTED). Then
   // counts the sequence for its tenant and returns its id (`requested`, or a fresh one if empty).

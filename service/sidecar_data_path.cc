@@ -29,10 +29,10 @@ using service_internal::CheckNoRepeat;
 using service_internal::Item;
 using service_internal::ItemsFromProto;
 
-absl::Status SidecarService::CheckSequenceExists(const std::string& session_id,
+absl::Status SidecarService::CheckSequenceExists(const SessionRef& session,
                                                  const std::string& sequence_id) const {
   const int32_t first_layer[] = {0};
-  return pool_->GetLayout(session_id, sequence_id, first_layer, /*with_positions=*/false).status();
+  return pool_->GetLayout(session, sequence_id, first_layer, /*with_positions=*/false).status();
 }
 
 grpc::ServerUnaryReactor* SidecarService::Reserve(grpc::CallbackServerContext* context,
@@ -41,15 +41,19 @@ grpc::ServerUnaryReactor* SidecarService::Reserve(grpc::CallbackServerContext* c
   return RunUnary(context, "Reserve", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateReserveRequest(*request, pool_->options().max_tokens_per_call));
+    absl::StatusOr<Reservation> reservation;
     if (!request->layers().empty()) {
-      KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
-      KVS_RETURN_IF_ERROR(ValidateLayers(request->layers(), session.layout.num_layers, "layers"));
+      // The session's layer count checks `layers`; the same lookup serves the reservation.
+      KVS_ASSIGN_OR_RETURN(SessionRef session, pool_->FindSession(request->session_id()));
+      KVS_RETURN_IF_ERROR(ValidateLayers(request->layers(), session.layout().num_layers, "layers"));
+      reservation = pool_->Reserve(session, request->sequence_id(), request->num_tokens(),
+                                   request->positions(), request->layers());
+    } else {
+      reservation = pool_->Reserve(request->session_id(), request->sequence_id(),
+                                   request->num_tokens(), request->positions(), request->layers());
     }
-    KVS_ASSIGN_OR_RETURN(
-        Reservation reservation,
-        pool_->Reserve(request->session_id(), request->sequence_id(), request->num_tokens(),
-                       request->positions(), request->layers()));
-    ReservationToProto(reservation, response);
+    KVS_RETURN_IF_ERROR(reservation.status());
+    ReservationToProto(*reservation, response);
     return absl::OkStatus();
   });
 }
@@ -60,17 +64,20 @@ grpc::ServerUnaryReactor* SidecarService::Commit(grpc::CallbackServerContext* co
   return RunUnary(context, "Commit", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateCommitRequest(*request));
-    std::optional<AttentionInput> attention;
+    absl::StatusOr<CommitResult> result;
     if (request->has_attention()) {
-      KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
-      KVS_ASSIGN_OR_RETURN(attention, AttentionFromProto(request->attention(), session.layout));
+      // The session's layout sizes the attention; the same lookup serves the commit.
+      KVS_ASSIGN_OR_RETURN(SessionRef session, pool_->FindSession(request->session_id()));
+      KVS_ASSIGN_OR_RETURN(AttentionInput attention,
+                           AttentionFromProto(request->attention(), session.layout()));
+      result = pool_->Commit(session, request->sequence_id(), request->reservation_id(),
+                             request->compress_if_over_budget(), &attention);
+    } else {
+      result = pool_->Commit(request->session_id(), request->sequence_id(),
+                             request->reservation_id(), request->compress_if_over_budget());
     }
-    KVS_ASSIGN_OR_RETURN(
-        CommitResult result,
-        pool_->Commit(request->session_id(), request->sequence_id(), request->reservation_id(),
-                      request->compress_if_over_budget(),
-                      attention.has_value() ? &*attention : nullptr));
-    CommitResultToProto(result, response);
+    KVS_RETURN_IF_ERROR(result.status());
+    CommitResultToProto(*result, response);
     return absl::OkStatus();
   });
 }
@@ -94,31 +101,35 @@ grpc::ServerUnaryReactor* SidecarService::BatchReserve(grpc::CallbackServerConte
     const int n = request->requests_size();
     KVS_RETURN_IF_ERROR(CheckBatchSize(n));
     absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
-    // The layer count of each session that lists layers, looked up once per session (a decode
-    // batch names one session many times).
-    absl::flat_hash_map<std::string, int32_t> num_layers;
+    // Each session looked up once (a decode batch names one session many times); the handle
+    // serves the sequence check, the layer check and the reservation.
+    absl::flat_hash_map<std::string, SessionRef> sessions;
+    std::vector<SessionRef> session_of;  // per item
+    session_of.reserve(n);
     for (int i = 0; i < n; ++i) {
       const v1::ReserveRequest& item = request->requests(i);
       KVS_RETURN_IF_ERROR(ValidateReserveRequest(item, pool_->options().max_tokens_per_call,
                                                  absl::StrCat(Item(i), ".")));
       KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
+      auto known = sessions.find(item.session_id());
+      if (known == sessions.end()) {
+        absl::StatusOr<SessionRef> session = pool_->FindSession(item.session_id());
+        KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
+        known = sessions.emplace(item.session_id(), *std::move(session)).first;
+      }
+      session_of.push_back(known->second);
       KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "),
-                                     CheckSequenceExists(item.session_id(), item.sequence_id())));
+                                     CheckSequenceExists(known->second, item.sequence_id())));
       if (!item.layers().empty()) {
-        auto known = num_layers.find(item.session_id());
-        if (known == num_layers.end()) {
-          KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(item.session_id()));
-          known = num_layers.emplace(item.session_id(), session.layout.num_layers).first;
-        }
-        KVS_RETURN_IF_ERROR(
-            ValidateLayers(item.layers(), known->second, absl::StrCat(Item(i), ".layers")));
+        KVS_RETURN_IF_ERROR(ValidateLayers(item.layers(), known->second.layout().num_layers,
+                                           absl::StrCat(Item(i), ".layers")));
       }
     }
     std::vector<Reservation> made;
     made.reserve(n);
     for (int i = 0; i < n; ++i) {
       const v1::ReserveRequest& item = request->requests(i);
-      auto reservation = pool_->Reserve(item.session_id(), item.sequence_id(), item.num_tokens(),
+      auto reservation = pool_->Reserve(session_of[i], item.sequence_id(), item.num_tokens(),
                                         item.positions(), item.layers());
       if (!reservation.ok()) {
         for (int j = 0; j < i; ++j) {
@@ -148,7 +159,10 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
     // One validation pass over the request here; the pool then looks each session up once and
     // checks every reservation before committing any (KvPool::CommitBatch).
     absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
-    absl::flat_hash_map<std::string, SessionView> layouts;  // of the sessions sending attention
+    // The sessions sending attention (their layout sizes it), looked up once each; the pool
+    // uses these and looks up only the others.
+    absl::flat_hash_map<std::string, SessionRef> layouts;
+    std::vector<SessionRef> found;  // the same, in the order the items first name them
     std::vector<std::optional<AttentionInput>> attention(n);
     std::vector<CommitItem> items(n);
     for (int i = 0; i < n; ++i) {
@@ -158,19 +172,20 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
       if (item.has_attention()) {
         auto known = layouts.find(item.session_id());
         if (known == layouts.end()) {
-          absl::StatusOr<SessionView> session = pool_->GetSession(item.session_id());
+          absl::StatusOr<SessionRef> session = pool_->FindSession(item.session_id());
           KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
+          found.push_back(*session);
           known = layouts.emplace(item.session_id(), *std::move(session)).first;
         }
         KVS_ASSIGN_OR_RETURN(attention[i],
-                             AttentionFromProto(item.attention(), known->second.layout,
+                             AttentionFromProto(item.attention(), known->second.layout(),
                                                 absl::StrCat(Item(i), ".attention.")));
       }
       items[i] = CommitItem{item.session_id(), item.sequence_id(), item.reservation_id(),
                             item.compress_if_over_budget(),
                             attention[i].has_value() ? &*attention[i] : nullptr};
     }
-    CommitBatchResult done = pool_->CommitBatch(items);
+    CommitBatchResult done = pool_->CommitBatch(items, found);
     for (const CommitResult& result : done.results) {
       CommitResultToProto(result, response->add_responses());
     }
@@ -191,11 +206,13 @@ grpc::ServerUnaryReactor* SidecarService::DecodeStep(grpc::CallbackServerContext
                                                      v1::DecodeStepResponse* response) {
   return RunUnary(context, "DecodeStep", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
-    KVS_ASSIGN_OR_RETURN(std::vector<DecodeItem> items,
-                         ItemsFromProto(request->items(), *pool_, &DecodeItemFromProto));
+    std::vector<SessionRef> sessions;  // looked up once here; the pool uses them as they are
+    KVS_ASSIGN_OR_RETURN(
+        std::vector<DecodeItem> items,
+        ItemsFromProto(request->items(), *pool_, &DecodeItemFromProto, &sessions));
     // The pool validates every item again (reservations, positions, attention sizes) before it
     // changes anything, and prefixes its errors with "items[i]: ".
-    KVS_ASSIGN_OR_RETURN(std::vector<DecodeResult> results, pool_->DecodeStep(items));
+    KVS_ASSIGN_OR_RETURN(std::vector<DecodeResult> results, pool_->DecodeStep(items, sessions));
     if (results.size() != items.size()) {
       return absl::InternalError(absl::StrCat("DecodeStep: the pool returned ", results.size(),
                                               " results for ", items.size(), " items"));

@@ -41,9 +41,9 @@ using service_internal::UniformSplit;
 
 absl::StatusOr<uint64_t> SidecarService::EstimateCompressResponseBytes(
     const v1::CompressRequest& request, const CompressParams& params,
-    const SessionView& session) const {
+    const SessionRef& session) const {
   KVS_ASSIGN_OR_RETURN(SequenceLayout counts,
-                       pool_->GetLayout(request.session_id(), request.sequence_id(), {},
+                       pool_->GetLayout(session, request.sequence_id(), {},
                                         /*with_positions=*/false));
   const uint64_t position_bytes = PositionBytes(counts);
   // Only a uniform split keeps at most the budget in every layer; other allocators (and
@@ -59,7 +59,7 @@ absl::StatusOr<uint64_t> SidecarService::EstimateCompressResponseBytes(
       // Compression keeps min(count, budget) tokens per head; an unbounded budget keeps all.
       const int32_t budget = request.budget_tokens() > 0 ? request.budget_tokens() : layer.budget;
       const int32_t kept = budget > 0 && uniform ? std::min(layer.count, budget) : layer.count;
-      body += PackedBytes(static_cast<uint64_t>(session.layout.num_kv_heads) *
+      body += PackedBytes(static_cast<uint64_t>(session.layout().num_kv_heads) *
                               static_cast<uint64_t>(std::max(kept, 0)),
                           position_bytes);
     }
@@ -74,8 +74,9 @@ grpc::ServerUnaryReactor* SidecarService::Compress(grpc::CallbackServerContext* 
   return RunUnary(context, "Compress", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateSequenceIds(request->session_id(), request->sequence_id()));
-    KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
-    KVS_ASSIGN_OR_RETURN(CompressParams params, CompressParamsFromProto(*request, session.layout));
+    // One lookup serves the parameters' validation, the size estimate and the compression.
+    KVS_ASSIGN_OR_RETURN(SessionRef session, pool_->FindSession(request->session_id()));
+    KVS_ASSIGN_OR_RETURN(CompressParams params, CompressParamsFromProto(*request, session.layout()));
     if (request->return_positions()) {  // refuse before evicting anything
       KVS_ASSIGN_OR_RETURN(uint64_t estimate,
                            EstimateCompressResponseBytes(*request, params, session));
@@ -84,7 +85,7 @@ grpc::ServerUnaryReactor* SidecarService::Compress(grpc::CallbackServerContext* 
       }
     }
     KVS_ASSIGN_OR_RETURN(CompressResult result,
-                         pool_->Compress(request->session_id(), request->sequence_id(), params));
+                         pool_->Compress(session, request->sequence_id(), params));
     CompressResultToProto(result, response);
     const size_t bytes = response->ByteSizeLong();
     if (bytes > static_cast<size_t>(kMaxMessageBytes)) {  // only if the estimate was wrong
@@ -107,16 +108,18 @@ grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerCont
     KVS_RETURN_IF_ERROR(CheckBatchSize(n));
     std::vector<CompressParams> params;
     params.reserve(n);
+    std::vector<SessionRef> sessions;  // per item, looked up once for its checks and its run
+    sessions.reserve(n);
     absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
     uint64_t estimate = 0;  // of the whole response: one message carries every item
     for (int i = 0; i < n; ++i) {
       const v1::CompressRequest& item = request->requests(i);
       const std::string prefix = absl::StrCat(Item(i), ".");
       KVS_RETURN_IF_ERROR(ValidateSequenceIds(item.session_id(), item.sequence_id(), prefix));
-      absl::StatusOr<SessionView> session = pool_->GetSession(item.session_id());
+      absl::StatusOr<SessionRef> session = pool_->FindSession(item.session_id());
       KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
       KVS_ASSIGN_OR_RETURN(CompressParams p,
-                           CompressParamsFromProto(item, session->layout, prefix));
+                           CompressParamsFromProto(item, session->layout(), prefix));
       KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
       // An override policy is resolved now, so that a bad one fails the batch before any item
       // is compressed (the pool would only find out when it reaches the item).
@@ -135,10 +138,11 @@ grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerCont
                         "was compressed)");
       }
       params.push_back(std::move(p));
+      sessions.push_back(*std::move(session));
     }
     for (int i = 0; i < n; ++i) {
       const v1::CompressRequest& item = request->requests(i);
-      auto result = pool_->Compress(item.session_id(), item.sequence_id(), params[i]);
+      auto result = pool_->Compress(sessions[i], item.sequence_id(), params[i]);
       if (!result.ok()) {
         std::string note = i == 0 ? std::string(" (nothing was compressed)")
                                   : absl::StrCat(" (requests[0..", i - 1, "] were compressed)");
@@ -166,18 +170,19 @@ grpc::ServerUnaryReactor* SidecarService::Score(grpc::CallbackServerContext* con
   return RunUnary(context, "Score", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateSequenceIds(request->session_id(), request->sequence_id()));
-    KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
-    KVS_ASSIGN_OR_RETURN(ScoreParams params, ScoreParamsFromProto(*request, session.layout));
+    // One lookup serves the parameters' validation, the size estimate and the scoring.
+    KVS_ASSIGN_OR_RETURN(SessionRef session, pool_->FindSession(request->session_id()));
+    KVS_ASSIGN_OR_RETURN(ScoreParams params, ScoreParamsFromProto(*request, session.layout()));
     // Refuse before scoring: the response holds scores and positions for every held slot.
     KVS_ASSIGN_OR_RETURN(SequenceLayout counts,
-                         pool_->GetLayout(request->session_id(), request->sequence_id(),
-                                          params.layers, /*with_positions=*/false));
-    const uint64_t estimate = EstimateScoreResponseBytes(counts, session);
+                         pool_->GetLayout(session, request->sequence_id(), params.layers,
+                                          /*with_positions=*/false));
+    const uint64_t estimate = EstimateScoreResponseBytes(counts, session.layout());
     if (estimate > static_cast<uint64_t>(kMaxMessageBytes)) {
       return TooLarge("the response", estimate, kMaxMessageBytes, kScoreAdvice);
     }
     KVS_ASSIGN_OR_RETURN(std::vector<LayerScores> layers,
-                         pool_->Score(request->session_id(), request->sequence_id(), params));
+                         pool_->Score(session, request->sequence_id(), params));
     for (const LayerScores& layer : layers) LayerScoresToProto(layer, response->add_layers());
     const size_t bytes = response->ByteSizeLong();
     if (bytes > static_cast<size_t>(kMaxMessageBytes)) {  // the sequence grew since the estimate
@@ -193,9 +198,11 @@ grpc::ServerUnaryReactor* SidecarService::Select(grpc::CallbackServerContext* co
                                                  v1::SelectResponse* response) {
   return RunUnary(context, "Select", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
-    KVS_ASSIGN_OR_RETURN(std::vector<SelectItem> items,
-                         ItemsFromProto(request->items(), *pool_, &SelectItemFromProto));
-    KVS_ASSIGN_OR_RETURN(std::vector<SelectResult> results, pool_->Select(items));
+    std::vector<SessionRef> sessions;  // looked up once here; the pool uses them as they are
+    KVS_ASSIGN_OR_RETURN(
+        std::vector<SelectItem> items,
+        ItemsFromProto(request->items(), *pool_, &SelectItemFromProto, &sessions));
+    KVS_ASSIGN_OR_RETURN(std::vector<SelectResult> results, pool_->Select(items, sessions));
     for (const SelectResult& result : results) SelectResultToProto(result, response->add_items());
     return absl::OkStatus();
   });

@@ -74,12 +74,13 @@ grpc::ServerUnaryReactor* SidecarService::GetLayout(grpc::CallbackServerContext*
     KVS_RETURN_IF_ERROR(Authorize(*context, *request));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", true));
-    KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
-    KVS_RETURN_IF_ERROR(ValidateLayers(request->layers(), session.layout.num_layers, "layers"));
+    // One lookup serves the layer check and both reads.
+    KVS_ASSIGN_OR_RETURN(SessionRef session, pool_->FindSession(request->session_id()));
+    KVS_RETURN_IF_ERROR(ValidateLayers(request->layers(), session.layout().num_layers, "layers"));
     // Counts and block tables first (cheap); positions only once they are known to fit.
     KVS_ASSIGN_OR_RETURN(SequenceLayout layout,
-                         pool_->GetLayout(request->session_id(), request->sequence_id(),
-                                          request->layers(), /*with_positions=*/false));
+                         pool_->GetLayout(session, request->sequence_id(), request->layers(),
+                                          /*with_positions=*/false));
     const bool with_positions = !request->omit_positions();
     const uint64_t estimate =
         kResponseFixedBytes + LayerLayoutsBytes(layout, session, with_positions);
@@ -87,7 +88,7 @@ grpc::ServerUnaryReactor* SidecarService::GetLayout(grpc::CallbackServerContext*
       return TooLarge("the response", estimate, kMaxMessageBytes, kGetLayoutAdvice);
     }
     if (with_positions) {
-      KVS_ASSIGN_OR_RETURN(layout, pool_->GetLayout(request->session_id(), request->sequence_id(),
+      KVS_ASSIGN_OR_RETURN(layout, pool_->GetLayout(session, request->sequence_id(),
                                                     request->layers(), /*with_positions=*/true));
     }
     SequenceLayoutToProto(layout, response);

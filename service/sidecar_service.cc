@@ -67,9 +67,9 @@ absl::Status SidecarService::Authorize(const grpc::CallbackServerContext& contex
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   for (const std::string& id : ids) {
-    absl::StatusOr<SessionView> session = pool_->GetSession(id);
+    absl::StatusOr<SessionRef> session = pool_->FindSession(id);
     KVS_RETURN_IF_ERROR(Authenticator::CheckOwner(
-        caller, session.ok() ? absl::StatusOr<std::string>(session->tenant) : session.status(),
+        caller, session.ok() ? absl::StatusOr<std::string>(session->tenant()) : session.status(),
         id));
   }
   // Restore's from_session_id names an ended session of the caller's tenant (the pool looks the
@@ -83,8 +83,8 @@ absl::Status SidecarService::Authorize(const grpc::CallbackServerContext& contex
       from->type() == google::protobuf::FieldDescriptor::TYPE_STRING &&
       sequence->type() == google::protobuf::FieldDescriptor::TYPE_STRING) {
     const std::string from_id = request.GetReflection()->GetString(request, from);
-    absl::StatusOr<SessionView> source = pool_->GetSession(from_id);
-    if (!from_id.empty() && source.ok() && source->tenant != *caller) {
+    absl::StatusOr<SessionRef> source = pool_->FindSession(from_id);
+    if (!from_id.empty() && source.ok() && source->tenant() != *caller) {
       return absl::NotFoundError(absl::StrCat("no spilled copy of sequence ",
                                               request.GetReflection()->GetString(request, sequence),
                                               " of session ", from_id, " for tenant ", *caller));

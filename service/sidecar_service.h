@@ -188,9 +188,9 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
 
   // Called by a WatchReactor from OnDone: forget it if it is still the session's watcher.
   void Unregister(const std::string& session_id, const WatchReactor* reactor);
-  // NOT_FOUND unless both exist; cheap (one layer, no positions).
-  absl::Status CheckSequenceExists(const std::string& session_id,
-                                   const std::string& sequence_id) const;
+  // NOT_FOUND unless the sequence exists in `session` (and the session is still attached);
+  // cheap (one layer, no positions).
+  absl::Status CheckSequenceExists(const SessionRef& session, const std::string& sequence_id) const;
   // Restore's adopt_any_session: the ended session of `session_id`'s tenant whose copy of
   // `sequence_id` to adopt (intact before lost, then the newest). NOT_FOUND when there is none.
   absl::StatusOr<std::string> FindOrphanCopy(const std::string& session_id,
@@ -199,7 +199,7 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   // the counts and budgets only. `session`: the request's, as the handler looked it up.
   absl::StatusOr<uint64_t> EstimateCompressResponseBytes(
       const ::kvsidecar::v1::CompressRequest& request, const CompressParams& params,
-      const SessionView& session) const;
+      const SessionRef& session) const;
 
   KvPool* const pool_;
   const std::string backend_name_;

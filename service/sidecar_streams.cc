@@ -114,18 +114,19 @@ class AppendReactor final : public grpc::ServerReadReactor<v1::AppendChunk> {
                        " segments per Append stream; send the rest on a new stream"));
     }
     KVS_RETURN_IF_ERROR(ValidateName(header.session_id(), "header.session_id", true));
+    // One lookup serves the owner check, the header's validation and the reservation.
+    absl::StatusOr<SessionRef> session = pool_->FindSession(header.session_id());
     if (caller_.has_value()) {  // tenant isolation (service/auth.h)
-      absl::StatusOr<SessionView> owner = pool_->GetSession(header.session_id());
       KVS_RETURN_IF_ERROR(Authenticator::CheckOwner(
-          caller_, owner.ok() ? absl::StatusOr<std::string>(owner->tenant) : owner.status(),
+          caller_, session.ok() ? absl::StatusOr<std::string>(session->tenant()) : session.status(),
           header.session_id()));
     }
-    KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(header.session_id()));
-    KVS_RETURN_IF_ERROR(ValidateAppendHeader(header, session.layout,
+    KVS_RETURN_IF_ERROR(session.status());
+    KVS_RETURN_IF_ERROR(ValidateAppendHeader(header, session->layout(),
                                              pool_->options().max_tokens_per_call, "header."));
     KVS_ASSIGN_OR_RETURN(Reservation reservation,
-                         pool_->Reserve(header.session_id(), header.sequence_id(),
-                                        header.num_tokens(), header.positions(), header.layers()));
+                         pool_->Reserve(*session, header.sequence_id(), header.num_tokens(),
+                                        header.positions(), header.layers()));
     segment_ = Segment{header.session_id(),
                        header.sequence_id(),
                        reservation.reservation_id,
@@ -238,14 +239,16 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
     KVS_RETURN_IF_ERROR(ValidateName(request_.session_id(), "session_id", true));
     KVS_RETURN_IF_ERROR(ValidateName(request_.sequence_id(), "sequence_id", true));
     chunk_bytes_ = ClampExportChunkBytes(request_.chunk_bytes());
-    KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request_.session_id()));
-    KVS_RETURN_IF_ERROR(ValidateLayers(request_.layers(), session.layout.num_layers, "layers"));
-    layers_ = LayersOrAll(request_.layers(), session.layout.num_layers);
+    // One lookup serves the layer check and both layout reads.
+    KVS_ASSIGN_OR_RETURN(SessionRef session, pool_->FindSession(request_.session_id()));
+    const ModelLayout& model = session.layout();
+    KVS_RETURN_IF_ERROR(ValidateLayers(request_.layers(), model.num_layers, "layers"));
+    layers_ = LayersOrAll(request_.layers(), model.num_layers);
     // Size the header from the counts before loading (and copying) every position.
     constexpr uint64_t kHeaderLimit = static_cast<uint64_t>(kMaxMessageBytes) - 4096;
     {
       KVS_ASSIGN_OR_RETURN(SequenceLayout counts,
-                           pool_->GetLayout(request_.session_id(), request_.sequence_id(), layers_,
+                           pool_->GetLayout(session, request_.sequence_id(), layers_,
                                             /*with_positions=*/false));
       const uint64_t estimate =
           kResponseFixedBytes + LayerLayoutsBytes(counts, session, /*with_positions=*/true);
@@ -255,16 +258,16 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
       }
     }
     KVS_ASSIGN_OR_RETURN(SequenceLayout layout,
-                         pool_->GetLayout(request_.session_id(), request_.sequence_id(), layers_,
+                         pool_->GetLayout(session, request_.sequence_id(), layers_,
                                           /*with_positions=*/true));
     version_ = layout.version;
     v1::ExportHeader* header = message_.mutable_header();
-    LayoutToProto(session.layout, header->mutable_layout());
+    LayoutToProto(model, header->mutable_layout());
     uint64_t total = 0;
     for (const LayerLayoutView& layer : layout.layers) {
       LayerLayoutToProto(layer, header->add_layers());
       KVS_ASSIGN_OR_RETURN(uint64_t bytes,
-                           InlinePayloadBytes(session.layout, 1, layer.count, "payload_bytes"));
+                           InlinePayloadBytes(model, 1, layer.count, "payload_bytes"));
       auto sum = CheckedAdd(total, bytes);
       if (!sum) return absl::InternalError("export payload size overflows");
       total = *sum;

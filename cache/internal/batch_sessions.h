@@ -21,7 +21,15 @@ namespace kvs {
 
 class BatchSessions {
  public:
-  // Looks up the session of every item; on failure, `failed` is the first item whose session is
+  // A session the caller already looked up: Find uses it for the items that name it.
+  void Add(std::shared_ptr<Session> session) {
+    for (const std::shared_ptr<Session>& known : sessions_) {
+      if (known == session) return;
+    }
+    sessions_.push_back(std::move(session));
+  }
+
+  // Looks up the session of every item (those added are not looked up again); on failure, `failed` is the first item whose session is
   // unknown or expired.
   template <typename Item>
   absl::Status Find(const SessionTable& table, absl::Span<const Item> items, size_t* failed) {

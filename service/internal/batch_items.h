@@ -54,7 +54,8 @@ inline std::string Item(int index) { return absl::StrCat("requests[", index, "]"
 template <typename Item, typename Converted>
 absl::StatusOr<std::vector<Converted>> ItemsFromProto(
     const google::protobuf::RepeatedPtrField<Item>& proto_items, const KvPool& pool,
-    absl::StatusOr<Converted> (*convert)(const Item&, const ModelLayout&, absl::string_view)) {
+    absl::StatusOr<Converted> (*convert)(const Item&, const ModelLayout&, absl::string_view),
+    std::vector<SessionRef>* found = nullptr) {
   const int n = proto_items.size();
   if (n > kMaxBatchItems) {
     return absl::InvalidArgumentError(
@@ -63,20 +64,22 @@ absl::StatusOr<std::vector<Converted>> ItemsFromProto(
   std::vector<Converted> items;
   items.reserve(n);
   absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
-  absl::flat_hash_map<std::string, ModelLayout> layouts;
+  absl::flat_hash_map<std::string, SessionRef> sessions;  // each looked up once
   for (int i = 0; i < n; ++i) {
     const Item& item = proto_items[i];
     const std::string prefix = absl::StrCat("items[", i, "].");
     // Both ids before the lookup, so that a bad one is INVALID_ARGUMENT naming it; `convert`
     // does not check them again.
     KVS_RETURN_IF_ERROR(ValidateSequenceIds(item.session_id(), item.sequence_id(), prefix));
-    auto it = layouts.find(item.session_id());
-    if (it == layouts.end()) {
-      absl::StatusOr<SessionView> session = pool.GetSession(item.session_id());
+    auto it = sessions.find(item.session_id());
+    if (it == sessions.end()) {
+      absl::StatusOr<SessionRef> session = pool.FindSession(item.session_id());
       KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat("items[", i, "]: "), session.status()));
-      it = layouts.emplace(item.session_id(), session->layout).first;
+      // In the order the items first name them, as the pool would look them up.
+      if (found != nullptr) found->push_back(*session);
+      it = sessions.emplace(item.session_id(), *std::move(session)).first;
     }
-    KVS_ASSIGN_OR_RETURN(Converted converted, convert(item, it->second, prefix));
+    KVS_ASSIGN_OR_RETURN(Converted converted, convert(item, it->second.layout(), prefix));
     KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i, "items"));
     items.push_back(std::move(converted));
   }

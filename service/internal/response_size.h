@@ -60,10 +60,10 @@ inline uint64_t PositionBytes(const SequenceLayout& layout) {
 
 // The repeated LayerLayout entries of a GetLayoutResponse or an ExportHeader built from
 // `layout` (counts and block tables as loaded without positions), with positions if asked.
-inline uint64_t LayerLayoutsBytes(const SequenceLayout& layout, const SessionView& session,
+inline uint64_t LayerLayoutsBytes(const SequenceLayout& layout, const SessionRef& session,
                                   bool with_positions) {
   const uint64_t block_bytes =
-      VarintBytes(static_cast<uint64_t>(std::max<int64_t>(session.num_blocks, 0)));
+      VarintBytes(static_cast<uint64_t>(std::max<int64_t>(session.num_blocks(), 0)));
   const uint64_t position_bytes = PositionBytes(layout);
   uint64_t total = 0;
   for (const LayerLayoutView& layer : layout.layers) {
@@ -71,7 +71,7 @@ inline uint64_t LayerLayoutsBytes(const SequenceLayout& layout, const SessionVie
     uint64_t body = ScalarBytes(3, std::max({layer.layer, layer.count, layer.budget})) +
                     PackedBytes(layer.block_table.size(), block_bytes);
     if (with_positions) {
-      body += PackedBytes(static_cast<uint64_t>(session.layout.num_kv_heads) *
+      body += PackedBytes(static_cast<uint64_t>(session.layout().num_kv_heads) *
                               static_cast<uint64_t>(std::max(layer.count, 0)),
                           position_bytes);
     }
@@ -107,11 +107,11 @@ inline bool UniformSplit(const PolicyConfig& policy) {
 // Upper bound of a ScoreResponse for the layers of `counts` (loaded without positions): per
 // layer and head, `count` fp32 scores, at most `count` kept slots and `count` positions.
 inline uint64_t EstimateScoreResponseBytes(const SequenceLayout& counts,
-                                           const SessionView& session) {
+                                           const ModelLayout& model) {
   const uint64_t position_bytes = PositionBytes(counts);
   uint64_t total = 0;
   for (const LayerLayoutView& layer : counts.layers) {
-    const uint64_t n = static_cast<uint64_t>(session.layout.num_kv_heads) *
+    const uint64_t n = static_cast<uint64_t>(model.num_kv_heads) *
                        static_cast<uint64_t>(std::max(layer.count, 0));
     const uint64_t slot_bytes =
         VarintBytes(static_cast<uint64_t>(std::max<int64_t>(layer.count, 0)));

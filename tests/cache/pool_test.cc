@@ -469,6 +469,72 @@ TEST_F(PoolTest, CommitBatchChecksEveryItemThenCommitsInOrder) {
   EXPECT_THAT(done.results[0].counts, ElementsAre(2, 2));
 }
 
+// A SessionRef serves the calls of one RPC with one lookup; a session that ends after the lookup
+// answers every call through the handle as an unknown session does, and nothing changes.
+TEST_F(PoolTest, SessionRefCallsAndASessionEndedAfterTheLookup) {
+  absl::StatusOr<SessionRef> ref = pool_.pool.FindSession(session_);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_EQ(ref->id(), session_);
+  EXPECT_EQ(ref->tenant(), "default");
+  EXPECT_EQ(ref->layout().num_layers, layout_.num_layers);
+  EXPECT_EQ(ref->num_blocks(), 40);
+  EXPECT_THAT(pool_.pool.FindSession("no-such-session").status(),
+              StatusIs(absl::StatusCode::kNotFound, "session no-such-session not found"));
+  EXPECT_THAT(pool_.pool.Reserve(*ref, "no-such-seq", 1, {}, {}).status(),
+              StatusIs(absl::StatusCode::kNotFound,
+                       "sequence no-such-seq not found in session " + session_));
+
+  // Through the handle as by id: reserve, commit (alone and in a batch given the handle).
+  auto r1 = pool_.pool.Reserve(*ref, seq_, 2, {}, {});
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  auto c1 = pool_.pool.Commit(*ref, seq_, r1->reservation_id, false);
+  ASSERT_TRUE(c1.ok()) << c1.status();
+  EXPECT_THAT(c1->counts, ElementsAre(2, 2));
+  auto r2 = pool_.pool.Reserve(*ref, seq_, 1, {}, {});
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  const std::vector<CommitItem> items = {{session_, seq_, r2->reservation_id}};
+  const std::vector<SessionRef> found = {*ref};
+  CommitBatchResult batch = pool_.pool.CommitBatch(items, found);
+  ASSERT_TRUE(batch.status.ok()) << batch.status;
+  EXPECT_THAT(batch.results[0].counts, ElementsAre(3, 3));
+  auto layout = pool_.pool.GetLayout(*ref, seq_, {}, false);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(layout->next_position, 3);
+  auto pending = pool_.pool.Reserve(*ref, seq_, 1, {}, {});
+  ASSERT_TRUE(pending.ok()) << pending.status();
+
+  // The session ends while the handle is held: every call answers NOT_FOUND for the session.
+  ASSERT_TRUE(pool_.pool.Detach(session_).ok());
+  const std::string gone = "session " + session_ + " not found";
+  EXPECT_THAT(pool_.pool.FindSession(session_).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(pool_.pool.Reserve(*ref, seq_, 1, {}, {}).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(pool_.pool.Commit(*ref, seq_, pending->reservation_id, false).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  const std::vector<CommitItem> late = {{session_, seq_, pending->reservation_id}};
+  CommitBatchResult late_batch = pool_.pool.CommitBatch(late, found);
+  EXPECT_EQ(late_batch.failed, 0);
+  EXPECT_THAT(late_batch.status, StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(pool_.pool.GetLayout(*ref, seq_, {}, false).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(pool_.pool.Compress(*ref, seq_, CompressParams{}).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(pool_.pool.Score(*ref, seq_, ScoreParams{}).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  DecodeItem decode;
+  decode.session_id = session_;
+  decode.sequence_id = seq_;
+  EXPECT_THAT(pool_.pool.DecodeStep({decode}, found).status(),
+              StatusIs(absl::StatusCode::kNotFound, "items[0]: " + gone));
+  SelectItem select;
+  select.session_id = session_;
+  select.sequence_id = seq_;
+  EXPECT_THAT(pool_.pool.Select({select}, found).status(),
+              StatusIs(absl::StatusCode::kNotFound, "items[0]: " + gone));
+  EXPECT_EQ(pool_.pool.GetStats().sessions, 0);
+}
+
 TEST_F(PoolTest, StrictReserveThatCannotFitEvictsNothing) {
   // 40 blocks of 4 tokens, 2 layers. A strict N = 6, N_b = 8 sequence holding 8 tokens per layer
   // (2 blocks each) must evict to 6 (still 2 blocks) and then needs 2 more blocks per layer; the
