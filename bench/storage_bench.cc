@@ -92,10 +92,19 @@ struct Fixture {
     const int32_t tokens = static_cast<int32_t>(kBytes / (attach.layout.token_bytes() * 32));
     for (int32_t done = 0; done < tokens; done += 256) {
       Reservation r = *pool->Reserve(session, sequence, 256, {}, {});
+      // Varied fp16 values that are all finite (a commit refuses NaN and inf): any low byte,
+      // a high byte whose exponent bits are never all ones.
       std::vector<uint8_t> payload(r.payload_bytes);
-      for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 131 + done);
-      (void)pool->WriteReserved(session, sequence, r.reservation_id, 0, payload);
-      (void)pool->Commit(session, sequence, r.reservation_id, false);
+      for (size_t i = 0; i < payload.size(); ++i) {
+        payload[i] = i % 2 == 1 ? static_cast<uint8_t>(0x38 | (i >> 1 & 3))
+                                : static_cast<uint8_t>(i * 131 + done);
+      }
+      absl::Status written = pool->WriteReserved(session, sequence, r.reservation_id, 0, payload);
+      if (written.ok()) written = pool->Commit(session, sequence, r.reservation_id, false).status();
+      if (!written.ok()) {
+        std::fprintf(stderr, "filling the sequence failed: %s\n", written.ToString().c_str());
+        std::exit(1);
+      }
     }
   }
   FakeClock clock;
