@@ -107,6 +107,10 @@ struct Fixture {
       }
     }
   }
+  // Buffers the pool and tiers give back while they go must not reach the backend that goes
+  // before the tiers: forget the pinner first (the server does the same at shutdown).
+  ~Fixture() { SpillBuffers::Default().SetPinner({}); }
+
   FakeClock clock;
   std::unique_ptr<storage::TierManager> tiers;
   std::unique_ptr<Backend> backend;

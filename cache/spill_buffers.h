@@ -100,8 +100,7 @@ class SpillBuffers {
         idle_.erase(it);
       }
     }
-    if (out.capacity() < bytes) {
-      if (out.capacity() > 0) Unpin(out.data());  // reserve() frees the old allocation
+    if (out.capacity() < bytes) {  // no idle buffer fits: a fresh one
       out.reserve(bytes);
       AdviseHugePages(out.data(), bytes);
       Pin(out);
@@ -130,15 +129,10 @@ class SpillBuffers {
     for (std::string& buffer : buffers) Give(std::move(buffer));
   }
 
-  // `data` as an immutable shared copy whose layer buffers come back here when its last
-  // reference goes (the host tier's copies).
+  // `data` as an immutable shared copy; its layer buffers come back here when its last
+  // reference goes (the host tiers' copies), as every SpilledSequence's do when it is destroyed.
   std::shared_ptr<const SpilledSequence> Share(SpilledSequence data) {
-    return std::shared_ptr<const SpilledSequence>(
-        new SpilledSequence(std::move(data)), [this](const SpilledSequence* sequence) {
-          // The last owner: nothing else reads the buffers any more.
-          Give(std::move(const_cast<SpilledSequence*>(sequence)->layers));
-          delete sequence;
-        });
+    return std::make_shared<const SpilledSequence>(std::move(data));
   }
 
   size_t idle_bytes() const {
