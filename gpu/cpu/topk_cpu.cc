@@ -69,20 +69,29 @@ void TopKRow(const TopKJob& job, int32_t row, TopKScratch& scratch) {
   std::vector<uint32_t>& keys = scratch.keys;
   std::vector<int32_t>& candidates = scratch.candidates;
   std::vector<int32_t>& spare = scratch.spare;
-  keys.resize(n);
   int32_t num_forced = 0;
-  for (int32_t s = 0; s < n; ++s) keys[s] = ScoreKey(scores[s]);
   if (forced != nullptr) {
     for (int32_t s = 0; s < n; ++s) num_forced += forced[s] != 0 ? 1 : 0;
   }
   const int32_t wanted = job.k - num_forced;
   const int32_t num_candidates = n - num_forced;
+  if (wanted <= 0 || wanted >= num_candidates) {
+    // Nothing to rank (StreamingLLM's sinks + window fill the budget, or every slot fits): the
+    // forced slots, or every slot, in slot order, without reading a score.
+    int32_t written = 0;
+    const bool forced_only = wanted <= 0 && forced != nullptr;
+    for (int32_t s = 0; s < n && written < job.k; ++s) {
+      if (!forced_only || forced[s] != 0) kept[written++] = s;
+    }
+    return;
+  }
+  keys.resize(n);
+  for (int32_t s = 0; s < n; ++s) keys[s] = ScoreKey(scores[s]);
 
   // Keep every candidate whose key is above `threshold`, plus those whose key equals it and
   // whose position is at most `tie_position_limit`.
-  const bool keep_all = wanted >= num_candidates;
   const int32_t drop = num_candidates - wanted;
-  if (!keep_all && wanted > 0 && drop <= kFewDropped) {
+  if (drop <= kFewDropped) {
     // A decode step drops one token or a few: find the `drop` worst candidates (lowest key,
     // then highest position) in one pass over a tiny sorted list, and keep everything else.
     struct Worst {
@@ -126,7 +135,7 @@ void TopKRow(const TopKJob& job, int32_t row, TopKScratch& scratch) {
   }
   uint32_t threshold = 0;
   int32_t tie_position_limit = std::numeric_limits<int32_t>::max();
-  if (!keep_all && wanted > 0) {
+  {
     // Radix select of the wanted-th largest key: per digit, count the candidates per digit
     // value, find the value holding the wanted-th largest and keep only those candidates for
     // the next digit. The first digit reads the keys directly, the later ones the few slots left.
@@ -179,16 +188,9 @@ void TopKRow(const TopKJob& job, int32_t row, TopKScratch& scratch) {
   // Emitting in slot order gives the ascending output without sorting the kept set.
   int32_t written = 0;
   for (int32_t s = 0; s < n && written < job.k; ++s) {
-    bool keep;
-    if (forced != nullptr && forced[s] != 0) {
-      keep = true;
-    } else if (keep_all) {
-      keep = true;
-    } else if (wanted <= 0) {
-      keep = false;
-    } else {
-      keep = keys[s] > threshold || (keys[s] == threshold && positions[s] <= tie_position_limit);
-    }
+    const bool keep =
+        (forced != nullptr && forced[s] != 0) || keys[s] > threshold ||
+        (keys[s] == threshold && positions[s] <= tie_position_limit);
     if (keep) kept[written++] = s;
   }
 }
