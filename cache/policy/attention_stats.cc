@@ -139,6 +139,27 @@ int64_t NthSetBit(const std::vector<uint64_t>& words, int64_t rank, bool from_lo
 }
 }  // namespace
 
+bool HoldsConsecutivePositions(const int32_t* positions, int32_t n) {
+  if (n == 0) return true;
+  // Unsigned differences from the expected value, OR-ed: zero iff every slot matches. Fixed
+  // 16-wide chunks let the compiler vectorise the scan at -O2 (its cheap cost model takes only
+  // loops with a known trip count); an 8K-slot row per head per layer adds up on a compress.
+  const uint32_t first = static_cast<uint32_t>(positions[0]);
+  uint32_t diff = 0;
+  int32_t s = 0;
+  for (; s + 16 <= n; s += 16) {
+    uint32_t chunk = 0;
+    for (int32_t j = 0; j < 16; ++j) {
+      chunk |= static_cast<uint32_t>(positions[s + j]) - (first + static_cast<uint32_t>(s + j));
+    }
+    diff |= chunk;
+    if (diff != 0) return false;
+  }
+  for (; s < n; ++s) diff |= static_cast<uint32_t>(positions[s]) - (first + static_cast<uint32_t>(s));
+  // Unsigned steps wrap from INT32_MAX to INT32_MIN; consecutive ints never do.
+  return diff == 0 && positions[n - 1] >= positions[0];
+}
+
 void MarkSinksAndRecent(const int32_t* positions, int32_t n, int32_t sinks, int32_t recent,
                         std::vector<int32_t>& scratch, std::vector<uint64_t>& bitmap,
                         uint8_t* forced) {
@@ -159,7 +180,12 @@ void MarkSinksAndRecent(const int32_t* positions, int32_t n, int32_t sinks, int3
   int64_t recent_limit = 0;
   const auto [low, high] = std::minmax_element(positions, positions + n);
   const int64_t span = int64_t{*high} - *low + 1;
-  if (span <= 64 * int64_t{n}) {
+  if (span == n) {
+    // Distinct positions filling [low, high] (nothing evicted yet, or only from the ends, as
+    // StreamingLLM leaves it): the limits are known without ranking anything.
+    sink_limit = int64_t{*low} + sinks - 1;
+    recent_limit = int64_t{*high} - recent + 1;
+  } else if (span <= 64 * int64_t{n}) {
     bitmap.assign(static_cast<size_t>((span + 63) / 64), 0);
     for (int32_t s = 0; s < n; ++s) {
       const int64_t offset = int64_t{positions[s]} - *low;

@@ -42,6 +42,10 @@ void SumQueryRows(absl::Span<const float> probs, int32_t num_q_heads, int32_t nu
 void GqaMean(absl::Span<const float> in, int32_t num_q_heads, int32_t num_kv_heads, int32_t count,
              absl::Span<float> out);
 
+// Whether slot s holds position positions[0] + s for every s < n (a row nothing was evicted from
+// yet, or only its newest tokens): its sinks and recent window are then its first and last slots.
+bool HoldsConsecutivePositions(const int32_t* positions, int32_t n);
+
 // Marks in `forced` (n entries) the slots holding the `sinks` lowest and the `recent` highest of
 // the n distinct `positions` (a head's protected tokens). O(n): positions usually span little
 // more than n values, so the two limits come from a bitmap of the span; a sparse span takes two

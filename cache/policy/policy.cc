@@ -191,6 +191,8 @@ absl::Status ScoredPolicy::Select(Backend& backend, Phase phase,
         std::iota(layer.kept.begin() + int64_t{h} * count,
                   layer.kept.begin() + int64_t{h + 1} * count, 0);
       }
+    } else if (layer.keep > 0 && !RanksTokens()) {
+      KVS_RETURN_IF_ERROR(KeepProtected(phase, layer));
     } else if (layer.keep > 0) {
       active.push_back(layer);
     }
@@ -251,6 +253,37 @@ absl::Status ScoredPolicy::Select(Backend& backend, Phase phase,
       const bool is_forced = jobs[i].forced != nullptr && jobs[i].forced[j] != 0;
       active[i].scores_out[j] =
           is_forced ? std::numeric_limits<float>::infinity() : score_ptrs[i][j];
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ScoredPolicy::KeepProtected(Phase phase, const LayerSelection& layer) const {
+  const Protection protection = Protect(phase, layer);
+  if (protection.sinks < 0 || protection.recent < 0 ||
+      int64_t{protection.sinks} + protection.recent != layer.keep) {
+    return absl::InternalError(absl::StrCat("policy ", config().name, " protects ",
+                                            protection.sinks, " + ", protection.recent,
+                                            " tokens but must keep ", layer.keep));
+  }
+  const int32_t count = layer.keys.count;
+  std::vector<uint8_t> forced;
+  std::vector<int32_t> scratch;
+  std::vector<uint64_t> bitmap;
+  for (int32_t h = 0; h < layer.keys.num_kv_heads; ++h) {
+    const int32_t* positions = layer.positions.data() + int64_t{h} * count;
+    int32_t* kept = layer.kept.data() + int64_t{h} * layer.keep;
+    if (HoldsConsecutivePositions(positions, count)) {  // nothing evicted yet
+      std::iota(kept, kept + protection.sinks, 0);
+      std::iota(kept + protection.sinks, kept + layer.keep, count - protection.recent);
+      continue;
+    }
+    forced.resize(static_cast<size_t>(count));
+    MarkSinksAndRecent(positions, count, protection.sinks, protection.recent, scratch, bitmap,
+                       forced.data());
+    int32_t written = 0;
+    for (int32_t s = 0; s < count && written < layer.keep; ++s) {
+      if (forced[s] != 0) kept[written++] = s;
     }
   }
   return absl::OkStatus();

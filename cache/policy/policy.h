@@ -225,6 +225,16 @@ class ScoredPolicy : public Policy {
   // zeroed on entry, so a position-only policy may leave them alone.
   virtual absl::Status Score(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
                              absl::Span<float* const> scores) const = 0;
+
+  // False for a policy whose protected tokens always fill the budget and whose Score writes
+  // nothing (StreamingLLM): the selector then keeps the protected slots of a layer without
+  // zeroing, scoring or ranking its [H][count] slots, which at 8K tokens x 32 layers was most of
+  // such a compress. A dry run (scores_out) still takes the scored path.
+  virtual bool RanksTokens() const { return true; }
+
+ private:
+  // The protected slots of `layer`, ascending per head, into layer.kept (RanksTokens() false).
+  absl::Status KeepProtected(Phase phase, const LayerSelection& layer) const;
 };
 
 // An attention-based scorer (H2O, TOVA, SnapKV, CAKE): its raw scores are non-negative, per query

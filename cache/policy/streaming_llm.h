@@ -26,6 +26,7 @@ class StreamingLlmPolicy final : public ScoredPolicy {
   Protection Protect(Phase phase, const LayerSelection& layer) const override;
   absl::Status Score(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
                      absl::Span<float* const> scores) const override;
+  bool RanksTokens() const override { return false; }
 };
 
 // Validates config.streaming_llm ("policy.streaming_llm.n_sink ...") and fills its defaults.

@@ -86,6 +86,28 @@ TEST(MarkSinksAndRecentTest, ExtremePositionsDoNotOverflowTheSpan) {
   EXPECT_THAT(forced, ::testing::ElementsAre(1, 1, 0, 0));
 }
 
+TEST(HoldsConsecutivePositionsTest, EveryLengthAndEveryBrokenSlot) {
+  for (const int32_t n : {0, 1, 2, 15, 16, 17, 31, 32, 33, 100}) {
+    for (const int32_t first : {0, -40, 1000, INT32_MAX - 100}) {
+      std::vector<int32_t> positions(static_cast<size_t>(n));
+      std::iota(positions.begin(), positions.end(), first);
+      EXPECT_TRUE(HoldsConsecutivePositions(positions.data(), n)) << "n " << n;
+      for (int32_t s = 0; s < n && n > 1; ++s) {  // one slot off, in a chunk or the tail
+        std::vector<int32_t> broken = positions;
+        broken[s] += s == 0 ? -1 : 1;
+        EXPECT_FALSE(HoldsConsecutivePositions(broken.data(), n)) << "n " << n << " slot " << s;
+      }
+      if (n >= 2) {  // the same positions, two slots swapped
+        std::vector<int32_t> swapped = positions;
+        std::swap(swapped[n / 2 - 1], swapped[n / 2]);
+        EXPECT_FALSE(HoldsConsecutivePositions(swapped.data(), n)) << "n " << n;
+      }
+    }
+  }
+  const std::vector<int32_t> wrapped = {INT32_MAX, INT32_MIN};  // +1 in unsigned arithmetic only
+  EXPECT_FALSE(HoldsConsecutivePositions(wrapped.data(), 2));
+}
+
 TEST(SlotsByPositionTest, MatchesASortWithAndWithoutEligibility) {
   std::mt19937 rng(9);
   std::vector<int32_t> scratch, order;
