@@ -49,20 +49,39 @@ absl::StatusOr<AttentionScoredPolicy::RawRows> TovaPolicy::RawScores(
   // in a given slot (compaction is per head), so the mean is taken by position, over the query
   // heads whose kv head still holds the token.
   const int64_t rows_per_head = rows / heads;
+  raw.assign(static_cast<size_t>(heads * count), 0.0f);
+  const int32_t* positions = layer.positions.data();
+  bool same_slots = true;  // every kv head holds the same position in each slot
+  for (int64_t h = 1; h < heads && same_slots; ++h) {
+    same_slots = std::equal(positions, positions + count, positions + h * count);
+  }
+  if (same_slots) {
+    // The common case (all_heads keeps one set for every head): a column mean, summed in the
+    // same row order as the by-position mean below, so the result is the same to the bit.
+    std::vector<double> sums(static_cast<size_t>(count), 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = scores.data() + r * count;
+      for (int64_t s = 0; s < count; ++s) sums[s] += row[s];
+    }
+    for (int64_t s = 0; s < count; ++s) raw[s] = static_cast<float>(sums[s] / rows);
+    for (int64_t h = 1; h < heads; ++h) {
+      std::copy(raw.begin(), raw.begin() + count, raw.begin() + h * count);
+    }
+    return RawRows{raw, static_cast<int32_t>(heads)};
+  }
   absl::flat_hash_map<int32_t, std::pair<double, int32_t>> by_position;
   by_position.reserve(static_cast<size_t>(count));
   for (int64_t r = 0; r < rows; ++r) {
-    const int32_t* pos = layer.positions.data() + (r / rows_per_head) * count;
+    const int32_t* pos = positions + (r / rows_per_head) * count;
     for (int64_t s = 0; s < count; ++s) {
       auto& [sum, n] = by_position[pos[s]];
       sum += scores[r * count + s];
       ++n;
     }
   }
-  raw.assign(static_cast<size_t>(heads * count), 0.0f);
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t s = 0; s < count; ++s) {
-      const auto& [sum, n] = by_position.at(layer.positions[h * count + s]);
+      const auto& [sum, n] = by_position.at(positions[h * count + s]);
       raw[h * count + s] = static_cast<float>(sum / n);
     }
   }

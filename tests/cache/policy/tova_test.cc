@@ -15,6 +15,7 @@ namespace kvs {
 namespace {
 
 using ::testing::ElementsAre;
+using ::testing::ElementsAreArray;
 using ::testing::FloatNear;
 using ::testing::Pointwise;
 using testing_util::Identity;
@@ -118,6 +119,29 @@ TEST_F(TovaTest, AllHeadsMeansOverEveryQueryHeadByPosition) {
     EXPECT_THAT(round->scores,
                 ElementsAre(.125f, .1875f, .25f, .4375f, .4375f, .25f, .1875f, .125f));
   }
+}
+
+TEST_F(TovaTest, AllHeadsOnHeadsHoldingTheSameSlotsIsTheColumnMean) {
+  // Every kv head holds the same position in each slot (the usual case: all_heads keeps one set
+  // for all heads): 2 kv heads x 2 query heads each, 9 scrambled slots, distinct probabilities.
+  const std::vector<int32_t> order = {3, 0, 8, 6, 1, 5, 2, 7, 4};
+  const int32_t n = static_cast<int32_t>(order.size());
+  std::vector<float> probs;
+  for (int32_t q = 0; q < 4; ++q) {
+    for (int32_t s = 0; s < n; ++s) probs.push_back(static_cast<float>((q * 7 + s * 5) % 11 + 1));
+  }
+  std::vector<float> expected(static_cast<size_t>(2 * n));
+  for (int32_t s = 0; s < n; ++s) {
+    double sum = 0.0;
+    for (int32_t q = 0; q < 4; ++q) sum += probs[q * n + s];
+    expected[s] = expected[n + s] = static_cast<float>(sum / 4);
+  }
+  const auto policy = MakeTovaPolicy(Tova(true));
+  TestLayer layer({Values(n), Values(n)}, {order, order});
+  auto round = ObserveSelect(*policy, *backend_, Phase::kPrefill, layer, 4, probs, 1, 4);
+  ASSERT_TRUE(round.ok()) << round.status();
+  EXPECT_THAT(round->scores, ElementsAreArray(expected));
+  EXPECT_EQ(round->kept[0], round->kept[1]);
 }
 
 TEST_F(TovaTest, TiesKeepTheLowerPositionOnScrambledSlots) {
