@@ -182,8 +182,10 @@ KvPool::~KvPool() {
 
 SequenceEnv KvPool::EnvOf(Session& session) {
   session.mu.AssertHeld();
-  return session.Env(*backend_, options_.max_tokens_per_call, &tokens_appended_,
-                     &tokens_evicted_);
+  SequenceEnv env = session.Env(*backend_, options_.max_tokens_per_call, &tokens_appended_,
+                                &tokens_evicted_);
+  env.host_pool = decode_pool_.get();
+  return env;
 }
 
 // ---- Sessions ----

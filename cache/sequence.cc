@@ -12,6 +12,7 @@
 #include "gpu/base/checked_math.h"
 #include "gpu/base/finite.h"
 #include "gpu/base/status_macros.h"
+#include "gpu/cpu/thread_pool.h"
 
 namespace kvs {
 namespace {
@@ -1450,32 +1451,55 @@ absl::Status Sequence::ChooseKept(const SequenceEnv& env, const Policy& policy, 
   return policy.Select(env.backend, phase, choice.selections);
 }
 
-absl::Status Sequence::PlanEvictions(absl::Span<const int32_t> victims,
+absl::Status Sequence::PlanEvictions(const SequenceEnv& env, absl::Span<const int32_t> victims,
                                      absl::Span<const int32_t> keep,
                                      absl::Span<const std::vector<int32_t>> kept,
                                      std::vector<CompactionPlan>& plans,
                                      Eviction& eviction) const {
-  const int32_t heads = layout_.num_kv_heads;
   plans.resize(victims.size());
-  std::vector<uint8_t> is_kept;
-  for (size_t i = 0; i < victims.size(); ++i) {
+  std::vector<absl::Status> statuses(victims.size());
+  // Layers are planned independently (reads of this sequence's tables, writes to their own
+  // plan and row of evicted_positions), so they run side by side on the host threads.
+  auto plan_layer = [&](int64_t i) {
     const int32_t l = victims[i];
     const LayerState& state = layers_[l];
-    KVS_ASSIGN_OR_RETURN(plans[i], PlanCompaction(layout_, state.blocks, state.count, keep[l],
-                                                  kept[i], state.positions));
-    std::vector<int32_t>& lowest = eviction.evicted_positions[l];
-    lowest.assign(heads, -1);
-    for (int32_t h = 0; h < heads; ++h) {
-      is_kept.assign(state.count, 0);
-      for (int32_t t = 0; t < keep[l]; ++t) is_kept[kept[i][int64_t{h} * keep[l] + t]] = 1;
-      for (int32_t s = 0; s < state.count; ++s) {
-        if (is_kept[s] != 0) continue;
-        const int32_t position = state.positions[h][s];
-        if (lowest[h] < 0 || position < lowest[h]) lowest[h] = position;
-      }
+    absl::StatusOr<CompactionPlan> plan =
+        PlanCompaction(layout_, state.blocks, state.count, keep[l], kept[i], state.positions);
+    if (!plan.ok()) {
+      statuses[i] = plan.status();
+      return;
     }
+    plans[i] = *std::move(plan);
+    LowestEvicted(state, keep[l], kept[i], eviction.evicted_positions[l]);
+  };
+  if (env.host_pool != nullptr) {
+    env.host_pool->ParallelFor(static_cast<int64_t>(victims.size()), plan_layer);
+  } else {
+    for (size_t i = 0; i < victims.size(); ++i) plan_layer(static_cast<int64_t>(i));
   }
+  for (const absl::Status& status : statuses) KVS_RETURN_IF_ERROR(status);
   return absl::OkStatus();
+}
+
+void Sequence::LowestEvicted(const LayerState& state, int32_t keep, absl::Span<const int32_t> kept,
+                             std::vector<int32_t>& lowest) const {
+  const int32_t heads = layout_.num_kv_heads;
+  lowest.assign(heads, -1);
+  for (int32_t h = 0; h < heads; ++h) {
+    // Kept slots ascend, so the evicted ones are the gaps between them: a min over each gap.
+    const int32_t* positions = state.positions[h].data();
+    const int32_t* kept_slots = kept.data() + int64_t{h} * keep;
+    int32_t low = std::numeric_limits<int32_t>::max();
+    int32_t from = 0;
+    bool evicts = false;
+    for (int32_t t = 0; t <= keep; ++t) {
+      const int32_t to = t < keep ? kept_slots[t] : state.count;
+      evicts |= from < to;
+      for (int32_t s = from; s < to; ++s) low = std::min(low, positions[s]);
+      from = to + 1;
+    }
+    if (evicts) lowest[h] = low;
+  }
 }
 
 absl::Status Sequence::ApplyCompaction(const SequenceEnv& env, absl::Span<const int32_t> victims,
@@ -1541,7 +1565,7 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
   // 2. Plan the compaction (blocks nobody keeps leave the table, then hole filling; no
   // mutation), and note what each head evicts.
   std::vector<CompactionPlan> plans;
-  KVS_RETURN_IF_ERROR(PlanEvictions(victims, keep, choice.kept, plans, eviction));
+  KVS_RETURN_IF_ERROR(PlanEvictions(env, victims, keep, choice.kept, plans, eviction));
 
   // 3. Merge evicted rows into kept ones (D2O) while every row is still in place. From here on
   // arena rows change: a failure can no longer be rolled back (gpu/backend.h errors only).

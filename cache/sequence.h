@@ -52,6 +52,8 @@
 
 namespace kvs {
 
+class ThreadPool;  // gpu/cpu/thread_pool.h
+
 struct CompactionPlan;  // cache/compaction.h
 
 // Stores (data non-null) or drops (null) a sequence's pinned host-tier entry; the sequence gives
@@ -72,6 +74,9 @@ struct SequenceEnv {
   std::atomic<int64_t>* tokens_evicted = nullptr;
   // Where retain_evicted sequences keep what they evict (null = such an eviction fails).
   const HostPin* host_pin = nullptr;
+  // Host threads for bookkeeping that touches no K/V (planning an eviction layer by layer); null
+  // runs it on the calling thread. A loop started inside another loop of the pool runs inline.
+  ThreadPool* host_pool = nullptr;
 };
 
 // `layers` as a request gives them: empty = all of [0, num_layers); else each in range and
@@ -344,9 +349,14 @@ class Sequence {
                           EvictChoice& choice);
   // 2: the compaction plan of every victim, and the lowest position each head evicts (no
   // mutation).
-  absl::Status PlanEvictions(absl::Span<const int32_t> victims, absl::Span<const int32_t> keep,
+  absl::Status PlanEvictions(const SequenceEnv& env, absl::Span<const int32_t> victims,
+                             absl::Span<const int32_t> keep,
                              absl::Span<const std::vector<int32_t>> kept,
                              std::vector<CompactionPlan>& plans, Eviction& eviction) const;
+  // The lowest position each head of `state` evicts when it keeps the slots `kept` ([H][keep]);
+  // -1 for a head that evicts nothing.
+  void LowestEvicted(const LayerState& state, int32_t keep, absl::Span<const int32_t> kept,
+                     std::vector<int32_t>& lowest) const;
   // 4: moves the rows, publishes the new tables and positions, compacts the policy state the
   // same way and frees the blocks past the new ends.
   absl::Status ApplyCompaction(const SequenceEnv& env, absl::Span<const int32_t> victims,
