@@ -3,8 +3,8 @@
 CPU (issue 20).
 
 Shape: one sequence of --tokens tokens (8192) in --layers layers (32), 8 kv heads, 32 query heads,
-head dim 128, fp16, block 16, compressed to --budget (2048) tokens per layer; the attention
-policies get the post-RoPE queries of the last 32 tokens.
+head dim 128, fp16, block 16, compressed to --budget (2048) tokens per layer; SnapKV and
+PyramidKV get the post-RoPE queries of the last 32 tokens, TOVA the newest one (all it reads).
 
 - kvpress: `press.compress(module, hidden_states, keys, values, None, kwargs)` for every layer,
   the call kvpress's forward hook makes, on [1][H][T][D] fp16 tensors (`torch.set_num_threads`
@@ -148,9 +148,13 @@ def main():
         "snapkv": kvs.policy("snapkv", window=W, kernel_size=7),
         "pyramidkv": kvs.policy("snapkv", allocator=pyramid, window=W, kernel_size=7),
     }
-    window_policies = {"tova", "snapkv", "pyramidkv"}
-    attention = kvs.attention(queries.numpy(), query_positions=list(range(T - W, T)),
-                              softmax_scale=scale)
+    window = kvs.attention(queries.numpy(), query_positions=list(range(T - W, T)),
+                           softmax_scale=scale)
+    # TOVA reads the newest query's attention alone (tova.md), so its worker sends just that
+    # query; the window policies get the whole window.
+    last = kvs.attention(np.ascontiguousarray(queries.numpy()[:, :, -1:]), query_positions=[T - 1],
+                         softmax_scale=scale)
+    attention_of = {"tova": last, "snapkv": window, "pyramidkv": window}
     # Per layer, K/V block-major as the arena holds them: [T/B][2][H][B][D].
     blocks = [np.ascontiguousarray(
         torch.stack((keys[i, 0], values[i, 0])).view(2, H, T // B, B, D).permute(2, 0, 1, 3, 4)
@@ -174,7 +178,7 @@ def main():
             first = i == 0
             t0 = time.perf_counter()
             response = session.compress(seq, budget_tokens=budget,
-                                        attention=attention if name in window_policies else None,
+                                        attention=attention_of.get(name),
                                         return_positions=first)
             elapsed = (time.perf_counter() - t0) * 1e3
             if first:
