@@ -103,10 +103,12 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
       grpc::CallbackServerContext* context,
       const ::kvsidecar::v1::CancelReservationRequest* request,
       ::kvsidecar::v1::CancelReservationResponse* response) override;
-  // All or nothing: every item is validated (ids, sizes, repeats, existence) before the first
-  // reservation; if reserving item i still fails, the reservations of items < i are cancelled
-  // and the call fails with "requests[i]: ...". Caveat: a strict-budget item evicts before it
-  // reserves, and that eviction is not undone by the rollback.
+  // All or nothing: every item is validated once (ids, sizes, repeats, session, layers), then
+  // the pool finds every item's sequence before the first reservation (KvPool::ReserveBatch), so
+  // a bad field of any item is reported before a missing sequence; if reserving item i still
+  // fails, the reservations of items < i are cancelled and the call fails with
+  // "requests[i]: ...". Caveat: a strict-budget item evicts before it reserves, and that
+  // eviction is not undone by the rollback.
   grpc::ServerUnaryReactor* BatchReserve(grpc::CallbackServerContext* context,
                                          const ::kvsidecar::v1::BatchReserveRequest* request,
                                          ::kvsidecar::v1::BatchReserveResponse* response) override;
