@@ -520,12 +520,11 @@ absl::StatusOr<Reservation> KvPool::Reserve(const SessionRef& session,
                                             absl::Span<const int32_t> positions,
                                             absl::Span<const int32_t> layers) {
   KVS_RETURN_IF_ERROR(ledger_->CheckArenaGrowth(session.tenant()));
-  return OnSequence(
-      Of(session), sequence_id,
-      [&](Sequence& sequence, const SequenceEnv& env,
-          Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) -> absl::StatusOr<Reservation> {
-        return ReserveLocked(s, sequence, env, num_tokens, positions, layers);
-      });
+  return OnSequence(Of(session), sequence_id,
+                    [&](Sequence& sequence, const SequenceEnv& env, Session& s)
+                        ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) -> absl::StatusOr<Reservation> {
+                          return ReserveLocked(s, sequence, env, num_tokens, positions, layers);
+                        });
 }
 
 absl::StatusOr<Reservation> KvPool::ReserveLocked(Session& s, Sequence& sequence,
@@ -593,8 +592,8 @@ absl::StatusOr<std::vector<Reservation>> KvPool::ReserveBatch(absl::Span<const R
     }
     (*sequence)->Touch(now);
     absl::StatusOr<Reservation> reservation =
-        ReserveLocked(session, **sequence, EnvOf(session), items[i].num_tokens,
-                      items[i].positions, items[i].layers);
+        ReserveLocked(session, **sequence, EnvOf(session), items[i].num_tokens, items[i].positions,
+                      items[i].layers);
     session.free_blocks_hint = session.allocator.free_blocks();
     if (!reservation.ok()) {
       status = reservation.status();

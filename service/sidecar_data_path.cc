@@ -64,11 +64,10 @@ grpc::ServerUnaryReactor* SidecarService::Commit(grpc::CallbackServerContext* co
     if (request->has_attention()) {
       KVS_ASSIGN_OR_RETURN(attention, AttentionFromProto(request->attention(), session.layout()));
     }
-    KVS_ASSIGN_OR_RETURN(
-        CommitResult result,
-        pool_->Commit(session, request->sequence_id(), request->reservation_id(),
-                      request->compress_if_over_budget(),
-                      attention.has_value() ? &*attention : nullptr));
+    KVS_ASSIGN_OR_RETURN(CommitResult result,
+                         pool_->Commit(session, request->sequence_id(), request->reservation_id(),
+                                       request->compress_if_over_budget(),
+                                       attention.has_value() ? &*attention : nullptr));
     CommitResultToProto(result, response);
     return absl::OkStatus();
   });
@@ -180,7 +179,8 @@ grpc::ServerUnaryReactor* SidecarService::DecodeStep(grpc::CallbackServerContext
                          ItemsFromProto(request->items(), sessions, &DecodeItemFromProto));
     // The pool validates every item again (reservations, positions, attention sizes) before it
     // changes anything, and prefixes its errors with "items[i]: ".
-    KVS_ASSIGN_OR_RETURN(std::vector<DecodeResult> results, pool_->DecodeStep(items, sessions.found()));
+    KVS_ASSIGN_OR_RETURN(std::vector<DecodeResult> results,
+                         pool_->DecodeStep(items, sessions.found()));
     if (results.size() != items.size()) {
       return absl::InternalError(absl::StrCat("DecodeStep: the pool returned ", results.size(),
                                               " results for ", items.size(), " items"));

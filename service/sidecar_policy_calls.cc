@@ -207,8 +207,7 @@ grpc::ServerUnaryReactor* SidecarService::Select(grpc::CallbackServerContext* co
     KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_ASSIGN_OR_RETURN(std::vector<SelectItem> items,
                          ItemsFromProto(request->items(), sessions, &SelectItemFromProto));
-    KVS_ASSIGN_OR_RETURN(std::vector<SelectResult> results,
-                         pool_->Select(items, sessions.found()));
+    KVS_ASSIGN_OR_RETURN(std::vector<SelectResult> results, pool_->Select(items, sessions.found()));
     for (const SelectResult& result : results) SelectResultToProto(result, response->add_items());
     return absl::OkStatus();
   });

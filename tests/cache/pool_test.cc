@@ -563,8 +563,10 @@ TEST_F(PoolTest, MoreSessionRefCallsAndASessionEndedAfterTheLookup) {
   auto layout = pool_.pool.GetLayout(*ref, seq_, {}, false);
   ASSERT_TRUE(layout.ok()) << layout.status();
   std::vector<uint8_t> by_ref(64), by_id(64);
-  ASSERT_TRUE(pool_.pool.ReadExport(*ref, seq_, {}, layout->version, 0, absl::MakeSpan(by_ref)).ok());
-  ASSERT_TRUE(pool_.pool.ReadExport(session_, seq_, {}, layout->version, 0, absl::MakeSpan(by_id)).ok());
+  ASSERT_TRUE(
+      pool_.pool.ReadExport(*ref, seq_, {}, layout->version, 0, absl::MakeSpan(by_ref)).ok());
+  ASSERT_TRUE(
+      pool_.pool.ReadExport(session_, seq_, {}, layout->version, 0, absl::MakeSpan(by_id)).ok());
   EXPECT_EQ(by_ref, by_id);
 
   // A batch with a missing sequence reserves nothing.
