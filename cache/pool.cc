@@ -388,11 +388,28 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
                                                        const SequenceParams& params) {
   if (!params.from_prefix.empty()) return CreateFromPrefix(session_id, params);
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, sessions_->Find(session_id));
+  return CreateInSession(*session, params);
+}
+
+absl::StatusOr<SequenceCreated> KvPool::CreateSequence(const SessionRef& ref,
+                                                       const SequenceParams& params) {
+  if (!params.from_prefix.empty()) return CreateFromPrefix(ref.id(), params, &ref);
+  Session& session = Of(ref);
+  {
+    // A session that ended since the lookup answers as by id, before its parameters are checked.
+    absl::MutexLock lock(&session.mu);
+    if (session.dead) return SessionGone(session.id);
+  }
+  return CreateInSession(session, params);
+}
+
+absl::StatusOr<SequenceCreated> KvPool::CreateInSession(Session& session,
+                                                        const SequenceParams& params) {
   if (params.retain_evicted && !mover_->has_tiers()) {
     return absl::FailedPreconditionError(
         "retain_evicted needs the host tier, which this pool was built without");
   }
-  const int32_t num_layers = session->layout.num_layers;
+  const int32_t num_layers = session.layout.num_layers;
   PolicyConfig policy_config = params.policy.value_or(default_policy());
   // What the sequence's kind makes of the parameters (OmniKV's defaults and refusals).
   KVS_ASSIGN_OR_RETURN(const SequenceAdmission admission,
@@ -401,30 +418,31 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(std::string_view session_
   KVS_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, MakePolicy(policy_config));
   BudgetConfig budget = admission.Budget(params.budget.value_or(default_budget()));
   const int64_t per_layer_capacity =
-      int64_t{session->num_blocks / num_layers} * session->layout.block_tokens;
+      int64_t{session.num_blocks / num_layers} * session.layout.block_tokens;
   KVS_RETURN_IF_ERROR(CheckBudgetTokens(budget, per_layer_capacity, options_.max_tokens_per_call));
   KVS_RETURN_IF_ERROR(CheckPerLayerTokens(budget, num_layers, per_layer_capacity));
   KVS_RETURN_IF_ERROR(admission.CheckLayerWindows(params.layer_windows));
   KVS_RETURN_IF_ERROR(CheckLayerWindows(params.layer_windows, num_layers));
   if (!params.sequence_id.empty()) KVS_RETURN_IF_ERROR(ValidateSequenceId(params.sequence_id));
 
-  absl::MutexLock lock(&session->mu);
-  KVS_ASSIGN_OR_RETURN(const std::string id, AdmitSequenceLocked(*session, params.sequence_id));
+  absl::MutexLock lock(&session.mu);
+  KVS_ASSIGN_OR_RETURN(const std::string id, AdmitSequenceLocked(session, params.sequence_id));
   SequenceCreated created{id, policy->config(), budget};
   auto sequence =
-      std::make_unique<Sequence>(id, session->layout, std::move(policy), budget, clock_->Now());
+      std::make_unique<Sequence>(id, session.layout, std::move(policy), budget, clock_->Now());
   sequence->set_retain_evicted(params.retain_evicted);
   // All zeros is no window at all: the sequence then runs exactly as one without.
   if (std::any_of(params.layer_windows.begin(), params.layer_windows.end(),
                   [](int32_t w) { return w > 0; })) {
     sequence->set_layer_windows(params.layer_windows);
   }
-  session->sequences.emplace(id, std::move(sequence));
+  session.sequences.emplace(id, std::move(sequence));
   return created;
 }
 
 absl::StatusOr<SequenceCreated> KvPool::CreateFromPrefix(std::string_view session_id,
-                                                         const SequenceParams& params) {
+                                                         const SequenceParams& params,
+                                                         const SessionRef* found) {
   if (!mover_->has_tiers()) {
     return absl::UnimplementedError(
         "from_prefix needs storage tiers, which this pool was built without");
@@ -440,7 +458,15 @@ absl::StatusOr<SequenceCreated> KvPool::CreateFromPrefix(std::string_view sessio
         "published with)");
   }
   if (!params.sequence_id.empty()) KVS_RETURN_IF_ERROR(ValidateSequenceId(params.sequence_id));
-  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, sessions_->Find(session_id));
+  std::shared_ptr<Session> session;
+  if (found != nullptr) {
+    session = found->session_;
+    // A session that ended since the lookup answers as the lookup by id would have.
+    absl::MutexLock lock(&session->mu);
+    if (session->dead) return SessionGone(session->id);
+  } else {
+    KVS_ASSIGN_OR_RETURN(session, sessions_->Find(session_id));
+  }
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<const SpilledSequence> data,
                        mover_->ReadPrefix(*session, params));
   KVS_RETURN_IF_ERROR(ledger_->CheckRestore(
@@ -496,27 +522,112 @@ absl::StatusOr<Reservation> KvPool::Reserve(const SessionRef& session,
                                             absl::Span<const int32_t> positions,
                                             absl::Span<const int32_t> layers) {
   KVS_RETURN_IF_ERROR(ledger_->CheckArenaGrowth(session.tenant()));
-  return OnSequence(
-      Of(session), sequence_id,
-      [&](Sequence& sequence, const SequenceEnv& env,
-          Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) -> absl::StatusOr<Reservation> {
-        absl::StatusOr<Reservation> reservation =
-            sequence.Reserve(env, s.next_reservation_id, num_tokens, positions, layers);
-        // Arena full: demote the session's least recently used other sequences to the host
-        // tier, one at a time, until the reservation fits (PoolOptions::spill_on_pressure).
-        while (!reservation.ok() &&
-               reservation.status().code() == absl::StatusCode::kResourceExhausted &&
-               options_.spill_on_pressure && mover_->DemoteOneLocked(s, sequence, env)) {
-          reservation = sequence.Reserve(env, s.next_reservation_id, num_tokens, positions, layers);
-        }
-        if (reservation.ok()) ++s.next_reservation_id;
-        return reservation;
-      });
+  return OnSequence(Of(session), sequence_id,
+                    [&](Sequence& sequence, const SequenceEnv& env, Session& s)
+                        ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) -> absl::StatusOr<Reservation> {
+                          return ReserveLocked(s, sequence, env, num_tokens, positions, layers);
+                        });
+}
+
+absl::StatusOr<Reservation> KvPool::ReserveLocked(Session& s, Sequence& sequence,
+                                                  const SequenceEnv& env, int32_t num_tokens,
+                                                  absl::Span<const int32_t> positions,
+                                                  absl::Span<const int32_t> layers) {
+  s.mu.AssertHeld();
+  absl::StatusOr<Reservation> reservation =
+      sequence.Reserve(env, s.next_reservation_id, num_tokens, positions, layers);
+  // Arena full: demote the session's least recently used other sequences to the host tier, one
+  // at a time, until the reservation fits (PoolOptions::spill_on_pressure).
+  while (!reservation.ok() && reservation.status().code() == absl::StatusCode::kResourceExhausted &&
+         options_.spill_on_pressure && mover_->DemoteOneLocked(s, sequence, env)) {
+    reservation = sequence.Reserve(env, s.next_reservation_id, num_tokens, positions, layers);
+  }
+  if (reservation.ok()) ++s.next_reservation_id;
+  return reservation;
+}
+
+absl::StatusOr<std::vector<Reservation>> KvPool::ReserveBatch(absl::Span<const ReserveItem> items,
+                                                              absl::Span<const SessionRef> found,
+                                                              int32_t* failed) {
+  auto fail = [&](size_t i, absl::Status status) {
+    if (failed != nullptr) *failed = static_cast<int32_t>(i);
+    return status;
+  };
+  BatchSessions batch;
+  for (const SessionRef& session : found) batch.Add(session.session_);
+  size_t missing = 0;
+  if (absl::Status looked_up = batch.Find(*sessions_, items, &missing); !looked_up.ok()) {
+    return fail(missing, looked_up);
+  }
+  batch.LockAll();
+  // 1. Every item's sequence, before anything is reserved.
+  for (size_t i = 0; i < items.size(); ++i) {
+    Session& session = batch.of(i);
+    session.mu.AssertHeld();
+    if (absl::Status known = BatchSequenceLocked(session, items[i].sequence_id, *mover_).status();
+        !known.ok()) {
+      batch.UnlockAll();
+      return fail(i, known);
+    }
+  }
+  // 2. Reserve in order. Each item finds its sequence again: demotion under pressure may have
+  // moved a later item's sequence to the host tier (it then comes back as Reserve would bring
+  // it); an item with a reservation is never demoted, so the rollback finds what it cancels.
+  const absl::Time now = clock_->Now();
+  std::vector<Reservation> made;
+  std::vector<Sequence*> reserved;
+  made.reserve(items.size());
+  reserved.reserve(items.size());
+  absl::Status status;
+  size_t i = 0;
+  for (; i < items.size(); ++i) {
+    Session& session = batch.of(i);
+    session.mu.AssertHeld();
+    // The quota sees the items before this one: their sessions' free-block hints are current.
+    status = ledger_->CheckArenaGrowth(session.tenant);
+    if (!status.ok()) break;
+    absl::StatusOr<Sequence*> sequence =
+        BatchSequenceLocked(session, items[i].sequence_id, *mover_);
+    if (!sequence.ok()) {
+      status = sequence.status();
+      break;
+    }
+    (*sequence)->Touch(now);
+    absl::StatusOr<Reservation> reservation =
+        ReserveLocked(session, **sequence, EnvOf(session), items[i].num_tokens, items[i].positions,
+                      items[i].layers);
+    session.free_blocks_hint = session.allocator.free_blocks();
+    if (!reservation.ok()) {
+      status = reservation.status();
+      break;
+    }
+    made.push_back(*std::move(reservation));
+    reserved.push_back(*sequence);
+  }
+  if (!status.ok()) {
+    for (size_t j = 0; j < reserved.size(); ++j) {
+      Session& session = batch.of(j);
+      session.mu.AssertHeld();
+      // Cannot fail: the reservation is pending and its session locked since it was made.
+      reserved[j]->Cancel(EnvOf(session), made[j].reservation_id).IgnoreError();
+    }
+  }
+  batch.UnlockAll();
+  if (!status.ok()) return fail(i, status);
+  return made;
 }
 
 absl::Status KvPool::CancelReservation(std::string_view session_id, std::string_view sequence_id,
                                        uint64_t reservation_id) {
   return OnSequence(session_id, sequence_id,
+                    [&](Sequence& sequence, const SequenceEnv& env, Session&) {
+                      return sequence.Cancel(env, reservation_id);
+                    });
+}
+
+absl::Status KvPool::CancelReservation(const SessionRef& session, std::string_view sequence_id,
+                                       uint64_t reservation_id) {
+  return OnSequence(Of(session), sequence_id,
                     [&](Sequence& sequence, const SequenceEnv& env, Session&) {
                       return sequence.Cancel(env, reservation_id);
                     });
@@ -697,6 +808,15 @@ absl::Status KvPool::ReadExport(std::string_view session_id, std::string_view se
                                 absl::Span<const int32_t> layers, uint64_t version,
                                 uint64_t payload_offset, absl::Span<uint8_t> out) const {
   return OnSequence(session_id, sequence_id,
+                    [&](Sequence& sequence, const SequenceEnv& env, Session&) {
+                      return sequence.ReadExport(env, layers, version, payload_offset, out);
+                    });
+}
+
+absl::Status KvPool::ReadExport(const SessionRef& session, std::string_view sequence_id,
+                                absl::Span<const int32_t> layers, uint64_t version,
+                                uint64_t payload_offset, absl::Span<uint8_t> out) const {
+  return OnSequence(Of(session), sequence_id,
                     [&](Sequence& sequence, const SequenceEnv& env, Session&) {
                       return sequence.ReadExport(env, layers, version, payload_offset, out);
                     });

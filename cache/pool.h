@@ -60,6 +60,15 @@ class TenantLedger;  // cache/internal/tenant_ledger.h
 class TierMover;     // cache/internal/tier_mover.h
 class ThreadPool;    // gpu/cpu/thread_pool.h
 
+// One item of KvPool::ReserveBatch: Reserve's arguments. Views: they must outlive the call.
+struct ReserveItem {
+  std::string_view session_id;
+  std::string_view sequence_id;
+  int32_t num_tokens = 0;
+  absl::Span<const int32_t> positions;  // empty = next positions
+  absl::Span<const int32_t> layers;     // empty = all
+};
+
 class KvPool {
  public:
   // `backend` and `clock` must outlive the pool.
@@ -95,6 +104,8 @@ class KvPool {
   // Sequences.
   absl::StatusOr<SequenceCreated> CreateSequence(std::string_view session_id,
                                                  const SequenceParams& params);
+  absl::StatusOr<SequenceCreated> CreateSequence(const SessionRef& session,
+                                                 const SequenceParams& params);
   absl::StatusOr<ReleaseCounts> ReleaseSequence(std::string_view session_id,
                                                 std::string_view sequence_id);
 
@@ -114,6 +125,20 @@ class KvPool {
   // Drops a pending reservation, returning its blocks.
   absl::Status CancelReservation(std::string_view session_id, std::string_view sequence_id,
                                  uint64_t reservation_id);
+  absl::Status CancelReservation(const SessionRef& session, std::string_view sequence_id,
+                                 uint64_t reservation_id);
+  // The reservations of one BatchReserve, all or nothing, with one lookup per session: the
+  // batch's sessions are locked (in id order) for the whole call; every item's sequence is found
+  // (restored first when spilled) before any item reserves (a failure there reserves nothing),
+  // then the items reserve in order, each as Reserve does it (the tenant's arena quota, then
+  // the reservation, demoting under pressure); if item i fails, the reservations of items < i
+  // are cancelled under the same locks, so no other call saw them. On failure `*failed` (if not
+  // null) is the item whose error is returned. Caveat, as for Reserve: a strict-budget item
+  // evicts before it reserves, and the rollback does not undo that eviction.
+  // `found`: as for CommitBatch.
+  absl::StatusOr<std::vector<Reservation>> ReserveBatch(absl::Span<const ReserveItem> items,
+                                                        absl::Span<const SessionRef> found = {},
+                                                        int32_t* failed = nullptr);
   // OK if `reservation_id` is the sequence's pending reservation (the check Commit makes, with the
   // same codes and messages); changes nothing.
   absl::Status CheckReservation(std::string_view session_id, std::string_view sequence_id,
@@ -197,6 +222,9 @@ class KvPool {
   // Reads `out.size()` bytes at `payload_offset` of the export payload [layers][2][H][count][D]
   // (slot order) of `layers`, provided the sequence is still at `version` (ABORTED otherwise).
   absl::Status ReadExport(std::string_view session_id, std::string_view sequence_id,
+                          absl::Span<const int32_t> layers, uint64_t version,
+                          uint64_t payload_offset, absl::Span<uint8_t> out) const;
+  absl::Status ReadExport(const SessionRef& session, std::string_view sequence_id,
                           absl::Span<const int32_t> layers, uint64_t version,
                           uint64_t payload_offset, absl::Span<uint8_t> out) const;
 
@@ -306,9 +334,19 @@ class KvPool {
   // (ALREADY_EXISTS), the session's and the tenant's sequence limits (RESOURCE_EXHAUSTED). Then
   // counts the sequence for its tenant and returns its id (`requested`, or a fresh one if empty).
   absl::StatusOr<std::string> AdmitSequenceLocked(Session& session, const std::string& requested);
-  // CreateSequence with params.from_prefix.
+  // CreateSequence on a session already looked up, without params.from_prefix.
+  absl::StatusOr<SequenceCreated> CreateInSession(Session& session, const SequenceParams& params);
+  // CreateSequence with params.from_prefix. `found`: the session if the caller already looked it
+  // up (else it is looked up after the parameters are checked, as by id).
   absl::StatusOr<SequenceCreated> CreateFromPrefix(std::string_view session_id,
-                                                   const SequenceParams& params);
+                                                   const SequenceParams& params,
+                                                   const SessionRef* found = nullptr);
+  // Reserve's work on `sequence` with session.mu held: the reservation, demoting the session's
+  // least recently used other sequences while the arena is full (spill_on_pressure).
+  absl::StatusOr<Reservation> ReserveLocked(Session& session, Sequence& sequence,
+                                            const SequenceEnv& env, int32_t num_tokens,
+                                            absl::Span<const int32_t> positions,
+                                            absl::Span<const int32_t> layers);
   // Releases one sequence in the arena: its blocks and pinned host entries; its totals retired.
   ReleaseCounts ReleaseLocked(Session& session, Sequence& sequence);
   // Adds a released sequence's totals to its policy's.

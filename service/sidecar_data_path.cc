@@ -15,6 +15,7 @@
 #include "service/arena_fd_server.h"
 #include "service/convert.h"
 #include "service/internal/batch_items.h"
+#include "service/internal/session_lookups.h"
 #include "service/log.h"
 #include "service/rpc_guard.h"
 #include "service/sidecar_service.h"
@@ -28,32 +29,24 @@ using service_internal::CheckBatchSize;
 using service_internal::CheckNoRepeat;
 using service_internal::Item;
 using service_internal::ItemsFromProto;
-
-absl::Status SidecarService::CheckSequenceExists(const SessionRef& session,
-                                                 const std::string& sequence_id) const {
-  const int32_t first_layer[] = {0};
-  return pool_->GetLayout(session, sequence_id, first_layer, /*with_positions=*/false).status();
-}
+using service_internal::SessionLookups;
 
 grpc::ServerUnaryReactor* SidecarService::Reserve(grpc::CallbackServerContext* context,
                                                   const v1::ReserveRequest* request,
                                                   v1::ReserveResponse* response) {
   return RunUnary(context, "Reserve", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateReserveRequest(*request, pool_->options().max_tokens_per_call));
-    absl::StatusOr<Reservation> reservation;
+    // The handle the tenant check was made on; it also checks `layers` and serves the reservation.
+    KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request->session_id()));
     if (!request->layers().empty()) {
-      // The session's layer count checks `layers`; the same lookup serves the reservation.
-      KVS_ASSIGN_OR_RETURN(SessionRef session, pool_->FindSession(request->session_id()));
       KVS_RETURN_IF_ERROR(ValidateLayers(request->layers(), session.layout().num_layers, "layers"));
-      reservation = pool_->Reserve(session, request->sequence_id(), request->num_tokens(),
-                                   request->positions(), request->layers());
-    } else {
-      reservation = pool_->Reserve(request->session_id(), request->sequence_id(),
-                                   request->num_tokens(), request->positions(), request->layers());
     }
-    KVS_RETURN_IF_ERROR(reservation.status());
-    ReservationToProto(*reservation, response);
+    KVS_ASSIGN_OR_RETURN(Reservation reservation,
+                         pool_->Reserve(session, request->sequence_id(), request->num_tokens(),
+                                        request->positions(), request->layers()));
+    ReservationToProto(reservation, response);
     return absl::OkStatus();
   });
 }
@@ -62,22 +55,20 @@ grpc::ServerUnaryReactor* SidecarService::Commit(grpc::CallbackServerContext* co
                                                  const v1::CommitRequest* request,
                                                  v1::CommitResponse* response) {
   return RunUnary(context, "Commit", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateCommitRequest(*request));
-    absl::StatusOr<CommitResult> result;
+    // The handle the tenant check was made on; its layout sizes the attention.
+    KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request->session_id()));
+    std::optional<AttentionInput> attention;
     if (request->has_attention()) {
-      // The session's layout sizes the attention; the same lookup serves the commit.
-      KVS_ASSIGN_OR_RETURN(SessionRef session, pool_->FindSession(request->session_id()));
-      KVS_ASSIGN_OR_RETURN(AttentionInput attention,
-                           AttentionFromProto(request->attention(), session.layout()));
-      result = pool_->Commit(session, request->sequence_id(), request->reservation_id(),
-                             request->compress_if_over_budget(), &attention);
-    } else {
-      result = pool_->Commit(request->session_id(), request->sequence_id(),
-                             request->reservation_id(), request->compress_if_over_budget());
+      KVS_ASSIGN_OR_RETURN(attention, AttentionFromProto(request->attention(), session.layout()));
     }
-    KVS_RETURN_IF_ERROR(result.status());
-    CommitResultToProto(*result, response);
+    KVS_ASSIGN_OR_RETURN(CommitResult result,
+                         pool_->Commit(session, request->sequence_id(), request->reservation_id(),
+                                       request->compress_if_over_budget(),
+                                       attention.has_value() ? &*attention : nullptr));
+    CommitResultToProto(result, response);
     return absl::OkStatus();
   });
 }
@@ -86,10 +77,11 @@ grpc::ServerUnaryReactor* SidecarService::CancelReservation(
     grpc::CallbackServerContext* context, const v1::CancelReservationRequest* request,
     v1::CancelReservationResponse* response) {
   return RunUnary(context, "CancelReservation", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateCancelReservationRequest(*request));
-    return pool_->CancelReservation(request->session_id(), request->sequence_id(),
-                                    request->reservation_id());
+    KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request->session_id()));
+    return pool_->CancelReservation(session, request->sequence_id(), request->reservation_id());
   });
 }
 
@@ -97,52 +89,34 @@ grpc::ServerUnaryReactor* SidecarService::BatchReserve(grpc::CallbackServerConte
                                                        const v1::BatchReserveRequest* request,
                                                        v1::BatchReserveResponse* response) {
   return RunUnary(context, "BatchReserve", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     const int n = request->requests_size();
     KVS_RETURN_IF_ERROR(CheckBatchSize(n));
+    // One pass over the items checks what the request alone decides (fields, repeats, the
+    // session, layers against its layout); the pool then finds every item's sequence before
+    // reserving any (KvPool::ReserveBatch), and nothing is checked twice.
     absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
-    // Each session looked up once (a decode batch names one session many times); the handle
-    // serves the sequence check, the layer check and the reservation.
-    absl::flat_hash_map<std::string, SessionRef> sessions;
-    std::vector<SessionRef> session_of;  // per item
-    session_of.reserve(n);
+    std::vector<ReserveItem> items(n);
     for (int i = 0; i < n; ++i) {
       const v1::ReserveRequest& item = request->requests(i);
       KVS_RETURN_IF_ERROR(ValidateReserveRequest(item, pool_->options().max_tokens_per_call,
                                                  absl::StrCat(Item(i), ".")));
       KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
-      auto known = sessions.find(item.session_id());
-      if (known == sessions.end()) {
-        absl::StatusOr<SessionRef> session = pool_->FindSession(item.session_id());
-        KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
-        known = sessions.emplace(item.session_id(), *std::move(session)).first;
-      }
-      session_of.push_back(known->second);
-      KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "),
-                                     CheckSequenceExists(known->second, item.sequence_id())));
+      absl::StatusOr<SessionRef> session = sessions.Find(item.session_id());
+      KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
       if (!item.layers().empty()) {
-        KVS_RETURN_IF_ERROR(ValidateLayers(item.layers(), known->second.layout().num_layers,
+        KVS_RETURN_IF_ERROR(ValidateLayers(item.layers(), session->layout().num_layers,
                                            absl::StrCat(Item(i), ".layers")));
       }
+      items[i] = ReserveItem{item.session_id(), item.sequence_id(), item.num_tokens(),
+                             item.positions(), item.layers()};
     }
-    std::vector<Reservation> made;
-    made.reserve(n);
-    for (int i = 0; i < n; ++i) {
-      const v1::ReserveRequest& item = request->requests(i);
-      auto reservation = pool_->Reserve(session_of[i], item.sequence_id(), item.num_tokens(),
-                                        item.positions(), item.layers());
-      if (!reservation.ok()) {
-        for (int j = 0; j < i; ++j) {
-          const v1::ReserveRequest& done = request->requests(j);
-          absl::Status undo = pool_->CancelReservation(done.session_id(), done.sequence_id(),
-                                                       made[j].reservation_id);
-          if (!undo.ok()) LogRpcFailure("BatchReserve(rollback)", undo);
-        }
-        return WithPrefix(absl::StrCat(Item(i), ": "), reservation.status());
-      }
-      made.push_back(*std::move(reservation));
-    }
-    for (const Reservation& reservation : made) {
+    int32_t failed = 0;
+    absl::StatusOr<std::vector<Reservation>> made =
+        pool_->ReserveBatch(items, sessions.found(), &failed);
+    if (!made.ok()) return WithPrefix(absl::StrCat(Item(failed), ": "), made.status());
+    for (const Reservation& reservation : *made) {
       ReservationToProto(reservation, response->add_responses());
     }
     return absl::OkStatus();
@@ -153,16 +127,15 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
                                                       const v1::BatchCommitRequest* request,
                                                       v1::BatchCommitResponse* response) {
   return RunUnary(context, "BatchCommit", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    // The sessions the tenant check found (data auth on), and those sending attention (their
+    // layout sizes it), each looked up once; the pool uses these and looks up only the others.
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     const int n = request->requests_size();
     KVS_RETURN_IF_ERROR(CheckBatchSize(n));
-    // One validation pass over the request here; the pool then looks each session up once and
-    // checks every reservation before committing any (KvPool::CommitBatch).
+    // One validation pass over the request here; the pool then checks every reservation before
+    // committing any (KvPool::CommitBatch).
     absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
-    // The sessions sending attention (their layout sizes it), looked up once each; the pool
-    // uses these and looks up only the others.
-    absl::flat_hash_map<std::string, SessionRef> layouts;
-    std::vector<SessionRef> found;  // the same, in the order the items first name them
     std::vector<std::optional<AttentionInput>> attention(n);
     std::vector<CommitItem> items(n);
     for (int i = 0; i < n; ++i) {
@@ -170,22 +143,17 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
       KVS_RETURN_IF_ERROR(ValidateCommitRequest(item, absl::StrCat(Item(i), ".")));
       KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i));
       if (item.has_attention()) {
-        auto known = layouts.find(item.session_id());
-        if (known == layouts.end()) {
-          absl::StatusOr<SessionRef> session = pool_->FindSession(item.session_id());
-          KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
-          found.push_back(*session);
-          known = layouts.emplace(item.session_id(), *std::move(session)).first;
-        }
+        absl::StatusOr<SessionRef> session = sessions.Find(item.session_id());
+        KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
         KVS_ASSIGN_OR_RETURN(attention[i],
-                             AttentionFromProto(item.attention(), known->second.layout(),
+                             AttentionFromProto(item.attention(), session->layout(),
                                                 absl::StrCat(Item(i), ".attention.")));
       }
       items[i] = CommitItem{item.session_id(), item.sequence_id(), item.reservation_id(),
                             item.compress_if_over_budget(),
                             attention[i].has_value() ? &*attention[i] : nullptr};
     }
-    CommitBatchResult done = pool_->CommitBatch(items, found);
+    CommitBatchResult done = pool_->CommitBatch(items, sessions.found());
     for (const CommitResult& result : done.results) {
       CommitResultToProto(result, response->add_responses());
     }
@@ -205,14 +173,14 @@ grpc::ServerUnaryReactor* SidecarService::DecodeStep(grpc::CallbackServerContext
                                                      const v1::DecodeStepRequest* request,
                                                      v1::DecodeStepResponse* response) {
   return RunUnary(context, "DecodeStep", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
-    std::vector<SessionRef> sessions;  // looked up once here; the pool uses them as they are
-    KVS_ASSIGN_OR_RETURN(
-        std::vector<DecodeItem> items,
-        ItemsFromProto(request->items(), *pool_, &DecodeItemFromProto, &sessions));
+    SessionLookups sessions(*pool_);  // looked up once here; the pool uses them as they are
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
+    KVS_ASSIGN_OR_RETURN(std::vector<DecodeItem> items,
+                         ItemsFromProto(request->items(), sessions, &DecodeItemFromProto));
     // The pool validates every item again (reservations, positions, attention sizes) before it
     // changes anything, and prefixes its errors with "items[i]: ".
-    KVS_ASSIGN_OR_RETURN(std::vector<DecodeResult> results, pool_->DecodeStep(items, sessions));
+    KVS_ASSIGN_OR_RETURN(std::vector<DecodeResult> results,
+                         pool_->DecodeStep(items, sessions.found()));
     if (results.size() != items.size()) {
       return absl::InternalError(absl::StrCat("DecodeStep: the pool returned ", results.size(),
                                               " results for ", items.size(), " items"));

@@ -36,6 +36,7 @@ using service_internal::kScoreAdvice;
 using service_internal::PackedBytes;
 using service_internal::PositionBytes;
 using service_internal::ScalarBytes;
+using service_internal::SessionLookups;
 using service_internal::TooLarge;
 using service_internal::UniformSplit;
 
@@ -72,10 +73,12 @@ grpc::ServerUnaryReactor* SidecarService::Compress(grpc::CallbackServerContext* 
                                                    const v1::CompressRequest* request,
                                                    v1::CompressResponse* response) {
   return RunUnary(context, "Compress", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateSequenceIds(request->session_id(), request->sequence_id()));
-    // One lookup serves the parameters' validation, the size estimate and the compression.
-    KVS_ASSIGN_OR_RETURN(SessionRef session, pool_->FindSession(request->session_id()));
+    // One lookup serves the tenant check, the parameters' validation, the size estimate and the
+    // compression.
+    KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request->session_id()));
     KVS_ASSIGN_OR_RETURN(CompressParams params, CompressParamsFromProto(*request, session.layout()));
     if (request->return_positions()) {  // refuse before evicting anything
       KVS_ASSIGN_OR_RETURN(uint64_t estimate,
@@ -103,7 +106,8 @@ grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerCont
                                                         const v1::BatchCompressRequest* request,
                                                         v1::BatchCompressResponse* response) {
   return RunUnary(context, "BatchCompress", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups lookups(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, lookups));
     const int n = request->requests_size();
     KVS_RETURN_IF_ERROR(CheckBatchSize(n));
     std::vector<CompressParams> params;
@@ -116,7 +120,7 @@ grpc::ServerUnaryReactor* SidecarService::BatchCompress(grpc::CallbackServerCont
       const v1::CompressRequest& item = request->requests(i);
       const std::string prefix = absl::StrCat(Item(i), ".");
       KVS_RETURN_IF_ERROR(ValidateSequenceIds(item.session_id(), item.sequence_id(), prefix));
-      absl::StatusOr<SessionRef> session = pool_->FindSession(item.session_id());
+      absl::StatusOr<SessionRef> session = lookups.Find(item.session_id());
       KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat(Item(i), ": "), session.status()));
       KVS_ASSIGN_OR_RETURN(CompressParams p,
                            CompressParamsFromProto(item, session->layout(), prefix));
@@ -168,10 +172,12 @@ grpc::ServerUnaryReactor* SidecarService::Score(grpc::CallbackServerContext* con
                                                 const v1::ScoreRequest* request,
                                                 v1::ScoreResponse* response) {
   return RunUnary(context, "Score", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateSequenceIds(request->session_id(), request->sequence_id()));
-    // One lookup serves the parameters' validation, the size estimate and the scoring.
-    KVS_ASSIGN_OR_RETURN(SessionRef session, pool_->FindSession(request->session_id()));
+    // One lookup serves the tenant check, the parameters' validation, the size estimate and the
+    // scoring.
+    KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request->session_id()));
     KVS_ASSIGN_OR_RETURN(ScoreParams params, ScoreParamsFromProto(*request, session.layout()));
     // Refuse before scoring: the response holds scores and positions for every held slot.
     KVS_ASSIGN_OR_RETURN(SequenceLayout counts,
@@ -197,12 +203,11 @@ grpc::ServerUnaryReactor* SidecarService::Select(grpc::CallbackServerContext* co
                                                  const v1::SelectRequest* request,
                                                  v1::SelectResponse* response) {
   return RunUnary(context, "Select", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
-    std::vector<SessionRef> sessions;  // looked up once here; the pool uses them as they are
-    KVS_ASSIGN_OR_RETURN(
-        std::vector<SelectItem> items,
-        ItemsFromProto(request->items(), *pool_, &SelectItemFromProto, &sessions));
-    KVS_ASSIGN_OR_RETURN(std::vector<SelectResult> results, pool_->Select(items, sessions));
+    SessionLookups sessions(*pool_);  // looked up once here; the pool uses them as they are
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
+    KVS_ASSIGN_OR_RETURN(std::vector<SelectItem> items,
+                         ItemsFromProto(request->items(), sessions, &SelectItemFromProto));
+    KVS_ASSIGN_OR_RETURN(std::vector<SelectResult> results, pool_->Select(items, sessions.found()));
     for (const SelectResult& result : results) SelectResultToProto(result, response->add_items());
     return absl::OkStatus();
   });

@@ -14,6 +14,7 @@
 #include "service/arena_fd_server.h"
 #include "service/convert.h"
 #include "service/internal/response_size.h"
+#include "service/internal/session_lookups.h"
 #include "service/log.h"
 #include "service/rpc_guard.h"
 #include "service/sidecar_service.h"
@@ -26,25 +27,35 @@ namespace v1 = ::kvsidecar::v1;
 using service_internal::kGetLayoutAdvice;
 using service_internal::kResponseFixedBytes;
 using service_internal::LayerLayoutsBytes;
+using service_internal::SessionLookups;
 using service_internal::TooLarge;
 
 grpc::ServerUnaryReactor* SidecarService::CreateSequence(grpc::CallbackServerContext* context,
                                                          const v1::CreateSequenceRequest* request,
                                                          v1::CreateSequenceResponse* response) {
   return RunUnary(context, "CreateSequence", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     // budget.per_layer_tokens must give one budget per layer of the session.
     int32_t num_layers = -1;
     if (request->budget().per_layer_tokens_size() > 0) {
       KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
-      KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(request->session_id()));
-      num_layers = session.layout.num_layers;
+      KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request->session_id()));
+      num_layers = session.layout().num_layers;
     }
     KVS_ASSIGN_OR_RETURN(
         SequenceParams params,
         SequenceParamsFromProto(*request, pool_->options().max_tokens_per_call, num_layers));
-    KVS_ASSIGN_OR_RETURN(SequenceCreated created,
-                         pool_->CreateSequence(request->session_id(), params));
+    absl::StatusOr<SequenceCreated> made;
+    if (sessions.Looked(request->session_id())) {
+      // The tenant check or the layer count already looked the session up: create through that
+      // handle. Otherwise the pool looks it up, after checking the parameters it checks first.
+      KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request->session_id()));
+      made = pool_->CreateSequence(session, params);
+    } else {
+      made = pool_->CreateSequence(request->session_id(), params);
+    }
+    KVS_ASSIGN_OR_RETURN(SequenceCreated created, std::move(made));
     response->set_sequence_id(created.sequence_id);
     PolicyToProto(created.policy, response->mutable_policy());
     BudgetToProto(created.budget, response->mutable_budget());
@@ -71,11 +82,12 @@ grpc::ServerUnaryReactor* SidecarService::GetLayout(grpc::CallbackServerContext*
                                                     const v1::GetLayoutRequest* request,
                                                     v1::GetLayoutResponse* response) {
   return RunUnary(context, "GetLayout", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", true));
-    // One lookup serves the layer check and both reads.
-    KVS_ASSIGN_OR_RETURN(SessionRef session, pool_->FindSession(request->session_id()));
+    // One lookup serves the tenant check, the layer check and both reads.
+    KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request->session_id()));
     KVS_RETURN_IF_ERROR(ValidateLayers(request->layers(), session.layout().num_layers, "layers"));
     // Counts and block tables first (cheap); positions only once they are known to fit.
     KVS_ASSIGN_OR_RETURN(SequenceLayout layout,

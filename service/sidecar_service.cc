@@ -20,6 +20,7 @@
 #include "gpu/base/status_macros.h"
 #include "service/arena_fd_server.h"
 #include "service/convert.h"
+#include "service/internal/session_lookups.h"
 #include "service/log.h"
 #include "service/rpc_guard.h"
 #include "service/status_convert.h"
@@ -61,13 +62,21 @@ void CollectSessionIds(const google::protobuf::Message& message, int depth,
 absl::Status SidecarService::Authorize(const grpc::CallbackServerContext& context,
                                        const google::protobuf::Message& request) const {
   if (auth_ == nullptr || !auth_->data_auth()) return absl::OkStatus();
+  service_internal::SessionLookups lookups(*pool_);
+  return Authorize(context, request, lookups);
+}
+
+absl::Status SidecarService::Authorize(const grpc::CallbackServerContext& context,
+                                       const google::protobuf::Message& request,
+                                       service_internal::SessionLookups& lookups) const {
+  if (auth_ == nullptr || !auth_->data_auth()) return absl::OkStatus();
   KVS_ASSIGN_OR_RETURN(std::optional<std::string> caller, auth_->DataTenant(context));
   std::vector<std::string> ids;
   CollectSessionIds(request, 0, &ids);
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   for (const std::string& id : ids) {
-    absl::StatusOr<SessionRef> session = pool_->FindSession(id);
+    absl::StatusOr<SessionRef> session = lookups.Find(id);
     KVS_RETURN_IF_ERROR(Authenticator::CheckOwner(
         caller, session.ok() ? absl::StatusOr<std::string>(session->tenant()) : session.status(),
         id));
@@ -83,8 +92,9 @@ absl::Status SidecarService::Authorize(const grpc::CallbackServerContext& contex
       from->type() == google::protobuf::FieldDescriptor::TYPE_STRING &&
       sequence->type() == google::protobuf::FieldDescriptor::TYPE_STRING) {
     const std::string from_id = request.GetReflection()->GetString(request, from);
-    absl::StatusOr<SessionRef> source = pool_->FindSession(from_id);
-    if (!from_id.empty() && source.ok() && source->tenant() != *caller) {
+    if (from_id.empty()) return absl::OkStatus();
+    absl::StatusOr<SessionRef> source = lookups.Find(from_id);
+    if (source.ok() && source->tenant() != *caller) {
       return absl::NotFoundError(absl::StrCat("no spilled copy of sequence ",
                                               request.GetReflection()->GetString(request, sequence),
                                               " of session ", from_id, " for tenant ", *caller));

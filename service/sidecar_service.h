@@ -37,6 +37,9 @@ namespace kvs {
 
 class WatchReactor;   // service/sidecar_session.cc
 class ArenaFdServer;  // service/arena_fd_server.h
+namespace service_internal {
+class SessionLookups;  // service/internal/session_lookups.h
+}  // namespace service_internal
 
 // Largest number of items one batch call (BatchReserve, BatchCommit, BatchCompress) may carry.
 inline constexpr int kMaxBatchItems = 1 << 16;
@@ -100,10 +103,12 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
       grpc::CallbackServerContext* context,
       const ::kvsidecar::v1::CancelReservationRequest* request,
       ::kvsidecar::v1::CancelReservationResponse* response) override;
-  // All or nothing: every item is validated (ids, sizes, repeats, existence) before the first
-  // reservation; if reserving item i still fails, the reservations of items < i are cancelled
-  // and the call fails with "requests[i]: ...". Caveat: a strict-budget item evicts before it
-  // reserves, and that eviction is not undone by the rollback.
+  // All or nothing: every item is validated once (ids, sizes, repeats, session, layers), then
+  // the pool finds every item's sequence before the first reservation (KvPool::ReserveBatch), so
+  // a bad field of any item is reported before a missing sequence; if reserving item i still
+  // fails, the reservations of items < i are cancelled and the call fails with
+  // "requests[i]: ...". Caveat: a strict-budget item evicts before it reserves, and that
+  // eviction is not undone by the rollback.
   grpc::ServerUnaryReactor* BatchReserve(grpc::CallbackServerContext* context,
                                          const ::kvsidecar::v1::BatchReserveRequest* request,
                                          ::kvsidecar::v1::BatchReserveResponse* response) override;
@@ -182,15 +187,18 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   // a missing spilled copy).
   absl::Status Authorize(const grpc::CallbackServerContext& context,
                          const google::protobuf::Message& request) const;
+  // The same, looking the sessions up through `lookups`, where the handler then finds the
+  // handles the check was made on (one lookup per session per RPC). With the data plane open
+  // it looks nothing up.
+  absl::Status Authorize(const grpc::CallbackServerContext& context,
+                         const google::protobuf::Message& request,
+                         service_internal::SessionLookups& lookups) const;
 
  private:
   friend class WatchReactor;
 
   // Called by a WatchReactor from OnDone: forget it if it is still the session's watcher.
   void Unregister(const std::string& session_id, const WatchReactor* reactor);
-  // NOT_FOUND unless the sequence exists in `session` (and the session is still attached);
-  // cheap (one layer, no positions).
-  absl::Status CheckSequenceExists(const SessionRef& session, const std::string& sequence_id) const;
   // Restore's adopt_any_session: the ended session of `session_id`'s tenant whose copy of
   // `sequence_id` to adopt (intact before lost, then the newest). NOT_FOUND when there is none.
   absl::StatusOr<std::string> FindOrphanCopy(const std::string& session_id,

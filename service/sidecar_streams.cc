@@ -16,6 +16,7 @@
 #include "service/convert.h"
 #include "service/internal/failed_reactors.h"
 #include "service/internal/response_size.h"
+#include "service/internal/session_lookups.h"
 #include "service/log.h"
 #include "service/rpc_guard.h"
 #include "service/sidecar_service.h"
@@ -206,8 +207,9 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
  public:
   ExportReactor(KvPool* pool, const v1::ExportRequest& request) : pool_(pool), request_(request) {}
 
-  void Start() {
-    const absl::Status status = Guarded("Export", [&] { return Prepare(); });
+  // `sessions`: the export's session as the tenant check found it (or not yet looked up).
+  void Start(service_internal::SessionLookups& sessions) {
+    const absl::Status status = Guarded("Export", [&] { return Prepare(sessions); });
     if (!status.ok()) {
       Finish(ToGrpcStatus(status));
       return;
@@ -235,12 +237,13 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
   void OnDone() override { delete this; }
 
  private:
-  absl::Status Prepare() {
+  absl::Status Prepare(service_internal::SessionLookups& sessions) {
     KVS_RETURN_IF_ERROR(ValidateName(request_.session_id(), "session_id", true));
     KVS_RETURN_IF_ERROR(ValidateName(request_.sequence_id(), "sequence_id", true));
     chunk_bytes_ = ClampExportChunkBytes(request_.chunk_bytes());
-    // One lookup serves the layer check and both layout reads.
-    KVS_ASSIGN_OR_RETURN(SessionRef session, pool_->FindSession(request_.session_id()));
+    // One lookup serves the tenant check, the layer check, both layout reads and every chunk.
+    KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request_.session_id()));
+    session_.emplace(session);
     const ModelLayout& model = session.layout();
     KVS_RETURN_IF_ERROR(ValidateLayers(request_.layers(), model.num_layers, "layers"));
     layers_ = LayersOrAll(request_.layers(), model.num_layers);
@@ -289,8 +292,10 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
     const uint64_t n = std::min<uint64_t>(chunk_bytes_, total_ - offset_);
     std::string* data = message_.mutable_data();
     data->resize(n);
+    // Prepare succeeded, so the handle is set. A session that ended since answers NOT_FOUND.
+    KVS_ASSIGN_OR_RETURN(SessionRef session, session_->Lock());
     KVS_RETURN_IF_ERROR(
-        pool_->ReadExport(request_.session_id(), request_.sequence_id(), layers_, version_, offset_,
+        pool_->ReadExport(session, request_.sequence_id(), layers_, version_, offset_,
                           absl::MakeSpan(reinterpret_cast<uint8_t*>(data->data()), data->size())));
     offset_ += n;
     return absl::OkStatus();
@@ -298,6 +303,8 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
 
   KvPool* const pool_;
   const v1::ExportRequest request_;
+  // Weak: a session that ends mid-stream frees its arena at once, whatever the client does.
+  std::optional<WeakSessionRef> session_;
   std::vector<int32_t> layers_;
   uint32_t chunk_bytes_ = kDefaultExportChunkBytes;
   uint64_t version_ = 0;
@@ -326,7 +333,8 @@ grpc::ServerReadReactor<v1::AppendChunk>* SidecarService::Append(
 
 grpc::ServerWriteReactor<v1::ExportChunk>* SidecarService::Export(
     grpc::CallbackServerContext* context, const v1::ExportRequest* request) {
-  if (absl::Status auth = Authorize(*context, *request); !auth.ok()) {
+  service_internal::SessionLookups sessions(*pool_);
+  if (absl::Status auth = Authorize(*context, *request, sessions); !auth.ok()) {
     LogRpcFailure("Export", auth);
     return new FailedWriteReactor<v1::ExportChunk>(auth);
   }
@@ -336,7 +344,7 @@ grpc::ServerWriteReactor<v1::ExportChunk>* SidecarService::Export(
   } catch (...) {  // allocation failure: refuse the call rather than let it escape
     return new FailedWriteReactor<v1::ExportChunk>(absl::InternalError("Export: out of memory"));
   }
-  reactor->Start();
+  reactor->Start(sessions);
   return reactor;
 }
 

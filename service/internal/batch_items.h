@@ -17,6 +17,7 @@
 #include "google/protobuf/repeated_ptr_field.h"
 #include "gpu/base/status_macros.h"
 #include "service/convert_fields.h"
+#include "service/internal/session_lookups.h"
 #include "service/rpc_guard.h"
 #include "service/sidecar_service.h"
 
@@ -49,13 +50,13 @@ inline absl::Status CheckNoRepeat(
 inline std::string Item(int index) { return absl::StrCat("requests[", index, "]"); }
 
 // The items of a batched per-sequence call (DecodeStep, Select), converted in order with
-// `convert` against their session's layout (one GetSession per session): at most
-// kMaxBatchItems, each naming a session and a sequence no other item names.
+// `convert` against their session's layout (each session looked up once, through `sessions`,
+// where the pool's call then finds them): at most kMaxBatchItems, each naming a session and a
+// sequence no other item names.
 template <typename Item, typename Converted>
 absl::StatusOr<std::vector<Converted>> ItemsFromProto(
-    const google::protobuf::RepeatedPtrField<Item>& proto_items, const KvPool& pool,
-    absl::StatusOr<Converted> (*convert)(const Item&, const ModelLayout&, absl::string_view),
-    std::vector<SessionRef>* found = nullptr) {
+    const google::protobuf::RepeatedPtrField<Item>& proto_items, SessionLookups& sessions,
+    absl::StatusOr<Converted> (*convert)(const Item&, const ModelLayout&, absl::string_view)) {
   const int n = proto_items.size();
   if (n > kMaxBatchItems) {
     return absl::InvalidArgumentError(
@@ -64,22 +65,15 @@ absl::StatusOr<std::vector<Converted>> ItemsFromProto(
   std::vector<Converted> items;
   items.reserve(n);
   absl::flat_hash_map<std::pair<std::string, std::string>, int> seen;
-  absl::flat_hash_map<std::string, SessionRef> sessions;  // each looked up once
   for (int i = 0; i < n; ++i) {
     const Item& item = proto_items[i];
     const std::string prefix = absl::StrCat("items[", i, "].");
     // Both ids before the lookup, so that a bad one is INVALID_ARGUMENT naming it; `convert`
     // does not check them again.
     KVS_RETURN_IF_ERROR(ValidateSequenceIds(item.session_id(), item.sequence_id(), prefix));
-    auto it = sessions.find(item.session_id());
-    if (it == sessions.end()) {
-      absl::StatusOr<SessionRef> session = pool.FindSession(item.session_id());
-      KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat("items[", i, "]: "), session.status()));
-      // In the order the items first name them, as the pool would look them up.
-      if (found != nullptr) found->push_back(*session);
-      it = sessions.emplace(item.session_id(), *std::move(session)).first;
-    }
-    KVS_ASSIGN_OR_RETURN(Converted converted, convert(item, it->second.layout(), prefix));
+    absl::StatusOr<SessionRef> session = sessions.Find(item.session_id());
+    KVS_RETURN_IF_ERROR(WithPrefix(absl::StrCat("items[", i, "]: "), session.status()));
+    KVS_ASSIGN_OR_RETURN(Converted converted, convert(item, session->layout(), prefix));
     KVS_RETURN_IF_ERROR(CheckNoRepeat(&seen, item.session_id(), item.sequence_id(), i, "items"));
     items.push_back(std::move(converted));
   }

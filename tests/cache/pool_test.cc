@@ -535,6 +535,96 @@ TEST_F(PoolTest, SessionRefCallsAndASessionEndedAfterTheLookup) {
   EXPECT_EQ(pool_.pool.GetStats().sessions, 0);
 }
 
+// CreateSequence, CancelReservation, ReadExport and ReserveBatch through a handle answer as by
+// id, and as an unknown session once the session ended after the lookup.
+TEST_F(PoolTest, MoreSessionRefCallsAndASessionEndedAfterTheLookup) {
+  absl::StatusOr<SessionRef> ref = pool_.pool.FindSession(session_);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  WeakSessionRef weak(*ref);
+  SequenceParams params;
+  params.policy = KeyDiff();
+  params.budget = Budget(0);
+  params.sequence_id = "by-ref";
+  auto created = pool_.pool.CreateSequence(*ref, params);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->sequence_id, "by-ref");
+  EXPECT_THAT(pool_.pool.CreateSequence(*ref, params).status(),
+              StatusIs(absl::StatusCode::kAlreadyExists, "sequence_id by-ref already exists"));
+
+  // Reserve and cancel through the handle: the blocks come back.
+  const int32_t free_before = pool_.FreeBlocks(session_);
+  auto pending = pool_.pool.Reserve(*ref, "by-ref", 2, {}, {});
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  ASSERT_TRUE(pool_.pool.CancelReservation(*ref, "by-ref", pending->reservation_id).ok());
+  EXPECT_EQ(pool_.FreeBlocks(session_), free_before);
+
+  // Export reads through the handle equal those by id.
+  ASSERT_TRUE(Append(pool_.pool, session_, seq_, 3, layout_, HashValue).ok());
+  auto layout = pool_.pool.GetLayout(*ref, seq_, {}, false);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<uint8_t> by_ref(64), by_id(64);
+  ASSERT_TRUE(
+      pool_.pool.ReadExport(*ref, seq_, {}, layout->version, 0, absl::MakeSpan(by_ref)).ok());
+  ASSERT_TRUE(
+      pool_.pool.ReadExport(session_, seq_, {}, layout->version, 0, absl::MakeSpan(by_id)).ok());
+  EXPECT_EQ(by_ref, by_id);
+
+  // A batch with a missing sequence reserves nothing.
+  const int32_t free_appended = pool_.FreeBlocks(session_);
+  std::vector<ReserveItem> items = {{session_, seq_, 1, {}, {}}, {session_, "ghost", 1, {}, {}}};
+  std::vector<SessionRef> found = {*ref};
+  int32_t failed = -1;
+  EXPECT_THAT(pool_.pool.ReserveBatch(items, found, &failed).status(),
+              StatusIs(absl::StatusCode::kNotFound, "sequence ghost not found"));
+  EXPECT_EQ(failed, 1);
+  EXPECT_EQ(pool_.FreeBlocks(session_), free_appended);
+  // A batch whose last item cannot reserve (already pending) cancels the earlier items' ones.
+  auto held = pool_.pool.Reserve(*ref, "by-ref", 1, {}, {});
+  ASSERT_TRUE(held.ok()) << held.status();
+  const int32_t free_held = pool_.FreeBlocks(session_);
+  items = {{session_, seq_, 2, {}, {}}, {session_, "by-ref", 1, {}, {}}};
+  EXPECT_THAT(pool_.pool.ReserveBatch(items, found, &failed).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, ""));
+  EXPECT_EQ(failed, 1);
+  EXPECT_EQ(pool_.FreeBlocks(session_), free_held);
+  auto again = pool_.pool.Reserve(*ref, seq_, 1, {}, {});  // seq_ holds no reservation
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(pool_.pool.CancelReservation(*ref, seq_, again->reservation_id).ok());
+  ASSERT_TRUE(pool_.pool.CancelReservation(*ref, "by-ref", held->reservation_id).ok());
+  // A whole batch: in item order, as Reserve makes them.
+  items = {{session_, seq_, 1, {}, {}}, {session_, "by-ref", 2, {}, {}}};
+  auto both = pool_.pool.ReserveBatch(items, found);
+  ASSERT_TRUE(both.ok()) << both.status();
+  ASSERT_EQ(both->size(), 2u);
+  EXPECT_LT((*both)[0].reservation_id, (*both)[1].reservation_id);
+
+  // The session ends while the handle is held: NOT_FOUND for the session, before the parameters
+  // are looked at (as by id).
+  ASSERT_TRUE(pool_.pool.Detach(session_).ok());
+  const std::string gone = "session " + session_ + " not found";
+  params.sequence_id = "late";
+  EXPECT_THAT(pool_.pool.CreateSequence(*ref, params).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  params.budget = Budget(1 << 30);  // over the arena: refused by id only after the lookup
+  EXPECT_THAT(pool_.pool.CreateSequence(session_, params).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(pool_.pool.CreateSequence(*ref, params).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(pool_.pool.CancelReservation(*ref, seq_, (*both)[0].reservation_id),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(pool_.pool.ReadExport(*ref, seq_, {}, layout->version, 0, absl::MakeSpan(by_ref)),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(pool_.pool.ReserveBatch(items, found, &failed).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_EQ(failed, 0);
+  // The weak handle gives the session back while a handle holds it, and NOT_FOUND once none
+  // does: its memory (the arena) is gone.
+  EXPECT_TRUE(weak.Lock().ok());
+  found.clear();
+  ref = absl::NotFoundError("dropped");
+  EXPECT_THAT(weak.Lock().status(), StatusIs(absl::StatusCode::kNotFound, gone));
+}
+
 TEST_F(PoolTest, StrictReserveThatCannotFitEvictsNothing) {
   // 40 blocks of 4 tokens, 2 layers. A strict N = 6, N_b = 8 sequence holding 8 tokens per layer
   // (2 blocks each) must evict to 6 (still 2 blocks) and then needs 2 more blocks per layer; the

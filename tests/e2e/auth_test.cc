@@ -245,6 +245,185 @@ TEST_F(AuthE2eTest, TlsWithTenantTokensAndAdminToken) {
   EXPECT_EQ(Attach(*plain, "token-aaaa", "", nullptr).error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
+// Every call that checks the caller's tenant on the session handle it then uses: team B naming
+// team A's session (alone, or beside its own session in a batch) is refused as for a missing
+// session and changes nothing of A's: the layout, the pending reservation, the sequences.
+TEST_F(AuthE2eTest, AForeignSessionOnEveryCallThatUsesItsHandleChangesNothing) {
+  auto server = StartServer(/*mtls=*/false);
+  ASSERT_NE(server, nullptr);
+  auto data = v1::Sidecar::NewStub(TlsChannel(server->data_target(), false));
+  std::string session_a, session_b;
+  ASSERT_TRUE(Attach(*data, "token-aaaa", "", &session_a).ok());
+  ASSERT_TRUE(Attach(*data, "token-bbbb", "", &session_b).ok());
+  const std::string a = "token-aaaa", b = "token-bbbb";
+  // Unary call `Method` as `token`, its response dropped.
+#define KVS_CALL(Method, token, request)               \
+  [&] {                                                \
+    grpc::ClientContext context;                       \
+    Prepare(&context, token);                          \
+    v1::Method##Response response;                     \
+    return data->Method(&context, request, &response); \
+  }()
+  // Team A: a sequence of 4 committed tokens and one reservation pending, in each session.
+  for (const auto& [token, session] : {std::pair{a, session_a}, std::pair{b, session_b}}) {
+    v1::CreateSequenceRequest create;
+    create.set_session_id(session);
+    create.set_sequence_id("s");
+    ASSERT_TRUE(KVS_CALL(CreateSequence, token, create).ok());
+  }
+  v1::ReserveRequest reserve;
+  reserve.set_session_id(session_a);
+  reserve.set_sequence_id("s");
+  reserve.set_num_tokens(4);
+  v1::ReserveResponse reserved;
+  {
+    grpc::ClientContext context;
+    Prepare(&context, a);
+    ASSERT_TRUE(data->Reserve(&context, reserve, &reserved).ok());
+  }
+  v1::CommitRequest commit;
+  commit.set_session_id(session_a);
+  commit.set_sequence_id("s");
+  commit.set_reservation_id(reserved.reservation_id());
+  ASSERT_TRUE(KVS_CALL(Commit, a, commit).ok());
+  reserve.set_num_tokens(1);
+  {
+    grpc::ClientContext context;
+    Prepare(&context, a);
+    ASSERT_TRUE(data->Reserve(&context, reserve, &reserved).ok());
+  }
+  commit.set_reservation_id(reserved.reservation_id());
+  v1::GetLayoutRequest get_layout;
+  get_layout.set_session_id(session_a);
+  get_layout.set_sequence_id("s");
+  auto layout_of_a = [&] {
+    grpc::ClientContext context;
+    Prepare(&context, a);
+    v1::GetLayoutResponse response;
+    EXPECT_TRUE(data->GetLayout(&context, get_layout, &response).ok());
+    return response.SerializeAsString();
+  };
+  const std::string before = layout_of_a();
+
+  // What team B sends, each with A's session id and with an id no session has.
+  const std::string missing_id(session_a.size(), '0');
+  std::string foreign_message;
+  auto refused = [&](const grpc::Status& status, const std::string& id, const char* what) {
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+        << what << ": " << status.error_message();
+    const std::string message = absl::StrReplaceAll(status.error_message(), {{id, "ID"}});
+    if (foreign_message.empty()) foreign_message = message;
+    EXPECT_EQ(message, foreign_message) << what;
+  };
+  for (const std::string& id : {session_a, missing_id}) {
+    v1::ReserveRequest r = reserve;
+    r.set_session_id(id);
+    refused(KVS_CALL(Reserve, b, r), id, "Reserve");
+    r.add_layers(0);
+    refused(KVS_CALL(Reserve, b, r), id, "Reserve(layers)");
+    v1::CommitRequest c = commit;
+    c.set_session_id(id);
+    refused(KVS_CALL(Commit, b, c), id, "Commit");
+    v1::CancelReservationRequest cancel;
+    cancel.set_session_id(id);
+    cancel.set_sequence_id("s");
+    cancel.set_reservation_id(reserved.reservation_id());
+    refused(KVS_CALL(CancelReservation, b, cancel), id, "CancelReservation");
+    v1::BatchReserveRequest batch_reserve;  // B's own session first, then the foreign one
+    v1::ReserveRequest* own = batch_reserve.add_requests();
+    *own = reserve;
+    own->set_session_id(session_b);
+    *batch_reserve.add_requests() = r;
+    batch_reserve.mutable_requests(1)->clear_layers();
+    refused(KVS_CALL(BatchReserve, b, batch_reserve), id, "BatchReserve");
+    v1::BatchCommitRequest batch_commit;
+    *batch_commit.add_requests() = c;
+    refused(KVS_CALL(BatchCommit, b, batch_commit), id, "BatchCommit");
+    v1::CompressRequest compress;
+    compress.set_session_id(id);
+    compress.set_sequence_id("s");
+    compress.set_budget_tokens(1);
+    refused(KVS_CALL(Compress, b, compress), id, "Compress");
+    v1::BatchCompressRequest batch_compress;
+    *batch_compress.add_requests() = compress;
+    refused(KVS_CALL(BatchCompress, b, batch_compress), id, "BatchCompress");
+    v1::ScoreRequest score;
+    score.set_session_id(id);
+    score.set_sequence_id("s");
+    score.set_budget_tokens(1);
+    refused(KVS_CALL(Score, b, score), id, "Score");
+    v1::SelectRequest select;
+    select.add_items()->set_session_id(id);
+    select.mutable_items(0)->set_sequence_id("s");
+    refused(KVS_CALL(Select, b, select), id, "Select");
+    v1::DecodeStepRequest decode;
+    decode.add_items()->set_session_id(id);
+    decode.mutable_items(0)->set_sequence_id("s");
+    refused(KVS_CALL(DecodeStep, b, decode), id, "DecodeStep");
+    v1::CreateSequenceRequest create;
+    create.set_session_id(id);
+    create.set_sequence_id("planted");
+    refused(KVS_CALL(CreateSequence, b, create), id, "CreateSequence");
+    create.mutable_budget()->add_per_layer_tokens(4);
+    create.mutable_budget()->add_per_layer_tokens(4);
+    refused(KVS_CALL(CreateSequence, b, create), id, "CreateSequence(per_layer_tokens)");
+    v1::GetLayoutRequest layout = get_layout;
+    layout.set_session_id(id);
+    refused(KVS_CALL(GetLayout, b, layout), id, "GetLayout");
+    {
+      grpc::ClientContext context;
+      Prepare(&context, b);
+      v1::ExportRequest request;
+      request.set_session_id(id);
+      request.set_sequence_id("s");
+      auto reader = data->Export(&context, request);
+      v1::ExportChunk chunk;
+      while (reader->Read(&chunk)) {
+      }
+      refused(reader->Finish(), id, "Export");
+    }
+  }
+  // Restore into B's own session from A's live session: the answer a missing copy gets.
+  v1::RestoreRequest restore;
+  restore.set_session_id(session_b);
+  restore.set_sequence_id("s");
+  restore.set_from_session_id(session_a);
+  const grpc::Status adopted = KVS_CALL(Restore, b, restore);
+  EXPECT_EQ(adopted.error_code(), grpc::StatusCode::NOT_FOUND) << adopted.error_message();
+  EXPECT_THAT(adopted.error_message(), HasSubstr("no spilled copy of sequence s"));
+#undef KVS_CALL
+
+  // Nothing of A's changed: the same layout, the reservation still pending (A commits it), no
+  // sequence "planted", and B's own item of the refused BatchReserve reserved nothing.
+  EXPECT_EQ(layout_of_a(), before);
+  {
+    grpc::ClientContext context;
+    Prepare(&context, a);
+    v1::CommitResponse response;
+    const grpc::Status status = data->Commit(&context, commit, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(response.counts(0), 5);
+  }
+  {
+    grpc::ClientContext context;
+    Prepare(&context, a);
+    v1::GetLayoutRequest request = get_layout;
+    request.set_sequence_id("planted");
+    v1::GetLayoutResponse response;
+    EXPECT_EQ(data->GetLayout(&context, request, &response).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  {
+    grpc::ClientContext context;
+    Prepare(&context, b);
+    v1::ReserveRequest request = reserve;
+    request.set_session_id(session_b);
+    v1::ReserveResponse response;
+    const grpc::Status status = data->Reserve(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+  }
+}
+
 TEST_F(AuthE2eTest, MutualTlsRefusesClientsWithoutACertificate) {
   auto server = StartServer(/*mtls=*/true);
   ASSERT_NE(server, nullptr);
