@@ -695,13 +695,14 @@ KVS_AVX512 void Avx512Task(const JobPlan& plan, const Records& records, int64_t 
           DotKernel512<1>(q, tile, dim, logits);
           break;
       }
+      const auto softmax = n == kTile ? SoftmaxTileRow512<true> : SoftmaxTileRow512<false>;
       for (int r = 0; r < strip; ++r) {
         const int64_t m = m0 + r;
         const int64_t row = head * rows + m;
-        (n == kTile ? SoftmaxTileRow512<true> : SoftmaxTileRow512<false>)(
-            logits + r * kLogitStride, key_positions + s0,
-            job.query_positions[m % job.num_queries], job.scale, n, job.probs + row * count + s0,
-            &running_max[m], &records.max[records.At(row, t)], &records.sum[records.At(row, t)]);
+        softmax(logits + r * kLogitStride, key_positions + s0,
+                job.query_positions[m % job.num_queries], job.scale, n,
+                job.probs + row * count + s0, &running_max[m], &records.max[records.At(row, t)],
+                &records.sum[records.At(row, t)]);
       }
     }
   }
