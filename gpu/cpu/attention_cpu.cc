@@ -515,7 +515,7 @@ KVS_AVX2 void Avx2Task(const JobPlan& plan, const Records& records, int64_t head
 // in the order its 48 exponentials are summed.
 
 // GCC 12's avx512fintrin.h initialises the pass-through operand of unmasked intrinsics from
-// _mm512_undefined_*(), which -Wuninitialized reports at every use (GCC bug 105593).
+// _mm512_undefined_*(), which -Wuninitialized reports at every use (a false positive).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
