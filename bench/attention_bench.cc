@@ -1,7 +1,9 @@
 // AttentionProbs on the CPU backend (gpu/cpu/attention_cpu.cc) for the shapes of a 32-layer GQA
 // model (Hq=32, H=8, D=128, fp16 keys), reported against limits measured in the same run:
 //   - prefill/compress window (w=32, count 8192): compute-bound, FLOP/s as a fraction of a dense
-//     fp32 AVX2 FMA dot-product loop on L1-resident data with the same thread count;
+//     fp32 AVX2 FMA dot-product loop on L1-resident data with the same thread count, and per CPU
+//     second as a fraction of one core's 512-bit FMA chains where the CPU has AVX-512 (the label
+//     names the ISA the kernels ran at; KVS_CPU_ISA=avx2 measures the AVX2 kernel);
 //   - decode (w=1, count 2048, 16 sequences x 32 layers): memory-bound, key bytes read per second
 //     as a fraction of memcpy bandwidth.
 // AttentionColumnSums (the same window, summed over its rows inside the kernel: SnapKV's vote),
@@ -9,7 +11,9 @@
 // bytes per second as a fraction of memcpy.
 // Threads: the benchmark argument (2 = this machine's cores).
 #include <benchmark/benchmark.h>
+#include <immintrin.h>
 #include <sys/mman.h>
+#include <time.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +28,7 @@
 #include "bench/bench_util.h"
 #include "gpu/backend.h"
 #include "gpu/base/dtype.h"
+#include "gpu/cpu/cpu_isa.h"
 
 namespace kvs::bench {
 namespace {
@@ -115,6 +120,36 @@ struct Cache {
   }
 };
 
+// FLOP per CPU second of one thread running 24 independent chains of 512-bit FMAs on registers
+// (bench/fma_peak's AVX-512 loop): the compute limit of the AVX-512 window kernel. Best of 3.
+KVS_AVX512 double Avx512FmaFlopsPerCpuSecond() {
+  constexpr int kChains = 24;
+  constexpr int64_t kIterations = 1 << 20;
+  double best = 1e30;
+  float sink = 0;
+  for (int repeat = 0; repeat < 3; ++repeat) {
+    __m512 acc[kChains];
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(1.0f + 0.01f * i);
+    const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+    timespec start, end;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
+    for (int64_t i = 0; i < kIterations; ++i) {
+#pragma GCC unroll 24
+      for (int c = 0; c < kChains; ++c) acc[c] = _mm512_fmadd_ps(a, acc[c], b);
+    }
+    __m512 sum = acc[0];
+    for (int i = 1; i < kChains; ++i) sum = _mm512_add_ps(sum, acc[i]);
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, sum);
+    sink += lanes[0];
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &end);
+    best = std::min(best, (end.tv_sec - start.tv_sec) + 1e-9 * (end.tv_nsec - start.tv_nsec));
+  }
+  volatile float keep = sink;
+  (void)keep;
+  return 32.0 * kChains * kIterations / best;
+}
+
 // The FLOP counters of a window benchmark: Q.K^T of `window` queries over `count` keys per layer,
 // as a rate, against the dot-product peak of `threads`, and per CPU second (all threads) against
 // one core's peak, which is robust to other processes sharing the cores.
@@ -132,6 +167,14 @@ void ReportWindowFlops(benchmark::State& state, int threads, int window, int cou
   state.counters["GFLOP_per_cpu_s"] = flops_per_cpu_second / 1e9;
   state.counters["core_peak_GFLOP_per_cpu_s"] = core_peak / 1e9;
   state.counters["cpu_flops_per_core_peak"] = flops_per_cpu_second / core_peak;
+  // The ISA the kernels ran at (KVS_CPU_ISA caps it) and, where the CPU has AVX-512, the rate per
+  // CPU second against one core's 512-bit FMA chains.
+  state.SetLabel(CpuIsaName(DetectedCpuIsa()));
+  if (HardwareCpuIsa() == CpuIsa::kAvx512) {
+    const double fma512 = Avx512FmaFlopsPerCpuSecond();
+    state.counters["avx512_fma_GFLOP_per_cpu_s"] = fma512 / 1e9;
+    state.counters["cpu_flops_per_avx512_fma"] = flops_per_cpu_second / fma512;
+  }
 }
 
 void BM_AttentionWindow(benchmark::State& state) {

@@ -21,9 +21,11 @@ kernel 7 (kvpress's defaults are 64 / 5); PyramidKV the same plus beta 20. kvpre
 ObservedAttention is not timed: it reads the model's full eager attention matrix ([Hq][T][T]) and
 computes no attention itself, which a window-based H2O cannot be compared with.
 
-Also printed: the AVX2 FMA rate of this machine measured in the same run (`fma_peak`, next to
-the kvsidecar binary's build tree), the window Q.K^T FLOP of the attention policies as a fraction
-of it, and the K/V bytes each Compress copied (CompressResponse.bytes_copied), next to what
+Also printed: the FMA rates of this machine measured in the same run (`fma_peak`, next to the
+kvsidecar binary's build tree: AVX2 and, where the CPU has it, AVX-512), the window Q.K^T FLOP of
+the attention policies as a fraction of the rate of the ISA the sidecar's attention kernels run
+at (`fma_isa`: fma_peak's `kernel_isa`, the same detection and KVS_CPU_ISA cap as the sidecar
+process started here), and the K/V bytes each Compress copied (CompressResponse.bytes_copied), next to what
 filling holes slot by slot over the whole table (the planner before block-granular compaction)
 would copy for the same kept sets.
 
@@ -46,15 +48,25 @@ GROUP = HQ // H
 
 
 def fma_peak(kvsidecar_bin, threads):
-    """GFLOP/s of the AVX2 FMA loop for 1 and `threads` threads, or None when not built."""
+    """({isa: {threads: GFLOP/s}} of the FMA loops for 1 and `threads` threads, the ISA the
+    attention kernels run at), or (None, None) when fma_peak is not built. Lines without "isa"
+    (an older fma_peak) are AVX2."""
     build = os.path.dirname(os.path.dirname(os.path.abspath(kvsidecar_bin)))
     path = os.environ.get("KVS_FMA_PEAK", os.path.join(build, "bench", "fma_peak"))
     if not os.path.exists(path):
-        return None
+        return None, None
     out = subprocess.run([path, f"--threads={threads}"], check=True, capture_output=True,
                          text=True).stdout
-    rows = [json.loads(line) for line in out.splitlines() if line.strip()]
-    return {row["threads"]: row["gflops"] for row in rows}
+    peak, kernel_isa = {}, "avx2"
+    for line in out.splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "kernel_isa" in row:
+            kernel_isa = row["kernel_isa"]
+        elif "threads" in row:
+            peak.setdefault(row.get("isa", "avx2"), {})[row["threads"]] = row["gflops"]
+    return peak, kernel_isa
 
 
 def main():
@@ -87,7 +99,9 @@ def main():
     L, T, budget = args.layers, args.tokens, args.budget
     ratio = 1.0 - budget / T
     binary = find_binary(args.kvsidecar)
-    peak = fma_peak(binary, args.threads)
+    peak, kernel_isa = fma_peak(binary, args.threads)
+    # The rate the fraction is taken of: the ISA the kernels run at (scalar: none to compare).
+    fma_rate = (peak or {}).get(kernel_isa, {}).get(args.threads)
 
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(L, 1, H, T, D, generator=gen).half()
@@ -230,13 +244,14 @@ def main():
                 theirs = kvpress_kept(press)
                 row["layer0_kept_agreement"] = round(float(np.mean(
                     [np.isin(theirs[h], layer0[h]).mean() for h in range(H)])), 4)
-            if name in ("snapkv", "pyramidkv") and peak:
+            if name in ("snapkv", "pyramidkv") and fma_rate:
                 flop = 2.0 * L * HQ * W * T * D  # the window's Q.K^T
-                row["fma_fraction"] = round(flop / (ms / 1e3) / (peak[args.threads] * 1e9), 3)
+                row["fma_fraction"] = round(flop / (ms / 1e3) / (fma_rate * 1e9), 3)
+                row["fma_isa"] = kernel_isa
             print(json.dumps(row), flush=True)
             rows.append(row)
     result = {"torch": torch.__version__, "kvpress": getattr(kvpress, "__version__", "?"),
-              "threads": args.threads, "fma_peak_gflops": peak,
+              "threads": args.threads, "fma_peak_gflops": peak, "kernel_isa": kernel_isa,
               "shape": {"layers": L, "tokens": T, "budget": budget, "kv_heads": H,
                         "q_heads": HQ, "head_dim": D, "window": W, "dtype": "fp16"},
               "repeats": args.repeats, "rows": rows}

@@ -16,6 +16,7 @@
 #include "gpu/base/checked_math.h"
 #include "gpu/base/dtype.h"
 #include "gpu/cpu/avx2_util.h"
+#include "gpu/cpu/cpu_isa.h"
 #include "gpu/cpu/keydiff_cpu.h"
 
 namespace kvs {
@@ -505,6 +506,211 @@ KVS_AVX2 void Avx2Task(const JobPlan& plan, const Records& records, int64_t head
 }
 
 // ---------------------------------------------------------------------------------------------
+// AVX-512 window kernel (GQA groups of >= 8 query rows; decode shapes, bound by the key stream,
+// keep the AVX2 kernel). The same transposed fp32 tile and the same per-tile softmax records as
+// Avx2Task, with the micro-kernel widened to the 32 zmm registers: 8 query rows x the whole
+// 48-key tile (3 zmm) = 24 accumulators + 3 key registers per dimension, each query element
+// broadcast straight from memory into the FMA. Every logit is the same ordered fp32 FMA chain
+// over d as in the AVX2 kernel, so the two agree exactly on the logits; the softmax differs only
+// in the order its 48 exponentials are summed.
+
+// GCC 12's avx512fintrin.h initialises the pass-through operand of unmasked intrinsics from
+// _mm512_undefined_*(), which -Wuninitialized reports at every use (a false positive).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// ExpNonPositive on 16 lanes: the same reduction and polynomial, so the same values (vscalefps
+// multiplies by 2^n exactly as the exponent-bits product does, in one instruction).
+KVS_AVX512 inline __m512 ExpNonPositive512(__m512 x) {
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~underflow), p, n);
+}
+
+// SoftmaxTileRow on 16 lanes (see there): the same masking, running max and records. kFull: n is
+// kTile (every tile but a partial last one), so the loops unroll and need no tail masks.
+template <bool kFull>
+KVS_AVX512 inline void SoftmaxTileRow512(const float* logits, const int32_t* key_positions,
+                                         int32_t query_position, float scale, int n, float* out,
+                                         float* running_max, float* tile_max, float* tile_sum) {
+  static_assert(kTile % 16 == 0);
+  if constexpr (kFull) n = kTile;
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  const __m512i qpos = _mm512_set1_epi32(query_position);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 l[kTile / 16];
+  __mmask16 valid[kTile / 16];
+  __m512 vmax = neg_inf;
+  const int vectors = (n + 15) / 16;
+#pragma GCC unroll 3
+  for (int v = 0; v < vectors; ++v) {
+    // Slots past n (a partial last tile) are masked like causal ones and not read.
+    const int left = n - 16 * v;
+    valid[v] =
+        left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512i kpos = _mm512_maskz_loadu_epi32(valid[v], key_positions + 16 * v);
+    const __mmask16 keep = _mm512_mask_cmple_epi32_mask(valid[v], kpos, qpos);
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(logits + 16 * v), vscale);
+    l[v] = _mm512_mask_blend_ps(keep, neg_inf, x);
+    vmax = _mm512_max_ps(vmax, l[v]);
+  }
+  const float max = std::max(_mm512_reduce_max_ps(vmax), *running_max);
+  *running_max = max;
+  *tile_max = max;
+  if (max == kNegInf) {
+    std::fill(out, out + n, 0.0f);
+    *tile_sum = 0.0f;
+    return;
+  }
+  const __m512 bmax = _mm512_set1_ps(max);
+  __m512 vsum = _mm512_setzero_ps();
+#pragma GCC unroll 3
+  for (int v = 0; v < vectors; ++v) {
+    const __m512 e = ExpNonPositive512(_mm512_sub_ps(l[v], bmax));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm512_mask_storeu_ps(out + 16 * v, valid[v], e);
+  }
+  *tile_sum = _mm512_reduce_add_ps(vsum);
+}
+
+// Logits of kRows query rows (rows of q, `dim` apart) against the 48 columns of the transposed
+// tile, into out[r * kLogitStride + j]. Columns past the tile's keys hold whatever the buffer
+// had (finite converted keys or zeros); their logits are masked by the softmax.
+template <int kRows>
+KVS_AVX512 inline void DotKernel512(const float* q, const float* tile, int dim, float* out) {
+  static_assert(kTile == 48);
+  __m512 acc[kRows][3];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+  for (int d = 0; d < dim; ++d) {
+    const float* k = tile + d * kTile;
+    const __m512 k0 = _mm512_loadu_ps(k);
+    const __m512 k1 = _mm512_loadu_ps(k + 16);
+    const __m512 k2 = _mm512_loadu_ps(k + 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 x = _mm512_set1_ps(q[r * dim + d]);
+      acc[r][0] = _mm512_fmadd_ps(x, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(x, k1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(x, k2, acc[r][2]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_storeu_ps(out + r * kLogitStride, acc[r][0]);
+    _mm512_storeu_ps(out + r * kLogitStride + 16, acc[r][1]);
+    _mm512_storeu_ps(out + r * kLogitStride + 32, acc[r][2]);
+  }
+}
+
+constexpr int kRowBlock512 = 8;
+// How far ahead the key rows are requested (2 measured no better than 1 in attention_bench).
+constexpr int64_t kPrefetchTilesAhead = 1;
+
+// The window kernel of one kv head (head_begin; plan.group_rows >= 8) over tiles
+// [tile_begin, tile_end), AVX-512.
+template <DType kType>
+KVS_AVX512 void Avx512Task(const JobPlan& plan, const Records& records, int64_t head_begin,
+                           int64_t tile_begin, int64_t tile_end) {
+  const AttentionJob& job = *plan.job;
+  const PagedLayerView& keys = job.keys;
+  const int dim = keys.head_dim;
+  const int64_t count = keys.count;
+  const int64_t rows = plan.group_rows;
+  alignas(64) float logits[kRowBlock512 * kLogitStride];
+  thread_local std::vector<float> running_max;
+  running_max.assign(rows, kNegInf);
+  const int64_t head = head_begin;
+  const float* queries = job.queries + head * rows * dim;
+  const int32_t* key_positions = job.key_positions + head * count;
+  // 64-byte aligned: each 48-float row of the tile is then exactly three cache lines.
+  thread_local std::vector<float> tile_buffer;
+  tile_buffer.resize(static_cast<size_t>(kTile) * dim + 16);
+  float* tile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(tile_buffer.data()) + 63) &
+                                         ~uintptr_t{63});
+  // The next tile's key rows, prefetched a few lines per strip of rows: spread over the tile's
+  // work, the requests do not queue up behind each other (issued all at once, as PrefetchTile
+  // does, the conversion waited on memory for ~17% of this kernel's samples in perf; spread,
+  // the prefetches and the conversion take ~12% + 3%: the keys come from DRAM, ~7 GB/s here).
+  const uint8_t* next_rows[kTile];
+  const int64_t strips = (rows + kRowBlock512 - 1) / kRowBlock512;
+  const int64_t lines_per_row = (static_cast<int64_t>(plan.row_bytes) + 63) / 64;
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    const int64_t s0 = t * kTile;
+    const int n = static_cast<int>(std::min<int64_t>(kTile, count - s0));
+    ConvertTileTransposed<kType>(keys, head, s0, n, tile);
+    const int64_t ahead = t + kPrefetchTilesAhead;
+    const int n_next =
+        ahead < tile_end ? static_cast<int>(std::min<int64_t>(kTile, count - ahead * kTile)) : 0;
+    if (n_next > 0) PagedRows(keys, head, ahead * kTile, n_next, next_rows);
+    const int64_t lines_per_strip = (n_next * lines_per_row + strips - 1) / strips;
+    int next_row = 0;  // the next line to request: row next_row, byte offset next_offset
+    int64_t next_offset = 0;
+    for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock512) {
+      const int strip = static_cast<int>(std::min<int64_t>(kRowBlock512, rows - m0));
+      const float* q = queries + m0 * dim;
+      for (int64_t i = 0; i < lines_per_strip && next_row < n_next; ++i) {
+        __builtin_prefetch(next_rows[next_row] + next_offset);
+        next_offset += 64;
+        if (next_offset >= static_cast<int64_t>(plan.row_bytes)) {
+          next_offset = 0;
+          ++next_row;
+        }
+      }
+      switch (strip) {
+        case 8:
+          DotKernel512<8>(q, tile, dim, logits);
+          break;
+        case 7:
+          DotKernel512<7>(q, tile, dim, logits);
+          break;
+        case 6:
+          DotKernel512<6>(q, tile, dim, logits);
+          break;
+        case 5:
+          DotKernel512<5>(q, tile, dim, logits);
+          break;
+        case 4:
+          DotKernel512<4>(q, tile, dim, logits);
+          break;
+        case 3:
+          DotKernel512<3>(q, tile, dim, logits);
+          break;
+        case 2:
+          DotKernel512<2>(q, tile, dim, logits);
+          break;
+        default:
+          DotKernel512<1>(q, tile, dim, logits);
+          break;
+      }
+      const auto softmax = n == kTile ? SoftmaxTileRow512<true> : SoftmaxTileRow512<false>;
+      for (int r = 0; r < strip; ++r) {
+        const int64_t m = m0 + r;
+        const int64_t row = head * rows + m;
+        softmax(logits + r * kLogitStride, key_positions + s0,
+                job.query_positions[m % job.num_queries], job.scale, n,
+                job.probs + row * count + s0, &running_max[m], &records.max[records.At(row, t)],
+                &records.sum[records.At(row, t)]);
+      }
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+
+// ---------------------------------------------------------------------------------------------
 
 // Multiplies n floats by factor; AVX2 when allowed (the pass is bound by cache bandwidth, so
 // wide loads and stores matter more than the arithmetic).
@@ -608,9 +814,20 @@ Records SplitRecords(const JobPlan& plan) {
                  0, plan.tiles};
 }
 
+// isa: the level to run at (already limited to the CPU's and to head_dim % 8 == 0).
 void RunTask(const JobPlan& plan, const Records& records, int64_t head_begin, int64_t head_end,
-             int64_t tile_begin, int64_t tile_end, bool avx2) {
-  if (avx2) {
+             int64_t tile_begin, int64_t tile_end, CpuIsa isa) {
+  if (isa == CpuIsa::kAvx512 && plan.group_rows >= 8) {
+    switch (plan.job->keys.dtype) {
+      case DType::kFloat16:
+        return Avx512Task<DType::kFloat16>(plan, records, head_begin, tile_begin, tile_end);
+      case DType::kBFloat16:
+        return Avx512Task<DType::kBFloat16>(plan, records, head_begin, tile_begin, tile_end);
+      case DType::kFloat32:
+        return Avx512Task<DType::kFloat32>(plan, records, head_begin, tile_begin, tile_end);
+    }
+  }
+  if (isa >= CpuIsa::kAvx2) {
     switch (plan.job->keys.dtype) {
       case DType::kFloat16:
         return Avx2Task<DType::kFloat16>(plan, records, head_begin, head_end, tile_begin, tile_end);
@@ -665,7 +882,7 @@ absl::Status ValidatePagedLayerView(const PagedLayerView& v, std::string_view co
 }
 
 absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, ThreadPool& pool,
-                                      bool allow_avx2) {
+                                      CpuIsa max_isa) {
   // Validate everything first so that a failed call writes nothing.
   // A task covers one kv head of a job in the window kernel, every kv head of it in the decode
   // kernel (fewer than 8 rows per head; see DecodeTiles), and a chunk of its tiles when the
@@ -717,7 +934,8 @@ absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, Threa
     tasks += plan.chunks * (job.keys.num_kv_heads / plan.heads_per_task);
     plans.push_back(std::move(plan));
   }
-  const bool avx2 = allow_avx2 && CpuSupportsAvx2();
+  const CpuIsa isa = UsableCpuIsa(max_isa);
+  const bool avx2 = isa >= CpuIsa::kAvx2;
   auto plan_of = [&plans](int64_t task) {
     return std::upper_bound(plans.begin(), plans.end(), task,
                             [](int64_t t, const JobPlan& p) { return t < p.first_task; }) -
@@ -733,9 +951,10 @@ absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, Threa
         const int64_t chunk = local % plan.chunks;
         const int64_t begin = chunk * plan.chunk_tiles;
         const int64_t end = std::min(plan.tiles, begin + plan.chunk_tiles);
-        const bool use_avx2 = avx2 && plan.job->keys.head_dim % 8 == 0;
+        const CpuIsa use_isa = plan.job->keys.head_dim % 8 == 0 ? isa : CpuIsa::kScalar;
+        const bool use_avx2 = use_isa >= CpuIsa::kAvx2;
         if (plan.chunks > 1) {
-          RunTask(plan, SplitRecords(plan), head_begin, head_end, begin, end, use_avx2);
+          RunTask(plan, SplitRecords(plan), head_begin, head_end, begin, end, use_isa);
           return;
         }
         // The task sees every slot of its rows: its records live in a reused per-thread buffer
@@ -746,7 +965,7 @@ absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, Threa
         buffer.resize(2 * task_rows * plan.tiles);
         const Records records{buffer.data(), buffer.data() + task_rows * plan.tiles,
                               head_begin * plan.group_rows, plan.tiles};
-        RunTask(plan, records, head_begin, head_end, begin, end, use_avx2);
+        RunTask(plan, records, head_begin, head_end, begin, end, use_isa);
         for (int64_t m = 0; m < task_rows; ++m) {
           NormalizeRow(plan, records, head_begin * plan.group_rows + m, use_avx2);
         }
@@ -817,7 +1036,8 @@ void AddNormalizedRow(const JobPlan& plan, const Records& records, int64_t row, 
 // per head: 4 MiB for 32 queries x 4 heads x 8K slots, which stays in the last-level cache),
 // and the normalisation adds each row straight into the sums.
 void ColumnSumsTask(const AttentionSumsJob& sums_job, int64_t head_begin, int64_t head_end,
-                    bool avx2) {
+                    CpuIsa isa) {
+  const bool avx2 = isa >= CpuIsa::kAvx2;
   const AttentionJob& job = sums_job.attention;
   const int64_t count = job.keys.count;
   const int64_t group = job.num_q_heads / job.keys.num_kv_heads;
@@ -853,7 +1073,7 @@ void ColumnSumsTask(const AttentionSumsJob& sums_job, int64_t head_begin, int64_
   plan.row_bytes = row_bytes;
   buffer.resize(static_cast<size_t>(2 * task_rows * plan.tiles));
   const Records records{buffer.data(), buffer.data() + task_rows * plan.tiles, 0, plan.tiles};
-  RunTask(plan, records, 0, heads, 0, plan.tiles, avx2);
+  RunTask(plan, records, 0, heads, 0, plan.tiles, isa);
   for (int64_t q = 0; q < heads * group; ++q) {
     float* out = sums_job.sums + (head_begin * group + q) * count;
     std::fill(out, out + count, 0.0f);
@@ -873,7 +1093,7 @@ absl::Status ValidateAttentionSumsJob(const AttentionSumsJob& job, size_t index)
 }
 
 absl::Status RunAttentionColumnSums(absl::Span<const AttentionSumsJob> jobs, ThreadPool& pool,
-                                    bool allow_avx2) {
+                                    CpuIsa max_isa) {
   for (size_t i = 0; i < jobs.size(); ++i) {
     if (auto status = ValidateAttentionSumsJob(jobs[i], i); !status.ok()) return status;
   }
@@ -905,18 +1125,18 @@ absl::Status RunAttentionColumnSums(absl::Span<const AttentionSumsJob> jobs, Thr
     }
   }
   if (!single.empty()) {
-    if (auto status = RunAttentionProbsWithIsa(single, pool, allow_avx2); !status.ok()) {
+    if (auto status = RunAttentionProbsWithIsa(single, pool, max_isa); !status.ok()) {
       return status;
     }
   }
-  const bool avx2 = allow_avx2 && CpuSupportsAvx2();
+  const CpuIsa isa = UsableCpuIsa(max_isa);
   const bool parallel = macs >= kParallelMinMacs && pool.num_threads() > 1;
   pool.ParallelFor(
       static_cast<int64_t>(units.size()),
       [&](int64_t u) {
         const Unit& unit = units[u];
-        const bool use_avx2 = avx2 && unit.job->attention.keys.head_dim % 8 == 0;
-        ColumnSumsTask(*unit.job, unit.head_begin, unit.head_end, use_avx2);
+        ColumnSumsTask(*unit.job, unit.head_begin, unit.head_end,
+                       unit.job->attention.keys.head_dim % 8 == 0 ? isa : CpuIsa::kScalar);
       },
       parallel ? 0 : 1);
   return absl::OkStatus();
@@ -948,7 +1168,7 @@ absl::Status Backend::AttentionColumnSums(absl::Span<const AttentionSumsJob> job
 }
 
 absl::Status RunAttentionProbs(absl::Span<const AttentionJob> jobs, ThreadPool& pool) {
-  return RunAttentionProbsWithIsa(jobs, pool, /*allow_avx2=*/true);
+  return RunAttentionProbsWithIsa(jobs, pool, CpuIsa::kAvx512);
 }
 
 namespace {
@@ -1032,7 +1252,7 @@ KVS_AVX2 void LogitsChunkAvx2(const AttentionJob& job, int64_t head, int64_t beg
 }  // namespace
 
 absl::Status RunAttentionLogits(absl::Span<const AttentionJob> jobs, ThreadPool& pool,
-                                bool allow_avx2) {
+                                CpuIsa max_isa) {
   std::vector<int64_t> first_task(jobs.size() + 1, 0);
   uint64_t macs = 0;
   for (size_t i = 0; i < jobs.size(); ++i) {
@@ -1043,7 +1263,7 @@ absl::Status RunAttentionLogits(absl::Span<const AttentionJob> jobs, ThreadPool&
     macs += static_cast<uint64_t>(job.num_q_heads) * job.num_queries * job.keys.count *
             job.keys.head_dim;
   }
-  const bool avx2 = allow_avx2 && CpuSupportsAvx2();
+  const bool avx2 = UsableCpuIsa(max_isa) >= CpuIsa::kAvx2;  // no AVX-512 variant: memory-bound
   pool.ParallelFor(
       first_task.back(),
       [&](int64_t task) {

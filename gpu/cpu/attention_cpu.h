@@ -3,8 +3,9 @@
 // queries against each key row: with 8+ rows per kv head (windows) a small GEMM per 48-slot tile
 // of keys converted to fp32 once; with fewer (decode) the keys are converted in registers as they
 // stream from the arena, every kv head of a job per tile (block order). fp32 with AVX2/FMA when the
-// CPU has it, and an online per-tile softmax folded per row at the end. Also the paged-row helpers
-// the other CPU kernels (CAOTE, nearest keys) share.
+// CPU has it (the window kernel with AVX-512 where the CPU has that), and an online per-tile
+// softmax folded per row at the end. Also the paged-row helpers the other CPU kernels (CAOTE,
+// nearest keys) share.
 //
 // Threading: RunAttentionProbs spreads (job, kv head or all kv heads[, chunk of slots]) tasks over
 // `pool`; it may be called concurrently from several threads. The helpers are pure.
@@ -17,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "gpu/backend.h"
+#include "gpu/cpu/cpu_isa.h"
 #include "gpu/cpu/thread_pool.h"
 
 namespace kvs {
@@ -32,23 +34,27 @@ absl::Status RunAttentionProbs(absl::Span<const AttentionJob> jobs, ThreadPool& 
 
 // Backend::AttentionLogits: the scaled logits (-inf where masked), validated like
 // RunAttentionProbs. One task per (job, kv head, chunk of slots); each key row is converted once
-// and dotted with every query row of its GQA group. `allow_avx2` false forces the scalar code.
+// and dotted with every query row of its GQA group. `max_isa` caps the kernels (kScalar forces
+// the scalar code; there is no AVX-512 variant: the pass is bound by the key stream).
 absl::Status RunAttentionLogits(absl::Span<const AttentionJob> jobs, ThreadPool& pool,
-                                bool allow_avx2 = true);
+                                CpuIsa max_isa = CpuIsa::kAvx512);
 
-// Test hook: the same with the AVX2/FMA kernels allowed or not (false = the portable scalar code,
-// which RunAttentionProbs also uses on CPUs without AVX2/FMA/F16C or when head_dim % 8 != 0).
+// Test hook: the same with the kernels capped at `max_isa` (gpu/cpu/cpu_isa.h; a level the CPU
+// lacks falls to the best one below it). kScalar is the portable code, which RunAttentionProbs
+// also uses on CPUs without AVX2/FMA/F16C or when head_dim % 8 != 0; kAvx512 runs the window
+// kernel (8+ query rows per kv head) with AVX-512 and the decode kernel with AVX2.
 absl::Status RunAttentionProbsWithIsa(absl::Span<const AttentionJob> jobs, ThreadPool& pool,
-                                      bool allow_avx2);
+                                      CpuIsa max_isa);
 
 // Backend::AttentionColumnSums: validated like RunAttentionProbs (sums in place of probs), then
 // one task per (job, kv head) (per job when a head has fewer than 8 query rows) computes the
 // head's probabilities tile by tile with the window kernel into a per-thread buffer and adds the
 // normalised rows into `sums`; the probabilities never reach the caller's memory. Jobs of one
-// query row are AttentionProbs with probs = sums. `allow_avx2` false forces the scalar code.
+// query row are AttentionProbs with probs = sums. `max_isa` caps the kernels as in
+// RunAttentionProbsWithIsa.
 absl::Status ValidateAttentionSumsJob(const AttentionSumsJob& job, size_t index);
 absl::Status RunAttentionColumnSums(absl::Span<const AttentionSumsJob> jobs, ThreadPool& pool,
-                                    bool allow_avx2 = true);
+                                    CpuIsa max_isa = CpuIsa::kAvx512);
 
 // Shared by the CPU kernels over paged layers (attention, CAOTE, nearest keys).
 

@@ -171,32 +171,36 @@ struct Problem {
   }
 };
 
-// dtype, group size G, window w, allow AVX2.
-class AttentionCpuTest : public ::testing::TestWithParam<std::tuple<DType, int, int, bool>> {};
+// Every ISA level the kernels have; a level the CPU lacks runs the best one below it.
+constexpr CpuIsa kAllIsas[] = {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512};
+
+// dtype, group size G, window w, highest ISA allowed.
+class AttentionCpuTest : public ::testing::TestWithParam<std::tuple<DType, int, int, CpuIsa>> {};
 
 TEST_P(AttentionCpuTest, MatchesDoubleReference) {
-  const auto [dtype, group, window, avx2] = GetParam();
+  const auto [dtype, group, window, isa] = GetParam();
   ThreadPool pool(3);
   // count 100 with block_tokens 16: neither the blocks nor the 48-slot tiles divide it.
   for (int dim : {64, 20}) {  // 20: not a multiple of 8, always the scalar kernel
     SCOPED_TRACE(dim);
     Problem problem(/*heads=*/2, group, window, /*count=*/100, dim, dtype, /*block_tokens=*/16,
                     /*seed=*/static_cast<uint32_t>(group * 100 + window + dim));
-    ASSERT_TRUE(RunAttentionProbsWithIsa({&problem.job, 1}, pool, avx2).ok());
+    ASSERT_TRUE(RunAttentionProbsWithIsa({&problem.job, 1}, pool, isa).ok());
     problem.ExpectMatchesReference();
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, AttentionCpuTest,
-    ::testing::Combine(::testing::Values(DType::kFloat16, DType::kBFloat16, DType::kFloat32),
-                       ::testing::Values(1, 2, 4), ::testing::Values(1, 32), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(All, AttentionCpuTest,
+                         ::testing::Combine(::testing::Values(DType::kFloat16, DType::kBFloat16,
+                                                              DType::kFloat32),
+                                            ::testing::Values(1, 2, 4), ::testing::Values(1, 32),
+                                            ::testing::ValuesIn(kAllIsas)));
 
 // A long single job on a 4-thread pool is split into chunks of tiles whose partial softmaxes are
 // merged in the second phase; several jobs of different shapes share one call.
 TEST(AttentionCpu, ChunkedAndMultiJobMatchReference) {
-  for (bool avx2 : {true, false}) {
-    SCOPED_TRACE(avx2);
+  for (CpuIsa isa : kAllIsas) {
+    SCOPED_TRACE(CpuIsaName(isa));
     ThreadPool pool(4);
     Problem a(/*heads=*/1, /*group=*/4, /*window=*/16, /*count=*/2000, /*dim=*/128, DType::kFloat16,
               /*block_tokens=*/32, 11);
@@ -205,7 +209,7 @@ TEST(AttentionCpu, ChunkedAndMultiJobMatchReference) {
     Problem c(/*heads=*/4, /*group=*/1, /*window=*/1, /*count=*/1, /*dim=*/8, DType::kBFloat16,
               /*block_tokens=*/16, 13);
     const std::vector<AttentionJob> jobs = {a.job, b.job, c.job};
-    ASSERT_TRUE(RunAttentionProbsWithIsa(jobs, pool, avx2).ok());
+    ASSERT_TRUE(RunAttentionProbsWithIsa(jobs, pool, isa).ok());
     a.ExpectMatchesReference();
     b.ExpectMatchesReference();
     c.ExpectMatchesReference();
@@ -228,7 +232,7 @@ TEST(AttentionCpu, DecodeShapesMatchReference) {
           Problem p(/*heads=*/8, group, /*window=*/1, /*count=*/1000, /*dim=*/128, dtype,
                     /*block_tokens=*/16, static_cast<uint32_t>(group * 10 + threads));
           p.query_positions[0] = middle ? 500 : 5000;
-          ASSERT_TRUE(RunAttentionProbsWithIsa({&p.job, 1}, pool, /*allow_avx2=*/true).ok());
+          ASSERT_TRUE(RunAttentionProbsWithIsa({&p.job, 1}, pool, CpuIsa::kAvx512).ok());
           p.ExpectMatchesReference(1e-5, /*expected_masked_rows=*/0);
         }
       }
@@ -247,13 +251,106 @@ TEST(AttentionCpu, BackendAttentionProbs) {
 
 // Large logits: the softmax is max-subtracted (a naive exp would overflow to inf / NaN).
 TEST(AttentionCpu, LargeLogitsAreStable) {
-  for (bool avx2 : {true, false}) {
+  for (CpuIsa isa : kAllIsas) {
+    SCOPED_TRACE(CpuIsaName(isa));
     ThreadPool pool(1);
-    Problem p(1, 1, 2, 60, 16, DType::kFloat32, 16, 5);
-    p.job.scale = 40.0f;  // logits in the hundreds
-    ASSERT_TRUE(RunAttentionProbsWithIsa({&p.job, 1}, pool, avx2).ok());
+    // 16 query rows per kv head: the window kernel. Logits in the hundreds.
+    Problem p(1, 8, 2, 60, 16, DType::kFloat32, 16, 5);
+    p.job.scale = 40.0f;
+    ASSERT_TRUE(RunAttentionProbsWithIsa({&p.job, 1}, pool, isa).ok());
     for (float v : p.probs) ASSERT_TRUE(std::isfinite(v));
     p.ExpectMatchesReference(1e-4);
+  }
+}
+
+// The AVX-512 window kernel against the scalar code (and the AVX2 kernel) on shapes that reach
+// every tail: key counts around the 48-slot tile and the 16-lane vectors, rows per kv head
+// (G x w) at every remainder of the 8-row block (and under 8: the decode kernel), head_dim 64,
+// 128 and 24 (not a multiple of 16), and 20 (not a multiple of 8: scalar for every level);
+// causally masked slots and a fully masked row (query 0), scrambled key positions. Probabilities
+// (AttentionProbs) and window sums (AttentionColumnSums) must agree up to summation order, and
+// masked slots must be exactly 0.
+class AttentionAvx512Test : public ::testing::TestWithParam<std::tuple<DType, int, int>> {};
+
+TEST_P(AttentionAvx512Test, MatchesScalarAndAvx2) {
+  if (HardwareCpuIsa() != CpuIsa::kAvx512) {
+    GTEST_SKIP() << "this CPU lacks AVX-512 (F/BW/VL/DQ): the AVX-512 kernel cannot run here";
+  }
+  if (DetectedCpuIsa() != CpuIsa::kAvx512) {
+    GTEST_SKIP() << "KVS_CPU_ISA caps this process below avx512";
+  }
+  const auto [dtype, group, dim] = GetParam();
+  ThreadPool pool(2);
+  for (const int window : {1, 5, 8, 9, 13, 16, 31, 64}) {
+    for (const int count : {1, 15, 17, 48, 49, 100, 337}) {
+      SCOPED_TRACE(::testing::Message() << "window " << window << " count " << count);
+      Problem p(/*heads=*/2, group, window, count, dim, dtype, /*block_tokens=*/16,
+                static_cast<uint32_t>(window * 1000 + count + group * 7 + dim));
+      std::vector<std::vector<float>> probs, sums;
+      for (CpuIsa isa : kAllIsas) {
+        std::fill(p.probs.begin(), p.probs.end(), -7.0f);
+        ASSERT_TRUE(RunAttentionProbsWithIsa({&p.job, 1}, pool, isa).ok());
+        probs.push_back(p.probs);
+        std::vector<float> out(static_cast<size_t>(p.job.num_q_heads) * count, -7.0f);
+        AttentionSumsJob job{.attention = p.job, .sums = out.data()};
+        job.attention.probs = nullptr;
+        ASSERT_TRUE(RunAttentionColumnSums({&job, 1}, pool, isa).ok());
+        sums.push_back(std::move(out));
+      }
+      const std::vector<float>& scalar = probs[0];
+      const std::vector<float>& avx2 = probs[1];
+      const std::vector<float>& avx512 = probs[2];
+      for (size_t k = 0; k < scalar.size(); ++k) {
+        ASSERT_NEAR(avx512[k], scalar[k], 2e-6) << "probs[" << k << "] vs scalar";
+        ASSERT_NEAR(avx512[k], avx2[k], 1e-6) << "probs[" << k << "] vs avx2";
+        if (scalar[k] == 0.0f) {
+          ASSERT_EQ(avx512[k], 0.0f) << "masked probs[" << k << "]";
+        }
+      }
+      for (size_t k = 0; k < sums[0].size(); ++k) {
+        ASSERT_NEAR(sums[2][k], sums[0][k], 2e-6 * window) << "sums[" << k << "] vs scalar";
+        ASSERT_NEAR(sums[2][k], sums[1][k], 1e-6 * window) << "sums[" << k << "] vs avx2";
+        if (sums[0][k] == 0.0f) {
+          ASSERT_EQ(sums[2][k], 0.0f) << "masked sums[" << k << "]";
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AttentionAvx512Test,
+    ::testing::Combine(::testing::Values(DType::kFloat16, DType::kBFloat16, DType::kFloat32),
+                       ::testing::Values(1, 4, 8), ::testing::Values(64, 128, 24, 20)));
+
+// The window kernel's row max over a long row: one large logit in the last partial tile must
+// rescale every earlier tile (the per-tile records), and one huge negative logit must give an
+// exact 0, under every ISA level.
+TEST(AttentionCpu, Avx512LateMaxAndUnderflow) {
+  for (CpuIsa isa : kAllIsas) {
+    SCOPED_TRACE(CpuIsaName(isa));
+    ThreadPool pool(1);
+    Problem p(/*heads=*/1, /*group=*/8, /*window=*/2, /*count=*/101, /*dim=*/32, DType::kFloat32,
+              /*block_tokens=*/16, 9);
+    // Key 100 (the last tile holds keys 96..100) = 4 x query 1 of head 0: a logit far above the
+    // rest; key 50 = -4 x that query: exp underflows to 0 in its row.
+    float* keys = reinterpret_cast<float*>(p.layer.arena.data());
+    auto key_row = [&](int s) {
+      return keys +
+             (static_cast<uint64_t>(p.layer.block_table[s / 16]) * p.layer.view.block_bytes / 4) +
+             (s % 16) * 32;
+    };
+    for (int d = 0; d < 32; ++d) {
+      key_row(100)[d] = 4.0f * p.queries[32 + d];
+      key_row(50)[d] = -4.0f * p.queries[32 + d];
+      p.layer.stored[100 * 32 + d] = key_row(100)[d];
+      p.layer.stored[50 * 32 + d] = key_row(50)[d];
+    }
+    p.job.scale = 1.0f;
+    ASSERT_TRUE(RunAttentionProbsWithIsa({&p.job, 1}, pool, isa).ok());
+    p.ExpectMatchesReference(1e-5);
+    EXPECT_EQ(p.probs[1 * 101 + 50], 0.0f);
+    EXPECT_GT(p.probs[1 * 101 + 100], 0.99f);
   }
 }
 
@@ -322,10 +419,10 @@ TEST(AttentionCpu, InvalidJobsAreRejectedAndNothingIsWritten) {
 // AttentionColumnSums: the probabilities summed over the window's rows, never written out. Checked
 // against the double reference summed the same way, and against summing AttentionProbs' own
 // output (the two kernels share their arithmetic), for odd sizes, GQA ratios and every dtype.
-class AttentionSumsTest : public ::testing::TestWithParam<std::tuple<DType, int, int, bool>> {};
+class AttentionSumsTest : public ::testing::TestWithParam<std::tuple<DType, int, int, CpuIsa>> {};
 
 TEST_P(AttentionSumsTest, MatchesSummedReferenceAndProbs) {
-  const auto [dtype, group, window, avx2] = GetParam();
+  const auto [dtype, group, window, isa] = GetParam();
   ThreadPool pool(2);
   for (const int count : {1, 47, 100, 1000}) {
     Problem p(/*heads=*/3, group, window, count, /*dim=*/dtype == DType::kFloat32 ? 24 : 64, dtype,
@@ -334,8 +431,8 @@ TEST_P(AttentionSumsTest, MatchesSummedReferenceAndProbs) {
     std::vector<float> sums(static_cast<size_t>(q_heads) * count, -7.0f);
     AttentionSumsJob job{.attention = p.job, .sums = sums.data()};
     job.attention.probs = nullptr;
-    ASSERT_TRUE(RunAttentionColumnSums({&job, 1}, pool, avx2).ok());
-    ASSERT_TRUE(RunAttentionProbsWithIsa({&p.job, 1}, pool, avx2).ok());
+    ASSERT_TRUE(RunAttentionColumnSums({&job, 1}, pool, isa).ok());
+    ASSERT_TRUE(RunAttentionProbsWithIsa({&p.job, 1}, pool, isa).ok());
     const std::vector<double> expected = p.Reference();
     for (int q = 0; q < q_heads; ++q) {
       for (int s = 0; s < count; ++s) {
@@ -355,11 +452,11 @@ TEST_P(AttentionSumsTest, MatchesSummedReferenceAndProbs) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, AttentionSumsTest,
-                         ::testing::Combine(::testing::Values(DType::kFloat16, DType::kBFloat16,
-                                                              DType::kFloat32),
-                                            ::testing::Values(1, 3, 4),
-                                            ::testing::Values(1, 2, 5, 32), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AttentionSumsTest,
+    ::testing::Combine(::testing::Values(DType::kFloat16, DType::kBFloat16, DType::kFloat32),
+                       ::testing::Values(1, 3, 4), ::testing::Values(1, 2, 5, 32),
+                       ::testing::ValuesIn(kAllIsas)));
 
 TEST(AttentionCpu, BackendColumnSumsMatchesTheDefaultPath) {
   // The CPU backend's fused kernel against Backend's default (AttentionProbs, then a host sum),
