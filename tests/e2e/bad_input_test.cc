@@ -1,12 +1,12 @@
 // End to end: every kind of bad input the contract names gets its gRPC code and a message naming
 // the field, changes nothing, and afterwards the server still serves and other sequences (in the
 // same session and in another one) are intact bit for bit.
+#include <grpcpp/grpcpp.h>
+
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -4,6 +4,8 @@
 // bit-identical or is reported missing/lost, never served corrupted), and the faults: unknown
 // sequence, bad target, full host tier, unopenable disk tier (the server keeps serving); and
 // Admin.ListSpilled over live, orphaned and lost copies.
+#include <grpcpp/grpcpp.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -11,8 +13,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -190,8 +190,7 @@ TEST(SpillE2eTest, ABadParameterIsAnsweredBeforeAMissingSession) {
   publish.set_session_id(missing);
   publish.set_sequence_id("s");
   publish.set_prefix_key("not-a-key");
-  expect(KVS_CALL(Publish, publish), grpc::StatusCode::INVALID_ARGUMENT, "prefix_key",
-         "Publish");
+  expect(KVS_CALL(Publish, publish), grpc::StatusCode::INVALID_ARGUMENT, "prefix_key", "Publish");
   publish.set_prefix_key(std::string(64, 'a'));
   publish.set_query_window(-1);
   expect(KVS_CALL(Publish, publish), grpc::StatusCode::INVALID_ARGUMENT, "query_window",
@@ -204,8 +203,7 @@ TEST(SpillE2eTest, ABadParameterIsAnsweredBeforeAMissingSession) {
   expect(KVS_CALL(Unpublish, unpublish), grpc::StatusCode::INVALID_ARGUMENT, "prefix_key",
          "Unpublish");
   unpublish.set_prefix_key(std::string(64, 'a'));
-  expect(KVS_CALL(Unpublish, unpublish), grpc::StatusCode::NOT_FOUND, missing,
-         "Unpublish(good)");
+  expect(KVS_CALL(Unpublish, unpublish), grpc::StatusCode::NOT_FOUND, missing, "Unpublish(good)");
   v1::RestoreRequest restore;
   restore.set_session_id(missing);
   restore.set_sequence_id("s");
