@@ -248,6 +248,16 @@ absl::StatusOr<ReleaseCounts> KvPool::Detach(std::string_view session_id) {
   return RemoveSession(session_id, /*reclaimed=*/false);
 }
 
+absl::StatusOr<HeartbeatResult> KvPool::Heartbeat(const SessionRef& session) {
+  return sessions_->Renew(SharedOf(session));
+}
+
+absl::StatusOr<ReleaseCounts> KvPool::Detach(const SessionRef& session) {
+  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> removed,
+                       sessions_->Remove(SharedOf(session), /*reclaimed=*/false));
+  return DestroySession(std::move(removed));
+}
+
 absl::StatusOr<ReleaseCounts> KvPool::RemoveSession(std::string_view session_id, bool reclaimed) {
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        sessions_->Remove(session_id, reclaimed));
@@ -490,7 +500,14 @@ absl::StatusOr<SequenceCreated> KvPool::CreateFromPrefix(std::string_view sessio
 
 absl::StatusOr<ReleaseCounts> KvPool::ReleaseSequence(std::string_view session_id,
                                                       std::string_view sequence_id) {
-  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, sessions_->Find(session_id));
+  KVS_ASSIGN_OR_RETURN(SessionRef session, FindSession(session_id));
+  return ReleaseSequence(session, sequence_id);
+}
+
+absl::StatusOr<ReleaseCounts> KvPool::ReleaseSequence(const SessionRef& ref,
+                                                      std::string_view sequence_id) {
+  Session* const session = &Of(ref);
+  const std::string& session_id = session->id;
   absl::MutexLock lock(&session->mu);
   if (session->dead) return SessionGone(session_id);
   auto it = session->sequences.find(Sv(sequence_id));
@@ -643,7 +660,14 @@ absl::Status KvPool::CheckReservation(std::string_view session_id, std::string_v
 absl::Status KvPool::WriteReserved(std::string_view session_id, std::string_view sequence_id,
                                    uint64_t reservation_id, uint64_t payload_offset,
                                    absl::Span<const uint8_t> bytes) {
-  return OnSequence(session_id, sequence_id,
+  KVS_ASSIGN_OR_RETURN(SessionRef session, FindSession(session_id));
+  return WriteReserved(session, sequence_id, reservation_id, payload_offset, bytes);
+}
+
+absl::Status KvPool::WriteReserved(const SessionRef& session, std::string_view sequence_id,
+                                   uint64_t reservation_id, uint64_t payload_offset,
+                                   absl::Span<const uint8_t> bytes) {
+  return OnSequence(Of(session), sequence_id,
                     [&](Sequence& sequence, const SequenceEnv& env, Session&) {
                       return sequence.WriteReserved(env, reservation_id, payload_offset, bytes);
                     });
@@ -976,8 +1000,15 @@ absl::StatusOr<std::vector<SelectResult>> KvPool::Select(absl::Span<const Select
 absl::StatusOr<std::vector<RetainedHead>> KvPool::GetRetained(std::string_view session_id,
                                                               std::string_view sequence_id,
                                                               absl::Span<const int32_t> layers) {
+  KVS_ASSIGN_OR_RETURN(SessionRef session, FindSession(session_id));
+  return GetRetained(session, sequence_id, layers);
+}
+
+absl::StatusOr<std::vector<RetainedHead>> KvPool::GetRetained(const SessionRef& session,
+                                                              std::string_view sequence_id,
+                                                              absl::Span<const int32_t> layers) {
   return std::as_const(*this).OnSequence(
-      session_id, sequence_id,
+      Of(session), sequence_id,
       [&](Sequence& sequence, const SequenceEnv&, Session&) { return sequence.Retained(layers); });
 }
 
@@ -1242,25 +1273,42 @@ RebudgetResult KvPool::RebudgetTenant(std::string_view tenant, int32_t tokens_pe
 
 absl::StatusOr<SpillResult> KvPool::Spill(std::string_view session_id, std::string_view sequence_id,
                                           StorageTier target) {
+  return Spill(FindSession(session_id), sequence_id, target);
+}
+
+absl::StatusOr<SpillResult> KvPool::Spill(const absl::StatusOr<SessionRef>& session,
+                                          std::string_view sequence_id, StorageTier target) {
   if (!mover_->has_tiers()) return TierMover::NoTiers();
   if (target != StorageTier::kHost && target != StorageTier::kDisk &&
       target != StorageTier::kRemote) {
     return absl::InvalidArgumentError(absl::StrCat(
         "target must be TIER_HOST, TIER_DISK or TIER_REMOTE, got ", static_cast<int>(target)));
   }
-  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, sessions_->Find(session_id));
-  return mover_->Spill(*session, sequence_id, target);
+  KVS_RETURN_IF_ERROR(session.status());
+  return mover_->Spill(Of(*session), sequence_id, target);
 }
 
 absl::StatusOr<SpillResult> KvPool::Restore(std::string_view session_id,
                                             std::string_view sequence_id,
                                             std::string_view from_session_id) {
+  return Restore(FindSession(session_id), sequence_id, from_session_id);
+}
+
+absl::StatusOr<SpillResult> KvPool::Restore(const absl::StatusOr<SessionRef>& session,
+                                            std::string_view sequence_id,
+                                            std::string_view from_session_id) {
   if (!mover_->has_tiers()) return TierMover::NoTiers();
-  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, sessions_->Find(session_id));
-  return mover_->Restore(*session, sequence_id, from_session_id);
+  KVS_RETURN_IF_ERROR(session.status());
+  return mover_->Restore(Of(*session), sequence_id, from_session_id);
 }
 
 absl::StatusOr<SpillResult> KvPool::Publish(std::string_view session_id,
+                                            std::string_view sequence_id,
+                                            std::string_view prefix_key, int32_t query_window) {
+  return Publish(FindSession(session_id), sequence_id, prefix_key, query_window);
+}
+
+absl::StatusOr<SpillResult> KvPool::Publish(const absl::StatusOr<SessionRef>& session,
                                             std::string_view sequence_id,
                                             std::string_view prefix_key, int32_t query_window) {
   if (!mover_->has_tiers()) return TierMover::NoTiers();
@@ -1269,15 +1317,27 @@ absl::StatusOr<SpillResult> KvPool::Publish(std::string_view session_id,
     return absl::InvalidArgumentError(
         absl::StrCat("query_window must be >= 0 (0 = none stated), got ", query_window));
   }
-  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, sessions_->Find(session_id));
-  return mover_->Publish(*session, sequence_id, prefix_key, query_window);
+  KVS_RETURN_IF_ERROR(session.status());
+  return mover_->Publish(Of(*session), sequence_id, prefix_key, query_window);
 }
 
 absl::Status KvPool::Unpublish(std::string_view session_id, std::string_view prefix_key) {
+  return Unpublish(FindSession(session_id), prefix_key);
+}
+
+absl::Status KvPool::Unpublish(const absl::StatusOr<SessionRef>& session,
+                               std::string_view prefix_key) {
   if (!mover_->has_tiers()) return TierMover::NoTiers();
   KVS_RETURN_IF_ERROR(ValidatePrefixKey(prefix_key, "prefix_key"));
-  KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, sessions_->Find(session_id));
-  return mover_->Unpublish(*session, prefix_key);
+  KVS_RETURN_IF_ERROR(session.status());
+  Session& live = Of(*session);
+  {
+    // Unpublish touches only the tenant's copy, not the session; a session that ended since
+    // the lookup still answers NOT_FOUND, as a lookup by id now would.
+    absl::MutexLock lock(&live.mu);
+    if (live.dead) return SessionGone(live.id);
+  }
+  return mover_->Unpublish(live, prefix_key);
 }
 
 std::vector<SpilledInfo> KvPool::ListSpilled() const { return mover_->List(); }

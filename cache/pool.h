@@ -82,6 +82,10 @@ class KvPool {
   // Extends the lease. Never waits for a call in progress on the session.
   absl::StatusOr<HeartbeatResult> Heartbeat(std::string_view session_id);
   absl::StatusOr<ReleaseCounts> Detach(std::string_view session_id);
+  // The same on a session already looked up: NOT_FOUND, as by id, once it has ended (the table
+  // holds another session or none under its id), and nothing changes.
+  absl::StatusOr<HeartbeatResult> Heartbeat(const SessionRef& session);
+  absl::StatusOr<ReleaseCounts> Detach(const SessionRef& session);
   // Reclaims every session whose lease lapsed at clock->Now(); returns how many.
   int ReapExpired();
   // Reclaims one session at once (its worker's connection ended). NOT_FOUND if already gone.
@@ -107,6 +111,8 @@ class KvPool {
   absl::StatusOr<SequenceCreated> CreateSequence(const SessionRef& session,
                                                  const SequenceParams& params);
   absl::StatusOr<ReleaseCounts> ReleaseSequence(std::string_view session_id,
+                                                std::string_view sequence_id);
+  absl::StatusOr<ReleaseCounts> ReleaseSequence(const SessionRef& session,
                                                 std::string_view sequence_id);
 
   // Reserves slots for `num_tokens` new tokens in `layers` (empty = all, else distinct, any
@@ -146,6 +152,9 @@ class KvPool {
   // Copies inline payload bytes (layout [layers][2][H][T][D] of the reservation) starting at
   // `payload_offset` into the reserved slots. OUT_OF_RANGE past payload_bytes.
   absl::Status WriteReserved(std::string_view session_id, std::string_view sequence_id,
+                             uint64_t reservation_id, uint64_t payload_offset,
+                             absl::Span<const uint8_t> bytes);
+  absl::Status WriteReserved(const SessionRef& session, std::string_view sequence_id,
                              uint64_t reservation_id, uint64_t payload_offset,
                              absl::Span<const uint8_t> bytes);
   // Publishes a reservation: the tokens become part of the sequence.
@@ -199,6 +208,9 @@ class KvPool {
   // The tokens a retain_evicted sequence evicted, per (layer in `layers` (empty = all), kv head),
   // in eviction order. FAILED_PRECONDITION for a sequence created without retain_evicted.
   absl::StatusOr<std::vector<RetainedHead>> GetRetained(std::string_view session_id,
+                                                        std::string_view sequence_id,
+                                                        absl::Span<const int32_t> layers);
+  absl::StatusOr<std::vector<RetainedHead>> GetRetained(const SessionRef& session,
                                                         std::string_view sequence_id,
                                                         absl::Span<const int32_t> layers);
 
@@ -260,6 +272,19 @@ class KvPool {
   absl::StatusOr<SpillResult> Publish(std::string_view session_id, std::string_view sequence_id,
                                       std::string_view prefix_key, int32_t query_window);
   absl::Status Unpublish(std::string_view session_id, std::string_view prefix_key);
+  // Spill, Restore, Publish and Unpublish on the session as the caller looked it up (FindSession):
+  // its lookup's error is answered where the call by id would meet it, after the checks of the
+  // tiers and the parameters, so that a request with a bad parameter and a missing session
+  // answers the same either way. A session that ended after the lookup answers NOT_FOUND.
+  absl::StatusOr<SpillResult> Spill(const absl::StatusOr<SessionRef>& session,
+                                    std::string_view sequence_id, StorageTier target);
+  absl::StatusOr<SpillResult> Restore(const absl::StatusOr<SessionRef>& session,
+                                      std::string_view sequence_id,
+                                      std::string_view from_session_id = {});
+  absl::StatusOr<SpillResult> Publish(const absl::StatusOr<SessionRef>& session,
+                                      std::string_view sequence_id, std::string_view prefix_key,
+                                      int32_t query_window);
+  absl::Status Unpublish(const absl::StatusOr<SessionRef>& session, std::string_view prefix_key);
   // Every spilled copy the tiers hold (those of ended sessions and earlier runs included, lost
   // ones with their error), ordered by key. Empty without tiers.
   std::vector<SpilledInfo> ListSpilled() const;
@@ -330,6 +355,7 @@ class KvPool {
   template <typename Fn>
   auto OnSequence(Session& session, std::string_view sequence_id, Fn&& fn) const;
   static Session& Of(const SessionRef& ref) { return *ref.session_; }
+  static const std::shared_ptr<Session>& SharedOf(const SessionRef& ref) { return ref.session_; }
   // With session.mu held, before a sequence joins `session`: the session's end, a taken id
   // (ALREADY_EXISTS), the session's and the tenant's sequence limits (RESOURCE_EXHAUSTED). Then
   // counts the sequence for its tenant and returns its id (`requested`, or a fresh one if empty).

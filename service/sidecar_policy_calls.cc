@@ -217,12 +217,14 @@ grpc::ServerUnaryReactor* SidecarService::GetRetained(grpc::CallbackServerContex
                                                       const v1::GetRetainedRequest* request,
                                                       v1::GetRetainedResponse* response) {
   return RunUnary(context, "GetRetained", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
     const std::vector<int32_t> layers(request->layers().begin(), request->layers().end());
+    KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request->session_id()));
     KVS_ASSIGN_OR_RETURN(std::vector<RetainedHead> heads,
-                         pool_->GetRetained(request->session_id(), request->sequence_id(), layers));
+                         pool_->GetRetained(session, request->sequence_id(), layers));
     uint64_t bytes = 0;
     for (const RetainedHead& head : heads) {
       bytes += 64 + head.keys.size() + head.values.size() + 10 * head.positions.size();

@@ -13,6 +13,7 @@
 #include "gpu/base/status_macros.h"
 #include "service/arena_fd_server.h"
 #include "service/convert.h"
+#include "service/internal/session_lookups.h"
 #include "service/log.h"
 #include "service/rpc_guard.h"
 #include "service/sidecar_service.h"
@@ -22,16 +23,22 @@ namespace kvs {
 
 namespace v1 = ::kvsidecar::v1;
 
+using service_internal::SessionLookups;
+
 grpc::ServerUnaryReactor* SidecarService::Publish(grpc::CallbackServerContext* context,
                                                   const v1::PublishRequest* request,
                                                   v1::PublishResponse* response) {
   return RunUnary(context, "Publish", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
-    KVS_ASSIGN_OR_RETURN(SpillResult result,
-                         pool_->Publish(request->session_id(), request->sequence_id(),
-                                        request->prefix_key(), request->query_window()));
+    // The pool answers the lookup's error after checking the prefix key and the window, as by
+    // id.
+    KVS_ASSIGN_OR_RETURN(
+        SpillResult result,
+        pool_->Publish(sessions.Find(request->session_id()), request->sequence_id(),
+                       request->prefix_key(), request->query_window()));
     response->set_tier(static_cast<v1::Tier>(result.tier));
     response->set_bytes(result.bytes);
     return absl::OkStatus();
@@ -43,9 +50,11 @@ grpc::ServerUnaryReactor* SidecarService::Unpublish(grpc::CallbackServerContext*
                                                     v1::UnpublishResponse* response) {
   (void)response;
   return RunUnary(context, "Unpublish", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
-    return pool_->Unpublish(request->session_id(), request->prefix_key());
+    // The pool answers the lookup's error after checking the prefix key, as by id.
+    return pool_->Unpublish(sessions.Find(request->session_id()), request->prefix_key());
   });
 }
 

@@ -68,11 +68,13 @@ grpc::ServerUnaryReactor* SidecarService::ReleaseSequence(grpc::CallbackServerCo
                                                           const v1::ReleaseSequenceRequest* request,
                                                           v1::ReleaseSequenceResponse* response) {
   return RunUnary(context, "ReleaseSequence", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", true));
+    KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request->session_id()));
     KVS_ASSIGN_OR_RETURN(ReleaseCounts released,
-                         pool_->ReleaseSequence(request->session_id(), request->sequence_id()));
+                         pool_->ReleaseSequence(session, request->sequence_id()));
     response->set_blocks_released(released.blocks);
     return absl::OkStatus();
   });

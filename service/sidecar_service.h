@@ -201,7 +201,7 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   void Unregister(const std::string& session_id, const WatchReactor* reactor);
   // Restore's adopt_any_session: the ended session of `session_id`'s tenant whose copy of
   // `sequence_id` to adopt (intact before lost, then the newest). NOT_FOUND when there is none.
-  absl::StatusOr<std::string> FindOrphanCopy(const std::string& session_id,
+  absl::StatusOr<std::string> FindOrphanCopy(const SessionRef& session,
                                              const std::string& sequence_id) const;
   // Upper bound of the CompressResponse bytes of `request` (positions if it asks for them), from
   // the counts and budgets only. `session`: the request's, as the handler looked it up.

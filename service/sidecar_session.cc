@@ -15,6 +15,7 @@
 #include "service/arena_fd_server.h"
 #include "service/convert.h"
 #include "service/internal/failed_reactors.h"
+#include "service/internal/session_lookups.h"
 #include "service/log.h"
 #include "service/rpc_guard.h"
 #include "service/sidecar_service.h"
@@ -25,6 +26,7 @@ namespace kvs {
 namespace v1 = ::kvsidecar::v1;
 
 using service_internal::FailedWriteReactor;
+using service_internal::SessionLookups;
 
 // ---- Watch -------------------------------------------------------------------------------------
 
@@ -237,9 +239,11 @@ grpc::ServerUnaryReactor* SidecarService::Heartbeat(grpc::CallbackServerContext*
                                                     const v1::HeartbeatRequest* request,
                                                     v1::HeartbeatResponse* response) {
   return RunUnary(context, "Heartbeat", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
-    KVS_ASSIGN_OR_RETURN(HeartbeatResult beat, pool_->Heartbeat(request->session_id()));
+    KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request->session_id()));
+    KVS_ASSIGN_OR_RETURN(HeartbeatResult beat, pool_->Heartbeat(session));
     response->set_lease_expires_unix_ms(UnixMillisOf(beat.lease_expires));
     response->set_free_blocks(beat.free_blocks);
     return absl::OkStatus();
@@ -250,9 +254,10 @@ grpc::ServerWriteReactor<v1::SessionEvent>* SidecarService::Watch(
     grpc::CallbackServerContext* context, const v1::WatchRequest* request) {
   std::shared_ptr<WatchReactor> reactor;
   const absl::Status status = Guarded("Watch", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
-    KVS_RETURN_IF_ERROR(pool_->GetSession(request->session_id()).status());
+    KVS_RETURN_IF_ERROR(sessions.Find(request->session_id()).status());
     absl::MutexLock lock(&mu_);
     if (shutting_down_) return absl::UnavailableError("the sidecar is shutting down");
     if (watchers_.contains(request->session_id())) {
@@ -267,7 +272,8 @@ grpc::ServerWriteReactor<v1::SessionEvent>* SidecarService::Watch(
   if (!status.ok()) return new FailedWriteReactor<v1::SessionEvent>(status);
   reactor->Begin(reactor);
   KVS_LOG(kDebug, "watch_started")("session", request->session_id())("peer", context->peer());
-  // The session may have been reclaimed between the check and the registration.
+  // The session may have been reclaimed between the check and the registration: a second
+  // lookup on purpose, since Detach ends only the streams registered when it ran.
   if (!pool_->GetSession(request->session_id()).ok()) {
     reactor->End(grpc::Status(grpc::StatusCode::NOT_FOUND,
                               absl::StrCat("session '", request->session_id(), "' ended")));
@@ -279,9 +285,20 @@ grpc::ServerUnaryReactor* SidecarService::Detach(grpc::CallbackServerContext* co
                                                  const v1::DetachRequest* request,
                                                  v1::DetachResponse* response) {
   return RunUnary(context, "Detach", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", true));
-    KVS_ASSIGN_OR_RETURN(ReleaseCounts released, pool_->Detach(request->session_id()));
+    // Detach by id ends a session whose lease lapsed before the reaper got to it, where a lookup
+    // answers NOT_FOUND; so the handle is used only when the tenant check already looked it up
+    // (data auth on, which refuses a lapsed session there).
+    absl::StatusOr<ReleaseCounts> detached;
+    if (sessions.Looked(request->session_id())) {
+      KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(request->session_id()));
+      detached = pool_->Detach(session);
+    } else {
+      detached = pool_->Detach(request->session_id());
+    }
+    KVS_ASSIGN_OR_RETURN(ReleaseCounts released, std::move(detached));
     response->set_sequences_released(released.sequences);
     response->set_blocks_released(released.blocks);
     EndWatch(request->session_id(), grpc::Status::OK);

@@ -74,7 +74,10 @@ class AppendReactor final : public grpc::ServerReadReactor<v1::AppendChunk> {
 
  private:
   struct Segment {
-    std::string session_id;
+    // The session as the header's lookup found it; a weak handle, so that a session that ends
+    // while a slow client is mid-segment frees its arena at once, and each chunk, the commit
+    // and the cancel answer NOT_FOUND as a lookup by id would.
+    WeakSessionRef session;
     std::string sequence_id;
     uint64_t reservation_id = 0;
     uint64_t payload_bytes = 0;
@@ -128,7 +131,7 @@ class AppendReactor final : public grpc::ServerReadReactor<v1::AppendChunk> {
     KVS_ASSIGN_OR_RETURN(Reservation reservation,
                          pool_->Reserve(*session, header.sequence_id(), header.num_tokens(),
                                         header.positions(), header.layers()));
-    segment_ = Segment{header.session_id(),
+    segment_ = Segment{WeakSessionRef(*session),
                        header.sequence_id(),
                        reservation.reservation_id,
                        reservation.payload_bytes,
@@ -157,16 +160,18 @@ class AppendReactor final : public grpc::ServerReadReactor<v1::AppendChunk> {
           " bytes left in the segment (header.payload_bytes = ", segment.payload_bytes, ")"));
     }
     if (!data.empty()) {
+      KVS_ASSIGN_OR_RETURN(SessionRef session, segment.session.Lock());
       KVS_RETURN_IF_ERROR(pool_->WriteReserved(
-          segment.session_id, segment.sequence_id, segment.reservation_id, segment.received,
+          session, segment.sequence_id, segment.reservation_id, segment.received,
           absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(data.data()), data.size())));
       segment.received += data.size();
       response_->set_bytes_received(response_->bytes_received() + data.size());
     }
     if (segment.received < segment.payload_bytes) return absl::OkStatus();
+    KVS_ASSIGN_OR_RETURN(SessionRef session, segment.session.Lock());
     KVS_ASSIGN_OR_RETURN(CommitResult result,
-                         pool_->Commit(segment.session_id, segment.sequence_id,
-                                       segment.reservation_id, segment.compress_if_over_budget));
+                         pool_->Commit(session, segment.sequence_id, segment.reservation_id,
+                                       segment.compress_if_over_budget));
     v1::AppendResponse::Item* item = response_->add_items();
     item->set_sequence_id(segment.sequence_id);
     item->mutable_counts()->Add(result.counts.begin(), result.counts.end());
@@ -180,8 +185,10 @@ class AppendReactor final : public grpc::ServerReadReactor<v1::AppendChunk> {
   void AbandonSegment() noexcept {
     if (!segment_.has_value()) return;
     try {
-      absl::Status status = pool_->CancelReservation(segment_->session_id, segment_->sequence_id,
-                                                     segment_->reservation_id);
+      absl::StatusOr<SessionRef> session = segment_->session.Lock();
+      absl::Status status = session.ok() ? pool_->CancelReservation(*session, segment_->sequence_id,
+                                                                    segment_->reservation_id)
+                                         : session.status();
       if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
         LogRpcFailure("Append(cancel reservation)", status);
       }

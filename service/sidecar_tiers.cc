@@ -13,6 +13,7 @@
 #include "gpu/base/status_macros.h"
 #include "service/arena_fd_server.h"
 #include "service/convert.h"
+#include "service/internal/session_lookups.h"
 #include "service/log.h"
 #include "service/rpc_guard.h"
 #include "service/sidecar_service.h"
@@ -22,11 +23,14 @@ namespace kvs {
 
 namespace v1 = ::kvsidecar::v1;
 
+using service_internal::SessionLookups;
+
 grpc::ServerUnaryReactor* SidecarService::Spill(grpc::CallbackServerContext* context,
                                                 const v1::SpillRequest* request,
                                                 v1::SpillResponse* response) {
   return RunUnary(context, "Spill", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
     if (request->target() != v1::TIER_HOST && request->target() != v1::TIER_DISK &&
@@ -37,9 +41,11 @@ grpc::ServerUnaryReactor* SidecarService::Spill(grpc::CallbackServerContext* con
                                                          ? absl::StrCat(request->target())
                                                          : v1::Tier_Name(request->target())));
     }
+    // The lookup the tenant check made (or made now); the pool answers its error after its own
+    // checks of the tiers and the target, as by id.
     KVS_ASSIGN_OR_RETURN(
         SpillResult result,
-        pool_->Spill(request->session_id(), request->sequence_id(),
+        pool_->Spill(sessions.Find(request->session_id()), request->sequence_id(),
                      static_cast<StorageTier>(request->target())));  // values match v1::Tier
     response->set_tier(static_cast<v1::Tier>(result.tier));
     response->set_bytes(result.bytes);
@@ -51,21 +57,24 @@ grpc::ServerUnaryReactor* SidecarService::Restore(grpc::CallbackServerContext* c
                                                   const v1::RestoreRequest* request,
                                                   v1::RestoreResponse* response) {
   return RunUnary(context, "Restore", [&]() -> absl::Status {
-    KVS_RETURN_IF_ERROR(Authorize(*context, *request));
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
     KVS_RETURN_IF_ERROR(
         ValidateName(request->from_session_id(), "from_session_id", /*required=*/false));
     std::string from = request->from_session_id();
+    // One lookup serves the tenant check, the search for an orphan copy and the restore.
+    const absl::StatusOr<SessionRef> session = sessions.Find(request->session_id());
     if (request->adopt_any_session()) {
       if (!from.empty()) {
         return absl::InvalidArgumentError(
             "adopt_any_session: set either from_session_id or adopt_any_session, not both");
       }
-      KVS_ASSIGN_OR_RETURN(from, FindOrphanCopy(request->session_id(), request->sequence_id()));
+      KVS_RETURN_IF_ERROR(session.status());
+      KVS_ASSIGN_OR_RETURN(from, FindOrphanCopy(*session, request->sequence_id()));
     }
-    KVS_ASSIGN_OR_RETURN(SpillResult result,
-                         pool_->Restore(request->session_id(), request->sequence_id(), from));
+    KVS_ASSIGN_OR_RETURN(SpillResult result, pool_->Restore(session, request->sequence_id(), from));
     response->set_tier(static_cast<v1::Tier>(result.tier));
     response->set_bytes(result.bytes);
     if (!from.empty() && from != request->session_id()) {
@@ -75,13 +84,12 @@ grpc::ServerUnaryReactor* SidecarService::Restore(grpc::CallbackServerContext* c
   });
 }
 
-absl::StatusOr<std::string> SidecarService::FindOrphanCopy(const std::string& session_id,
+absl::StatusOr<std::string> SidecarService::FindOrphanCopy(const SessionRef& session,
                                                            const std::string& sequence_id) const {
-  KVS_ASSIGN_OR_RETURN(SessionView session, pool_->GetSession(session_id));
   const SpilledInfo* best = nullptr;
   const std::vector<SpilledInfo> copies = pool_->ListSpilled();
   for (const SpilledInfo& copy : copies) {
-    if (copy.key.tenant != session.tenant || copy.key.sequence_id != sequence_id) continue;
+    if (copy.key.tenant != session.tenant() || copy.key.sequence_id != sequence_id) continue;
     // A copy of an attached session is that session's sequence, not an orphan.
     if (pool_->GetSession(copy.key.session_id).ok()) continue;
     // Intact copies first, then the newest; a lost one is still chosen when it is the only one
@@ -94,7 +102,7 @@ absl::StatusOr<std::string> SidecarService::FindOrphanCopy(const std::string& se
   if (best == nullptr) {
     return absl::NotFoundError(absl::StrCat("no spilled copy of sequence ", sequence_id,
                                             " left by an ended session of tenant ",
-                                            session.tenant));
+                                            session.tenant()));
   }
   return best->key.session_id;
 }

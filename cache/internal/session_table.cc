@@ -160,6 +160,11 @@ bool SessionTable::Contains(std::string_view session_id) const {
 
 absl::StatusOr<HeartbeatResult> SessionTable::Renew(std::string_view session_id) {
   KVS_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id));
+  return Renew(session);
+}
+
+absl::StatusOr<HeartbeatResult> SessionTable::Renew(const std::shared_ptr<Session>& session) {
+  const std::string_view session_id = session->id;
   const absl::Time now = clock_->Now();
   const absl::Time expires = now + session->lease;
   session->last_heartbeat_ns = absl::ToUnixNanos(now);
@@ -178,6 +183,18 @@ absl::StatusOr<std::shared_ptr<Session>> SessionTable::Remove(std::string_view s
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(Sv(session_id));
   if (it == sessions_.end()) return SessionGone(session_id);
+  return RemoveLocked(it, reclaimed);
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionTable::Remove(
+    const std::shared_ptr<Session>& session, bool reclaimed) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(Sv(session->id));
+  if (it == sessions_.end() || it->second != session) return SessionGone(session->id);
+  return RemoveLocked(it, reclaimed);
+}
+
+std::shared_ptr<Session> SessionTable::RemoveLocked(SessionMap::iterator it, bool reclaimed) {
   std::shared_ptr<Session> session = std::move(it->second);
   sessions_.erase(it);
   arena_bytes_reserved_ -= session->charged_bytes();

@@ -63,9 +63,15 @@ class SessionTable {
   bool Contains(std::string_view session_id) const;
   // Extends the session's lease from now; NOT_FOUND if it ended meanwhile.
   absl::StatusOr<HeartbeatResult> Renew(std::string_view session_id);
+  // The same for a session already found: NOT_FOUND unless the table still holds this session.
+  absl::StatusOr<HeartbeatResult> Renew(const std::shared_ptr<Session>& session);
 
   // Takes the session out of the table (NOT_FOUND if gone); `reclaimed` counts it as reclaimed.
   absl::StatusOr<std::shared_ptr<Session>> Remove(std::string_view session_id, bool reclaimed);
+  // The same for a session already found: NOT_FOUND unless the table still holds this session
+  // (a session that ended is not confused with a later one under the same id).
+  absl::StatusOr<std::shared_ptr<Session>> Remove(const std::shared_ptr<Session>& session,
+                                                  bool reclaimed);
   // Takes out every session whose lease lapsed at `now`, counting them as reclaimed.
   std::vector<std::shared_ptr<Session>> TakeExpired(absl::Time now);
   // Takes out every session (the pool is going away).
@@ -88,8 +94,14 @@ class SessionTable {
   const Clock* const clock_;
   const PoolOptions* const options_;
 
+  using SessionMap = absl::flat_hash_map<std::string, std::shared_ptr<Session>>;
+
+  // Takes the session at `it` out, giving back its arena charge.
+  std::shared_ptr<Session> RemoveLocked(SessionMap::iterator it, bool reclaimed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  SessionMap sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t arena_bytes_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t sessions_reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
   int32_t sessions_pending_ ABSL_GUARDED_BY(mu_) = 0;  // claimed, arena being created

@@ -214,5 +214,76 @@ TEST(RetainEvicted, RefusedWhereItCannotApply) {
               StatusIs(absl::StatusCode::kFailedPrecondition, "host tier"));
 }
 
+// The calls on a session already looked up (SessionRef) behave as by id: they work on a live
+// session; the tier calls answer a bad parameter before a failed lookup; and every call through
+// a handle whose session ended after the lookup answers the NOT_FOUND of a call by id.
+TEST(RetainEvicted, SessionRefCallsAnswerAsByIdAndASessionEndedAfterTheLookup) {
+  Fixture f;
+  absl::StatusOr<SessionRef> ref = f.pool.pool.FindSession(f.session);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const std::string plain = f.Create(KeyDiff(), 0, "plain", /*retain=*/false);
+  const std::string kept = f.Create(StreamingLlm(1), 4, "kept");
+  AppendOptions compress;
+  compress.compress = true;
+  ASSERT_TRUE(Append(f.pool.pool, f.session, kept, 10, f.layout, HashValue, compress).ok());
+  ASSERT_TRUE(Append(f.pool.pool, f.session, plain, 3, f.layout, HashValue).ok());
+  absl::StatusOr<std::vector<RetainedHead>> retained = f.pool.pool.GetRetained(*ref, kept, {});
+  ASSERT_TRUE(retained.ok()) << retained.status();
+  EXPECT_EQ(retained->size(), 3u * 2);
+  EXPECT_TRUE(f.pool.pool.Heartbeat(*ref).ok());
+  absl::StatusOr<SpillResult> spilled = f.pool.pool.Spill(*ref, plain, StorageTier::kHost);
+  ASSERT_TRUE(spilled.ok()) << spilled.status();
+  EXPECT_EQ(spilled->tier, StorageTier::kHost);
+  absl::StatusOr<SpillResult> restored = f.pool.pool.Restore(*ref, plain);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(restored->tier, StorageTier::kHost);
+
+  // A bad parameter with a missing session: the parameter's INVALID_ARGUMENT, as by id.
+  const absl::StatusOr<SessionRef> missing = f.pool.pool.FindSession("missing");
+  const std::string bad_key = "not-a-key";
+  const std::string key(64, 'a');
+  for (const bool by_ref : {false, true}) {
+    SCOPED_TRACE(by_ref ? "by handle" : "by id");
+    EXPECT_THAT(by_ref ? f.pool.pool.Spill(missing, plain, static_cast<StorageTier>(9)).status()
+                       : f.pool.pool.Spill("missing", plain, static_cast<StorageTier>(9)).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, "target must be"));
+    EXPECT_THAT(by_ref ? f.pool.pool.Publish(missing, plain, bad_key, 0).status()
+                       : f.pool.pool.Publish("missing", plain, bad_key, 0).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, "prefix_key"));
+    EXPECT_THAT(by_ref ? f.pool.pool.Publish(missing, plain, key, -1).status()
+                       : f.pool.pool.Publish("missing", plain, key, -1).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, "query_window"));
+    EXPECT_THAT(by_ref ? f.pool.pool.Unpublish(missing, bad_key)
+                       : f.pool.pool.Unpublish("missing", bad_key),
+                StatusIs(absl::StatusCode::kInvalidArgument, "prefix_key"));
+    EXPECT_THAT(by_ref ? f.pool.pool.Restore(missing, plain).status()
+                       : f.pool.pool.Restore("missing", plain).status(),
+                StatusIs(absl::StatusCode::kNotFound, "session missing not found"));
+  }
+
+  // A reservation written through the handle, then the session ends while the handle is held.
+  absl::StatusOr<Reservation> pending = f.pool.pool.Reserve(*ref, plain, 1, {}, {});
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  const std::vector<uint8_t> bytes(8, 1);
+  ASSERT_TRUE(f.pool.pool.WriteReserved(*ref, plain, pending->reservation_id, 0, bytes).ok());
+  ASSERT_TRUE(f.pool.pool.Detach(f.session).ok());
+  const std::string gone = "session " + f.session + " not found";
+  EXPECT_THAT(f.pool.pool.WriteReserved(*ref, plain, pending->reservation_id, 0, bytes),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(f.pool.pool.ReleaseSequence(*ref, plain).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(f.pool.pool.GetRetained(*ref, kept, {}).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(f.pool.pool.Spill(*ref, plain, StorageTier::kHost).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(f.pool.pool.Restore(*ref, plain).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(f.pool.pool.Publish(*ref, kept, key, 4).status(),
+              StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(f.pool.pool.Unpublish(*ref, key), StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(f.pool.pool.Heartbeat(*ref).status(), StatusIs(absl::StatusCode::kNotFound, gone));
+  EXPECT_THAT(f.pool.pool.Detach(*ref).status(), StatusIs(absl::StatusCode::kNotFound, gone));
+}
+
 }  // namespace
 }  // namespace kvs

@@ -424,6 +424,164 @@ TEST_F(AuthE2eTest, AForeignSessionOnEveryCallThatUsesItsHandleChangesNothing) {
   }
 }
 
+// The session and tier calls, which use the handle of the tenant check's lookup: team B naming
+// team A's session (or a missing one) is refused as for a missing session, before any parameter
+// is looked at (a bad target, prefix key or query window with a foreign or missing session is
+// PERMISSION_DENIED too), and nothing of A's changes: its sequence, its published prefix, its
+// lease, its Watch stream.
+TEST_F(AuthE2eTest, AForeignSessionOnTheSessionAndTierCallsChangesNothing) {
+  auto server = StartServer(/*mtls=*/false);
+  ASSERT_NE(server, nullptr);
+  auto data = v1::Sidecar::NewStub(TlsChannel(server->data_target(), false));
+  std::string session_a, session_b;
+  ASSERT_TRUE(Attach(*data, "token-aaaa", "", &session_a).ok());
+  ASSERT_TRUE(Attach(*data, "token-bbbb", "", &session_b).ok());
+  const std::string a = "token-aaaa", b = "token-bbbb";
+#define KVS_CALL(Method, token, request)               \
+  [&] {                                                \
+    grpc::ClientContext context;                       \
+    Prepare(&context, token);                          \
+    v1::Method##Response response;                     \
+    return data->Method(&context, request, &response); \
+  }()
+  // Team A: a sequence of 4 committed tokens, published under `key`.
+  v1::CreateSequenceRequest create;
+  create.set_session_id(session_a);
+  create.set_sequence_id("s");
+  ASSERT_TRUE(KVS_CALL(CreateSequence, a, create).ok());
+  v1::ReserveRequest reserve;
+  reserve.set_session_id(session_a);
+  reserve.set_sequence_id("s");
+  reserve.set_num_tokens(4);
+  v1::ReserveResponse reserved;
+  {
+    grpc::ClientContext context;
+    Prepare(&context, a);
+    ASSERT_TRUE(data->Reserve(&context, reserve, &reserved).ok());
+  }
+  v1::CommitRequest commit;
+  commit.set_session_id(session_a);
+  commit.set_sequence_id("s");
+  commit.set_reservation_id(reserved.reservation_id());
+  ASSERT_TRUE(KVS_CALL(Commit, a, commit).ok());
+  const std::string key(64, 'a');
+  v1::PublishRequest publish;
+  publish.set_session_id(session_a);
+  publish.set_sequence_id("s");
+  publish.set_prefix_key(key);
+  const grpc::Status published = KVS_CALL(Publish, a, publish);
+  ASSERT_TRUE(published.ok()) << published.error_message();
+  v1::GetLayoutRequest get_layout;
+  get_layout.set_session_id(session_a);
+  get_layout.set_sequence_id("s");
+  auto layout_of_a = [&] {
+    grpc::ClientContext context;
+    Prepare(&context, a);
+    v1::GetLayoutResponse response;
+    EXPECT_TRUE(data->GetLayout(&context, get_layout, &response).ok());
+    return response.SerializeAsString();
+  };
+  const std::string before = layout_of_a();
+  // A's Watch stream, which B's Watch or Detach must not end.
+  grpc::ClientContext watch_context;
+  Prepare(&watch_context, a);
+  v1::WatchRequest watch_a;
+  watch_a.set_session_id(session_a);
+  auto watcher = data->Watch(&watch_context, watch_a);
+
+  const std::string missing_id(session_a.size(), '0');
+  std::string foreign_message;
+  auto refused = [&](const grpc::Status& status, const std::string& id, const char* what) {
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+        << what << ": " << status.error_message();
+    const std::string message = absl::StrReplaceAll(status.error_message(), {{id, "ID"}});
+    if (foreign_message.empty()) foreign_message = message;
+    EXPECT_EQ(message, foreign_message) << what;
+  };
+  for (const std::string& id : {session_a, missing_id}) {
+    v1::ReleaseSequenceRequest release;
+    release.set_session_id(id);
+    release.set_sequence_id("s");
+    refused(KVS_CALL(ReleaseSequence, b, release), id, "ReleaseSequence");
+    v1::GetRetainedRequest retained;
+    retained.set_session_id(id);
+    retained.set_sequence_id("s");
+    refused(KVS_CALL(GetRetained, b, retained), id, "GetRetained");
+    v1::SpillRequest spill;
+    spill.set_session_id(id);
+    spill.set_sequence_id("s");
+    spill.set_target(v1::TIER_HOST);
+    refused(KVS_CALL(Spill, b, spill), id, "Spill");
+    spill.set_target(v1::TIER_ARENA);
+    refused(KVS_CALL(Spill, b, spill), id, "Spill(bad target)");
+    v1::RestoreRequest restore;
+    restore.set_session_id(id);
+    restore.set_sequence_id("s");
+    refused(KVS_CALL(Restore, b, restore), id, "Restore");
+    restore.set_adopt_any_session(true);
+    refused(KVS_CALL(Restore, b, restore), id, "Restore(adopt_any_session)");
+    v1::PublishRequest p = publish;
+    p.set_session_id(id);
+    p.set_prefix_key(std::string(64, 'b'));
+    refused(KVS_CALL(Publish, b, p), id, "Publish");
+    p.set_prefix_key("not-a-key");
+    refused(KVS_CALL(Publish, b, p), id, "Publish(bad prefix_key)");
+    p.set_prefix_key(key);
+    p.set_query_window(-1);
+    refused(KVS_CALL(Publish, b, p), id, "Publish(bad query_window)");
+    v1::UnpublishRequest unpublish;
+    unpublish.set_session_id(id);
+    unpublish.set_prefix_key(key);
+    refused(KVS_CALL(Unpublish, b, unpublish), id, "Unpublish");
+    unpublish.set_prefix_key("not-a-key");
+    refused(KVS_CALL(Unpublish, b, unpublish), id, "Unpublish(bad prefix_key)");
+    v1::HeartbeatRequest heartbeat;
+    heartbeat.set_session_id(id);
+    refused(KVS_CALL(Heartbeat, b, heartbeat), id, "Heartbeat");
+    v1::DetachRequest detach;
+    detach.set_session_id(id);
+    refused(KVS_CALL(Detach, b, detach), id, "Detach");
+    {
+      grpc::ClientContext context;
+      Prepare(&context, b);
+      v1::WatchRequest request;
+      request.set_session_id(id);
+      auto reader = data->Watch(&context, request);
+      v1::SessionEvent event;
+      while (reader->Read(&event)) {
+      }
+      refused(reader->Finish(), id, "Watch");
+    }
+  }
+
+  // Nothing of A's changed: the same layout, the prefix still there (A deletes it), the session
+  // and its Watch stream still open until A detaches it, with its one sequence.
+  EXPECT_EQ(layout_of_a(), before);
+  v1::UnpublishRequest unpublish;
+  unpublish.set_session_id(session_a);
+  unpublish.set_prefix_key(key);
+  const grpc::Status unpublished = KVS_CALL(Unpublish, a, unpublish);
+  EXPECT_TRUE(unpublished.ok()) << unpublished.error_message();
+  EXPECT_TRUE(Heartbeat(*data, a, session_a).ok());
+  {
+    grpc::ClientContext context;
+    Prepare(&context, a);
+    v1::DetachRequest request;
+    request.set_session_id(session_a);
+    v1::DetachResponse response;
+    const grpc::Status status = data->Detach(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(response.sequences_released(), 1);
+  }
+  v1::SessionEvent event;
+  while (watcher->Read(&event)) {
+  }
+  // A's own Detach ends A's stream with OK; a foreign Watch or Detach would have ended it first.
+  const grpc::Status watch_end = watcher->Finish();
+  EXPECT_TRUE(watch_end.ok()) << watch_end.error_message();
+#undef KVS_CALL
+}
+
 TEST_F(AuthE2eTest, MutualTlsRefusesClientsWithoutACertificate) {
   auto server = StartServer(/*mtls=*/true);
   ASSERT_NE(server, nullptr);

@@ -1,6 +1,8 @@
 // End to end: every kind of bad input the contract names gets its gRPC code and a message naming
 // the field, changes nothing, and afterwards the server still serves and other sequences (in the
 // same session and in another one) are intact bit for bit.
+#include <grpcpp/grpcpp.h>
+
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -475,6 +477,83 @@ TEST_F(BadInputTest, BatchItemIdsAreCheckedBeforeTheirSessionIsLookedUp) {
   grpc::ClientContext select_context;
   EXPECT_CODE(kvsidecar::ToStatus(session_->stub()->Select(&select_context, select, &selected)),
               kInvalidArgument, "items[0].sequence_id must not be empty");
+}
+
+// A session detached while one of its Append or Export streams is open: the stream's next step
+// answers NOT_FOUND naming the session, as a call by id would, commits nothing, and the server
+// keeps serving (the fixture's TearDown checks the other sessions).
+TEST_F(BadInputTest, ASessionDetachedMidStreamEndsItsAppendAndExport) {
+  // 8 MiB of export payload, far more than the stream's flow-control window holds, so that the
+  // server is still producing chunks when the session ends.
+  constexpr int kTokens = 4096;
+  auto mid = client_->Attach(layout_, "e2e", kTokens * 4 / 16 + 8, 30000);
+  ASSERT_TRUE(mid.ok()) << mid.status();
+  auto created = (*mid)->CreateSequence(KeyDiffPolicy(), MakeBudget(kTokens + 16), "s");
+  ASSERT_TRUE(created.ok()) << created.status();
+  for (int written = 0; written < kTokens; written += 512) {
+    ASSERT_TRUE(WriteTokens(**mid, "s", 512, 5).ok());
+  }
+  const std::string id = (*mid)->session_id();
+  v1::Sidecar::Stub* stub = (*mid)->stub();
+  auto free_blocks = [&] {
+    grpc::ClientContext context;
+    v1::HeartbeatRequest beat;
+    beat.set_session_id(id);
+    v1::HeartbeatResponse response;
+    EXPECT_TRUE(stub->Heartbeat(&context, beat, &response).ok());
+    return response.free_blocks();
+  };
+  const int32_t free_before = free_blocks();
+
+  // Append: a segment of 4 tokens whose header has been taken (its reservation holds a new
+  // block per layer) and half of its payload sent.
+  const std::string payload =
+      PatternPayload(layout_, 6, {}, {kTokens, kTokens + 1, kTokens + 2, kTokens + 3});
+  grpc::ClientContext append_context;
+  v1::AppendResponse appended;
+  auto writer = stub->Append(&append_context, &appended);
+  v1::AppendChunk piece;
+  piece.mutable_header()->set_session_id(id);
+  piece.mutable_header()->set_sequence_id("s");
+  piece.mutable_header()->set_num_tokens(4);
+  piece.mutable_header()->set_payload_bytes(payload.size());
+  ASSERT_TRUE(writer->Write(piece));
+  piece.set_data(payload.substr(0, payload.size() / 2));
+  ASSERT_TRUE(writer->Write(piece));
+  ASSERT_TRUE(PollUntil([&] { return free_blocks() < free_before; }, absl::Seconds(10)));
+
+  // Export (of the sequence as the reservation left it): the header and one 64 KiB chunk.
+  grpc::ClientContext export_context;
+  v1::ExportRequest request;
+  request.set_session_id(id);
+  request.set_sequence_id("s");
+  request.set_chunk_bytes(64 << 10);
+  // A channel whose flow-control window stays small, so that most chunks wait for the reader.
+  grpc::ChannelArguments small_window;
+  small_window.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  small_window.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  auto slow = v1::Sidecar::NewStub(grpc::CreateCustomChannel(
+      server_->data_target(), grpc::InsecureChannelCredentials(), small_window));
+  auto reader = slow->Export(&export_context, request);
+  v1::ExportChunk chunk;
+  ASSERT_TRUE(reader->Read(&chunk));
+  ASSERT_TRUE(chunk.has_header());
+  ASSERT_TRUE(reader->Read(&chunk));
+
+  // Then the session ends.
+  ASSERT_TRUE((*mid)->Detach().ok());
+  const std::string gone = "session " + id + " not found";
+  piece.set_data(payload.substr(payload.size() / 2));
+  if (writer->Write(piece)) writer->WritesDone();
+  const grpc::Status append_end = writer->Finish();
+  EXPECT_EQ(append_end.error_code(), grpc::StatusCode::NOT_FOUND) << append_end.error_message();
+  EXPECT_THAT(append_end.error_message(), HasSubstr(gone));
+  EXPECT_EQ(appended.items_size(), 0);
+  while (reader->Read(&chunk)) {
+  }
+  const grpc::Status export_end = reader->Finish();
+  EXPECT_EQ(export_end.error_code(), grpc::StatusCode::NOT_FOUND) << export_end.error_message();
+  EXPECT_THAT(export_end.error_message(), HasSubstr(gone));
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 // bit-identical or is reported missing/lost, never served corrupted), and the faults: unknown
 // sequence, bad target, full host tier, unopenable disk tier (the server keeps serving); and
 // Admin.ListSpilled over live, orphaned and lost copies.
+#include <grpcpp/grpcpp.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvsidecar/client.h"
+#include "kvsidecar/v1/sidecar.grpc.pb.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace kvs_e2e {
@@ -154,6 +157,64 @@ TEST(SpillE2eTest, BadRequestsAndFullHostTier) {
   ASSERT_TRUE(VerifySequence(*session, seq, 3).ok());
   ASSERT_TRUE(Spill(*session, seq, v1::TIER_DISK).ok());
   ASSERT_TRUE(VerifySequence(*session, seq, 3).ok());
+}
+
+// A tier call with a bad parameter and a session that does not exist answers the parameter's
+// INVALID_ARGUMENT, as it always has (the session is looked up once, but its NOT_FOUND is answered
+// only after the parameters are checked); with good parameters, the session's NOT_FOUND.
+TEST(SpillE2eTest, ABadParameterIsAnsweredBeforeAMissingSession) {
+  auto server = ServerProcess::Start({});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = v1::Sidecar::NewStub(
+      grpc::CreateChannel((*server)->data_target(), grpc::InsecureChannelCredentials()));
+  const std::string missing(32, '0');
+  auto expect = [](const grpc::Status& status, grpc::StatusCode code, const std::string& text,
+                   const char* what) {
+    EXPECT_EQ(status.error_code(), code) << what << ": " << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(text)) << what;
+  };
+#define KVS_CALL(Method, request)                      \
+  [&] {                                                \
+    grpc::ClientContext context;                       \
+    v1::Method##Response response;                     \
+    return stub->Method(&context, request, &response); \
+  }()
+  v1::SpillRequest spill;
+  spill.set_session_id(missing);
+  spill.set_sequence_id("s");
+  spill.set_target(v1::TIER_ARENA);
+  expect(KVS_CALL(Spill, spill), grpc::StatusCode::INVALID_ARGUMENT, "target", "Spill");
+  spill.set_target(v1::TIER_HOST);
+  expect(KVS_CALL(Spill, spill), grpc::StatusCode::NOT_FOUND, missing, "Spill(good)");
+  v1::PublishRequest publish;
+  publish.set_session_id(missing);
+  publish.set_sequence_id("s");
+  publish.set_prefix_key("not-a-key");
+  expect(KVS_CALL(Publish, publish), grpc::StatusCode::INVALID_ARGUMENT, "prefix_key", "Publish");
+  publish.set_prefix_key(std::string(64, 'a'));
+  publish.set_query_window(-1);
+  expect(KVS_CALL(Publish, publish), grpc::StatusCode::INVALID_ARGUMENT, "query_window",
+         "Publish(query_window)");
+  publish.set_query_window(0);
+  expect(KVS_CALL(Publish, publish), grpc::StatusCode::NOT_FOUND, missing, "Publish(good)");
+  v1::UnpublishRequest unpublish;
+  unpublish.set_session_id(missing);
+  unpublish.set_prefix_key("not-a-key");
+  expect(KVS_CALL(Unpublish, unpublish), grpc::StatusCode::INVALID_ARGUMENT, "prefix_key",
+         "Unpublish");
+  unpublish.set_prefix_key(std::string(64, 'a'));
+  expect(KVS_CALL(Unpublish, unpublish), grpc::StatusCode::NOT_FOUND, missing, "Unpublish(good)");
+  v1::RestoreRequest restore;
+  restore.set_session_id(missing);
+  restore.set_sequence_id("s");
+  restore.set_from_session_id(missing);
+  restore.set_adopt_any_session(true);
+  expect(KVS_CALL(Restore, restore), grpc::StatusCode::INVALID_ARGUMENT, "adopt_any_session",
+         "Restore");
+  restore.clear_from_session_id();
+  expect(KVS_CALL(Restore, restore), grpc::StatusCode::NOT_FOUND, missing,
+         "Restore(adopt_any_session)");
+#undef KVS_CALL
 }
 
 TEST(SpillE2eTest, UnopenableDiskTierKeepsTheServerServing) {
