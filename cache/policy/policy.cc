@@ -14,6 +14,20 @@
 namespace kvs {
 namespace {
 
+// Whether every row of `job` equals its first: scores bit for bit, positions and forced flags.
+bool RowsIdentical(const TopKJob& job) {
+  const size_t n = static_cast<size_t>(job.n);
+  for (int32_t r = 1; r < job.rows; ++r) {
+    const int64_t at = int64_t{r} * job.n;
+    if (std::memcmp(job.positions, job.positions + at, n * sizeof(int32_t)) != 0 ||
+        std::memcmp(job.scores, job.scores + at, n * sizeof(float)) != 0 ||
+        (job.forced != nullptr && std::memcmp(job.forced, job.forced + at, n) != 0)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 absl::Status CheckSelection(const LayerSelection& layer) {
   const int64_t heads = layer.keys.num_kv_heads;
   const int64_t count = layer.keys.count;
@@ -243,8 +257,24 @@ absl::Status ScoredPolicy::Select(Backend& backend, Phase phase,
   }
   // `forced` may have been allocated after some jobs were filled: it is sized once, before the
   // first mask is written, so the pointers taken above stay valid.
+  // A layer whose heads all hold the same positions, scores and protection (TOVA over all heads,
+  // before any per-head eviction) has one choice for every head: rank one row, copy it.
+  std::vector<int32_t> full_rows(jobs.size(), 0);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (jobs[i].rows > 1 && RowsIdentical(jobs[i])) {
+      full_rows[i] = jobs[i].rows;
+      jobs[i].rows = 1;
+    }
+  }
   KVS_RETURN_IF_ERROR(backend.TopK(jobs, nullptr));
   KVS_RETURN_IF_ERROR(backend.Synchronize(nullptr));
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (full_rows[i] == 0) continue;
+    for (int32_t h = 1; h < full_rows[i]; ++h) {
+      std::copy(jobs[i].kept, jobs[i].kept + jobs[i].k, jobs[i].kept + int64_t{h} * jobs[i].k);
+    }
+    jobs[i].rows = full_rows[i];
+  }
   // Dry runs: the scores as the selector saw them, protected slots as +inf.
   for (size_t i = 0; i < active.size(); ++i) {
     if (active[i].scores_out == nullptr) continue;
