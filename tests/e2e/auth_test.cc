@@ -245,6 +245,15 @@ TEST_F(AuthE2eTest, TlsWithTenantTokensAndAdminToken) {
   EXPECT_EQ(Attach(*plain, "token-aaaa", "", nullptr).error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
+// In the tests below: unary call `Method` on the stub `data` as `token`, its response dropped.
+#define KVS_CALL(Method, token, request)               \
+  [&] {                                                \
+    grpc::ClientContext context;                       \
+    Prepare(&context, token);                          \
+    v1::Method##Response response;                     \
+    return data->Method(&context, request, &response); \
+  }()
+
 // Every call that checks the caller's tenant on the session handle it then uses: team B naming
 // team A's session (alone, or beside its own session in a batch) is refused as for a missing
 // session and changes nothing of A's: the layout, the pending reservation, the sequences.
@@ -256,14 +265,6 @@ TEST_F(AuthE2eTest, AForeignSessionOnEveryCallThatUsesItsHandleChangesNothing) {
   ASSERT_TRUE(Attach(*data, "token-aaaa", "", &session_a).ok());
   ASSERT_TRUE(Attach(*data, "token-bbbb", "", &session_b).ok());
   const std::string a = "token-aaaa", b = "token-bbbb";
-  // Unary call `Method` as `token`, its response dropped.
-#define KVS_CALL(Method, token, request)               \
-  [&] {                                                \
-    grpc::ClientContext context;                       \
-    Prepare(&context, token);                          \
-    v1::Method##Response response;                     \
-    return data->Method(&context, request, &response); \
-  }()
   // Team A: a sequence of 4 committed tokens and one reservation pending, in each session.
   for (const auto& [token, session] : {std::pair{a, session_a}, std::pair{b, session_b}}) {
     v1::CreateSequenceRequest create;
@@ -391,7 +392,6 @@ TEST_F(AuthE2eTest, AForeignSessionOnEveryCallThatUsesItsHandleChangesNothing) {
   const grpc::Status adopted = KVS_CALL(Restore, b, restore);
   EXPECT_EQ(adopted.error_code(), grpc::StatusCode::NOT_FOUND) << adopted.error_message();
   EXPECT_THAT(adopted.error_message(), HasSubstr("no spilled copy of sequence s"));
-#undef KVS_CALL
 
   // Nothing of A's changed: the same layout, the reservation still pending (A commits it), no
   // sequence "planted", and B's own item of the refused BatchReserve reserved nothing.
@@ -437,13 +437,6 @@ TEST_F(AuthE2eTest, AForeignSessionOnTheSessionAndTierCallsChangesNothing) {
   ASSERT_TRUE(Attach(*data, "token-aaaa", "", &session_a).ok());
   ASSERT_TRUE(Attach(*data, "token-bbbb", "", &session_b).ok());
   const std::string a = "token-aaaa", b = "token-bbbb";
-#define KVS_CALL(Method, token, request)               \
-  [&] {                                                \
-    grpc::ClientContext context;                       \
-    Prepare(&context, token);                          \
-    v1::Method##Response response;                     \
-    return data->Method(&context, request, &response); \
-  }()
   // Team A: a sequence of 4 committed tokens, published under `key`.
   v1::CreateSequenceRequest create;
   create.set_session_id(session_a);
@@ -579,7 +572,6 @@ TEST_F(AuthE2eTest, AForeignSessionOnTheSessionAndTierCallsChangesNothing) {
   // A's own Detach ends A's stream with OK; a foreign Watch or Detach would have ended it first.
   const grpc::Status watch_end = watcher->Finish();
   EXPECT_TRUE(watch_end.ok()) << watch_end.error_message();
-#undef KVS_CALL
 }
 
 TEST_F(AuthE2eTest, MutualTlsRefusesClientsWithoutACertificate) {
@@ -613,6 +605,8 @@ TEST_F(AuthE2eTest, UnreadableCertificateExits2NamingTheKey) {
   EXPECT_EQ(WEXITSTATUS(status), 2);
   EXPECT_THAT((*process)->Stderr(), HasSubstr("tls.cert_file"));
 }
+
+#undef KVS_CALL
 
 }  // namespace
 }  // namespace kvs_e2e
