@@ -12,17 +12,15 @@
 #include <cstdint>
 
 #include "gpu/base/dtype.h"
+#include "gpu/cpu/cpu_isa.h"
 
 #define KVS_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace kvs {
 
-// True when this CPU runs KVS_AVX2 code (AVX2, FMA and F16C); asked once per process.
-inline bool CpuSupportsAvx2() {
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                                __builtin_cpu_supports("f16c");
-  return supported;
-}
+// True when the kernels may run KVS_AVX2 code (AVX2, FMA and F16C): the CPU has it and
+// KVS_CPU_ISA does not cap the process below it (gpu/cpu/cpu_isa.h, the one detection).
+inline bool CpuSupportsAvx2() { return DetectedCpuIsa() >= CpuIsa::kAvx2; }
 
 }  // namespace kvs
 
