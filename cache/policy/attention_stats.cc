@@ -11,6 +11,15 @@
 #include "gpu/base/status_macros.h"
 
 namespace kvs {
+namespace {
+
+// 1 for a probability no softmax gives: negative, infinite or NaN (the comparisons are written so
+// that NaN fails them). Branch-free, so the scan below vectorises.
+inline int BadProbability(float p) {
+  return !(p >= 0.0f) | !(p <= std::numeric_limits<float>::max());
+}
+
+}  // namespace
 
 absl::Status CheckLayerStep(absl::string_view policy, const LayerStep& layer) {
   const int64_t heads = layer.keys.num_kv_heads;
@@ -50,22 +59,15 @@ absl::Status CheckLayerStep(absl::string_view policy, const LayerStep& layer) {
     size_t i = begin;
     // Fixed 16-wide chunks: -O2's cheap vectoriser takes only loops with a known trip count.
     for (; i + 16 <= end; i += 16) {
-      for (int j = 0; j < 16; ++j) {
-        // Written so that NaN counts as bad too.
-        const float p = probs[i + j];
-        bad |= !(p >= 0.0f) | !(p <= std::numeric_limits<float>::max());
-      }
+      for (int j = 0; j < 16; ++j) bad |= BadProbability(probs[i + j]);
     }
-    for (; i < end; ++i) {
-      bad |= !(probs[i] >= 0.0f) | !(probs[i] <= std::numeric_limits<float>::max());
-    }
+    for (; i < end; ++i) bad |= BadProbability(probs[i]);
     if (bad == 0) continue;
     for (size_t i = begin; i < end; ++i) {
-      const float p = probs[i];
-      if (!(p >= 0.0f && p <= std::numeric_limits<float>::max())) {
+      if (BadProbability(probs[i]) != 0) {
         return absl::InvalidArgumentError(
             absl::StrCat("attention of layer ", layer.layer, ": policy ", policy,
-                         " got a negative or non-finite probability ", p));
+                         " got a negative or non-finite probability ", probs[i]));
       }
     }
   }
