@@ -80,6 +80,13 @@ auto WithSequence(Session& session, std::string_view sequence_id, TierMover& mov
   return result;
 }
 
+// NOT_FOUND, as a lookup by id would now answer, for a session that ended after the caller's
+// lookup; for calls that take a SessionRef but do not go through WithSequence.
+absl::Status CheckNotEnded(Session& session) ABSL_LOCKS_EXCLUDED(session.mu) {
+  absl::MutexLock lock(&session.mu);
+  return session.dead ? SessionGone(session.id) : absl::OkStatus();
+}
+
 // With the batch's sessions locked: an item's sequence (restored first when spilled), NOT_FOUND
 // for an ended session or an unknown sequence.
 absl::StatusOr<Sequence*> BatchSequenceLocked(Session& session, std::string_view sequence_id,
@@ -405,11 +412,8 @@ absl::StatusOr<SequenceCreated> KvPool::CreateSequence(const SessionRef& ref,
                                                        const SequenceParams& params) {
   if (!params.from_prefix.empty()) return CreateFromPrefix(ref.id(), params, &ref);
   Session& session = Of(ref);
-  {
-    // A session that ended since the lookup answers as by id, before its parameters are checked.
-    absl::MutexLock lock(&session.mu);
-    if (session.dead) return SessionGone(session.id);
-  }
+  // A session that ended since the lookup answers as by id, before its parameters are checked.
+  KVS_RETURN_IF_ERROR(CheckNotEnded(session));
   return CreateInSession(session, params);
 }
 
@@ -471,9 +475,7 @@ absl::StatusOr<SequenceCreated> KvPool::CreateFromPrefix(std::string_view sessio
   std::shared_ptr<Session> session;
   if (found != nullptr) {
     session = found->session_;
-    // A session that ended since the lookup answers as the lookup by id would have.
-    absl::MutexLock lock(&session->mu);
-    if (session->dead) return SessionGone(session->id);
+    KVS_RETURN_IF_ERROR(CheckNotEnded(*session));
   } else {
     KVS_ASSIGN_OR_RETURN(session, sessions_->Find(session_id));
   }
@@ -1331,12 +1333,8 @@ absl::Status KvPool::Unpublish(const absl::StatusOr<SessionRef>& session,
   KVS_RETURN_IF_ERROR(ValidatePrefixKey(prefix_key, "prefix_key"));
   KVS_RETURN_IF_ERROR(session.status());
   Session& live = Of(*session);
-  {
-    // Unpublish touches only the tenant's copy, not the session; a session that ended since
-    // the lookup still answers NOT_FOUND, as a lookup by id now would.
-    absl::MutexLock lock(&live.mu);
-    if (live.dead) return SessionGone(live.id);
-  }
+  // Unpublish touches only the tenant's copy, not the session, so the session is checked here.
+  KVS_RETURN_IF_ERROR(CheckNotEnded(live));
   return mover_->Unpublish(live, prefix_key);
 }
 
