@@ -87,6 +87,34 @@ class AuthE2eTest : public ::testing::Test {
     if (!token.empty()) context->AddMetadata("authorization", "Bearer " + token);
   }
 
+  static grpc::Status ReserveAs(v1::Sidecar::Stub& data, const std::string& token,
+                                const v1::ReserveRequest& request, v1::ReserveResponse* reserved) {
+    grpc::ClientContext context;
+    Prepare(&context, token);
+    return data.Reserve(&context, request, reserved);
+  }
+
+  // The layout `request` names, read as `token` and serialised: what must not change.
+  static std::string LayoutAs(v1::Sidecar::Stub& data, const std::string& token,
+                              const v1::GetLayoutRequest& request) {
+    grpc::ClientContext context;
+    Prepare(&context, token);
+    v1::GetLayoutResponse response;
+    EXPECT_TRUE(data.GetLayout(&context, request, &response).ok());
+    return response.SerializeAsString();
+  }
+
+  // A refusal of a foreign or missing session `id`: PERMISSION_DENIED, with the same message
+  // (`id` left out) as the first refusal, kept in *first, so the two cannot be told apart.
+  static void ExpectRefusedAlike(const grpc::Status& status, const std::string& id,
+                                 const char* what, std::string* first) {
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+        << what << ": " << status.error_message();
+    const std::string message = absl::StrReplaceAll(status.error_message(), {{id, "ID"}});
+    if (first->empty()) *first = message;
+    EXPECT_EQ(message, *first) << what;
+  }
+
   grpc::Status Attach(v1::Sidecar::Stub& stub, const std::string& token, const std::string& tenant,
                       std::string* session_id) {
     grpc::ClientContext context;
@@ -277,44 +305,26 @@ TEST_F(AuthE2eTest, AForeignSessionOnEveryCallThatUsesItsHandleChangesNothing) {
   reserve.set_sequence_id("s");
   reserve.set_num_tokens(4);
   v1::ReserveResponse reserved;
-  {
-    grpc::ClientContext context;
-    Prepare(&context, a);
-    ASSERT_TRUE(data->Reserve(&context, reserve, &reserved).ok());
-  }
+  ASSERT_TRUE(ReserveAs(*data, a, reserve, &reserved).ok());
   v1::CommitRequest commit;
   commit.set_session_id(session_a);
   commit.set_sequence_id("s");
   commit.set_reservation_id(reserved.reservation_id());
   ASSERT_TRUE(KVS_CALL(Commit, a, commit).ok());
   reserve.set_num_tokens(1);
-  {
-    grpc::ClientContext context;
-    Prepare(&context, a);
-    ASSERT_TRUE(data->Reserve(&context, reserve, &reserved).ok());
-  }
+  ASSERT_TRUE(ReserveAs(*data, a, reserve, &reserved).ok());
   commit.set_reservation_id(reserved.reservation_id());
   v1::GetLayoutRequest get_layout;
   get_layout.set_session_id(session_a);
   get_layout.set_sequence_id("s");
-  auto layout_of_a = [&] {
-    grpc::ClientContext context;
-    Prepare(&context, a);
-    v1::GetLayoutResponse response;
-    EXPECT_TRUE(data->GetLayout(&context, get_layout, &response).ok());
-    return response.SerializeAsString();
-  };
+  auto layout_of_a = [&] { return LayoutAs(*data, a, get_layout); };
   const std::string before = layout_of_a();
 
   // What team B sends, each with A's session id and with an id no session has.
   const std::string missing_id(session_a.size(), '0');
   std::string foreign_message;
   auto refused = [&](const grpc::Status& status, const std::string& id, const char* what) {
-    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED)
-        << what << ": " << status.error_message();
-    const std::string message = absl::StrReplaceAll(status.error_message(), {{id, "ID"}});
-    if (foreign_message.empty()) foreign_message = message;
-    EXPECT_EQ(message, foreign_message) << what;
+    ExpectRefusedAlike(status, id, what, &foreign_message);
   };
   for (const std::string& id : {session_a, missing_id}) {
     v1::ReserveRequest r = reserve;
@@ -447,11 +457,7 @@ TEST_F(AuthE2eTest, AForeignSessionOnTheSessionAndTierCallsChangesNothing) {
   reserve.set_sequence_id("s");
   reserve.set_num_tokens(4);
   v1::ReserveResponse reserved;
-  {
-    grpc::ClientContext context;
-    Prepare(&context, a);
-    ASSERT_TRUE(data->Reserve(&context, reserve, &reserved).ok());
-  }
+  ASSERT_TRUE(ReserveAs(*data, a, reserve, &reserved).ok());
   v1::CommitRequest commit;
   commit.set_session_id(session_a);
   commit.set_sequence_id("s");
@@ -467,13 +473,7 @@ TEST_F(AuthE2eTest, AForeignSessionOnTheSessionAndTierCallsChangesNothing) {
   v1::GetLayoutRequest get_layout;
   get_layout.set_session_id(session_a);
   get_layout.set_sequence_id("s");
-  auto layout_of_a = [&] {
-    grpc::ClientContext context;
-    Prepare(&context, a);
-    v1::GetLayoutResponse response;
-    EXPECT_TRUE(data->GetLayout(&context, get_layout, &response).ok());
-    return response.SerializeAsString();
-  };
+  auto layout_of_a = [&] { return LayoutAs(*data, a, get_layout); };
   const std::string before = layout_of_a();
   // A's Watch stream, which B's Watch or Detach must not end.
   grpc::ClientContext watch_context;
@@ -485,11 +485,7 @@ TEST_F(AuthE2eTest, AForeignSessionOnTheSessionAndTierCallsChangesNothing) {
   const std::string missing_id(session_a.size(), '0');
   std::string foreign_message;
   auto refused = [&](const grpc::Status& status, const std::string& id, const char* what) {
-    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED)
-        << what << ": " << status.error_message();
-    const std::string message = absl::StrReplaceAll(status.error_message(), {{id, "ID"}});
-    if (foreign_message.empty()) foreign_message = message;
-    EXPECT_EQ(message, foreign_message) << what;
+    ExpectRefusedAlike(status, id, what, &foreign_message);
   };
   for (const std::string& id : {session_a, missing_id}) {
     v1::ReleaseSequenceRequest release;
