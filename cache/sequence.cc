@@ -866,6 +866,28 @@ absl::Status Sequence::CheckAttentionCoverage(const Policy& policy, Phase phase,
   return CoverageError(policy, phase, keep, counts, scratch, attention);
 }
 
+namespace {
+
+// A policy observes each layer on its own (it writes only the layer's LayerStep::state; see
+// Policy::Observe), so the layers of a step run side by side on the host threads: checking,
+// summing and scoring a layer's probabilities is serial work per layer (TOVA's whole
+// observation, 32 layers x 32 query heads x 8K slots, ran on the calling thread alone). The
+// first error in layer order is returned.
+absl::Status ObserveSideBySide(const SequenceEnv& env, const Policy& policy, Phase phase,
+                               absl::Span<const LayerStep> steps) {
+  if (env.host_pool == nullptr || steps.size() < 2) {
+    return policy.Observe(env.backend, phase, steps);
+  }
+  std::vector<absl::Status> statuses(steps.size());
+  env.host_pool->ParallelFor(static_cast<int64_t>(steps.size()), [&](int64_t k) {
+    statuses[k] = policy.Observe(env.backend, phase, steps.subspan(k, 1));
+  });
+  for (const absl::Status& status : statuses) KVS_RETURN_IF_ERROR(status);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Phase phase,
                                const StepAttention& attention,
                                absl::Span<LayerPolicyState> states) const {
@@ -999,7 +1021,7 @@ absl::Status Sequence::ObserveChunk(const SequenceEnv& env, const Policy& policy
     step.summed_rows = summed ? rows : 0;
     step.state = &states[l];
   }
-  return policy.Observe(env.backend, phase, steps);
+  return ObserveSideBySide(env, policy, phase, steps);
 }
 
 absl::StatusOr<Sequence::Eviction> Sequence::RunStep(const SequenceEnv& env, const Policy& policy,

@@ -251,6 +251,39 @@ TEST_P(NonFiniteTest, NonFiniteInputIsRefusedAndChangesNothing) {
 // what committing the items one by one in order would: the first item with a non-finite row is
 // refused naming where it is, the items before it are committed, it and the items after it keep
 // their pending reservations (a later item's bad row is reported once the first is fixed).
+// Finite inputs whose logits overflow: every key of the new token is +1 and every query element
+// 3e38, so its logit is +inf in every layer and the softmax has no finite value (inf - inf).
+// The step is refused naming the first layer in layer order, although the server observes the
+// layers side by side, and nothing changes.
+TEST_P(NonFiniteTest, OverflowingLogitsAreRefusedNamingTheFirstLayer) {
+  if (GetParam() == "streaming_llm" || GetParam() == "keydiff") {
+    GTEST_SKIP() << GetParam() << " reads no attention";
+  }
+  const auto before = State();
+  std::string kv = Kv(kBudget);
+  constexpr uint16_t kHalfOne = 0x3c00;
+  for (int layer = 0; layer < layout_.num_layers(); ++layer) {
+    for (int head = 0; head < layout_.num_kv_heads(); ++head) {
+      for (int dim = 0; dim < layout_.head_dim(); ++dim) {
+        SetHalf(kv, KvIndex(layer, 0, head, dim), kHalfOne);
+      }
+    }
+  }
+  v1::DecodeStepRequest request = Decode(kv);
+  std::string queries;
+  const int per_layer = layout_.num_q_heads() * layout_.head_dim();
+  for (int i = 0; i < layout_.num_layers() * per_layer; ++i) PutFloat(queries, 3e38f);
+  request.mutable_items(0)->mutable_attention()->set_inline_queries(queries);
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const absl::Status status = session_->DecodeStep(request).status();
+    ExpectRefused(status, "layer 0");
+    EXPECT_THAT(MessageOf(status), ::testing::Not(HasSubstr("layer 1"))) << status;
+    EXPECT_EQ(State(), before) << "attempt " << attempt;
+  }
+  // The same step with ordinary queries still works.
+  EXPECT_TRUE(session_->DecodeStep(Decode(Kv(kBudget))).ok());
+}
+
 TEST_P(NonFiniteTest, BatchCommitRefusesTheFirstItemWithNonFiniteRows) {
   constexpr int kItems = 4, kTokens = 2;
   std::vector<kvsidecar::ReserveItem> items;
