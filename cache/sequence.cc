@@ -868,20 +868,19 @@ absl::Status Sequence::CheckAttentionCoverage(const Policy& policy, Phase phase,
 
 namespace {
 
-// A policy observes each layer on its own (it writes only the layer's LayerStep::state; see
-// Policy::Observe), so the layers of a step run side by side on the host threads: checking,
-// summing and scoring a layer's probabilities is serial work per layer (TOVA's whole
-// observation, 32 layers x 32 query heads x 8K slots, ran on the calling thread alone). The
-// first error in layer order is returned.
-absl::Status ObserveSideBySide(const SequenceEnv& env, const Policy& policy, Phase phase,
-                               absl::Span<const LayerStep> steps) {
-  if (env.host_pool == nullptr || steps.size() < 2) {
-    return policy.Observe(env.backend, phase, steps);
-  }
-  std::vector<absl::Status> statuses(steps.size());
-  env.host_pool->ParallelFor(static_cast<int64_t>(steps.size()), [&](int64_t k) {
-    statuses[k] = policy.Observe(env.backend, phase, steps.subspan(k, 1));
-  });
+// A policy observes and selects each layer on its own (it reads that layer's step or selection
+// and writes only its state and outputs; see Policy::Observe and Policy::Select), so the layers
+// of a step run side by side on the host threads: checking, summing and scoring a layer's
+// probabilities is serial work per layer (TOVA's whole observation and its all-heads means,
+// 32 layers x 32 query heads x 8K slots, ran on the calling thread alone). run(layers) is the
+// policy's call on a span of layers; the first error in layer order is returned.
+template <typename Layer, typename Run>
+absl::Status EachLayerSideBySide(const SequenceEnv& env, absl::Span<const Layer> layers,
+                                 const Run& run) {
+  if (env.host_pool == nullptr || layers.size() < 2) return run(layers);
+  std::vector<absl::Status> statuses(layers.size());
+  env.host_pool->ParallelFor(static_cast<int64_t>(layers.size()),
+                             [&](int64_t k) { statuses[k] = run(layers.subspan(k, 1)); });
   for (const absl::Status& status : statuses) KVS_RETURN_IF_ERROR(status);
   return absl::OkStatus();
 }
@@ -1021,7 +1020,9 @@ absl::Status Sequence::ObserveChunk(const SequenceEnv& env, const Policy& policy
     step.summed_rows = summed ? rows : 0;
     step.state = &states[l];
   }
-  return ObserveSideBySide(env, policy, phase, steps);
+  return EachLayerSideBySide<LayerStep>(env, steps, [&](absl::Span<const LayerStep> some) {
+    return policy.Observe(env.backend, phase, some);
+  });
 }
 
 absl::StatusOr<Sequence::Eviction> Sequence::RunStep(const SequenceEnv& env, const Policy& policy,
@@ -1431,7 +1432,10 @@ absl::StatusOr<std::vector<LayerScores>> Sequence::Score(const SequenceEnv& env,
     selection.scores_out = out.scores.data();
   }
   if (!selections.empty()) {
-    KVS_RETURN_IF_ERROR(policy.Select(env.backend, Phase::kPrefill, selections));
+    KVS_RETURN_IF_ERROR(EachLayerSideBySide<LayerSelection>(
+        env, selections, [&](absl::Span<const LayerSelection> some) {
+          return policy.Select(env.backend, Phase::kPrefill, some);
+        }));
   }
   return result;
 }
@@ -1470,7 +1474,9 @@ absl::Status Sequence::ChooseKept(const SequenceEnv& env, const Policy& policy, 
     }
   }
   if (choice.selections.empty()) return absl::OkStatus();
-  return policy.Select(env.backend, phase, choice.selections);
+  return EachLayerSideBySide<LayerSelection>(
+      env, choice.selections,
+      [&](absl::Span<const LayerSelection> some) { return policy.Select(env.backend, phase, some); });
 }
 
 absl::Status Sequence::PlanEvictions(const SequenceEnv& env, absl::Span<const int32_t> victims,

@@ -183,7 +183,9 @@ class Policy {
     return allocator_->Allocate(request);
   }
   // Step 3: fills layers[i].kept for every layer, one batch of backend calls for all of them.
-  // INTERNAL when a selection is malformed, or the backend's error.
+  // INTERNAL when a selection is malformed, or the backend's error. As with Observe, each layer
+  // is selected on its own (a selection reads that layer and writes only its state, kept and
+  // scores_out), so callers may select the layers one at a time and side by side.
   virtual absl::Status Select(Backend& backend, Phase phase,
                               absl::Span<const LayerSelection> layers) const = 0;
   // Step 4: after Select, before compaction; merged[i] = evicted rows folded into kept ones in
