@@ -1475,8 +1475,9 @@ absl::Status Sequence::ChooseKept(const SequenceEnv& env, const Policy& policy, 
   }
   if (choice.selections.empty()) return absl::OkStatus();
   return EachLayerSideBySide<LayerSelection>(
-      env, choice.selections,
-      [&](absl::Span<const LayerSelection> some) { return policy.Select(env.backend, phase, some); });
+      env, choice.selections, [&](absl::Span<const LayerSelection> some) {
+        return policy.Select(env.backend, phase, some);
+      });
 }
 
 absl::Status Sequence::PlanEvictions(const SequenceEnv& env, absl::Span<const int32_t> victims,

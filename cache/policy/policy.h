@@ -176,7 +176,7 @@ class Policy {
   // Each layer is observed on its own: the scorer and the allocator read only that layer's step
   // and write only its LayerStep::state, so callers may observe the layers of a step one at a
   // time and side by side (Sequence does, on its host threads); a policy that needs to see
-  // several layers at once must do so in Select or the allocator's Allocate.
+  // several layers at once must do so in the allocator's Allocate.
   absl::Status Observe(Backend& backend, Phase phase, absl::Span<const LayerStep> layers) const;
   // Step 2: the allocator's split (per-layer explicit budgets are the sequence's business).
   absl::StatusOr<Allocation> AllocateLayers(const AllocationRequest& request) const {
