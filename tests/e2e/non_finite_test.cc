@@ -247,10 +247,6 @@ TEST_P(NonFiniteTest, NonFiniteInputIsRefusedAndChangesNothing) {
   EXPECT_EQ(State().second, kBudget + 2);
 }
 
-// BatchCommit checks the rows of every item in one pass before committing any; what it reports is
-// what committing the items one by one in order would: the first item with a non-finite row is
-// refused naming where it is, the items before it are committed, it and the items after it keep
-// their pending reservations (a later item's bad row is reported once the first is fixed).
 // Finite inputs whose logits overflow: every key of the new token is +1 and every query element
 // 3e38, so its logit is +inf in every layer and the softmax has no finite value (inf - inf).
 // The step is refused naming the first layer in layer order, although the server observes the
@@ -284,6 +280,10 @@ TEST_P(NonFiniteTest, OverflowingLogitsAreRefusedNamingTheFirstLayer) {
   EXPECT_TRUE(session_->DecodeStep(Decode(Kv(kBudget))).ok());
 }
 
+// BatchCommit checks the rows of every item in one pass before committing any; what it reports is
+// what committing the items one by one in order would: the first item with a non-finite row is
+// refused naming where it is, the items before it are committed, it and the items after it keep
+// their pending reservations (a later item's bad row is reported once the first is fixed).
 TEST_P(NonFiniteTest, BatchCommitRefusesTheFirstItemWithNonFiniteRows) {
   constexpr int kItems = 4, kTokens = 2;
   std::vector<kvsidecar::ReserveItem> items;
