@@ -228,6 +228,11 @@ ServerProcess::~ServerProcess() {
     int status;
     waitpid(pid_, &status, 0);
   }
+  // KVS_BENCH_SERVER_LOG: keep what the server wrote (its trace lines, say) past the run.
+  if (const char* keep = std::getenv("KVS_BENCH_SERVER_LOG"); keep != nullptr && *keep != 0) {
+    std::ifstream log(data_dir_ + "/server.log", std::ios::binary);
+    std::ofstream(keep, std::ios::binary | std::ios::app) << log.rdbuf();
+  }
   std::error_code ignored;
   std::filesystem::remove_all(data_dir_, ignored);
 }

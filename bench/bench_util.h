@@ -37,7 +37,8 @@ double ProcessCpuSeconds();
 // Value at quantile q in [0, 1] of `samples` (sorted in place).
 double Percentile(std::vector<double>& samples, double q);
 
-// The real `kvsidecar` binary started on ephemeral loopback ports; killed on destruction.
+// The real `kvsidecar` binary started on ephemeral loopback ports; killed on destruction, when
+// its output is appended to the file KVS_BENCH_SERVER_LOG names, if set.
 class ServerProcess {
  public:
   // `extra_args` are appended to the defaults (--listen/--admin_listen on port 0, a temp data dir).

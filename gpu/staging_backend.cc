@@ -2,12 +2,16 @@
 // one download of the outputs.
 #include "gpu/staging_backend.h"
 
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -62,8 +66,14 @@ void SetPointer(void* field, uint8_t* address) {
 // has synchronised the stream by then).
 class Stager {
  public:
-  explicit Stager(DeviceMemory& memory) : memory_(memory) {}
+  explicit Stager(DeviceMemory& memory)
+      : memory_(memory), created_(std::chrono::steady_clock::now()) {}
   ~Stager() { memory_.Free(device_); }
+
+  uint64_t in_bytes() const { return in_bytes_; }
+  uint64_t out_bytes() const { return out_bytes_; }
+  // When the call began building its plan (validation and staging decisions come after).
+  std::chrono::steady_clock::time_point created() const { return created_; }
 
   Stager(const Stager&) = delete;
   Stager& operator=(const Stager&) = delete;
@@ -149,6 +159,7 @@ class Stager {
   DeviceMemory& memory_;
   std::vector<Piece> inputs_, outputs_;
   uint64_t in_bytes_ = 0, out_bytes_ = 0, out_base_ = 0;
+  const std::chrono::steady_clock::time_point created_;
   uint8_t* device_ = nullptr;
 };
 
@@ -512,18 +523,43 @@ class StagingBackend final : public Backend {
 
   // Uploads, runs the device on `device_jobs`, synchronises and downloads. With no jobs the
   // device is still asked (an unhealthy device refuses even an empty call) but nothing is staged.
+  // KVS_STAGING_TRACE=1 in the environment writes one line per staged call to stderr: the job
+  // type, the job count, the bytes up and down, and the microseconds spent planning (validation
+  // included), uploading, launching, waiting for the device and downloading. It is how a device
+  // run tells the staging layer's cost from the kernels' (no profiler is needed).
   template <typename Job>
   absl::Status Run(Stager& stager, const std::vector<Job>& device_jobs, Stream stream,
                    Method<Job> method) {
     if (device_jobs.empty()) return (device_.get()->*method)({}, stream);
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point planned = Clock::now();
     KVS_RETURN_IF_ERROR(stager.Upload(stream));
+    const Clock::time_point uploaded = Clock::now();
     const absl::Status status = (device_.get()->*method)(device_jobs, stream);
+    const Clock::time_point launched = Clock::now();
     // Always wait before the staging buffer goes back to DeviceMemory's cache: a call that failed
     // midway may have queued work reading it.
     const absl::Status synced = device_->Synchronize(stream);
+    const Clock::time_point waited = Clock::now();
     KVS_RETURN_IF_ERROR(status);
     KVS_RETURN_IF_ERROR(synced);
-    return stager.Download(stream);
+    const absl::Status downloaded = stager.Download(stream);
+    static const bool trace = std::getenv("KVS_STAGING_TRACE") != nullptr;
+    if (trace) {
+      const auto us = [](Clock::time_point a, Clock::time_point b) {
+        return static_cast<long long>(
+            std::chrono::duration_cast<std::chrono::microseconds>(b - a).count());
+      };
+      std::fprintf(stderr,
+                   "staging %s jobs=%zu up=%llu down=%llu plan_us=%lld upload_us=%lld "
+                   "launch_us=%lld device_us=%lld download_us=%lld\n",
+                   typeid(Job).name(), device_jobs.size(),
+                   static_cast<unsigned long long>(stager.in_bytes()),
+                   static_cast<unsigned long long>(stager.out_bytes()),
+                   us(stager.created(), planned), us(planned, uploaded), us(uploaded, launched),
+                   us(launched, waited), us(waited, Clock::now()));
+    }
+    return downloaded;
   }
 
   absl::Status Attention(absl::Span<const AttentionJob> jobs, Stream stream,

@@ -24,6 +24,10 @@
 // Every call returns after the device work it queued has finished (the stream is synchronised):
 // the staging buffer is freed (returned to DeviceMemory's cache) when the call returns.
 //
+// KVS_STAGING_TRACE set in the environment: one line per staged call on stderr (job type, jobs,
+// bytes up and down, microseconds planning, uploading, launching, waiting and downloading), how a
+// device run tells the staging layer's cost from the kernels'.
+//
 // Threading: safe to call concurrently when the device backend and DeviceMemory are (both are
 // required to be); the decorator itself holds no mutable state.
 #ifndef KVSIDECAR_GPU_STAGING_BACKEND_H_

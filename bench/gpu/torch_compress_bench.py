@@ -16,7 +16,7 @@ layer; the attention policies get the queries of a 32-token window at the end.
 Medians of --repeats after one warm-up each. The figure is torch time / kvsidecar time (target
 >= 2). Policies without a PyTorch version here (cake, caote, d2o) report the kvsidecar time only.
 
-  torch_compress_bench.py [--kvsidecar BIN] [--policies a,b] [--json FILE]
+  torch_compress_bench.py [--kvsidecar BIN] [--policies a,b] [--json FILE] [--server-log FILE]
 """
 
 import argparse
@@ -170,6 +170,9 @@ def main():
     parser.add_argument("--policies",
                         default="streaming_llm,keydiff,tova,snapkv,h2o,cake,caote,d2o")
     parser.add_argument("--json")
+    parser.add_argument("--server-log",
+                        help="append the sidecar's stderr here at the end (with KVS_STAGING_TRACE=1 "
+                             "in the environment: one line per staged backend call)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device visible to torch")
@@ -194,6 +197,7 @@ def main():
             "--backend=cuda", f"--arena_capacity_bytes={2 * seq_bytes + (256 << 20)}"]) as server, \
             kvs.Client(server.address, timeout=300) as client, \
             client.attach(layout, num_blocks=L * (T // B) + 4 * L) as session:
+        logged = 0  # characters of the sidecar's stderr already in --server-log
         for name in [p for p in args.policies.split(",") if p]:
             row = {"policy": name}
             try:
@@ -214,6 +218,11 @@ def main():
                 row["speedup"] = row["torch_ms"] / row["kvsidecar_ms"]  # target >= 2
             print(json.dumps(row), flush=True)
             rows.append(row)
+            if args.server_log:  # what the sidecar wrote while this policy ran
+                text = server.stderr()
+                with open(args.server_log, "a") as f:
+                    f.write(f"## kvsidecar stderr, policy {name}\n{text[logged:]}")
+                logged = len(text)
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "shape": {"layers": L, "tokens": T, "budget": args.budget, "kv_heads": H,
                         "q_heads": HQ, "head_dim": D, "window": W, "dtype": "fp16"},

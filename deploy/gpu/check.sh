@@ -19,7 +19,8 @@
 #   4. cuda_bench: gather, KeyDiff scoring, top-k, attention window, each against a limit of the
 #      same run (device-to-device copy, cuBLAS GEMM)
 #   5. each policy's whole compress through the sidecar vs PyTorch on the same GPU
-#      (bench/gpu/torch_compress_bench.py)
+#      (bench/gpu/torch_compress_bench.py), then one compress of four policies with the staging
+#      layer's per-call trace (KVS_STAGING_TRACE=1)
 #   6. DecodeStep, 64 sequences x 32 layers: p50/p99 on --backend=cuda and on --backend=cpu
 #      (service_bench BM_DecodeStep)
 #   7. spill and restore of a 256 MiB sequence between the CUDA arena and the host tier, against
@@ -29,7 +30,9 @@
 #   deploy/gpu/check.sh [BUNDLE_ARCHIVE]     (default .gpu/kvs-gpu-bundle.tar.xz; OUT defaults
 #                                             to .gpu/out when unset)
 # A rerun of some steps only: KVS_CHECK_ONLY=tests,python (keys: machine tests suites python
-# cuda_bench torch decode spill), e.g. run(command="KVS_CHECK_ONLY=suites bash deploy/gpu/check.sh", ...).
+# cuda_bench torch trace decode spill), e.g. run(command="KVS_CHECK_ONLY=suites bash deploy/gpu/check.sh", ...).
+# KVS_CHECK_TORCH_POLICIES (default: the bench's list) narrows step 5; KVS_CHECK_DECODE_BACKENDS
+# (default "cuda cpu") and KVS_CHECK_DECODE_STEPS (50) size step 6.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 archive=${1:-$root/.gpu/kvs-gpu-bundle.tar.xz}
@@ -41,7 +44,7 @@ begin=$SECONDS
 declare -a steps=()
 
 left() { echo $((budget - (SECONDS - begin))); }
-only=",${KVS_CHECK_ONLY:-machine,tests,suites,python,cuda_bench,torch,decode,spill},"
+only=",${KVS_CHECK_ONLY:-machine,tests,suites,python,cuda_bench,torch,trace,decode,spill},"
 want() { [[ $only == *",$1,"* ]]; }
 # step NAME LIMIT_S LOG CMD...: runs CMD with its output appended to LOG, killed after
 # min(LIMIT_S, time left - 5 s); records the result line for summary.md.
@@ -68,6 +71,17 @@ step() {
   echo "== $name: $result in $((SECONDS - t0)) s" | tee -a "$log"
   return $rc
 }
+
+# trace_summary FILE: the staging trace lines (KVS_STAGING_TRACE=1) of FILE summed per job type.
+trace_summary() {
+  awk '/^staging /{t=$2; n[t]++; for(i=3;i<=NF;i++){split($i,kv,"="); s[t,kv[1]]+=kv[2]}}
+    END{printf "%-34s %6s %7s %9s %9s %9s %9s %9s %9s %9s\n","job type","calls","jobs",
+      "up MB","down MB","plan ms","upload ms","launch ms","device ms","down ms";
+    for(t in n) printf "%-34s %6d %7d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f\n",t,n[t],
+      s[t,"jobs"],s[t,"up"]/1e6,s[t,"down"]/1e6,s[t,"plan_us"]/1e3,s[t,"upload_us"]/1e3,
+      s[t,"launch_us"]/1e3,s[t,"device_us"]/1e3,s[t,"download_us"]/1e3}' "$1"
+}
+export -f trace_summary
 
 # --- 0. unpack -----------------------------------------------------------------------------
 env_log="$out/env.txt"
@@ -175,17 +189,37 @@ export -f cuda_bench
 want cuda_bench && step "cuda_bench" 90 "$out/cuda_bench.log" cuda_bench
 
 # --- 5. each policy's compress vs PyTorch ----------------------------------------------------------
-if want torch && { [ -n "${PYTHONPATH:-}" ] || python_setup >>"$py_log" 2>&1; }; then
+if { want torch || want trace; } &&
+    { [ -n "${PYTHONPATH:-}" ] || python_setup >>"$py_log" 2>&1; }; then
   export PYTHONPATH="$work/site" KVSIDECAR_BIN="$work/bin/kvsidecar"
-  step "compress vs PyTorch" 100 "$out/torch_bench.log" \
-    python3 "$root/bench/gpu/torch_compress_bench.py" --json "$work/torch_bench.json"
+  want torch && step "compress vs PyTorch" 100 "$out/torch_bench.log" \
+    python3 "$root/bench/gpu/torch_compress_bench.py" --json "$work/torch_bench.json" \
+    ${KVS_CHECK_TORCH_POLICIES:+--policies "$KVS_CHECK_TORCH_POLICIES"}
+  # Where a Compress's time goes: the staging layer's per-call trace (planning, upload, launch,
+  # device, download) of one compress per policy, the sidecar's stderr appended to the log.
+  want trace && step "staging trace" 60 "$out/torch_bench.log" env KVS_STAGING_TRACE=1 \
+    python3 "$root/bench/gpu/torch_compress_bench.py" --policies streaming_llm,keydiff,snapkv,h2o \
+    --repeats 1 --server-log "$work/compress_trace.txt"
+  if [ -f "$work/compress_trace.txt" ]; then
+    {
+      awk '/^## kvsidecar stderr, policy /{if (f) close(f); f=ENVIRON["work"] "/trace_" $NF ".txt"}
+           f {print > f}' "$work/compress_trace.txt"
+      for f in "$work"/trace_*.txt; do
+        echo "-- staging trace, one warm-up and one timed compress: ${f##*/trace_}"
+        trace_summary "$f"
+      done
+    } >>"$out/torch_bench.log" 2>&1
+  fi
 fi
 
 # --- 6. DecodeStep 64 x 32 -------------------------------------------------------------------------
 decode() {
   local backend rc=0
-  for backend in cuda cpu; do
+  for backend in ${KVS_CHECK_DECODE_BACKENDS:-cuda cpu}; do
     echo "-- --backend=$backend"
+    # The CUDA run keeps the server's staging trace: where a step's time goes, summed below.
+    [ $backend = cuda ] && export KVS_STAGING_TRACE=1 KVS_BENCH_SERVER_LOG="$work/decode_trace.txt"
+    [ $backend = cpu ] && unset KVS_STAGING_TRACE KVS_BENCH_SERVER_LOG
     LD_LIBRARY_PATH=$ld_path KVS_BENCH_BACKEND=$backend \
       KVS_BENCH_DECODE_STEPS=${KVS_CHECK_DECODE_STEPS:-50} \
       KVS_SERVER_BINARY="$bin/service/kvsidecar" stdbuf -oL "$bin/bench/service_bench" --benchmark_filter='BM_DecodeStep' \
@@ -196,6 +230,13 @@ decode() {
 }
 export -f decode
 want decode && step "DecodeStep 64x32" 70 "$out/decode.log" decode
+if [ -f "$work/decode_trace.txt" ]; then  # also when the step ran out of time
+  {
+    echo "-- staging trace of the --backend=cuda run, summed per job type (every step, warm-up"
+    echo "   included; $(grep -c '^staging ' "$work/decode_trace.txt") calls)"
+    trace_summary "$work/decode_trace.txt"
+  } >>"$out/decode.log" 2>&1
+fi
 
 # --- 7. spill and restore, GPU <-> host tier ----------------------------------------------------------
 spill() {

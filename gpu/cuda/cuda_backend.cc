@@ -62,6 +62,10 @@ class CudaArena final : public Arena {
     auto arena = std::unique_ptr<CudaArena>(new CudaArena(device, static_cast<uint8_t*>(base)));
     // Zeroed like a fresh shared-memory file.
     KVS_CUDA_RETURN_IF_ERROR(cudaMemset(base, 0, bytes), "cudaMemset of a new arena");
+    // Each host thread has its own default stream (CUDA_API_PER_THREAD_DEFAULT_STREAM, see
+    // gpu/CMakeLists.txt): nothing orders another thread's work, or a worker's, after this one
+    // but waiting here. Write and Read wait likewise.
+    KVS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
     cudaIpcMemHandle_t ipc;
     KVS_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&ipc, base), "cudaIpcGetMemHandle");
     cudaDeviceProp props;
@@ -79,6 +83,10 @@ class CudaArena final : public Arena {
   ~CudaArena() override {
     cudaSetDevice(device_);
     cudaFree(base_);  // an error here has nowhere to go; the context may already be gone
+    // The scratch the kernels' memory pool kept (MakeCudaBackend) goes back with the arena.
+    cudaMemPool_t pool;
+    if (cudaDeviceGetDefaultMemPool(&pool, device_) == cudaSuccess) cudaMemPoolTrimTo(pool, 0);
+    cudaGetLastError();
   }
 
   uint8_t* data() override { return base_; }
@@ -90,16 +98,18 @@ class CudaArena final : public Arena {
     KVS_RETURN_IF_ERROR(CheckRange(offset, bytes, source, "Write"));
     if (bytes == 0) return absl::OkStatus();
     KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-    return CudaStatus(cudaMemcpy(base_ + offset, source, bytes, cudaMemcpyDefault),
-                      "arena Write (cudaMemcpy)");
+    KVS_CUDA_RETURN_IF_ERROR(cudaMemcpy(base_ + offset, source, bytes, cudaMemcpyDefault),
+                             "arena Write (cudaMemcpy)");
+    return CudaStatus(cudaStreamSynchronize(nullptr), "arena Write (cudaStreamSynchronize)");
   }
 
   absl::Status Read(uint64_t offset, void* destination, uint64_t bytes) const override {
     KVS_RETURN_IF_ERROR(CheckRange(offset, bytes, destination, "Read"));
     if (bytes == 0) return absl::OkStatus();
     KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-    return CudaStatus(cudaMemcpy(destination, base_ + offset, bytes, cudaMemcpyDefault),
-                      "arena Read (cudaMemcpy)");
+    KVS_CUDA_RETURN_IF_ERROR(cudaMemcpy(destination, base_ + offset, bytes, cudaMemcpyDefault),
+                             "arena Read (cudaMemcpy)");
+    return CudaStatus(cudaStreamSynchronize(nullptr), "arena Read (cudaStreamSynchronize)");
   }
 
  private:
@@ -702,6 +712,17 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
     return absl::FailedPreconditionError(absl::StrCat(
         "CUDA device ", device, " cannot be initialised: ", cudaGetErrorString(error)));
   }
+  // The kernels take their scratch with cudaMallocAsync. With the pool's default release
+  // threshold (0) every synchronisation hands the freed scratch back to the driver, and the next
+  // call maps it again: about a millisecond per launch in a device run. The pool keeps what it
+  // has instead, and gives it back when an arena is freed (~CudaArena), so that a detached
+  // session leaves no device memory behind.
+  cudaMemPool_t pool;
+  if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
+    uint64_t keep = UINT64_MAX;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);  // best effort
+  }
+  cudaGetLastError();
   return std::unique_ptr<Backend>(new CudaBackend(device));
 }
 

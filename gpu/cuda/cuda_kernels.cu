@@ -1,12 +1,16 @@
-// The CUDA backend's kernels (declared in gpu/cuda/cuda_kernels.h). Written for correctness and
-// parity with the CPU backend's scalar reference first: every dot product, norm and sum runs in
-// the same sequential order per output as the scalar code, and the file is compiled with
-// --fmad=false so the device rounds where the reference does. Not yet tuned (no GPU was available
-// when this was written; see README "CUDA backend").
+// The CUDA backend's kernels (declared in gpu/cuda/cuda_kernels.h). Most are written for parity
+// with the CPU backend's scalar reference: every dot product, norm and sum runs in the same
+// sequential order per output as the scalar code, and the file is compiled with --fmad=false so
+// the device rounds where the reference does. Two are tuned and sum in their own order, within
+// the parity tests' tolerances as the CPU's AVX2 kernels are: KeyDiff with a mean anchor (rows
+// spread over every multiprocessor, a warp per row) and attention over fp16/bf16 keys (tensor
+// cores, the fp32 queries split into exact parts). bench/README.md has the device figures.
 //
 // Launch shape: kThreads threads per block; one block per (job, head), (job, row) or job, with
-// grid-stride loops where a job has many rows.
+// grid-stride loops where a job has many rows; the tuned kernels say their own.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <mma.h>
 
 #include <cstdint>
 
@@ -278,6 +282,130 @@ __global__ void KeyDiffKernel(DevPagedView v, int anchor_kind, int metric, float
   }
 }
 
+// The tiled KeyDiff for a mean anchor (every metric but the cosine median): the keys are read
+// twice, each time by every multiprocessor at once. A warp owns a row (lane l holds dims l,
+// l + 32, ...: each load instruction reads 64 or 128 contiguous bytes); a block owns
+// kKeyDiffChunk rows of one head.
+//   1. KeyDiffPartialsKernel: per (head, chunk), the chunk's sum of normalised keys.
+//   2. KeyDiffAnchorKernel: per head, the chunk sums added in chunk order, the anchor and its norm.
+//   3. KeyDiffScoreKernel: per (head, chunk), each row's score against the anchor.
+// The sums are a tree, not the scalar reference's row order: results agree within the parity
+// tests' tolerance, as the AVX2 kernels' do.
+constexpr int kKeyDiffChunk = 256;
+constexpr int kMaxDimsPerLane = 8;  // head_dim <= 256 takes the tiled path
+
+__device__ inline float WarpSum(float value) {
+  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+__device__ inline void LoadRowLanes(const DevPagedView& v, int64_t head, int64_t slot, int lane,
+                                    float (&x)[kMaxDimsPerLane]) {
+  const uint8_t* row = PagedRow(v, head, slot);
+#pragma unroll
+  for (int j = 0; j < kMaxDimsPerLane; ++j) {
+    const int d = lane + 32 * j;
+    x[j] = d < v.head_dim ? LoadF(row, v.dtype, d) : 0.0f;
+  }
+}
+
+__global__ void KeyDiffPartialsKernel(DevPagedView v, float eps, float* partials) {
+  __shared__ float per_warp[kWarps][kMaxDimsPerLane * 32];
+  const int64_t head = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int begin = blockIdx.x * kKeyDiffChunk;
+  const int end = min(v.count, begin + kKeyDiffChunk);
+  float sum[kMaxDimsPerLane] = {};
+  for (int s = begin + warp; s < end; s += kWarps) {
+    float x[kMaxDimsPerLane];
+    LoadRowLanes(v, head, s, lane, x);
+    float squared = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxDimsPerLane; ++j) squared = __fmaf_rn(x[j], x[j], squared);
+    squared = WarpSum(squared);
+    const float divisor = eps > 0.0f ? StdMax(sqrtf(squared), eps) : 1.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxDimsPerLane; ++j) sum[j] += x[j] / divisor;
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxDimsPerLane; ++j) per_warp[warp][lane + 32 * j] = sum[j];
+  __syncthreads();
+  float* out = partials + (head * gridDim.x + blockIdx.x) * v.head_dim;
+  for (int d = threadIdx.x; d < v.head_dim; d += kThreads) {
+    float total = 0.0f;
+    for (int w = 0; w < kWarps; ++w) total += per_warp[w][d];
+    out[d] = total;
+  }
+}
+
+// anchors: [heads][head_dim + 1], the last entry the anchor's norm (floored at 1e-8).
+__global__ void KeyDiffAnchorKernel(const float* partials, int32_t chunks, int32_t dim, int32_t n,
+                                    int metric, float* anchors) {
+  __shared__ float scratch[kThreads];
+  const int64_t head = blockIdx.x;
+  float* anchor = anchors + head * (dim + 1);
+  float squared = 0.0f;
+  for (int d = threadIdx.x; d < dim; d += kThreads) {
+    float sum = 0.0f;
+    for (int c = 0; c < chunks; ++c) sum += partials[(head * chunks + c) * dim + d];
+    sum /= static_cast<float>(n);
+    if (metric == kPairwise) sum *= static_cast<float>(n);
+    anchor[d] = sum;
+    squared += sum * sum;
+  }
+  squared = BlockSum(squared, scratch);
+  if (threadIdx.x == 0) anchor[dim] = StdMax(sqrtf(squared), 1e-8f);
+}
+
+__global__ void KeyDiffScoreKernel(DevPagedView v, int metric, const float* anchors,
+                                   float* scores) {
+  const int64_t head = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float* anchor_row = anchors + head * (v.head_dim + 1);
+  float anchor[kMaxDimsPerLane];
+#pragma unroll
+  for (int j = 0; j < kMaxDimsPerLane; ++j) {
+    const int d = lane + 32 * j;
+    anchor[j] = d < v.head_dim ? anchor_row[d] : 0.0f;
+  }
+  const float anchor_norm = anchor_row[v.head_dim];
+  float* out = scores + head * v.count;
+  const int begin = blockIdx.x * kKeyDiffChunk;
+  const int end = min(v.count, begin + kKeyDiffChunk);
+  for (int s = begin + warp; s < end; s += kWarps) {
+    float x[kMaxDimsPerLane];
+    LoadRowLanes(v, head, s, lane, x);
+    float dot = 0.0f, squared = 0.0f, distance = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxDimsPerLane; ++j) {
+      dot = __fmaf_rn(x[j], anchor[j], dot);
+      squared = __fmaf_rn(x[j], x[j], squared);
+      const float diff = x[j] - anchor[j];
+      distance = __fmaf_rn(diff, diff, distance);
+    }
+    dot = WarpSum(dot);
+    squared = WarpSum(squared);
+    distance = WarpSum(distance);
+    if (lane != 0) continue;
+    const float key_norm = StdMax(sqrtf(squared), 1e-8f);
+    switch (metric) {
+      case kCosine:
+        out[s] = -dot / (key_norm * anchor_norm) + 0.0f;
+        break;
+      case kPairwise:
+        out[s] = -dot / key_norm + 0.0f;
+        break;
+      case kDot:
+        out[s] = -dot + 0.0f;
+        break;
+      case kEuclidean:
+      default:
+        out[s] = sqrtf(distance);
+        break;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Top-k (gpu/cpu/topk_cpu.cc): one block per row. The threshold key and the tie cut by position
 // come from two radix selects; the kept slots are then written in slot order by a block scan.
@@ -511,6 +639,283 @@ __global__ void AttentionKernel(DevAttentionJob job, bool logits_only) {
     const float inv = 1.0f / BlockSum(local_sum, scratch);
     for (int64_t s = threadIdx.x; s < count; s += kThreads) out[s] *= inv;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tiled attention on the tensor cores, for fp16 and bf16 keys whose head_dim is a multiple of 16
+// (at most 256). A block owns kTileRows query rows of one kv head (its q heads' rows, head-major,
+// as `out` lays them) and kKeyTilesPerBlock tiles of kTileKeys keys; each warp multiplies 16 rows
+// by the tile's 64 keys with wmma.
+//
+// Precision: the keys enter the tensor cores as they are stored (exact). Each fp32 query is split
+// into parts of the key type that sum to it (2 fp16 parts, 22 significant bits; 3 bf16 parts,
+// 24), and the parts' products are accumulated in fp32, so a logit differs from the fp32 dot
+// product by rounding alone. A tile whose queries an fp16 part cannot hold (|q| >= 32768, or not
+// finite) is computed with plain fp32 dot products instead.
+//
+// The softmax is two passes over the keys: the first keeps each row's running max and sum of
+// exponentials per block (online), a small kernel combines the blocks', and the second recomputes
+// the logits and writes the probabilities once. NaN and masking follow AttentionKernel: a masked
+// key's probability is 0 times the row's reciprocal sum (NaN when the row's sum is), a row with
+// every key masked is all zeros.
+constexpr int kTileRows = 64, kTileKeys = 64, kTileThreads = 128, kKeyTilesPerBlock = 8;
+constexpr int kTileMaxDim = 256;
+
+template <typename T>
+struct QuerySplit;
+template <>
+struct QuerySplit<half> {
+  static constexpr int kParts = 2;
+  __device__ static half Part(float value) { return __float2half_rn(value); }
+  __device__ static float Value(half part) { return __half2float(part); }
+  __device__ static bool Holds(float q) { return fabsf(q) < 32768.0f; }  // false for NaN
+};
+template <>
+struct QuerySplit<__nv_bfloat16> {
+  static constexpr int kParts = 3;
+  __device__ static __nv_bfloat16 Part(float value) { return __float2bfloat16_rn(value); }
+  __device__ static float Value(__nv_bfloat16 part) { return __bfloat162float(part); }
+  __device__ static bool Holds(float q) { return fabsf(q) < 1e38f; }
+};
+
+// Shared memory of one block: the query parts, the key tile (both with rows padded by 8
+// elements against bank conflicts) and the tile of raw dot products.
+__host__ __device__ inline int TileLd(int dim) { return dim + 8; }
+constexpr int kTileOutLd = kTileKeys + 4;
+template <typename T>
+__host__ __device__ inline size_t TileSharedBytes(int dim) {
+  return sizeof(T) * static_cast<size_t>(QuerySplit<T>::kParts + 1) * kTileRows * TileLd(dim) +
+         sizeof(float) * kTileRows * kTileOutLd;
+}
+
+// Running softmax statistics (max m, sum of exp(logit - m) l); NaN propagates into l.
+__device__ inline void CombineStats(float& m, float& l, float m2, float l2) {
+  const float top = StdMax(m, m2);
+  if (top == NegInf()) return;
+  l = (m == NegInf() ? 0.0f : l * expf(m - top)) + (m2 == NegInf() ? 0.0f : l2 * expf(m2 - top));
+  m = top;
+}
+
+template <typename T, bool kStatsPass>
+__global__ void __launch_bounds__(kTileThreads)
+    TiledAttentionKernel(DevAttentionJob job, int32_t rows, bool logits_only, float2* partials,
+                         const float2* row_stats) {
+  namespace wmma = nvcuda::wmma;
+  using Split = QuerySplit<T>;
+  extern __shared__ __align__(128) unsigned char tile_shared[];
+  __shared__ int unsplittable;
+  __shared__ float2 stats[kTileRows];
+  __shared__ int32_t row_position[kTileRows];
+  __shared__ int32_t key_position[kTileKeys];
+  __shared__ const uint8_t* key_row[kTileKeys];  // null: a padding key past `count`
+  const DevPagedView& v = job.keys;
+  const int dim = v.head_dim, ld = TileLd(dim);
+  const int64_t count = v.count;
+  const int64_t head = blockIdx.z;
+  const int row0 = blockIdx.y * kTileRows;
+  const int64_t row_base = head * rows;  // the head's first row in `out` and `queries`
+  T* q_parts = reinterpret_cast<T*>(tile_shared);
+  T* k_tile = q_parts + Split::kParts * kTileRows * ld;
+  float* dots = reinterpret_cast<float*>(k_tile + kTileRows * ld);
+  const int warp = threadIdx.x / 32;
+
+  if (threadIdx.x == 0) unsplittable = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < kTileRows * dim; i += kTileThreads) {
+    const int r = i / dim, d = i % dim;
+    float q = row0 + r < rows ? job.queries[(row_base + row0 + r) * dim + d] : 0.0f;
+    if (!Split::Holds(q)) unsplittable = 1;
+    for (int p = 0; p < Split::kParts; ++p) {
+      const T part = Split::Part(q);
+      q_parts[(p * kTileRows + r) * ld + d] = part;
+      q -= Split::Value(part);
+    }
+  }
+  for (int r = threadIdx.x; r < kTileRows; r += kTileThreads) {
+    row_position[r] = row0 + r < rows ? job.query_positions[(row0 + r) % job.num_queries] : 0;
+    if (!kStatsPass && !logits_only) {
+      stats[r] = row0 + r < rows ? row_stats[row_base + row0 + r] : make_float2(0.0f, 0.0f);
+    }
+  }
+  __syncthreads();
+  const bool use_tensor_cores = unsplittable == 0;
+  // Pass 1's running statistics: thread t keeps row t / 2's (both threads of a pair agree).
+  float run_m = NegInf(), run_l = 0.0f;
+  const int64_t key_tiles = (count + kTileKeys - 1) / kTileKeys;
+  const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kKeyTilesPerBlock;
+  for (int64_t tile = first_tile; tile < min(key_tiles, first_tile + kKeyTilesPerBlock); ++tile) {
+    const int64_t key0 = tile * kTileKeys;
+    for (int k = threadIdx.x; k < kTileKeys; k += kTileThreads) {
+      const bool real = key0 + k < count;
+      key_position[k] = real ? job.key_positions[head * count + key0 + k] : 0;
+      key_row[k] = real ? PagedRow(v, head, key0 + k) : nullptr;
+    }
+    __syncthreads();
+    // The key tile, 16 bytes per thread per step (rows of head_dim * 2 bytes, 16-byte aligned).
+    const int chunks = dim / 8;
+    for (int i = threadIdx.x; i < kTileKeys * chunks; i += kTileThreads) {
+      const int k = i / chunks, c = i % chunks;
+      uint4 value = make_uint4(0, 0, 0, 0);
+      if (key_row[k] != nullptr) value = reinterpret_cast<const uint4*>(key_row[k])[c];
+      reinterpret_cast<uint4*>(k_tile + k * ld)[c] = value;
+    }
+    __syncthreads();
+    if (use_tensor_cores) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kTileKeys / 16];
+      for (int j = 0; j < kTileKeys / 16; ++j) wmma::fill_fragment(acc[j], 0.0f);
+      for (int k0 = 0; k0 < dim; k0 += 16) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b[kTileKeys / 16];
+        for (int j = 0; j < kTileKeys / 16; ++j) {
+          wmma::load_matrix_sync(b[j], k_tile + 16 * j * ld + k0, ld);
+        }
+        for (int p = 0; p < Split::kParts; ++p) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+          wmma::load_matrix_sync(a, q_parts + (p * kTileRows + 16 * warp) * ld + k0, ld);
+          for (int j = 0; j < kTileKeys / 16; ++j) wmma::mma_sync(acc[j], a, b[j], acc[j]);
+        }
+      }
+      for (int j = 0; j < kTileKeys / 16; ++j) {
+        wmma::store_matrix_sync(dots + 16 * warp * kTileOutLd + 16 * j, acc[j], kTileOutLd,
+                                wmma::mem_row_major);
+      }
+    } else {
+      for (int i = threadIdx.x; i < kTileRows * kTileKeys; i += kTileThreads) {
+        const int r = i / kTileKeys, k = i % kTileKeys;
+        float dot = 0.0f;
+        if (row0 + r < rows) {
+          const float* q = job.queries + (row_base + row0 + r) * dim;
+          for (int d = 0; d < dim; ++d) dot += q[d] * Split::Value(k_tile[k * ld + d]);
+        }
+        dots[r * kTileOutLd + k] = dot;
+      }
+    }
+    __syncthreads();
+    // The scaled logit of (row r, key k of the tile); -inf where masked and for a padding key
+    // (a padding row's values are neither kept nor written).
+    auto logit_at = [&](int r, int k) {
+      return key_row[k] == nullptr || key_position[k] > row_position[r]
+                 ? NegInf()
+                 : job.scale * dots[r * kTileOutLd + k];
+    };
+    if (kStatsPass) {
+      constexpr int kHalf = kTileKeys / 2;
+      const int r = threadIdx.x / 2, k_begin = (threadIdx.x % 2) * kHalf;
+      float logits[kHalf];
+      float tile_m = NegInf();
+#pragma unroll
+      for (int k = 0; k < kHalf; ++k) {
+        logits[k] = logit_at(r, k_begin + k);
+        tile_m = StdMax(tile_m, logits[k]);
+      }
+      tile_m = StdMax(tile_m, __shfl_xor_sync(0xffffffffu, tile_m, 1));
+      float tile_l = 0.0f;
+      if (tile_m != NegInf()) {
+#pragma unroll
+        for (int k = 0; k < kHalf; ++k) {
+          if (logits[k] != NegInf()) tile_l += expf(logits[k] - tile_m);
+        }
+      }
+      tile_l += __shfl_xor_sync(0xffffffffu, tile_l, 1);
+      CombineStats(run_m, run_l, tile_m, tile_l);
+    } else {
+      for (int i = threadIdx.x; i < kTileRows * kTileKeys; i += kTileThreads) {
+        const int r = i / kTileKeys, k = i % kTileKeys;
+        if (row0 + r >= rows || key_row[k] == nullptr) continue;  // padding
+        const float logit = logit_at(r, k);
+        float value = logit;
+        if (!logits_only) {
+          const float2 row = stats[r];  // (max, 1 / sum); max -inf: every key masked
+          if (row.x == NegInf()) {
+            value = 0.0f;
+          } else {
+            value = (logit == NegInf() ? 0.0f : expf(logit - row.x)) * row.y;
+          }
+        }
+        job.out[(row_base + row0 + r) * count + key0 + k] = value;
+      }
+    }
+    __syncthreads();  // the tiles are refilled next
+  }
+  if (kStatsPass && threadIdx.x % 2 == 0 && row0 + threadIdx.x / 2 < rows) {
+    partials[(row_base + row0 + threadIdx.x / 2) * gridDim.x + blockIdx.x] =
+        make_float2(run_m, run_l);
+  }
+}
+
+// Per row: the blocks' statistics combined in block order into (max, 1 / sum).
+__global__ void CombineRowStatsKernel(const float2* partials, int64_t total_rows, int32_t groups,
+                                      float2* row_stats) {
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < total_rows;
+       row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float m = NegInf(), l = 0.0f;
+    for (int g = 0; g < groups; ++g) {
+      const float2 part = partials[row * groups + g];
+      CombineStats(m, l, part.x, part.y);
+    }
+    row_stats[row] = make_float2(m, m == NegInf() ? 0.0f : 1.0f / l);
+  }
+}
+
+template <typename T>
+cudaError_t LaunchTiledAttention(const DevAttentionJob& job, bool logits_only,
+                                 cudaStream_t stream) {
+  const DevPagedView& v = job.keys;
+  const int32_t rows = job.num_q_heads / v.num_kv_heads * job.num_queries;
+  const int64_t key_tiles = (static_cast<int64_t>(v.count) + kTileKeys - 1) / kTileKeys;
+  const int64_t groups = (key_tiles + kKeyTilesPerBlock - 1) / kKeyTilesPerBlock;
+  const dim3 grid(static_cast<unsigned>(groups), (rows + kTileRows - 1) / kTileRows,
+                  v.num_kv_heads);
+  const size_t shared = TileSharedBytes<T>(v.head_dim);
+  cudaError_t error = cudaFuncSetAttribute(TiledAttentionKernel<T, false>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
+  if (error != cudaSuccess) return error;
+  if (logits_only) {
+    TiledAttentionKernel<T, false><<<grid, kTileThreads, shared, stream>>>(job, rows, true,
+                                                                          nullptr, nullptr);
+    return cudaGetLastError();
+  }
+  error = cudaFuncSetAttribute(TiledAttentionKernel<T, true>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
+  if (error != cudaSuccess) return error;
+  const int64_t total_rows = static_cast<int64_t>(rows) * v.num_kv_heads;
+  float2* scratch = nullptr;
+  error = cudaMallocAsync(reinterpret_cast<void**>(&scratch),
+                          sizeof(float2) * static_cast<size_t>(total_rows * (groups + 1)), stream);
+  if (error != cudaSuccess) return error;
+  float2* partials = scratch;
+  float2* row_stats = scratch + total_rows * groups;
+  TiledAttentionKernel<T, true><<<grid, kTileThreads, shared, stream>>>(job, rows, false, partials,
+                                                                       nullptr);
+  CombineRowStatsKernel<<<GridFor((total_rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      partials, total_rows, static_cast<int32_t>(groups), row_stats);
+  TiledAttentionKernel<T, false><<<grid, kTileThreads, shared, stream>>>(job, rows, false, nullptr,
+                                                                        row_stats);
+  error = cudaGetLastError();
+  const cudaError_t freed = cudaFreeAsync(scratch, stream);
+  return error != cudaSuccess ? error : freed;
+}
+
+// The attention of one job: tiled on the tensor cores where the key type, head_dim and row count
+// allow it, else one block per (query head, query) row.
+cudaError_t AttentionInto(const DevAttentionJob& job, bool logits_only, cudaStream_t stream) {
+  const DevPagedView& v = job.keys;
+  // The key tile is loaded 16 bytes at a time: rows (head_dim * 2 bytes) and blocks must keep
+  // that alignment.
+  const bool aligned =
+      reinterpret_cast<uintptr_t>(v.arena) % 16 == 0 && v.block_bytes % 16 == 0;
+  // Fewer than 16 rows per kv head (a decode step's one query) would leave most of each warp's
+  // 16-row tile empty: one block per row does less work there.
+  const int64_t rows_per_head =
+      static_cast<int64_t>(job.num_q_heads / v.num_kv_heads) * job.num_queries;
+  const bool tiled = aligned && rows_per_head >= 16 && v.head_dim % 16 == 0 &&
+                     v.head_dim <= kTileMaxDim && v.count > 0 &&
+                     (v.dtype == kFloat16 || v.dtype == kBFloat16);
+  if (tiled && v.dtype == kFloat16) return LaunchTiledAttention<half>(job, logits_only, stream);
+  if (tiled) return LaunchTiledAttention<__nv_bfloat16>(job, logits_only, stream);
+  const int64_t rows = static_cast<int64_t>(job.num_q_heads) * job.num_queries;
+  const size_t shared = static_cast<size_t>(v.head_dim) * sizeof(float);
+  AttentionKernel<<<GridFor(rows), kThreads, shared, stream>>>(job, logits_only);
+  return cudaGetLastError();
 }
 
 // Column sums of [rows][num_queries][count] probabilities: one thread per (row, slot), the
@@ -810,9 +1215,32 @@ __global__ void MergeRowsKernel(const DevMergeJob* jobs, int64_t count) {
 cudaError_t LaunchKeyDiff(const DevPagedView& keys, int anchor, int metric, float* scores,
                           cudaStream_t stream) {
   if (keys.count == 0) return cudaSuccess;
-  const size_t shared = static_cast<size_t>(keys.head_dim) * sizeof(float);
-  KeyDiffKernel<<<keys.num_kv_heads, kThreads, shared, stream>>>(keys, anchor, metric, scores);
-  return cudaGetLastError();
+  const bool median = metric == kCosine && anchor == kMedianNormalized;
+  if (median || keys.head_dim > 32 * kMaxDimsPerLane) {
+    // One block per head: the median's radix selects, or a head too wide for a warp's registers.
+    const size_t shared = static_cast<size_t>(keys.head_dim) * sizeof(float);
+    KeyDiffKernel<<<keys.num_kv_heads, kThreads, shared, stream>>>(keys, anchor, metric, scores);
+    return cudaGetLastError();
+  }
+  float eps = 0.0f;  // 0: the raw mean (KeyDiffKernel's rule)
+  if (metric == kCosine && anchor == kMeanNormalized) eps = 1e-12f;
+  if (metric == kPairwise) eps = 1e-8f;
+  const int32_t chunks = (keys.count + kKeyDiffChunk - 1) / kKeyDiffChunk;
+  const int64_t heads = keys.num_kv_heads, dim = keys.head_dim;
+  float* scratch = nullptr;
+  const size_t bytes = sizeof(float) * static_cast<size_t>(heads * chunks * dim + heads * (dim + 1));
+  cudaError_t error = cudaMallocAsync(reinterpret_cast<void**>(&scratch), bytes, stream);
+  if (error != cudaSuccess) return error;
+  float* partials = scratch;
+  float* anchors = scratch + heads * chunks * dim;
+  const dim3 grid(chunks, keys.num_kv_heads);
+  KeyDiffPartialsKernel<<<grid, kThreads, 0, stream>>>(keys, eps, partials);
+  KeyDiffAnchorKernel<<<keys.num_kv_heads, kThreads, 0, stream>>>(partials, chunks, keys.head_dim,
+                                                                  keys.count, metric, anchors);
+  KeyDiffScoreKernel<<<grid, kThreads, 0, stream>>>(keys, metric, anchors, scores);
+  error = cudaGetLastError();
+  const cudaError_t freed = cudaFreeAsync(scratch, stream);
+  return error != cudaSuccess ? error : freed;
 }
 
 cudaError_t LaunchTopK(const float* scores, const int32_t* positions, const uint8_t* forced,
@@ -871,10 +1299,7 @@ cudaError_t LaunchFindNonFinite(const uint8_t* arena, const uint64_t* row_offset
 
 cudaError_t LaunchAttention(const DevAttentionJob& job, bool logits_only, cudaStream_t stream) {
   if (job.keys.count == 0) return cudaSuccess;
-  const int64_t rows = static_cast<int64_t>(job.num_q_heads) * job.num_queries;
-  const size_t shared = static_cast<size_t>(job.keys.head_dim) * sizeof(float);
-  AttentionKernel<<<GridFor(rows), kThreads, shared, stream>>>(job, logits_only);
-  return cudaGetLastError();
+  return AttentionInto(job, logits_only, stream);
 }
 
 cudaError_t LaunchAttentionColumnSums(const DevAttentionJob& job, float* sums,
@@ -888,9 +1313,7 @@ cudaError_t LaunchAttentionColumnSums(const DevAttentionJob& job, float* sums,
   if (error != cudaSuccess) return error;
   DevAttentionJob full = job;
   full.out = probs;
-  const size_t shared = static_cast<size_t>(job.keys.head_dim) * sizeof(float);
-  AttentionKernel<<<GridFor(rows), kThreads, shared, stream>>>(full, false);
-  error = cudaGetLastError();
+  error = AttentionInto(full, false, stream);
   if (error == cudaSuccess) {
     const int64_t outputs = static_cast<int64_t>(job.num_q_heads) * job.keys.count;
     ColumnSumsKernel<<<GridFor((outputs + kThreads - 1) / kThreads), kThreads, 0, stream>>>(

@@ -31,6 +31,8 @@ struct DevPagedView {
 };
 
 // anchor/metric: the integer values of KeyDiffAnchor / KeyDiffMetric. scores: [heads][count].
+// A mean anchor takes three kernels over (head, 256-row chunk) and a stream-ordered scratch
+// allocation; the median anchor one block per head.
 cudaError_t LaunchKeyDiff(const DevPagedView& keys, int anchor, int metric, float* scores,
                           cudaStream_t stream);
 
@@ -63,6 +65,9 @@ struct DevAttentionJob {
   float* out = nullptr;  // probabilities or logits
 };
 // logits_only: write the scaled logits (-inf where masked) instead of the probabilities.
+// fp16/bf16 keys with head_dim a multiple of 16 (<= 256) and at least 16 query rows per kv head
+// run on the tensor cores (two passes over the keys and a stream-ordered scratch allocation for
+// the softmax statistics); the rest one block per (query head, query) row.
 cudaError_t LaunchAttention(const DevAttentionJob& job, bool logits_only, cudaStream_t stream);
 // sums[q][s] = the sum over the job's query rows i (ascending) of the probabilities
 // LaunchAttention writes; job.out is ignored. The probabilities go to a stream-ordered scratch

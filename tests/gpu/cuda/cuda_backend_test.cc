@@ -187,8 +187,14 @@ TEST_F(CudaParityTest, KeyDiffScores) {
       {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kPairwise},
       {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kDot},
       {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kEuclidean}};
+  // Beyond kShapes: several 256-row chunks per head (the tiled path), the widest head the tiled
+  // path takes, and one wider (the one-block-per-head kernel).
+  std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
+  shapes.push_back({DType::kFloat16, 2, 1100, 128, 16});
+  shapes.push_back({DType::kBFloat16, 1, 513, 256, 32});
+  shapes.push_back({DType::kFloat32, 1, 300, 264, 16});
   uint32_t seed = 1;
-  for (const Shape& shape : kShapes) {
+  for (const Shape& shape : shapes) {
     Layer layer(shape.heads, shape.count, shape.dim, shape.block_tokens, shape.dtype, seed++);
     DeviceLayer device(*cuda_, layer);
     for (const auto& [anchor, metric] : kinds) {
@@ -426,6 +432,117 @@ TEST_F(CudaParityTest, AttentionColumnSums) {
       ExpectClose(d_out.ToHost(), expected, 1e-5f,
                   std::string("sums ") + std::string(DTypeName(shape.dtype)) + " group " +
                       std::to_string(group));
+    }
+  }
+}
+
+// The tiled tensor-core path (fp16/bf16 keys, head_dim a multiple of 16): several key tiles,
+// blocks of key tiles and row tiles per head, a ragged last tile, partly and fully masked rows,
+// and a query head whose queries no fp16 part can hold (that tile falls back to fp32 dot
+// products; bf16 parts hold them). Probabilities, logits and column sums against the CPU.
+TEST_F(CudaParityTest, TiledAttentionAcrossTilesRowsAndQueryRanges) {
+  const Shape shapes[] = {{DType::kFloat16, 2, 1100, 128, 16},
+                          {DType::kBFloat16, 2, 1100, 128, 16},
+                          {DType::kFloat16, 1, 600, 256, 32},
+                          {DType::kBFloat16, 3, 70, 16, 8}};
+  uint32_t seed = 40;
+  for (const Shape& shape : shapes) {
+    Layer layer(shape.heads, shape.count, shape.dim, shape.block_tokens, shape.dtype, seed++);
+    DeviceLayer device(*cuda_, layer);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const int group = 4, queries = 40;  // 160 rows per kv head: three row tiles
+    const int q_heads = shape.heads * group;
+    std::vector<float> q(static_cast<size_t>(q_heads) * queries * shape.dim);
+    for (float& x : q) x = normal(rng);
+    std::vector<int32_t> key_positions(static_cast<size_t>(shape.heads) * shape.count);
+    for (size_t i = 0; i < key_positions.size(); ++i) {
+      key_positions[i] = static_cast<int32_t>(i % shape.count);
+    }
+    std::vector<int32_t> query_positions(queries);
+    for (int i = 0; i < queries; ++i) {
+      query_positions[i] = i == 0 ? -1 : shape.count - 1 - (queries - 1 - i) * 13;
+    }
+    const size_t out_n = static_cast<size_t>(q_heads) * queries * shape.count;
+    DeviceBuffer<int32_t> d_key_positions(key_positions), d_query_positions(query_positions);
+    for (bool large : {false, true}) {
+      std::vector<float> scaled = q;
+      if (large) {  // the last query head's queries beyond what an fp16 part holds
+        for (size_t i = static_cast<size_t>(q_heads - 1) * queries * shape.dim; i < q.size(); ++i) {
+          scaled[i] *= 40000.0f;
+        }
+      }
+      DeviceBuffer<float> d_q(scaled);
+      const std::string what = std::string(DTypeName(shape.dtype)) + " dim " +
+                               std::to_string(shape.dim) + (large ? " large queries" : "");
+      // Probabilities of softmaxes this peaked are compared where they are moderate only.
+      for (bool logits : {true, false}) {
+        if (large && !logits) continue;
+        std::vector<float> expected(out_n, -7.0f);
+        AttentionJob job{layer.view, key_positions.data(), scaled.data(), query_positions.data(),
+                         q_heads,    queries,              0.125f,        expected.data()};
+        ASSERT_TRUE(
+            (logits ? cpu_->AttentionLogits({job}, nullptr) : cpu_->AttentionProbs({job}, nullptr))
+                .ok());
+        DeviceBuffer<float> d_out(out_n, -7.0f);
+        job.keys = device.view;
+        job.key_positions = d_key_positions.get();
+        job.queries = d_q.get();
+        job.query_positions = d_query_positions.get();
+        job.probs = d_out.get();
+        ASSERT_TRUE((logits ? cuda_->AttentionLogits({job}, nullptr)
+                            : cuda_->AttentionProbs({job}, nullptr))
+                        .ok());
+        if (!large) {
+          ExpectClose(d_out.ToHost(), expected, logits ? 1e-4f : 1e-6f,
+                      (logits ? "logits " : "probs ") + what);
+          continue;
+        }
+        // Logits of these queries are sums of terms near 1e5 that largely cancel: two fp32 sums
+        // in different orders differ by up to ~1e-7 of the sum of the terms' magnitudes (the
+        // CPU's own AVX2 and scalar kernels do too), so that is the tolerance.
+        const std::vector<float> actual = d_out.ToHost();
+        const int group_size = q_heads / shape.heads;
+        for (int qh = 0; qh < q_heads; ++qh) {
+          for (int qi = 0; qi < queries; ++qi) {
+            const float* query = scaled.data() + (int64_t{qh} * queries + qi) * shape.dim;
+            for (int slot = 0; slot < shape.count; ++slot) {
+              const size_t i = (static_cast<size_t>(qh) * queries + qi) * shape.count + slot;
+              const uint64_t row =
+                  layer.table[slot / shape.block_tokens] * layer.view.block_bytes +
+                  (uint64_t(qh / group_size) * shape.block_tokens + slot % shape.block_tokens) *
+                      shape.dim * DTypeBytes(shape.dtype);
+              double magnitude = 0.0;
+              for (int d = 0; d < shape.dim; ++d) {
+                magnitude += std::fabs(query[d] * LoadAsFloat(layer.bytes.data() + row,
+                                                              shape.dtype, d));
+              }
+              const double tolerance = std::max(1e-4, 1e-6 * 0.125 * magnitude);
+              if (std::isinf(expected[i])) {
+                EXPECT_EQ(actual[i], expected[i]) << "logits " << what << " index " << i;
+              } else {
+                EXPECT_NEAR(actual[i], expected[i], tolerance) << "logits " << what << " index " << i;
+              }
+            }
+          }
+        }
+      }
+      if (large) continue;
+      const size_t sums_n = static_cast<size_t>(q_heads) * shape.count;
+      std::vector<float> expected(sums_n, -7.0f);
+      AttentionSumsJob sums;
+      sums.attention = AttentionJob{layer.view, key_positions.data(), scaled.data(),
+                                    query_positions.data(), q_heads, queries, 0.125f, nullptr};
+      sums.sums = expected.data();
+      ASSERT_TRUE(cpu_->AttentionColumnSums({sums}, nullptr).ok());
+      DeviceBuffer<float> d_sums(sums_n, -7.0f);
+      sums.attention.keys = device.view;
+      sums.attention.key_positions = d_key_positions.get();
+      sums.attention.queries = d_q.get();
+      sums.attention.query_positions = d_query_positions.get();
+      sums.sums = d_sums.get();
+      ASSERT_TRUE(cuda_->AttentionColumnSums({sums}, nullptr).ok());
+      ExpectClose(d_sums.ToHost(), expected, 1e-5f, "sums " + what);
     }
   }
 }
