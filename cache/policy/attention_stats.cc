@@ -85,7 +85,9 @@ absl::Status AccumulateColumnSums(absl::string_view policy, const LayerStep& lay
                                             layer.layer, " holds ", accumulated.size(),
                                             " values, expected ", size));
   }
-  SumQueryRows(layer.probs, layer.num_q_heads, layer.num_queries, layer.keys.count, 0,
+  // A summed step carries one row per query head: the sum of its num_queries rows.
+  const int32_t rows = layer.summed_rows > 0 ? 1 : layer.num_queries;
+  SumQueryRows(layer.probs, layer.num_q_heads, rows, layer.keys.count, 0,
                /*accumulate=*/true, absl::MakeSpan(accumulated));
   return absl::OkStatus();
 }

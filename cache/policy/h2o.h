@@ -36,7 +36,11 @@ class H2oPolicy final : public AttentionScoredPolicy {
                                     std::vector<float>& storage) const override;
 
  protected:
-  AttentionRequirement ScorerAttention(Phase) const override { return {true, 0}; }
+  // Every query's attention, but only its column sums are read (AccumulateColumnSums): the
+  // backend may sum the rows as it computes them.
+  AttentionRequirement ScorerAttention(Phase) const override {
+    return {.needed = true, .trailing_queries = 0, .column_sums = true};
+  }
   bool ScorerNeedsAccumulated() const override { return true; }
   // Records the step's query positions when normalising.
   absl::Status ObserveLayers(Backend& backend, Phase phase,

@@ -159,10 +159,10 @@ AttentionRequirement Policy::attention(Phase phase) const {
     combined.trailing_queries = std::max(scorer.needed ? scorer.trailing_queries : 0,
                                          allocator.needed ? allocator.trailing_queries : 0);
   }
-  // Sums serve only a scorer that reads nothing else, next to an allocator that reads nothing
-  // and no accumulated state (which needs every row).
-  combined.column_sums =
-      scorer.needed && scorer.column_sums && !allocator.needed && !needs_accumulated();
+  // Sums serve only a scorer that reads nothing else, next to an allocator that reads nothing.
+  // Accumulated attention is itself a column sum (AccumulateColumnSums adds a summed step's one
+  // row as it would add every row).
+  combined.column_sums = scorer.needed && scorer.column_sums && !allocator.needed;
   return combined;
 }
 

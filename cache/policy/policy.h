@@ -44,9 +44,9 @@ struct AttentionRequirement {
   // Only the last n queries of the step matter (0 = every query); the sequence may then compute
   // probabilities for those rows only.
   int32_t trailing_queries = 0;
-  // Only the column sums of those rows' probabilities are read (SnapKV's vote): the sequence may
-  // then have the backend sum them as it computes them (Backend::AttentionColumnSums) and pass
-  // LayerStep::summed_rows instead of every row.
+  // Only the column sums of those rows' probabilities are read (SnapKV's vote, H2O's
+  // accumulation): the sequence may then have the backend sum them as it computes them
+  // (Backend::AttentionColumnSums) and pass LayerStep::summed_rows instead of every row.
   bool column_sums = false;
 };
 

@@ -250,8 +250,9 @@ TEST_P(RollbackTest, FailedCommitAndCompressChangeNothing) {
   for (const LayerCompressResult& layer : compressed->layers) EXPECT_EQ(layer.kept, kBudget);
 }
 
-// SnapKV reads only the column sums of its window: the backend sums the probabilities as it
-// computes them (never writing [Hq][w][count] out) and pools them; H2O still needs every row.
+// SnapKV reads only the column sums of its window, H2O (and CAOTE over it) only the column sums
+// of every query it accumulates: the backend sums the probabilities as it computes them (never
+// writing [Hq][w][count] out, or sending it back from a device), and pools SnapKV's.
 TEST_P(RollbackTest, WindowVoteIsSummedAndPooledInsideTheBackend) {
   CompressParams params;
   params.attention = Query(4);
@@ -263,7 +264,11 @@ TEST_P(RollbackTest, WindowVoteIsSummedAndPooledInsideTheBackend) {
     EXPECT_EQ(backend_.sums_jobs, layout_.num_layers);
     EXPECT_EQ(backend_.pool_jobs, layout_.num_layers);
   }
-  if (GetParam() == "h2o") {
+  if (GetParam() == "h2o" || GetParam() == "caote") {
+    EXPECT_EQ(backend_.probs_jobs, 0);
+    EXPECT_EQ(backend_.sums_jobs, layout_.num_layers);
+  }
+  if (GetParam() == "tova") {  // one query row: nothing to sum
     EXPECT_EQ(backend_.probs_jobs, layout_.num_layers);
     EXPECT_EQ(backend_.sums_jobs, 0);
   }
