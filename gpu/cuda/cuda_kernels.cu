@@ -196,6 +196,24 @@ __device__ inline float MedianValue(uint32_t key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
+// One key's score from its dot product with the anchor, its squared norm and its squared
+// distance to the anchor (ScoreHeadScalar's formulas; + 0.0f turns -0 into +0).
+__device__ inline float KeyDiffScore(int metric, float dot, float squared, float distance,
+                                     float anchor_norm) {
+  const float key_norm = StdMax(sqrtf(squared), 1e-8f);
+  switch (metric) {
+    case kCosine:
+      return -dot / (key_norm * anchor_norm) + 0.0f;
+    case kPairwise:
+      return -dot / key_norm + 0.0f;
+    case kDot:
+      return -dot + 0.0f;
+    case kEuclidean:
+    default:
+      return sqrtf(distance);
+  }
+}
+
 __global__ void KeyDiffKernel(DevPagedView v, int anchor_kind, int metric, float* scores) {
   extern __shared__ float anchor[];
   __shared__ float anchor_norm_shared;
@@ -263,22 +281,7 @@ __global__ void KeyDiffKernel(DevPagedView v, int anchor_kind, int metric, float
       const float diff = x - anchor[d];
       distance += diff * diff;
     }
-    const float key_norm = StdMax(sqrtf(squared), 1e-8f);
-    switch (metric) {
-      case kCosine:
-        out[s] = -dot / (key_norm * anchor_norm) + 0.0f;
-        break;
-      case kPairwise:
-        out[s] = -dot / key_norm + 0.0f;
-        break;
-      case kDot:
-        out[s] = -dot + 0.0f;
-        break;
-      case kEuclidean:
-      default:
-        out[s] = sqrtf(distance);
-        break;
-    }
+    out[s] = KeyDiffScore(metric, dot, squared, distance, anchor_norm);
   }
 }
 
@@ -387,22 +390,7 @@ __global__ void KeyDiffScoreKernel(DevPagedView v, int metric, const float* anch
     squared = WarpSum(squared);
     distance = WarpSum(distance);
     if (lane != 0) continue;
-    const float key_norm = StdMax(sqrtf(squared), 1e-8f);
-    switch (metric) {
-      case kCosine:
-        out[s] = -dot / (key_norm * anchor_norm) + 0.0f;
-        break;
-      case kPairwise:
-        out[s] = -dot / key_norm + 0.0f;
-        break;
-      case kDot:
-        out[s] = -dot + 0.0f;
-        break;
-      case kEuclidean:
-      default:
-        out[s] = sqrtf(distance);
-        break;
-    }
+    out[s] = KeyDiffScore(metric, dot, squared, distance, anchor_norm);
   }
 }
 
