@@ -523,8 +523,8 @@ class StagingBackend final : public Backend {
 
   // Uploads, runs the device on `device_jobs`, synchronises and downloads. With no jobs the
   // device is still asked (an unhealthy device refuses even an empty call) but nothing is staged.
-  // KVS_STAGING_TRACE=1 in the environment writes one line per staged call to stderr: the job
-  // type, the job count, the bytes up and down, and the microseconds spent planning (validation
+  // KVS_STAGING_TRACE=1 (any value but empty or 0) in the environment writes one line per staged
+  // call to stderr: the job type (its mangled name), the job count, the bytes up and down, and the microseconds spent planning (validation
   // included), uploading, launching, waiting for the device and downloading. It is how a device
   // run tells the staging layer's cost from the kernels' (no profiler is needed).
   template <typename Job>
@@ -544,7 +544,10 @@ class StagingBackend final : public Backend {
     KVS_RETURN_IF_ERROR(status);
     KVS_RETURN_IF_ERROR(synced);
     const absl::Status downloaded = stager.Download(stream);
-    static const bool trace = std::getenv("KVS_STAGING_TRACE") != nullptr;
+    static const bool trace = [] {
+      const char* value = std::getenv("KVS_STAGING_TRACE");
+      return value != nullptr && *value != '\0' && std::string_view(value) != "0";
+    }();
     if (trace) {
       const auto us = [](Clock::time_point a, Clock::time_point b) {
         return static_cast<long long>(

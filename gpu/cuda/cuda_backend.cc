@@ -714,12 +714,14 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
   }
   // The kernels take their scratch with cudaMallocAsync. With the pool's default release
   // threshold (0) every synchronisation hands the freed scratch back to the driver, and the next
-  // call maps it again: about a millisecond per launch in a device run. The pool keeps what it
-  // has instead, and gives it back when an arena is freed (~CudaArena), so that a detached
-  // session leaves no device memory behind.
+  // call maps it again: about a millisecond per launch in a device run. The pool keeps up to
+  // kKeptScratch instead (more would be held from arenas and staging buffers, which take plain
+  // cudaMalloc: a prompt's full attention can take gigabytes of scratch once), and gives it back
+  // when an arena is freed (~CudaArena), so that a detached session leaves nothing behind.
+  constexpr uint64_t kKeptScratch = uint64_t{256} << 20;
   cudaMemPool_t pool;
   if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
-    uint64_t keep = UINT64_MAX;
+    uint64_t keep = kKeptScratch;
     cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);  // best effort
   }
   cudaGetLastError();

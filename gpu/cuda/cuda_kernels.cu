@@ -676,12 +676,19 @@ __host__ __device__ inline size_t TileSharedBytes(int dim) {
          sizeof(float) * kTileRows * kTileOutLd;
 }
 
-// Running softmax statistics (max m, sum of exp(logit - m) l); NaN propagates into l.
+// Running softmax statistics (max m, sum of exp(logit - m) l). A NaN sum stays NaN whatever is
+// combined with it: one NaN logit makes the row's probabilities NaN, as in AttentionKernel
+// (whose max skips NaN, so a row whose logits are all masked or NaN still ends at a max of -inf
+// and is written as zeros, here too).
 __device__ inline void CombineStats(float& m, float& l, float m2, float l2) {
+  const bool nan = l != l || l2 != l2;
   const float top = StdMax(m, m2);
-  if (top == NegInf()) return;
-  l = (m == NegInf() ? 0.0f : l * expf(m - top)) + (m2 == NegInf() ? 0.0f : l2 * expf(m2 - top));
-  m = top;
+  if (top != NegInf()) {
+    l = (m == NegInf() ? 0.0f : l * expf(m - top)) +
+        (m2 == NegInf() ? 0.0f : l2 * expf(m2 - top));
+    m = top;
+  }
+  if (nan) l = __int_as_float(0x7fc00000);
 }
 
 template <typename T, bool kStatsPass>
@@ -790,10 +797,12 @@ __global__ void __launch_bounds__(kTileThreads)
       const int r = threadIdx.x / 2, k_begin = (threadIdx.x % 2) * kHalf;
       float logits[kHalf];
       float tile_m = NegInf();
+      bool nan = false;  // the max skips NaN (StdMax); the sum must not
 #pragma unroll
       for (int k = 0; k < kHalf; ++k) {
         logits[k] = logit_at(r, k_begin + k);
         tile_m = StdMax(tile_m, logits[k]);
+        nan |= logits[k] != logits[k];
       }
       tile_m = StdMax(tile_m, __shfl_xor_sync(0xffffffffu, tile_m, 1));
       float tile_l = 0.0f;
@@ -803,6 +812,7 @@ __global__ void __launch_bounds__(kTileThreads)
           if (logits[k] != NegInf()) tile_l += expf(logits[k] - tile_m);
         }
       }
+      if (nan) tile_l = __int_as_float(0x7fc00000);
       tile_l += __shfl_xor_sync(0xffffffffu, tile_l, 1);
       CombineStats(run_m, run_l, tile_m, tile_l);
     } else {
@@ -895,9 +905,25 @@ cudaError_t AttentionInto(const DevAttentionJob& job, bool logits_only, cudaStre
   // 16-row tile empty: one block per row does less work there.
   const int64_t rows_per_head =
       static_cast<int64_t>(job.num_q_heads / v.num_kv_heads) * job.num_queries;
+  // The grid's y and z (row tiles, kv heads) stop at 65535, and the tiles' shared memory must fit
+  // what this device lets a block opt into (99 KiB on sm_86/sm_89, 163 KiB on A100, 227 KiB on
+  // H100/H200): bf16 keys of head_dim 256 need about 150 KiB.
+  int device = 0, shared_limit = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();
+    shared_limit = 0;  // unknown: the row kernel
+  }
+  constexpr size_t kStaticShared = 2048;  // the kernel's own __shared__ arrays, rounded up
+  const size_t tile_shared = v.dtype == kFloat16 ? TileSharedBytes<half>(v.head_dim)
+                                                 : TileSharedBytes<__nv_bfloat16>(v.head_dim);
   const bool tiled = aligned && rows_per_head >= 16 && v.head_dim % 16 == 0 &&
                      v.head_dim <= kTileMaxDim && v.count > 0 &&
-                     (v.dtype == kFloat16 || v.dtype == kBFloat16);
+                     (v.dtype == kFloat16 || v.dtype == kBFloat16) &&
+                     (rows_per_head + kTileRows - 1) / kTileRows <= 65535 &&
+                     v.num_kv_heads <= 65535 &&
+                     tile_shared + kStaticShared <= static_cast<size_t>(shared_limit);
   if (tiled && v.dtype == kFloat16) return LaunchTiledAttention<half>(job, logits_only, stream);
   if (tiled) return LaunchTiledAttention<__nv_bfloat16>(job, logits_only, stream);
   const int64_t rows = static_cast<int64_t>(job.num_q_heads) * job.num_queries;
