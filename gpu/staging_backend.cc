@@ -61,19 +61,36 @@ void SetPointer(void* field, uint8_t* address) {
   *static_cast<P*>(field) = reinterpret_cast<P>(address);
 }
 
+using TraceClock = std::chrono::steady_clock;
+
+// KVS_STAGING_TRACE set to anything but "" or "0": StagingBackend::Run traces every call.
+bool TraceOn() {
+  static const bool on = [] {
+    const char* value = std::getenv("KVS_STAGING_TRACE");
+    return value != nullptr && *value != '\0' && std::string_view(value) != "0";
+  }();
+  return on;
+}
+
+// Now when tracing, else a zero time point: an untraced call reads no clock.
+TraceClock::time_point TraceNow() {
+  return TraceOn() ? TraceClock::now() : TraceClock::time_point();
+}
+
 // The staging plan of one call: which host arrays go up, which come back, and the device job
 // fields to repoint at the staged copies. The device buffer is freed on destruction (the caller
 // has synchronised the stream by then).
 class Stager {
  public:
   explicit Stager(DeviceMemory& memory)
-      : memory_(memory), created_(std::chrono::steady_clock::now()) {}
+      : memory_(memory), created_(TraceNow()) {}
   ~Stager() { memory_.Free(device_); }
 
   uint64_t in_bytes() const { return in_bytes_; }
   uint64_t out_bytes() const { return out_bytes_; }
-  // When the call began building its plan (validation and staging decisions come after).
-  std::chrono::steady_clock::time_point created() const { return created_; }
+  // When the call began building its plan (validation and staging decisions come after); a zero
+  // time point unless tracing.
+  TraceClock::time_point created() const { return created_; }
 
   Stager(const Stager&) = delete;
   Stager& operator=(const Stager&) = delete;
@@ -159,7 +176,7 @@ class Stager {
   DeviceMemory& memory_;
   std::vector<Piece> inputs_, outputs_;
   uint64_t in_bytes_ = 0, out_bytes_ = 0, out_base_ = 0;
-  const std::chrono::steady_clock::time_point created_;
+  const TraceClock::time_point created_;
   uint8_t* device_ = nullptr;
 };
 
@@ -523,33 +540,28 @@ class StagingBackend final : public Backend {
 
   // Uploads, runs the device on `device_jobs`, synchronises and downloads. With no jobs the
   // device is still asked (an unhealthy device refuses even an empty call) but nothing is staged.
-  // KVS_STAGING_TRACE=1 (any value but empty or 0) in the environment writes one line per staged
-  // call to stderr: the job type (its mangled name), the job count, the bytes up and down, and the microseconds spent planning (validation
-  // included), uploading, launching, waiting for the device and downloading. It is how a device
-  // run tells the staging layer's cost from the kernels' (no profiler is needed).
+  // With the trace on (TraceOn) one line per staged call goes to stderr: the job type (its
+  // mangled name), the job count, the bytes up and down, and the microseconds spent planning
+  // (validation included), uploading, launching, waiting for the device and downloading. It is
+  // how a device run tells the staging layer's cost from the kernels' (no profiler is needed).
   template <typename Job>
   absl::Status Run(Stager& stager, const std::vector<Job>& device_jobs, Stream stream,
                    Method<Job> method) {
     if (device_jobs.empty()) return (device_.get()->*method)({}, stream);
-    using Clock = std::chrono::steady_clock;
-    const Clock::time_point planned = Clock::now();
+    const TraceClock::time_point planned = TraceNow();
     KVS_RETURN_IF_ERROR(stager.Upload(stream));
-    const Clock::time_point uploaded = Clock::now();
+    const TraceClock::time_point uploaded = TraceNow();
     const absl::Status status = (device_.get()->*method)(device_jobs, stream);
-    const Clock::time_point launched = Clock::now();
+    const TraceClock::time_point launched = TraceNow();
     // Always wait before the staging buffer goes back to DeviceMemory's cache: a call that failed
     // midway may have queued work reading it.
     const absl::Status synced = device_->Synchronize(stream);
-    const Clock::time_point waited = Clock::now();
+    const TraceClock::time_point waited = TraceNow();
     KVS_RETURN_IF_ERROR(status);
     KVS_RETURN_IF_ERROR(synced);
     const absl::Status downloaded = stager.Download(stream);
-    static const bool trace = [] {
-      const char* value = std::getenv("KVS_STAGING_TRACE");
-      return value != nullptr && *value != '\0' && std::string_view(value) != "0";
-    }();
-    if (trace) {
-      const auto us = [](Clock::time_point a, Clock::time_point b) {
+    if (TraceOn()) {
+      const auto us = [](TraceClock::time_point a, TraceClock::time_point b) {
         return static_cast<long long>(
             std::chrono::duration_cast<std::chrono::microseconds>(b - a).count());
       };
@@ -560,7 +572,7 @@ class StagingBackend final : public Backend {
                    static_cast<unsigned long long>(stager.in_bytes()),
                    static_cast<unsigned long long>(stager.out_bytes()),
                    us(stager.created(), planned), us(planned, uploaded), us(uploaded, launched),
-                   us(launched, waited), us(waited, Clock::now()));
+                   us(launched, waited), us(waited, TraceClock::now()));
     }
     return downloaded;
   }

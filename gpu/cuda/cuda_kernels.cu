@@ -214,6 +214,16 @@ __device__ inline float KeyDiffScore(int metric, float dot, float squared, float
   }
 }
 
+// The floor of a key's norm when the anchor averages normalised keys; 0: the raw mean (keys are
+// not normalised).
+__host__ __device__ inline float KeyDiffNormFloor(int anchor_kind, int metric) {
+  if (metric == kPairwise) return 1e-8f;
+  if (metric == kCosine && (anchor_kind == kMeanNormalized || anchor_kind == kMedianNormalized)) {
+    return 1e-12f;
+  }
+  return 0.0f;
+}
+
 __global__ void KeyDiffKernel(DevPagedView v, int anchor_kind, int metric, float* scores) {
   extern __shared__ float anchor[];
   __shared__ float anchor_norm_shared;
@@ -222,11 +232,7 @@ __global__ void KeyDiffKernel(DevPagedView v, int anchor_kind, int metric, float
   const int dim = v.head_dim;
   float* out = scores + head * n;
   const bool median = metric == kCosine && anchor_kind == kMedianNormalized;
-  float eps = 0.0f;  // 0: the raw mean
-  if (metric == kCosine && (anchor_kind == kMeanNormalized || anchor_kind == kMedianNormalized)) {
-    eps = 1e-12f;
-  }
-  if (metric == kPairwise) eps = 1e-8f;
+  const float eps = KeyDiffNormFloor(anchor_kind, metric);
   // Pass 1: each slot's divisor.
   for (int s = threadIdx.x; s < n; s += kThreads) {
     const uint8_t* row = PagedRow(v, head, s);
@@ -298,7 +304,9 @@ constexpr int kKeyDiffChunk = 256;
 constexpr int kMaxDimsPerLane = 8;  // head_dim <= 256 takes the tiled path
 
 __device__ inline float WarpSum(float value) {
-  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  }
   return value;
 }
 
@@ -908,22 +916,23 @@ cudaError_t AttentionInto(const DevAttentionJob& job, bool logits_only, cudaStre
   // The grid's y and z (row tiles, kv heads) stop at 65535, and the tiles' shared memory must fit
   // what this device lets a block opt into (99 KiB on sm_86/sm_89, 163 KiB on A100, 227 KiB on
   // H100/H200): bf16 keys of head_dim 256 need about 150 KiB.
-  int device = 0, shared_limit = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-          cudaSuccess) {
-    (void)cudaGetLastError();
-    shared_limit = 0;  // unknown: the row kernel
+  bool tiled = aligned && rows_per_head >= 16 && v.head_dim % 16 == 0 &&
+               v.head_dim <= kTileMaxDim && v.count > 0 &&
+               (v.dtype == kFloat16 || v.dtype == kBFloat16) &&
+               (rows_per_head + kTileRows - 1) / kTileRows <= 65535 && v.num_kv_heads <= 65535;
+  if (tiled) {  // asked only here: a decode step's jobs never reach the tiles
+    int device = 0, shared_limit = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+            cudaSuccess) {
+      (void)cudaGetLastError();
+      shared_limit = 0;  // unknown: the row kernel
+    }
+    constexpr size_t kStaticShared = 2048;  // the kernel's own __shared__ arrays, rounded up
+    const size_t tile_shared = v.dtype == kFloat16 ? TileSharedBytes<half>(v.head_dim)
+                                                   : TileSharedBytes<__nv_bfloat16>(v.head_dim);
+    tiled = tile_shared + kStaticShared <= static_cast<size_t>(shared_limit);
   }
-  constexpr size_t kStaticShared = 2048;  // the kernel's own __shared__ arrays, rounded up
-  const size_t tile_shared = v.dtype == kFloat16 ? TileSharedBytes<half>(v.head_dim)
-                                                 : TileSharedBytes<__nv_bfloat16>(v.head_dim);
-  const bool tiled = aligned && rows_per_head >= 16 && v.head_dim % 16 == 0 &&
-                     v.head_dim <= kTileMaxDim && v.count > 0 &&
-                     (v.dtype == kFloat16 || v.dtype == kBFloat16) &&
-                     (rows_per_head + kTileRows - 1) / kTileRows <= 65535 &&
-                     v.num_kv_heads <= 65535 &&
-                     tile_shared + kStaticShared <= static_cast<size_t>(shared_limit);
   if (tiled && v.dtype == kFloat16) return LaunchTiledAttention<half>(job, logits_only, stream);
   if (tiled) return LaunchTiledAttention<__nv_bfloat16>(job, logits_only, stream);
   const int64_t rows = static_cast<int64_t>(job.num_q_heads) * job.num_queries;
@@ -1236,13 +1245,12 @@ cudaError_t LaunchKeyDiff(const DevPagedView& keys, int anchor, int metric, floa
     KeyDiffKernel<<<keys.num_kv_heads, kThreads, shared, stream>>>(keys, anchor, metric, scores);
     return cudaGetLastError();
   }
-  float eps = 0.0f;  // 0: the raw mean (KeyDiffKernel's rule)
-  if (metric == kCosine && anchor == kMeanNormalized) eps = 1e-12f;
-  if (metric == kPairwise) eps = 1e-8f;
+  const float eps = KeyDiffNormFloor(anchor, metric);
   const int32_t chunks = (keys.count + kKeyDiffChunk - 1) / kKeyDiffChunk;
   const int64_t heads = keys.num_kv_heads, dim = keys.head_dim;
   float* scratch = nullptr;
-  const size_t bytes = sizeof(float) * static_cast<size_t>(heads * chunks * dim + heads * (dim + 1));
+  const size_t bytes =
+      sizeof(float) * static_cast<size_t>(heads * chunks * dim + heads * (dim + 1));
   cudaError_t error = cudaMallocAsync(reinterpret_cast<void**>(&scratch), bytes, stream);
   if (error != cudaSuccess) return error;
   float* partials = scratch;

@@ -149,6 +149,35 @@ struct DeviceLayer {
   }
 };
 
+// The device twin of a host attention job: the keys of `device`, device copies of the job's
+// positions and queries (held here), and `out` (device memory, or null) for its results.
+class DeviceAttentionJob {
+ public:
+  DeviceAttentionJob(const AttentionJob& host, const DeviceLayer& device, float* out)
+      : key_positions_(Copy(host.key_positions, int64_t{host.keys.num_kv_heads} * host.keys.count)),
+        query_positions_(Copy(host.query_positions, host.num_queries)),
+        queries_(Copy(host.queries,
+                      int64_t{host.num_q_heads} * host.num_queries * host.keys.head_dim)),
+        job_(host) {
+    job_.keys = device.view;
+    job_.key_positions = key_positions_.get();
+    job_.queries = queries_.get();
+    job_.query_positions = query_positions_.get();
+    job_.probs = out;
+  }
+  const AttentionJob& job() const { return job_; }
+
+ private:
+  template <typename T>
+  static std::vector<T> Copy(const T* host, int64_t n) {
+    return std::vector<T>(host, host + n);
+  }
+
+  DeviceBuffer<int32_t> key_positions_, query_positions_;
+  DeviceBuffer<float> queries_;
+  AttentionJob job_;
+};
+
 class CudaParityTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -378,15 +407,10 @@ TEST_F(CudaParityTest, AttentionProbsAndLogits) {
         ASSERT_TRUE(
             (logits ? cpu_->AttentionLogits({job}, nullptr) : cpu_->AttentionProbs({job}, nullptr))
                 .ok());
-        DeviceBuffer<int32_t> d_key_positions(key_positions), d_query_positions(query_positions);
-        DeviceBuffer<float> d_q(q), d_out(out_n, -7.0f);
-        job.keys = device.view;
-        job.key_positions = d_key_positions.get();
-        job.queries = d_q.get();
-        job.query_positions = d_query_positions.get();
-        job.probs = d_out.get();
-        ASSERT_TRUE((logits ? cuda_->AttentionLogits({job}, nullptr)
-                            : cuda_->AttentionProbs({job}, nullptr))
+        DeviceBuffer<float> d_out(out_n, -7.0f);
+        const DeviceAttentionJob on_device(job, device, d_out.get());
+        ASSERT_TRUE((logits ? cuda_->AttentionLogits({on_device.job()}, nullptr)
+                            : cuda_->AttentionProbs({on_device.job()}, nullptr))
                         .ok());
         ExpectClose(d_out.ToHost(), expected, logits ? 1e-4f : 1e-6f,
                     std::string(logits ? "logits " : "probs ") +
@@ -421,17 +445,48 @@ TEST_F(CudaParityTest, AttentionColumnSums) {
                                    query_positions.data(), q_heads, queries, 0.125f, nullptr};
       job.sums = expected.data();
       ASSERT_TRUE(cpu_->AttentionColumnSums({job}, nullptr).ok());
-      DeviceBuffer<int32_t> d_key_positions(key_positions), d_query_positions(query_positions);
-      DeviceBuffer<float> d_q(q), d_out(out_n, -7.0f);
-      job.attention.keys = device.view;
-      job.attention.key_positions = d_key_positions.get();
-      job.attention.queries = d_q.get();
-      job.attention.query_positions = d_query_positions.get();
+      DeviceBuffer<float> d_out(out_n, -7.0f);
+      const DeviceAttentionJob on_device(job.attention, device, nullptr);
+      job.attention = on_device.job();
       job.sums = d_out.get();
       ASSERT_TRUE(cuda_->AttentionColumnSums({job}, nullptr).ok());
       ExpectClose(d_out.ToHost(), expected, 1e-5f,
                   std::string("sums ") + std::string(DTypeName(shape.dtype)) + " group " +
                       std::to_string(group));
+    }
+  }
+}
+
+// Logits of large queries are sums of terms that largely cancel: two fp32 sums in different
+// orders differ by up to ~1e-7 of the sum of the terms' magnitudes (the CPU's own AVX2 and scalar
+// kernels do too), so each logit is held to 1e-6 of that sum (and 1e-4 at least). `host` is the
+// job as the CPU ran it, over `layer`'s keys.
+void ExpectLogitsWithinRounding(const Layer& layer, const AttentionJob& host,
+                                const std::vector<float>& actual,
+                                const std::vector<float>& expected, const std::string& what) {
+  const PagedLayerView& v = layer.view;
+  const int group = host.num_q_heads / v.num_kv_heads;
+  const uint64_t row_bytes = static_cast<uint64_t>(v.head_dim) * DTypeBytes(v.dtype);
+  for (int qh = 0; qh < host.num_q_heads; ++qh) {
+    for (int qi = 0; qi < host.num_queries; ++qi) {
+      const int64_t query_row = int64_t{qh} * host.num_queries + qi;
+      const float* query = host.queries + query_row * v.head_dim;
+      for (int slot = 0; slot < v.count; ++slot) {
+        const size_t i = static_cast<size_t>(query_row * v.count + slot);
+        const uint8_t* key =
+            layer.bytes.data() + layer.table[slot / v.block_tokens] * v.block_bytes +
+            (uint64_t(qh / group) * v.block_tokens + slot % v.block_tokens) * row_bytes;
+        double magnitude = 0.0;
+        for (int d = 0; d < v.head_dim; ++d) {
+          magnitude += std::fabs(query[d] * LoadAsFloat(key, v.dtype, d));
+        }
+        if (std::isinf(expected[i])) {
+          EXPECT_EQ(actual[i], expected[i]) << what << " index " << i;
+        } else {
+          EXPECT_NEAR(actual[i], expected[i], std::max(1e-4, 1e-6 * host.scale * magnitude))
+              << what << " index " << i;
+        }
+      }
     }
   }
 }
@@ -464,7 +519,6 @@ TEST_F(CudaParityTest, TiledAttentionAcrossTilesRowsAndQueryRanges) {
       query_positions[i] = i == 0 ? -1 : shape.count - 1 - (queries - 1 - i) * 13;
     }
     const size_t out_n = static_cast<size_t>(q_heads) * queries * shape.count;
-    DeviceBuffer<int32_t> d_key_positions(key_positions), d_query_positions(query_positions);
     for (bool large : {false, true}) {
       std::vector<float> scaled = q;
       if (large) {  // the last query head's queries beyond what an fp16 part holds
@@ -472,7 +526,6 @@ TEST_F(CudaParityTest, TiledAttentionAcrossTilesRowsAndQueryRanges) {
           scaled[i] *= 40000.0f;
         }
       }
-      DeviceBuffer<float> d_q(scaled);
       const std::string what = std::string(DTypeName(shape.dtype)) + " dim " +
                                std::to_string(shape.dim) + (large ? " large queries" : "");
       // Probabilities of softmaxes this peaked are compared where they are moderate only.
@@ -485,46 +538,15 @@ TEST_F(CudaParityTest, TiledAttentionAcrossTilesRowsAndQueryRanges) {
             (logits ? cpu_->AttentionLogits({job}, nullptr) : cpu_->AttentionProbs({job}, nullptr))
                 .ok());
         DeviceBuffer<float> d_out(out_n, -7.0f);
-        job.keys = device.view;
-        job.key_positions = d_key_positions.get();
-        job.queries = d_q.get();
-        job.query_positions = d_query_positions.get();
-        job.probs = d_out.get();
-        ASSERT_TRUE((logits ? cuda_->AttentionLogits({job}, nullptr)
-                            : cuda_->AttentionProbs({job}, nullptr))
+        const DeviceAttentionJob on_device(job, device, d_out.get());
+        ASSERT_TRUE((logits ? cuda_->AttentionLogits({on_device.job()}, nullptr)
+                            : cuda_->AttentionProbs({on_device.job()}, nullptr))
                         .ok());
-        if (!large) {
+        if (large) {
+          ExpectLogitsWithinRounding(layer, job, d_out.ToHost(), expected, "logits " + what);
+        } else {
           ExpectClose(d_out.ToHost(), expected, logits ? 1e-4f : 1e-6f,
                       (logits ? "logits " : "probs ") + what);
-          continue;
-        }
-        // Logits of these queries are sums of terms near 1e5 that largely cancel: two fp32 sums
-        // in different orders differ by up to ~1e-7 of the sum of the terms' magnitudes (the
-        // CPU's own AVX2 and scalar kernels do too), so that is the tolerance.
-        const std::vector<float> actual = d_out.ToHost();
-        const int group_size = q_heads / shape.heads;
-        for (int qh = 0; qh < q_heads; ++qh) {
-          for (int qi = 0; qi < queries; ++qi) {
-            const float* query = scaled.data() + (int64_t{qh} * queries + qi) * shape.dim;
-            for (int slot = 0; slot < shape.count; ++slot) {
-              const size_t i = (static_cast<size_t>(qh) * queries + qi) * shape.count + slot;
-              const uint64_t row =
-                  layer.table[slot / shape.block_tokens] * layer.view.block_bytes +
-                  (uint64_t(qh / group_size) * shape.block_tokens + slot % shape.block_tokens) *
-                      shape.dim * DTypeBytes(shape.dtype);
-              double magnitude = 0.0;
-              for (int d = 0; d < shape.dim; ++d) {
-                magnitude += std::fabs(query[d] * LoadAsFloat(layer.bytes.data() + row,
-                                                              shape.dtype, d));
-              }
-              const double tolerance = std::max(1e-4, 1e-6 * 0.125 * magnitude);
-              if (std::isinf(expected[i])) {
-                EXPECT_EQ(actual[i], expected[i]) << "logits " << what << " index " << i;
-              } else {
-                EXPECT_NEAR(actual[i], expected[i], tolerance) << "logits " << what << " index " << i;
-              }
-            }
-          }
         }
       }
       if (large) continue;
@@ -536,10 +558,8 @@ TEST_F(CudaParityTest, TiledAttentionAcrossTilesRowsAndQueryRanges) {
       sums.sums = expected.data();
       ASSERT_TRUE(cpu_->AttentionColumnSums({sums}, nullptr).ok());
       DeviceBuffer<float> d_sums(sums_n, -7.0f);
-      sums.attention.keys = device.view;
-      sums.attention.key_positions = d_key_positions.get();
-      sums.attention.queries = d_q.get();
-      sums.attention.query_positions = d_query_positions.get();
+      const DeviceAttentionJob on_device(sums.attention, device, nullptr);
+      sums.attention = on_device.job();
       sums.sums = d_sums.get();
       ASSERT_TRUE(cuda_->AttentionColumnSums({sums}, nullptr).ok());
       ExpectClose(d_sums.ToHost(), expected, 1e-5f, "sums " + what);
