@@ -156,8 +156,8 @@ class DeviceAttentionJob {
   DeviceAttentionJob(const AttentionJob& host, const DeviceLayer& device, float* out)
       : key_positions_(Copy(host.key_positions, int64_t{host.keys.num_kv_heads} * host.keys.count)),
         query_positions_(Copy(host.query_positions, host.num_queries)),
-        queries_(Copy(host.queries,
-                      int64_t{host.num_q_heads} * host.num_queries * host.keys.head_dim)),
+        queries_(
+            Copy(host.queries, int64_t{host.num_q_heads} * host.num_queries * host.keys.head_dim)),
         job_(host) {
     job_.keys = device.view;
     job_.key_positions = key_positions_.get();
@@ -192,6 +192,20 @@ class CudaParityTest : public ::testing::Test {
     if (cuda_ != nullptr) {
       EXPECT_TRUE(cuda_->healthy());
     }
+  }
+
+  // The column sums of `host` (an AttentionJob over `device`'s layer on the host, probs unused)
+  // on the CPU and on the GPU agree.
+  void ExpectColumnSumsMatch(const AttentionJob& host, const DeviceLayer& device,
+                             const std::string& what) {
+    const size_t n = static_cast<size_t>(host.num_q_heads) * host.keys.count;
+    std::vector<float> expected(n, -7.0f);
+    ASSERT_TRUE(cpu_->AttentionColumnSums({AttentionSumsJob{host, expected.data()}}, nullptr).ok());
+    DeviceBuffer<float> sums(n, -7.0f);
+    const DeviceAttentionJob on_device(host, device, nullptr);
+    ASSERT_TRUE(
+        cuda_->AttentionColumnSums({AttentionSumsJob{on_device.job(), sums.get()}}, nullptr).ok());
+    ExpectClose(sums.ToHost(), expected, 1e-5f, "sums " + what);
   }
 
   std::unique_ptr<Backend> cuda_;
@@ -438,21 +452,10 @@ TEST_F(CudaParityTest, AttentionColumnSums) {
       }
       std::vector<int32_t> query_positions = {-1, shape.count / 2, shape.count, 2 * shape.count,
                                               2 * shape.count + 1};
-      const size_t out_n = static_cast<size_t>(q_heads) * shape.count;
-      std::vector<float> expected(out_n, -7.0f);
-      AttentionSumsJob job;
-      job.attention = AttentionJob{layer.view, key_positions.data(), q.data(),
-                                   query_positions.data(), q_heads, queries, 0.125f, nullptr};
-      job.sums = expected.data();
-      ASSERT_TRUE(cpu_->AttentionColumnSums({job}, nullptr).ok());
-      DeviceBuffer<float> d_out(out_n, -7.0f);
-      const DeviceAttentionJob on_device(job.attention, device, nullptr);
-      job.attention = on_device.job();
-      job.sums = d_out.get();
-      ASSERT_TRUE(cuda_->AttentionColumnSums({job}, nullptr).ok());
-      ExpectClose(d_out.ToHost(), expected, 1e-5f,
-                  std::string("sums ") + std::string(DTypeName(shape.dtype)) + " group " +
-                      std::to_string(group));
+      ExpectColumnSumsMatch(
+          AttentionJob{layer.view, key_positions.data(), q.data(), query_positions.data(), q_heads,
+                       queries, 0.125f, nullptr},
+          device, std::string(DTypeName(shape.dtype)) + " group " + std::to_string(group));
     }
   }
 }
@@ -532,8 +535,10 @@ TEST_F(CudaParityTest, TiledAttentionAcrossTilesRowsAndQueryRanges) {
       for (bool logits : {true, false}) {
         if (large && !logits) continue;
         std::vector<float> expected(out_n, -7.0f);
-        AttentionJob job{layer.view, key_positions.data(), scaled.data(), query_positions.data(),
-                         q_heads,    queries,              0.125f,        expected.data()};
+        AttentionJob job{layer.view,    key_positions.data(),
+                         scaled.data(), query_positions.data(),
+                         q_heads,       queries,
+                         0.125f,        expected.data()};
         ASSERT_TRUE(
             (logits ? cpu_->AttentionLogits({job}, nullptr) : cpu_->AttentionProbs({job}, nullptr))
                 .ok());
@@ -550,19 +555,9 @@ TEST_F(CudaParityTest, TiledAttentionAcrossTilesRowsAndQueryRanges) {
         }
       }
       if (large) continue;
-      const size_t sums_n = static_cast<size_t>(q_heads) * shape.count;
-      std::vector<float> expected(sums_n, -7.0f);
-      AttentionSumsJob sums;
-      sums.attention = AttentionJob{layer.view, key_positions.data(), scaled.data(),
-                                    query_positions.data(), q_heads, queries, 0.125f, nullptr};
-      sums.sums = expected.data();
-      ASSERT_TRUE(cpu_->AttentionColumnSums({sums}, nullptr).ok());
-      DeviceBuffer<float> d_sums(sums_n, -7.0f);
-      const DeviceAttentionJob on_device(sums.attention, device, nullptr);
-      sums.attention = on_device.job();
-      sums.sums = d_sums.get();
-      ASSERT_TRUE(cuda_->AttentionColumnSums({sums}, nullptr).ok());
-      ExpectClose(d_sums.ToHost(), expected, 1e-5f, "sums " + what);
+      ExpectColumnSumsMatch(AttentionJob{layer.view, key_positions.data(), scaled.data(),
+                                         query_positions.data(), q_heads, queries, 0.125f, nullptr},
+                            device, what);
     }
   }
 }
@@ -585,8 +580,8 @@ TEST_F(CudaParityTest, PoolScores) {
           std::copy(slots.begin(), slots.end(), order.begin() + int64_t{h} * count);
         }
         std::vector<float> expected(in.size(), -1.0f);
-        PoolJob job{in.data(), order.data(), lengths.data(), rows, heads, count, kernel, kind,
-                    expected.data()};
+        PoolJob job{in.data(), order.data(), lengths.data(), rows,           heads,
+                    count,     kernel,       kind,           expected.data()};
         ASSERT_TRUE(cpu_->PoolScores({job}, nullptr).ok());
         DeviceBuffer<float> d_in(in), d_out(in.size(), -2.0f);
         DeviceBuffer<int32_t> d_order(order), d_lengths(lengths);
