@@ -55,6 +55,41 @@ Reply Convert(const redisReply* r) {
   return out;
 }
 
+// Hands a top-level bulk string that a BulkSink takes straight from hiredis' read buffer: the
+// reader makes an empty reply for it instead of one the value's size (each multi-MiB chunk was
+// allocated and copied once more, only to be copied into its place and freed). The reader's
+// privdata points at the connection's Delivery; hiredis gives it to every task.
+struct Delivery {
+  const redisReplyObjectFunctions* base = nullptr;  // hiredis' own functions
+  const Client::BulkSink* sink = nullptr;           // null: every string becomes a reply
+  size_t index = 0;                                 // what the sink is told
+  bool delivered = false;
+  size_t length = 0;
+};
+
+void* CreateStringOrDeliver(const redisReadTask* task, char* str, size_t len) {
+  auto* d = static_cast<Delivery*>(task->privdata);
+  if (d->sink != nullptr && task->parent == nullptr && task->type == REDIS_REPLY_STRING) {
+    (*d->sink)(d->index, std::string_view(str, len));
+    d->delivered = true;
+    d->length = len;
+    return d->base->createString(task, str, 0);
+  }
+  return d->base->createString(task, str, len);
+}
+
+// hiredis' functions with CreateStringOrDeliver for strings. Every reader starts with the same
+// hiredis defaults, so one table serves every connection.
+// (Not const: hiredis 0.14's reader holds a mutable pointer; nothing writes through it.)
+redisReplyObjectFunctions* DeliveringFunctions(const redisReplyObjectFunctions* base) {
+  static redisReplyObjectFunctions table = [base] {
+    redisReplyObjectFunctions t = *base;
+    t.createString = CreateStringOrDeliver;
+    return t;
+  }();
+  return &table;
+}
+
 // "MOVED 3999 127.0.0.1:6381" / "ASK 3999 127.0.0.1:6381" -> the address.
 bool Redirection(const Reply& reply, bool* ask, std::string* address) {
   if (!reply.is_error()) return false;
@@ -81,6 +116,7 @@ struct Client::Node {
   std::string host;
   int port = 0;
   redisContext* context = nullptr;
+  Delivery delivery;  // the reader's privdata while `context` lives
   ~Node() {
     if (context != nullptr) redisFree(context);
   }
@@ -185,6 +221,10 @@ absl::Status Client::Connect(Node& node) {
     return status;
   }
   redisSetTimeout(c, absl::ToTimeval(options_.io_timeout));
+  node.delivery = Delivery{};
+  node.delivery.base = c->reader->fn;
+  c->reader->fn = DeliveringFunctions(c->reader->fn);
+  c->reader->privdata = &node.delivery;
   node.context = c;
   if (!options_.password.empty()) {
     std::vector<std::string> auth = {"AUTH"};
@@ -326,8 +366,17 @@ absl::StatusOr<std::vector<Reply>> Client::Exchange(
   std::vector<Reply> replies;
   replies.reserve(commands.size());
   std::vector<char> buffer;
+  // The sink is named only while this call reads its replies.
+  struct SinkScope {
+    Delivery& d;
+    ~SinkScope() { d.sink = nullptr; }
+  } scope{node.delivery};
   for (size_t i = 0; i < asking_reply.size(); ++i) {
     void* raw = nullptr;
+    Delivery& delivery = node.delivery;
+    delivery.sink = sink != nullptr && *sink && !asking_reply[i] ? sink : nullptr;
+    delivery.index = replies.size();
+    delivery.delivered = false;
     while (true) {
       if (redisReaderGetReply(c->reader, &raw) != REDIS_OK) return lost("protocol error");
       if (raw != nullptr) break;
@@ -344,10 +393,9 @@ absl::StatusOr<std::vector<Reply>> Client::Exchange(
     }
     const redisReply* r = static_cast<const redisReply*>(raw);
     Reply reply;
-    if (sink != nullptr && *sink && !asking_reply[i] && r->type == REDIS_REPLY_STRING) {
-      (*sink)(replies.size(), std::string_view(r->str, r->len));
+    if (delivery.delivered) {
       reply.type = Reply::Type::kString;
-      reply.integer = static_cast<int64_t>(r->len);
+      reply.integer = static_cast<int64_t>(delivery.length);
     } else {
       reply = Convert(r);
     }

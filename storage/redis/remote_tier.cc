@@ -367,8 +367,7 @@ absl::StatusOr<std::shared_ptr<const SpilledSequence>> RemoteTier::Get(const Spi
       const uint32_t n = start + static_cast<uint32_t>(index);
       if (n >= end || bytes.size() != expected_bytes(n)) return;
       const auto [layer, offset] = chunks[n];
-      crcs[n] = Crc32c(bytes);
-      std::memcpy(result.layers[layer].data() + offset, bytes.data(), bytes.size());
+      crcs[n] = Crc32cCopy(bytes, result.layers[layer].data() + offset);
     };
     absl::StatusOr<std::vector<Reply>> replies = client_->Run(Tag(key), batch, sink);
     if (!replies.ok()) {

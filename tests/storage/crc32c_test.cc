@@ -33,5 +33,33 @@ TEST(Crc32cTest, HardwareAndTableAgreeAndExtendComposes) {
   }
 }
 
+// Inputs of 24 KiB and more run three interleaved chains joined by a table: every length around
+// the block edges, and every start register, must give the table implementation's value.
+TEST(Crc32cTest, InterleavedChainsAgreeWithTheTableAroundBlockEdges) {
+  std::mt19937 gen(11);
+  std::string data(3 * 24576 + 200, '\0');
+  for (char& c : data) c = static_cast<char>(gen());
+  for (size_t size : {24575, 24576, 24577, 24584, 49151, 49152, 49160, 73728, 73828}) {
+    SCOPED_TRACE(size);
+    const uint32_t start = gen();
+    EXPECT_EQ(Crc32cExtend(start, data.data(), size),
+              Crc32cExtendPortable(start, data.data(), size));
+    EXPECT_EQ(Crc32cExtend(0, data.data() + 3, size),
+              Crc32cExtendPortable(0, data.data() + 3, size))
+        << "unaligned input";
+  }
+}
+
+TEST(Crc32cTest, CopyCopiesTheBytesAndReturnsTheirChecksum) {
+  std::mt19937 gen(5);
+  for (size_t size : {0, 1, 32767, 32768, 32769, 100000}) {
+    std::string data(size, '\0');
+    for (char& c : data) c = static_cast<char>(gen());
+    std::string to(size, '\x55');
+    EXPECT_EQ(Crc32cCopy(data, to.data()), Crc32c(data)) << size;
+    EXPECT_EQ(to, data) << size;
+  }
+}
+
 }  // namespace
 }  // namespace kvs::storage
