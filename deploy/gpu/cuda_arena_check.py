@@ -6,8 +6,11 @@ maps it (CudaArena, CUDA IPC), writes every layer's K/V into the reserved blocks
 views on its own stream, synchronises, commits, asks the sidecar to compress (KeyDiff: keys only;
 H2O: with the window's queries, so the sidecar's attention kernels run), and reads the compacted
 cache in place: the torch views must be CUDA tensors inside the mapping (no copy) and hold exactly
-the K/V of the positions the sidecar reports kept. The cudaMemcpy read path must agree. Then the
-session detaches and the server's device memory use returns to what it was (nvidia-smi).
+the K/V of the positions the sidecar reports kept. The cudaMemcpy read path must agree. The session
+runs twice: after each detach the server's device memory (nvidia-smi) must be back where it was
+before the second one. The first session's own growth is reported, not held to that: it is the
+server's one-time CUDA set-up (kernels loaded on their first launch under CUDA's lazy module
+loading, each host thread's default stream), which a second session must not repeat.
 
   cuda_arena_check.py [--kvsidecar BIN] [--json FILE]
 Exit status 0 iff every check held; one line per check on stdout.
@@ -119,23 +122,28 @@ def main():
     with LocalServer(args.kvsidecar, extra_args=["--backend=cuda"]) as server, \
             kvs.Client(server.address, timeout=120) as client:
         pid = server.process.pid
-        before = gpu_used_mib(pid)
-        with client.attach(layout, num_blocks=L * (TOKENS // B) + 64) as session:
-            check(isinstance(session.arena, kvs.CudaArena), "the session's arena is a CudaArena")
-            attached = gpu_used_mib(pid)
-            for name in ("keydiff", "h2o"):
-                run_policy(session, name, k, v, q, results)
-        time.sleep(1.0)
-        after = gpu_used_mib(pid)
+        mib = [gpu_used_mib(pid)]  # before, then attached and after detach, per session
+        for run in range(2):
+            with client.attach(layout, num_blocks=L * (TOKENS // B) + 64) as session:
+                check(isinstance(session.arena, kvs.CudaArena),
+                      "the session's arena is a CudaArena")
+                mib.append(gpu_used_mib(pid))
+                for name in ("keydiff", "h2o"):
+                    run_policy(session, name, k, v, q, results)
+            time.sleep(1.0)
+            mib.append(gpu_used_mib(pid))
+        before, attached, warm, attached2, after = mib
         results.update(server_mib_before=before, server_mib_attached=attached,
+                       server_mib_after_first_detach=warm, server_mib_attached_again=attached2,
                        server_mib_after_detach=after)
-        if before is not None and attached is not None and after is not None:
-            check(attached > before and after <= before + 2,
+        if None not in mib:
+            print(f"note: the first session left {warm - before} MiB of one-time set-up")
+            check(attached > before and attached2 > warm and after <= warm + 2,
                   f"the sidecar's device memory: {before} MiB, {attached} MiB attached, "
-                  f"{after} MiB after detach")
+                  f"{warm} MiB after the first detach, {attached2} MiB attached again, "
+                  f"{after} MiB after the second detach")
         else:
-            print(f"note: nvidia-smi lists no per-process memory here ({before}, {attached}, "
-                  f"{after})")
+            print(f"note: nvidia-smi lists no per-process memory here ({mib})")
     results["failures"] = failures
     if args.json:
         with open(args.json, "w") as f:
