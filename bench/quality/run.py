@@ -30,7 +30,8 @@ sys.path.insert(0, HERE)
 import scoring  # noqa: E402
 import tasks as task_gen  # noqa: E402
 
-MODELS = {"smollm2": os.path.join(REPO, "deploy", "fetch_model.sh")}
+MODELS = {"smollm2": os.path.join(REPO, "deploy", "fetch_model.sh"),
+          "gemma3": os.path.join(REPO, "deploy", "fetch_gemma.sh")}
 FIDELITY_TEXTS = ("alice_ch1.txt", "declaration.txt", "arena_source.txt")
 
 
@@ -58,8 +59,17 @@ def load(path: str):
     return model.eval(), tok
 
 
+# Gemma's turn format, for GGUF files that ship no chat template (the PyPI Gemma 3 270M does
+# not); its vocabulary has the turn tokens, and without <bos> a Gemma model loses its way.
+GEMMA_TURNS = ("<bos><start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n")
+
+
 def chat_template(tok):
     """The chat template's text before and after the user message (generation prompt)."""
+    if not getattr(tok, "chat_template", None):
+        if tok.convert_tokens_to_ids("<start_of_turn>") not in (None, tok.unk_token_id):
+            return GEMMA_TURNS
+        raise ValueError("the tokenizer has no chat template and no known turn format")
     mark = "\x00MARK\x00"
     text = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
                                    add_generation_prompt=True)
@@ -137,7 +147,8 @@ def run_model(args, model_name, store, session_factory):
     print(f"[{model_name}] loaded {os.path.basename(path)} in {time.time() - t0:.0f} s",
           flush=True)
     template = chat_template(tok)
-    stops = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if
+    turn_ends = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<end_of_turn>")}
+    stops = {i for i in turn_ends - {tok.unk_token_id} | {tok.eos_token_id} if
              isinstance(i, int) and i >= 0}
 
     def line_done(toks):
