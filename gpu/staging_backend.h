@@ -8,7 +8,10 @@
 // call into one host buffer (256-byte aligned pieces) that reaches the device with one
 // DeviceMemory::Allocate and one CopyToDevice, runs the wrapped device backend on device copies
 // of the jobs, synchronises the stream, and copies the output region back with one CopyToHost,
-// scattering it to the caller's host arrays. Arrays that are already device-accessible pass
+// scattering it to the caller's host arrays. The host buffers of both copies are page-locked
+// (Backend::PinHostMemory on the device backend) and reused across calls, up to 256 MiB of them
+// kept: a copy from pageable memory is bounced through the driver's own buffer at a fraction of
+// the bus's speed. Arrays that are already device-accessible pass
 // through untouched (index arrays a validator reads are mirrored to the host for validation).
 // Nothing is written to the caller's outputs when validation or the device call fails. Jobs that
 // do no work (count 0, k 0, no queries) are not sent to the device, and a call without work
