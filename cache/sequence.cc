@@ -873,15 +873,11 @@ namespace {
 // of a step run side by side on the host threads: checking, summing and scoring a layer's
 // probabilities is serial work per layer (TOVA's whole observation and its all-heads means,
 // 32 layers x 32 query heads x 8K slots, ran on the calling thread alone). run(layers) is the
-// policy's call on a span of layers; the first error in layer order is returned. A device
-// backend gets every layer in one call instead: each call it is given is staged (a round trip
-// to the device), so one call per layer would multiply the round trips by the layers.
+// policy's call on a span of layers; the first error in layer order is returned.
 template <typename Layer, typename Run>
 absl::Status EachLayerSideBySide(const SequenceEnv& env, absl::Span<const Layer> layers,
                                  const Run& run) {
-  if (env.host_pool == nullptr || layers.size() < 2 || !env.backend.computes_on_host()) {
-    return run(layers);
-  }
+  if (env.host_pool == nullptr || layers.size() < 2) return run(layers);
   std::vector<absl::Status> statuses(layers.size());
   env.host_pool->ParallelFor(static_cast<int64_t>(layers.size()),
                              [&](int64_t k) { statuses[k] = run(layers.subspan(k, 1)); });

@@ -256,11 +256,6 @@ class Backend {
   virtual ~Backend() = default;
 
   virtual std::string_view name() const = 0;  // "cpu" or "cuda"
-  // True when a call runs on this process's CPU threads (the CPU backend): a caller may split
-  // work over host threads, one call per layer costing no more than one for all of them. A
-  // device backend stages every call (uploads, launches, a synchronisation, downloads:
-  // gpu/staging_backend.h), so callers give it each kind of work of a step in one call.
-  virtual bool computes_on_host() const { return false; }
   // False after a device error; the sidecar then refuses new work and reports it.
   virtual bool healthy() const = 0;
 

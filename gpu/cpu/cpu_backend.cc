@@ -46,7 +46,6 @@ class CpuBackend final : public Backend {
       : pool_(num_threads), isa_(CpuSupportsAvx2() ? KeyDiffIsa::kAvx2 : KeyDiffIsa::kScalar) {}
 
   std::string_view name() const override { return "cpu"; }
-  bool computes_on_host() const override { return true; }
   bool healthy() const override { return true; }
 
   absl::StatusOr<std::unique_ptr<Arena>> CreateArena(uint64_t bytes,

@@ -26,8 +26,6 @@ class FailingBackend final : public Backend {
  public:
   FailingBackend() : cpu_(MakeCpuBackend(1)) {}
   std::string_view name() const override { return cpu_->name(); }
-  // As the CPU backend, or as a device backend (every call staged) when `device_like` is set.
-  bool computes_on_host() const override { return !device_like && cpu_->computes_on_host(); }
   bool healthy() const override { return true; }
   absl::StatusOr<std::unique_ptr<Arena>> CreateArena(uint64_t bytes,
                                                      const ArenaOptions& options) override {
@@ -38,7 +36,6 @@ class FailingBackend final : public Backend {
   }
   absl::Status TopK(absl::Span<const TopKJob> jobs, Stream s) override {
     if (fail_topk) return absl::InternalError("injected TopK failure");
-    ++topk_calls;
     return cpu_->TopK(jobs, s);
   }
   absl::Status CopyRows(absl::Span<const RowCopyJob> jobs, Stream s) override {
@@ -46,12 +43,10 @@ class FailingBackend final : public Backend {
   }
   absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream s) override {
     probs_jobs += static_cast<int>(jobs.size());
-    ++attention_calls;
     return cpu_->AttentionProbs(jobs, s);
   }
   absl::Status AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs, Stream s) override {
     sums_jobs += static_cast<int>(jobs.size());
-    ++attention_calls;
     return cpu_->AttentionColumnSums(jobs, s);
   }
   absl::Status PoolScores(absl::Span<const PoolJob> jobs, Stream s) override {
@@ -90,10 +85,6 @@ class FailingBackend final : public Backend {
 
   std::atomic<bool> fail_topk{false};
   std::atomic<bool> fail_window{false};
-  std::atomic<bool> device_like{false};
-  // Calls (not jobs): how many round trips a device would make.
-  std::atomic<int> topk_calls{0};
-  std::atomic<int> attention_calls{0};
   // Jobs of the attention kernels the policies issued (one thread drives the pool here).
   int probs_jobs = 0;
   int sums_jobs = 0;
@@ -303,28 +294,6 @@ TEST_P(RollbackTest, CakeWindowStatisticsRunInsideTheBackend) {
   const int expected = GetParam() == "cake" ? layout_.num_layers : 0;
   EXPECT_EQ(backend_.variance_jobs, expected);
   EXPECT_EQ(backend_.entropy_jobs, expected);
-}
-
-// A device backend stages each call it is given (a round trip to the device), so a Compress gives
-// it every layer's selection in one TopK call; on the CPU backend the layers' selections run side
-// by side on the host threads, one call each. Every layer's attention is one call either way.
-TEST_P(RollbackTest, ADeviceBackendGetsEveryLayerInOneCall) {
-  const bool reads_attention = GetParam() != "keydiff";
-  const int layers = layout_.num_layers;
-  CompressParams params;
-  params.attention = Query(4);
-  for (const bool device : {true, false}) {
-    SCOPED_TRACE(device ? "device" : "cpu");
-    if (!device) Append(2);  // over the budget again
-    backend_.device_like = device;
-    backend_.topk_calls = 0;
-    backend_.attention_calls = 0;
-    auto compressed = pool_->Compress(session_, "seq", params);
-    ASSERT_TRUE(compressed.ok()) << compressed.status();
-    for (const LayerCompressResult& layer : compressed->layers) EXPECT_EQ(layer.kept, kBudget);
-    EXPECT_EQ(backend_.topk_calls, device ? 1 : layers);
-    EXPECT_EQ(backend_.attention_calls, reads_attention ? 1 : 0);
-  }
 }
 
 INSTANTIATE_TEST_SUITE_P(EvictingPolicies, RollbackTest,

@@ -144,7 +144,6 @@ class TestBackend final : public Backend {
  public:
   TestBackend() : cpu_(MakeCpuBackend(1)) {}
   std::string_view name() const override { return cpu_->name(); }
-  bool computes_on_host() const override { return cpu_->computes_on_host(); }
   bool healthy() const override { return cpu_->healthy(); }
   absl::StatusOr<std::unique_ptr<Arena>> CreateArena(uint64_t bytes,
                                                      const ArenaOptions& options) override {
