@@ -101,13 +101,15 @@ class HostBuffers {
   HostBuffers(const HostBuffers&) = delete;
   HostBuffers& operator=(const HostBuffers&) = delete;
 
-  // A buffer of at least `bytes` (> 0): the smallest kept one that fits, else a new one.
+  // A buffer of at least `bytes` (> 0): the smallest kept one that fits (and is not more than
+  // four times the size), else a new one.
   absl::StatusOr<Buffer> Take(uint64_t bytes) {
     {
       absl::MutexLock lock(&mu_);
       size_t best = free_.size();
       for (size_t i = 0; i < free_.size(); ++i) {
-        const bool fits = free_[i].bytes >= bytes;
+        // A small call does not hold a large buffer another call may need.
+        const bool fits = free_[i].bytes >= bytes && free_[i].bytes / 4 <= bytes;
         if (fits && (best == free_.size() || free_[i].bytes < free_[best].bytes)) best = i;
       }
       if (best < free_.size()) {
@@ -129,7 +131,10 @@ class HostBuffers {
       return absl::ResourceExhaustedError(
           absl::StrCat("cannot allocate ", buffer.bytes, " bytes of host staging memory"));
     }
-    buffer.pinned = device_.PinHostMemory(buffer.data, buffer.bytes);
+    // One that cannot be kept is not worth pinning: the pin would be paid on every call.
+    if (buffer.bytes <= kKeptBytes) {
+      buffer.pinned = device_.PinHostMemory(buffer.data, buffer.bytes);
+    }
     return buffer;
   }
 
