@@ -371,6 +371,15 @@ class SimBackend final : public Backend {
   }
 
   std::string_view name() const override { return "device-sim"; }
+  // As cudaHostRegister on CUDA: the range becomes page-locked host memory (device-accessible,
+  // valid as HostRowCopyJob::host), so the spill buffers and the staging buffers take the paths
+  // they take on a GPU.
+  bool PinHostMemory(void* p, uint64_t bytes) override {
+    if (p == nullptr || bytes == 0) return false;
+    state_->RegisterPageLocked(p, bytes);
+    return true;
+  }
+  void UnpinHostMemory(void* p) override { state_->UnregisterPageLocked(p); }
   // A real device turns unhealthy after a sticky error; the simulated one while its fault file
   // exists, so that tests can watch health reporting through the real server.
   bool healthy() const override {
