@@ -16,7 +16,7 @@ PyramidKV get the post-RoPE queries of the last 32 tokens, TOVA the newest one (
   every layer in one call, queries inline).
 Medians of --repeats after one untimed run each; layer 0's kept sets of both sides are compared
 (`layer0_kept_agreement`, the share of kvpress's kept positions the sidecar keeps). Matched settings: StreamingLLM 4 sinks; KeyDiff
-cosine to the mean normalised key; TOVA over all query heads (`all_heads`); SnapKV window 32,
+cosine to the mean normalised key; KNorm (no parameters); TOVA over all query heads (`all_heads`); SnapKV window 32,
 kernel 7 (kvpress's defaults are 64 / 5); PyramidKV the same plus beta 20. kvpress's
 ObservedAttention is not timed: it reads the model's full eager attention matrix ([Hq][T][T]) and
 computes no attention itself, which a window-based H2O cannot be compared with.
@@ -132,11 +132,12 @@ def main():
               for i in range(L)]
     rope = (torch.ones(1, W + 1, D, dtype=torch.float16),
             torch.zeros(1, W + 1, D, dtype=torch.float16))
-    from kvpress import (KeyDiffPress, PyramidKVPress, SnapKVPress, StreamingLLMPress,
-                         TOVAPress)
+    from kvpress import (KeyDiffPress, KnormPress, PyramidKVPress, SnapKVPress,
+                         StreamingLLMPress, TOVAPress)
     presses = {
         "streaming_llm": StreamingLLMPress(compression_ratio=ratio, n_sink=4),
         "keydiff": KeyDiffPress(compression_ratio=ratio),
+        "knorm": KnormPress(compression_ratio=ratio),
         "tova": TOVAPress(compression_ratio=ratio),
         "snapkv": SnapKVPress(compression_ratio=ratio, window_size=W, kernel_size=7),
         "pyramidkv": PyramidKVPress(compression_ratio=ratio, window_size=W, kernel_size=7,
@@ -158,6 +159,7 @@ def main():
     specs = {
         "streaming_llm": kvs.policy("streaming_llm", n_sink=4),
         "keydiff": kvs.policy("keydiff"),
+        "knorm": kvs.policy("knorm"),
         "tova": kvs.policy("tova", all_heads=True),
         "snapkv": kvs.policy("snapkv", window=W, kernel_size=7),
         "pyramidkv": kvs.policy("snapkv", allocator=pyramid, window=W, kernel_size=7),

@@ -44,7 +44,9 @@ struct PagedLayerView {
 };
 
 enum class KeyDiffAnchor { kMeanNormalized, kMeanRaw, kMedianNormalized };
-enum class KeyDiffMetric { kCosine, kPairwise, kDot, kEuclidean };
+// kNegativeNorm is not one of KeyDiff's: -||k||_2 with no anchor, KNorm's score (the keys of
+// lowest norm kept; docs/policies/knorm.md), in one pass over the keys. A KeyDiff policy refuses it.
+enum class KeyDiffMetric { kCosine, kPairwise, kDot, kEuclidean, kNegativeNorm };
 
 // KeyDiff scores (shared/design/policies/keydiff.md §3.1, §3.5) of every slot of every kv head
 // of one layer. A higher score means more distinctive, i.e. kept first. fp32 accumulation.

@@ -90,6 +90,8 @@ v1::KeyDiffParams::Metric MetricToProto(KeyDiffMetric metric) {
       return v1::KeyDiffParams::METRIC_DOT;
     case KeyDiffMetric::kEuclidean:
       return v1::KeyDiffParams::METRIC_EUCLIDEAN;
+    case KeyDiffMetric::kNegativeNorm:  // KNorm's, never a KeyDiff policy's (refused there)
+      break;
   }
   return v1::KeyDiffParams::METRIC_UNSPECIFIED;
 }

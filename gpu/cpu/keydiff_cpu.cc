@@ -158,6 +158,12 @@ void ScoreHeadScalar(const KeyDiffScoreJob& job, int head) {
       });
       return;
     }
+    case KeyDiffMetric::kNegativeNorm:
+      keys.ForEachRow([&](int64_t s, const uint8_t* p) {
+        LoadRow(p, job.keys.dtype, dim, row.data());
+        out[s] = -Norm(row.data(), dim) + 0.0f;
+      });
+      return;
     case KeyDiffMetric::kDot:
     case KeyDiffMetric::kEuclidean: {
       // Both ablations are defined against the raw mean (§10.8); `anchor` does not apply.
@@ -328,11 +334,49 @@ KVS_AVX2 void CosineScoresAvx2(const HeadView& keys, const float* anchor, float*
   }
 }
 
+// KNorm's -|k| (KeyDiffMetric::kNegativeNorm): one streaming pass, no anchor.
+template <DType kType>
+KVS_AVX2 void NegativeNormScoresAvx2(const HeadView& keys, float* out) {
+  constexpr int kBytes = DTypeBytes(kType);
+  const int dim = keys.view.head_dim;
+  const uint64_t stride = keys.row_bytes();
+  for (int64_t b = 0; b < keys.num_blocks(); ++b) {
+    const uint8_t* row = keys.block_rows(b);
+    const uint8_t* next = b + 1 < keys.num_blocks() ? keys.block_rows(b + 1) : nullptr;
+    const int64_t rows = keys.rows_in_block(b);
+    float* block_out = out + b * keys.view.block_tokens;
+    for (int64_t r = 0; r < rows; ++r, row += stride) {
+      if (next != nullptr) PrefetchRow(next + r * stride, stride);
+      __m256 sq0 = _mm256_setzero_ps(), sq1 = _mm256_setzero_ps();
+      __m256 sq2 = _mm256_setzero_ps(), sq3 = _mm256_setzero_ps();
+      int d = 0;
+      for (; d + 32 <= dim; d += 32) {
+        const __m256 x0 = Load8<kType>(row + d * kBytes);
+        const __m256 x1 = Load8<kType>(row + (d + 8) * kBytes);
+        const __m256 x2 = Load8<kType>(row + (d + 16) * kBytes);
+        const __m256 x3 = Load8<kType>(row + (d + 24) * kBytes);
+        sq0 = _mm256_fmadd_ps(x0, x0, sq0);
+        sq1 = _mm256_fmadd_ps(x1, x1, sq1);
+        sq2 = _mm256_fmadd_ps(x2, x2, sq2);
+        sq3 = _mm256_fmadd_ps(x3, x3, sq3);
+      }
+      for (; d < dim; d += 8) {
+        const __m256 x = Load8<kType>(row + d * kBytes);
+        sq0 = _mm256_fmadd_ps(x, x, sq0);
+      }
+      const float squared =
+          HorizontalSum(_mm256_add_ps(_mm256_add_ps(sq0, sq1), _mm256_add_ps(sq2, sq3)));
+      block_out[r] = -std::sqrt(squared) + 0.0f;  // + 0.0f: a zero key scores +0
+    }
+  }
+}
+
 template <DType kType>
 KVS_AVX2 void ScoreHeadAvx2(const KeyDiffScoreJob& job, int head) {
   const HeadView keys{job.keys, head};
-  std::vector<float> anchor(job.keys.head_dim);
   float* out = job.scores + static_cast<int64_t>(head) * job.keys.count;
+  if (job.metric == KeyDiffMetric::kNegativeNorm) return NegativeNormScoresAvx2<kType>(keys, out);
+  std::vector<float> anchor(job.keys.head_dim);
   if (job.anchor == KeyDiffAnchor::kMeanNormalized) {
     MeanAnchorAvx2<kType, true>(keys, anchor.data(), out);
   } else {
@@ -342,9 +386,10 @@ KVS_AVX2 void ScoreHeadAvx2(const KeyDiffScoreJob& job, int head) {
 }
 
 bool Avx2Covers(const KeyDiffScoreJob& job) {
+  if (job.keys.head_dim % 8 != 0) return false;
+  if (job.metric == KeyDiffMetric::kNegativeNorm) return true;  // no anchor
   return job.metric == KeyDiffMetric::kCosine &&
-         (job.anchor == KeyDiffAnchor::kMeanNormalized || job.anchor == KeyDiffAnchor::kMeanRaw) &&
-         job.keys.head_dim % 8 == 0;
+         (job.anchor == KeyDiffAnchor::kMeanNormalized || job.anchor == KeyDiffAnchor::kMeanRaw);
 }
 
 }  // namespace
@@ -374,6 +419,7 @@ absl::Status ValidateKeyDiffJob(const KeyDiffScoreJob& job, size_t index) {
     case KeyDiffMetric::kPairwise:
     case KeyDiffMetric::kDot:
     case KeyDiffMetric::kEuclidean:
+    case KeyDiffMetric::kNegativeNorm:
       break;
     default:
       return invalid("unknown metric");

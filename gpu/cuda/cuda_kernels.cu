@@ -27,7 +27,7 @@ constexpr int kMaxGrid = 1 << 20;
 constexpr int kFloat16 = 1, kBFloat16 = 2, kFloat32 = 3;
 // KeyDiffAnchor / KeyDiffMetric values (gpu/backend.h).
 constexpr int kMeanNormalized = 0, kMedianNormalized = 2;  // kMeanRaw = 1: plain mean
-constexpr int kCosine = 0, kPairwise = 1, kDot = 2, kEuclidean = 3;
+constexpr int kCosine = 0, kPairwise = 1, kDot = 2, kEuclidean = 3, kNegativeNorm = 4;
 
 int GridFor(int64_t items) {
   if (items < 1) return 1;
@@ -208,6 +208,8 @@ __device__ inline float KeyDiffScore(int metric, float dot, float squared, float
       return -dot / key_norm + 0.0f;
     case kDot:
       return -dot + 0.0f;
+    case kNegativeNorm:  // KNorm: no anchor
+      return -sqrtf(squared) + 0.0f;
     case kEuclidean:
     default:
       return sqrtf(distance);
@@ -1256,9 +1258,15 @@ cudaError_t LaunchKeyDiff(const DevPagedView& keys, int anchor, int metric, floa
   float* partials = scratch;
   float* anchors = scratch + heads * chunks * dim;
   const dim3 grid(chunks, keys.num_kv_heads);
-  KeyDiffPartialsKernel<<<grid, kThreads, 0, stream>>>(keys, eps, partials);
-  KeyDiffAnchorKernel<<<keys.num_kv_heads, kThreads, 0, stream>>>(partials, chunks, keys.head_dim,
-                                                                  keys.count, metric, anchors);
+  if (metric == kNegativeNorm) {
+    // No anchor: the score pass alone, over zero anchors.
+    error = cudaMemsetAsync(anchors, 0, sizeof(float) * static_cast<size_t>(heads * (dim + 1)),
+                            stream);
+  } else {
+    KeyDiffPartialsKernel<<<grid, kThreads, 0, stream>>>(keys, eps, partials);
+    KeyDiffAnchorKernel<<<keys.num_kv_heads, kThreads, 0, stream>>>(
+        partials, chunks, keys.head_dim, keys.count, metric, anchors);
+  }
   KeyDiffScoreKernel<<<grid, kThreads, 0, stream>>>(keys, metric, anchors, scores);
   error = cudaGetLastError();
   const cudaError_t freed = cudaFreeAsync(scratch, stream);

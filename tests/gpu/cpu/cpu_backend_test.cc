@@ -224,10 +224,14 @@ TEST(KeyDiffTest, SimdAgreesWithScalar) {
       for (int count : {1, 5, 17, 300}) {
         for (int block_tokens : {4, 16, 32}) {
           PagedKeys keys(RandomKeys(3, count, dim, count * 31 + dim), dtype, block_tokens);
-          for (KeyDiffAnchor anchor : {KeyDiffAnchor::kMeanNormalized, KeyDiffAnchor::kMeanRaw}) {
-            const auto scalar =
-                ScoreHeads(keys, anchor, KeyDiffMetric::kCosine, KeyDiffIsa::kScalar);
-            const auto simd = ScoreHeads(keys, anchor, KeyDiffMetric::kCosine, KeyDiffIsa::kAvx2);
+          // The cosine to both mean anchors, and KNorm's anchorless -|k|.
+          const std::pair<KeyDiffAnchor, KeyDiffMetric> kinds[] = {
+              {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kCosine},
+              {KeyDiffAnchor::kMeanRaw, KeyDiffMetric::kCosine},
+              {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kNegativeNorm}};
+          for (const auto& [anchor, metric] : kinds) {
+            const auto scalar = ScoreHeads(keys, anchor, metric, KeyDiffIsa::kScalar);
+            const auto simd = ScoreHeads(keys, anchor, metric, KeyDiffIsa::kAvx2);
             ASSERT_EQ(scalar.size(), simd.size());
             for (size_t i = 0; i < scalar.size(); ++i) {
               ASSERT_NEAR(simd[i], scalar[i], 1e-5f * std::max(1.0f, std::fabs(scalar[i])))

@@ -229,7 +229,8 @@ TEST_F(CudaParityTest, KeyDiffScores) {
       {KeyDiffAnchor::kMedianNormalized, KeyDiffMetric::kCosine},
       {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kPairwise},
       {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kDot},
-      {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kEuclidean}};
+      {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kEuclidean},
+      {KeyDiffAnchor::kMeanNormalized, KeyDiffMetric::kNegativeNorm}};
   // Beyond kShapes: several 256-row chunks per head (the tiled path), the widest head the tiled
   // path takes, and one wider (the one-block-per-head kernel).
   std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
