@@ -293,53 +293,40 @@ KVS_AVX2 void MeanAnchorAvx2(const HeadView& keys, float* anchor, float* squared
   for (int d = 0; d < dim; ++d) anchor[d] *= inv_n;
 }
 
-// `out` holds each slot's squared key norm on entry and its score on return.
-template <DType kType>
-KVS_AVX2 void CosineScoresAvx2(const HeadView& keys, const float* anchor, float* out) {
+// A key row's dot product with `other` ([dim] fp32), or with itself (its squared norm) when
+// kSelf; dim % 8 == 0. Four accumulators hide the FMA latency.
+template <DType kType, bool kSelf>
+KVS_AVX2 inline float RowDotAvx2(const uint8_t* row, const float* other, int dim) {
   constexpr int kBytes = DTypeBytes(kType);
-  const int dim = keys.view.head_dim;
-  const uint64_t stride = keys.row_bytes();
-  float anchor_sq = 0.0f;
-  for (int d = 0; d < dim; ++d) anchor_sq += anchor[d] * anchor[d];
-  const float anchor_norm = std::max(std::sqrt(anchor_sq), kCosineEps);
-  for (int64_t b = 0; b < keys.num_blocks(); ++b) {
-    const uint8_t* row = keys.block_rows(b);
-    const uint8_t* next = b + 1 < keys.num_blocks() ? keys.block_rows(b + 1) : nullptr;
-    const int64_t rows = keys.rows_in_block(b);
-    float* block_out = out + b * keys.view.block_tokens;
-    for (int64_t r = 0; r < rows; ++r, row += stride) {
-      if (next != nullptr) PrefetchRow(next + r * stride, stride);
-      __m256 dot0 = _mm256_setzero_ps(), dot1 = _mm256_setzero_ps();
-      __m256 dot2 = _mm256_setzero_ps(), dot3 = _mm256_setzero_ps();
-      int d = 0;
-      for (; d + 32 <= dim; d += 32) {
-        const __m256 x0 = Load8<kType>(row + d * kBytes);
-        const __m256 x1 = Load8<kType>(row + (d + 8) * kBytes);
-        const __m256 x2 = Load8<kType>(row + (d + 16) * kBytes);
-        const __m256 x3 = Load8<kType>(row + (d + 24) * kBytes);
-        dot0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(anchor + d), dot0);
-        dot1 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(anchor + d + 8), dot1);
-        dot2 = _mm256_fmadd_ps(x2, _mm256_loadu_ps(anchor + d + 16), dot2);
-        dot3 = _mm256_fmadd_ps(x3, _mm256_loadu_ps(anchor + d + 24), dot3);
-      }
-      for (; d < dim; d += 8) {
-        const __m256 x = Load8<kType>(row + d * kBytes);
-        dot0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(anchor + d), dot0);
-      }
-      const float dot =
-          HorizontalSum(_mm256_add_ps(_mm256_add_ps(dot0, dot1), _mm256_add_ps(dot2, dot3)));
-      const float key_norm = std::max(std::sqrt(block_out[r]), kCosineEps);
-      block_out[r] = -dot / (key_norm * anchor_norm) + 0.0f;
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  int d = 0;
+  for (; d + 32 <= dim; d += 32) {
+    for (int v = 0; v < 4; ++v) {
+      const __m256 x = Load8<kType>(row + (d + 8 * v) * kBytes);
+      acc[v] = _mm256_fmadd_ps(x, kSelf ? x : _mm256_loadu_ps(other + d + 8 * v), acc[v]);
     }
   }
+  for (; d < dim; d += 8) {
+    const __m256 x = Load8<kType>(row + d * kBytes);
+    acc[0] = _mm256_fmadd_ps(x, kSelf ? x : _mm256_loadu_ps(other + d), acc[0]);
+  }
+  return HorizontalSum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
-// KNorm's -|k| (KeyDiffMetric::kNegativeNorm): one streaming pass, no anchor.
-template <DType kType>
-KVS_AVX2 void NegativeNormScoresAvx2(const HeadView& keys, float* out) {
-  constexpr int kBytes = DTypeBytes(kType);
+// One streaming pass over a head's keys (the next block's rows prefetched): the cosine to
+// `anchor` when kCosine, with `out` holding each slot's squared key norm on entry; else KNorm's
+// -|k| (KeyDiffMetric::kNegativeNorm, no anchor). `out` holds the scores on return.
+template <DType kType, bool kCosine>
+KVS_AVX2 void ScorePassAvx2(const HeadView& keys, const float* anchor, float* out) {
   const int dim = keys.view.head_dim;
   const uint64_t stride = keys.row_bytes();
+  float anchor_norm = 0.0f;
+  if constexpr (kCosine) {
+    float anchor_sq = 0.0f;
+    for (int d = 0; d < dim; ++d) anchor_sq += anchor[d] * anchor[d];
+    anchor_norm = std::max(std::sqrt(anchor_sq), kCosineEps);
+  }
   for (int64_t b = 0; b < keys.num_blocks(); ++b) {
     const uint8_t* row = keys.block_rows(b);
     const uint8_t* next = b + 1 < keys.num_blocks() ? keys.block_rows(b + 1) : nullptr;
@@ -347,26 +334,14 @@ KVS_AVX2 void NegativeNormScoresAvx2(const HeadView& keys, float* out) {
     float* block_out = out + b * keys.view.block_tokens;
     for (int64_t r = 0; r < rows; ++r, row += stride) {
       if (next != nullptr) PrefetchRow(next + r * stride, stride);
-      __m256 sq0 = _mm256_setzero_ps(), sq1 = _mm256_setzero_ps();
-      __m256 sq2 = _mm256_setzero_ps(), sq3 = _mm256_setzero_ps();
-      int d = 0;
-      for (; d + 32 <= dim; d += 32) {
-        const __m256 x0 = Load8<kType>(row + d * kBytes);
-        const __m256 x1 = Load8<kType>(row + (d + 8) * kBytes);
-        const __m256 x2 = Load8<kType>(row + (d + 16) * kBytes);
-        const __m256 x3 = Load8<kType>(row + (d + 24) * kBytes);
-        sq0 = _mm256_fmadd_ps(x0, x0, sq0);
-        sq1 = _mm256_fmadd_ps(x1, x1, sq1);
-        sq2 = _mm256_fmadd_ps(x2, x2, sq2);
-        sq3 = _mm256_fmadd_ps(x3, x3, sq3);
+      // + 0.0f turns the -0 of a zero key or zero anchor into +0.
+      if constexpr (kCosine) {
+        const float dot = RowDotAvx2<kType, false>(row, anchor, dim);
+        const float key_norm = std::max(std::sqrt(block_out[r]), kCosineEps);
+        block_out[r] = -dot / (key_norm * anchor_norm) + 0.0f;
+      } else {
+        block_out[r] = -std::sqrt(RowDotAvx2<kType, true>(row, nullptr, dim)) + 0.0f;
       }
-      for (; d < dim; d += 8) {
-        const __m256 x = Load8<kType>(row + d * kBytes);
-        sq0 = _mm256_fmadd_ps(x, x, sq0);
-      }
-      const float squared =
-          HorizontalSum(_mm256_add_ps(_mm256_add_ps(sq0, sq1), _mm256_add_ps(sq2, sq3)));
-      block_out[r] = -std::sqrt(squared) + 0.0f;  // + 0.0f: a zero key scores +0
     }
   }
 }
@@ -375,14 +350,16 @@ template <DType kType>
 KVS_AVX2 void ScoreHeadAvx2(const KeyDiffScoreJob& job, int head) {
   const HeadView keys{job.keys, head};
   float* out = job.scores + static_cast<int64_t>(head) * job.keys.count;
-  if (job.metric == KeyDiffMetric::kNegativeNorm) return NegativeNormScoresAvx2<kType>(keys, out);
+  if (job.metric == KeyDiffMetric::kNegativeNorm) {
+    return ScorePassAvx2<kType, false>(keys, nullptr, out);
+  }
   std::vector<float> anchor(job.keys.head_dim);
   if (job.anchor == KeyDiffAnchor::kMeanNormalized) {
     MeanAnchorAvx2<kType, true>(keys, anchor.data(), out);
   } else {
     MeanAnchorAvx2<kType, false>(keys, anchor.data(), out);
   }
-  CosineScoresAvx2<kType>(keys, anchor.data(), out);
+  ScorePassAvx2<kType, true>(keys, anchor.data(), out);
 }
 
 bool Avx2Covers(const KeyDiffScoreJob& job) {

@@ -1262,6 +1262,10 @@ cudaError_t LaunchKeyDiff(const DevPagedView& keys, int anchor, int metric, floa
     // No anchor: the score pass alone, over zero anchors.
     error = cudaMemsetAsync(anchors, 0, sizeof(float) * static_cast<size_t>(heads * (dim + 1)),
                             stream);
+    if (error != cudaSuccess) {
+      cudaFreeAsync(scratch, stream);
+      return error;
+    }
   } else {
     KeyDiffPartialsKernel<<<grid, kThreads, 0, stream>>>(keys, eps, partials);
     KeyDiffAnchorKernel<<<keys.num_kv_heads, kThreads, 0, stream>>>(
