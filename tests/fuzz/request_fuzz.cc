@@ -703,15 +703,6 @@ class RequestFuzzer {
     ShapePayloads(request.get(), own);
     // Attach: a few raw sessions come and go; they are detached again below.
     auto [target_session, target_sequence] = TargetOf(*request);
-    bool strict_target = false;
-    for (const OwnSession& o : own_) {
-      for (const Sequence& s : o.sequences) {
-        if (o.session != nullptr && o.session->session_id() == target_session &&
-            s.id == target_sequence) {
-          strict_target = s.strict;
-        }
-      }
-    }
     v1::GetLayoutResponse before_layout;
     const std::string before =
         target_sequence.empty() ? "" : LayoutState(target_session, target_sequence, &before_layout);
@@ -775,8 +766,11 @@ class RequestFuzzer {
     if (target_sequence.empty() || before.empty()) return;
     v1::GetLayoutResponse after_layout;
     const std::string after = LayoutState(target_session, target_sequence, &after_layout);
-    const bool evicts_first = strict_target && (method->name() == "Reserve" || append ||
-                                                method->name() == "BatchReserve");
+    // Strict as the sequence is just before the call, not as it was created: a fuzzed budget
+    // update may have made a relaxed sequence strict since (or the reverse).
+    const bool evicts_first = before_layout.budget().strict() &&
+                              (method->name() == "Reserve" || append ||
+                               method->name() == "BatchReserve");
     if (!status.ok() && !evicts_first && after != before && method->name() != "ReleaseSequence" &&
         method->name() != "ForceRelease") {
       findings_.push_back(
