@@ -15,11 +15,12 @@ PyramidKV get the post-RoPE queries of the last 32 tokens, TOVA the newest one (
   same K/V written into its mapped arena, committed, and the Compress RPC timed (wall clock,
   every layer in one call, queries inline).
 Medians of --repeats after one untimed run each; layer 0's kept sets of both sides are compared
-(`layer0_kept_agreement`, the share of kvpress's kept positions the sidecar keeps). Matched settings: StreamingLLM 4 sinks; KeyDiff
-cosine to the mean normalised key; KNorm (no parameters); TOVA over all query heads (`all_heads`); SnapKV window 32,
-kernel 7 (kvpress's defaults are 64 / 5); PyramidKV the same plus beta 20. kvpress's
-ObservedAttention is not timed: it reads the model's full eager attention matrix ([Hq][T][T]) and
-computes no attention itself, which a window-based H2O cannot be compared with.
+(`layer0_kept_agreement`, the share of kvpress's kept positions the sidecar keeps). Matched
+settings: StreamingLLM 4 sinks; KeyDiff cosine to the mean normalised key; KNorm (no
+parameters); TOVA over all query heads (`all_heads`); SnapKV window 32, kernel 7 (kvpress's
+defaults are 64 / 5); PyramidKV the same plus beta 20. kvpress's ObservedAttention is not timed:
+it reads the model's full eager attention matrix ([Hq][T][T]) and computes no attention itself,
+which a window-based H2O cannot be compared with.
 
 Also printed: the FMA rates of this machine measured in the same run (`fma_peak`, next to the
 kvsidecar binary's build tree: AVX2 and, where the CPU has it, AVX-512), the window Q.K^T FLOP of

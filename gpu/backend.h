@@ -45,7 +45,8 @@ struct PagedLayerView {
 
 enum class KeyDiffAnchor { kMeanNormalized, kMeanRaw, kMedianNormalized };
 // kNegativeNorm is not one of KeyDiff's: -||k||_2 with no anchor, KNorm's score (the keys of
-// lowest norm kept; docs/policies/knorm.md), in one pass over the keys. A KeyDiff policy refuses it.
+// lowest norm kept; docs/policies/knorm.md), in one pass over the keys. A KeyDiff policy
+// refuses it.
 enum class KeyDiffMetric { kCosine, kPairwise, kDot, kEuclidean, kNegativeNorm };
 
 // KeyDiff scores (shared/design/policies/keydiff.md §3.1, §3.5) of every slot of every kv head

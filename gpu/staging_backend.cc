@@ -3,11 +3,11 @@
 #include "gpu/staging_backend.h"
 
 #include <chrono>
-#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -85,7 +85,9 @@ TraceClock::time_point TraceNow() {
 // page-locked buffer of its own: 0.3-2.6 GB/s in the staging trace on an H200), and pinning
 // costs more than a copy, so buffers are kept for reuse: sizes are powers of two, so that the
 // sizes of repeated calls meet again, and at most kKeptBytes stay pinned between calls. Pinning
-// is best effort: a buffer the device refuses to pin works, only slower.
+// is best effort: a buffer the device refuses to pin works, only slower. (The spill buffers,
+// cache/spill_buffers.h, are kept the same way, but they live above gpu/ and are the tiers'
+// layer strings, so the staging layer keeps its own.)
 class HostBuffers {
  public:
   struct Buffer {
@@ -96,7 +98,7 @@ class HostBuffers {
 
   explicit HostBuffers(Backend& device) : device_(device) {}
   ~HostBuffers() {
-    for (Buffer& buffer : free_) Release(buffer);
+    for (auto& [bytes, buffer] : free_) Release(buffer);
   }
   HostBuffers(const HostBuffers&) = delete;
   HostBuffers& operator=(const HostBuffers&) = delete;
@@ -106,15 +108,10 @@ class HostBuffers {
   absl::StatusOr<Buffer> Take(uint64_t bytes) {
     {
       absl::MutexLock lock(&mu_);
-      size_t best = free_.size();
-      for (size_t i = 0; i < free_.size(); ++i) {
-        // A small call does not hold a large buffer another call may need.
-        const bool fits = free_[i].bytes >= bytes && free_[i].bytes / 4 <= bytes;
-        if (fits && (best == free_.size() || free_[i].bytes < free_[best].bytes)) best = i;
-      }
-      if (best < free_.size()) {
-        const Buffer buffer = free_[best];
-        free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(best));
+      // A small call does not hold a large buffer another call may need.
+      if (auto it = free_.lower_bound(bytes); it != free_.end() && it->first / 4 <= bytes) {
+        const Buffer buffer = it->second;
+        free_.erase(it);
         kept_ -= buffer.bytes;
         return buffer;
       }
@@ -145,7 +142,7 @@ class HostBuffers {
       absl::MutexLock lock(&mu_);
       if (kept_ + buffer.bytes <= kKeptBytes) {
         kept_ += buffer.bytes;
-        free_.push_back(buffer);
+        free_.emplace(buffer.bytes, buffer);
         return;
       }
     }
@@ -165,7 +162,7 @@ class HostBuffers {
 
   Backend& device_;
   absl::Mutex mu_;
-  std::vector<Buffer> free_ ABSL_GUARDED_BY(mu_);
+  std::multimap<uint64_t, Buffer> free_ ABSL_GUARDED_BY(mu_);  // by size
   uint64_t kept_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

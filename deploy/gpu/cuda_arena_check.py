@@ -8,9 +8,9 @@ H2O: with the window's queries, so the sidecar's attention kernels run), and rea
 cache in place: the torch views must be CUDA tensors inside the mapping (no copy) and hold exactly
 the K/V of the positions the sidecar reports kept. The cudaMemcpy read path must agree. The session
 runs twice: after each detach the server's device memory (nvidia-smi) must be back where it was
-before the second one. The first session's own growth is reported, not held to that: it is the
-server's one-time CUDA set-up (kernels loaded on their first launch under CUDA's lazy module
-loading, each host thread's default stream), which a second session must not repeat.
+before the second one. The first session's own growth is reported, not held to that: it is
+taken to be the server's one-time CUDA set-up (kernels loaded on their first launch under CUDA's
+lazy module loading, each host thread's default stream), which a second session must not repeat.
 
   cuda_arena_check.py [--kvsidecar BIN] [--json FILE]
 Exit status 0 iff every check held; one line per check on stdout.
@@ -123,7 +123,7 @@ def main():
             kvs.Client(server.address, timeout=120) as client:
         pid = server.process.pid
         mib = [gpu_used_mib(pid)]  # before, then attached and after detach, per session
-        for run in range(2):
+        for _ in range(2):
             with client.attach(layout, num_blocks=L * (TOKENS // B) + 64) as session:
                 check(isinstance(session.arena, kvs.CudaArena),
                       "the session's arena is a CudaArena")

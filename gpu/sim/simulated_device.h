@@ -10,8 +10,9 @@
 // "<job> <i>: <field> is not device memory" otherwise; with the array's extent checked when its
 // shape is sane), except HostRowCopyJob::host, which must be host memory registered as page-locked
 // (RegisterPageLocked, or the backend's PinHostMemory: the analogues of cudaHostRegister);
-// registered host memory is also device-accessible for every other field. Arena handles are the CPU backend's shm files, so
-// workers map and Arena::Read/Write work as on the CPU backend. name() is "device-sim".
+// registered host memory is also device-accessible for every other field. Arena handles are the
+// CPU backend's shm files, so workers map and Arena::Read/Write work as on the CPU backend.
+// name() is "device-sim".
 // Health: healthy() is false while the file named by the environment variable
 // KVS_DEVICE_SIM_FAULT_FILE exists (read when the device is made), as a CUDA backend's is after
 // a sticky device error, so that health reporting can be tested through the real server.
