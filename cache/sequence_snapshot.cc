@@ -164,6 +164,14 @@ void StreamCopy(char* destination, const uint8_t* source, uint64_t bytes) {
 #endif
 }
 
+// The arena byte offsets of the first `count` blocks of a layer's table.
+std::vector<uint64_t> BlockOffsets(const std::vector<int32_t>& blocks, int64_t count,
+                                   uint64_t block_bytes) {
+  std::vector<uint64_t> offsets(static_cast<size_t>(count));
+  for (int64_t b = 0; b < count; ++b) offsets[b] = static_cast<uint64_t>(blocks[b]) * block_bytes;
+  return offsets;
+}
+
 void StreamFence() {
 #if defined(__x86_64__)
   _mm_sfence();
@@ -446,18 +454,23 @@ absl::StatusOr<SpilledSequence> Sequence::Spill(const SequenceEnv& env) const {
     // page, more than the copy itself. Every byte is overwritten below.
     std::string& bytes = out.layers[l];
     bytes = SpillBuffers::Default().Take(static_cast<size_t>(blocks) * block_bytes);
+    const std::vector<uint64_t> offsets = BlockOffsets(layers_[l].blocks, blocks, block_bytes);
+    if (!host_arena) {
+      // A device arena gathers the layer's blocks and crosses the bus in large pieces.
+      KVS_RETURN_IF_ERROR(env.arena.ReadBlocks(offsets, block_bytes, bytes.data()));
+      continue;
+    }
     for (int64_t b = 0; b < blocks;) {
       // Runs of blocks adjacent in the arena move as one copy.
-      const uint64_t offset = static_cast<uint64_t>(layers_[l].blocks[b]) * block_bytes;
       int64_t run = 1;
       while (b + run < blocks && layers_[l].blocks[b + run] == layers_[l].blocks[b] + run) ++run;
       const uint64_t run_bytes = static_cast<uint64_t>(run) * block_bytes;
       char* destination = bytes.data() + b * block_bytes;
-      if (host_arena && offset <= env.arena.size_bytes() &&
-          run_bytes <= env.arena.size_bytes() - offset) {
-        StreamCopy(destination, env.arena.data() + offset, run_bytes);
+      if (offsets[b] <= env.arena.size_bytes() &&
+          run_bytes <= env.arena.size_bytes() - offsets[b]) {
+        StreamCopy(destination, env.arena.data() + offsets[b], run_bytes);
       } else {
-        KVS_RETURN_IF_ERROR(env.arena.Read(offset, destination, run_bytes));
+        KVS_RETURN_IF_ERROR(env.arena.Read(offsets[b], destination, run_bytes));
       }
       b += run;
     }
@@ -527,13 +540,12 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Restore(const SequenceEnv& e
     to.appended = from.appended;
     to.next_position = from.next_position >= 0 ? from.next_position : snapshot.next_position;
     to.positions = std::move(from.positions);
-    for (int64_t b = 0; b < n; ++b) {
-      absl::Status status = env.arena.Write(static_cast<uint64_t>(to.blocks[b]) * block_bytes,
-                                            data.layers[l].data() + b * block_bytes, block_bytes);
-      if (!status.ok()) {
-        (void)env.allocator.Free(blocks);
-        return status;
-      }
+    // Runs of adjacent blocks as one copy; a device arena scatters from large bus transfers.
+    absl::Status status = env.arena.WriteBlocks(BlockOffsets(to.blocks, n, block_bytes),
+                                                block_bytes, data.layers[l].data());
+    if (!status.ok()) {
+      (void)env.allocator.Free(blocks);
+      return status;
     }
     sequence->states_[l] = std::move(from.state);
     sequence->allocated_[l] = from.allocated;

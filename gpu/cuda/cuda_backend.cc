@@ -3,11 +3,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -112,8 +114,98 @@ class CudaArena final : public Arena {
     return CudaStatus(cudaStreamSynchronize(nullptr), "arena Read (cudaStreamSynchronize)");
   }
 
+  absl::Status ReadBlocks(absl::Span<const uint64_t> offsets, uint64_t block_bytes,
+                          void* destination) const override {
+    return MoveBlocks(offsets, block_bytes, static_cast<uint8_t*>(destination), true);
+  }
+  absl::Status WriteBlocks(absl::Span<const uint64_t> offsets, uint64_t block_bytes,
+                           const void* source) override {
+    return MoveBlocks(offsets, block_bytes, static_cast<uint8_t*>(const_cast<void*>(source)),
+                      false);
+  }
+
  private:
   CudaArena(int device, uint8_t* base) : device_(device), base_(base) {}
+
+  // Block copies between the arena and a contiguous host buffer. A few runs of adjacent blocks
+  // go as one transfer each. Many go through stream-ordered device scratch in pieces of up to
+  // kPieceBytes: the blocks of a piece gathered into it by one kernel, then one transfer to the
+  // host (the reverse for a write), so the bus sees large copies (at its page-locked speed when
+  // the host buffer is pinned, as the spill buffers are) instead of one per block.
+  absl::Status MoveBlocks(absl::Span<const uint64_t> offsets, uint64_t block_bytes, uint8_t* host,
+                          bool to_host) const {
+    KVS_RETURN_IF_ERROR(CheckBlocks(offsets, block_bytes, host));
+    if (offsets.empty() || block_bytes == 0) return absl::OkStatus();
+    KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    constexpr size_t kFewRuns = 8;
+    constexpr uint64_t kPieceBytes = uint64_t{64} << 20;
+    const cudaStream_t stream = nullptr;  // this thread's default stream
+    // One transfer per run of adjacent blocks, then one wait: the path for a few runs, and
+    // when no scratch can be had.
+    const auto copy_runs = [&](size_t max_runs) -> std::optional<absl::Status> {
+      std::vector<std::pair<size_t, size_t>> runs;  // (first block, blocks)
+      for (size_t b = 0; b < offsets.size();) {
+        if (runs.size() == max_runs) return std::nullopt;
+        size_t run = 1;
+        while (b + run < offsets.size() && offsets[b + run] == offsets[b] + run * block_bytes) {
+          ++run;
+        }
+        runs.emplace_back(b, run);
+        b += run;
+      }
+      cudaError_t error = cudaSuccess;
+      for (const auto& [first, count] : runs) {
+        uint8_t* arena = base_ + offsets[first];
+        uint8_t* h = host + first * block_bytes;
+        error = cudaMemcpyAsync(to_host ? h : arena, to_host ? arena : h, count * block_bytes,
+                                cudaMemcpyDefault, stream);
+        if (error != cudaSuccess) break;
+      }
+      const cudaError_t waited = cudaStreamSynchronize(stream);
+      return CudaStatus(error != cudaSuccess ? error : waited, "arena block copy");
+    };
+    if (std::optional<absl::Status> done = copy_runs(kFewRuns)) return *done;
+    const uint64_t piece_blocks = std::max<uint64_t>(1, kPieceBytes / block_bytes);
+    const uint64_t scratch_bytes = std::min<uint64_t>(piece_blocks, offsets.size()) * block_bytes;
+    void* scratch = nullptr;
+    void* device_offsets = nullptr;
+    if (cudaMallocAsync(&scratch, scratch_bytes, stream) != cudaSuccess) {
+      cudaGetLastError();  // not sticky: copy run by run instead
+      return *copy_runs(offsets.size());
+    }
+    cudaError_t error = cudaMallocAsync(&device_offsets, offsets.size() * sizeof(uint64_t), stream);
+    if (error == cudaSuccess) {
+      // From pageable memory: the offsets have been taken when the call returns.
+      error = cudaMemcpyAsync(device_offsets, offsets.data(), offsets.size() * sizeof(uint64_t),
+                              cudaMemcpyHostToDevice, stream);
+    }
+    const auto* d_offsets = static_cast<const uint64_t*>(device_offsets);
+    auto* piece = static_cast<uint8_t*>(scratch);
+    for (uint64_t first = 0; error == cudaSuccess && first < offsets.size();
+         first += piece_blocks) {
+      const uint64_t count = std::min<uint64_t>(piece_blocks, offsets.size() - first);
+      uint8_t* h = host + first * block_bytes;
+      if (to_host) {
+        error = cuda::LaunchMoveRows(piece, nullptr, base_, d_offsets + first,
+                                     static_cast<int64_t>(count), block_bytes, stream);
+        if (error == cudaSuccess) {
+          error = cudaMemcpyAsync(h, piece, count * block_bytes, cudaMemcpyDefault, stream);
+        }
+      } else {
+        error = cudaMemcpyAsync(piece, h, count * block_bytes, cudaMemcpyDefault, stream);
+        if (error == cudaSuccess) {
+          error = cuda::LaunchMoveRows(base_, d_offsets + first, piece, nullptr,
+                                       static_cast<int64_t>(count), block_bytes, stream);
+        }
+      }
+    }
+    // Freed behind the copies; the wait below covers them and every copy.
+    if (device_offsets != nullptr) cudaFreeAsync(device_offsets, stream);
+    cudaFreeAsync(scratch, stream);
+    const cudaError_t waited = cudaStreamSynchronize(stream);
+    if (error == cudaSuccess) error = waited;
+    return CudaStatus(error, to_host ? "arena ReadBlocks" : "arena WriteBlocks");
+  }
 
   absl::Status CheckRange(uint64_t offset, uint64_t bytes, const void* buffer,
                           const char* op) const {

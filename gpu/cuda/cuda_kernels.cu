@@ -1298,15 +1298,24 @@ cudaError_t LaunchCopyRows(uint8_t* arena, const uint64_t* src_offsets, const ui
     CopyRowsKernel<<<1, kThreads, 0, stream>>>(arena, src_offsets, dst_offsets, count, row_bytes);
     return cudaGetLastError();
   }
-  const uint64_t units = row_bytes % 16 == 0 ? bytes / 16 : bytes;
-  const int grid = GridFor(static_cast<int64_t>((units + kThreads - 1) / kThreads));
-  MoveRowsKernel<<<grid, kThreads, 0, stream>>>(scratch, nullptr, arena, src_offsets, count,
-                                                row_bytes);
-  MoveRowsKernel<<<grid, kThreads, 0, stream>>>(arena, dst_offsets, scratch, nullptr, count,
-                                                row_bytes);
-  const cudaError_t error = cudaGetLastError();
+  cudaError_t error =
+      LaunchMoveRows(scratch, nullptr, arena, src_offsets, count, row_bytes, stream);
+  if (error == cudaSuccess) {
+    error = LaunchMoveRows(arena, dst_offsets, scratch, nullptr, count, row_bytes, stream);
+  }
   const cudaError_t freed = cudaFreeAsync(scratch, stream);
   return error != cudaSuccess ? error : freed;
+}
+
+cudaError_t LaunchMoveRows(uint8_t* dst, const uint64_t* dst_offsets, const uint8_t* src,
+                           const uint64_t* src_offsets, int64_t count, uint64_t row_bytes,
+                           cudaStream_t stream) {
+  if (count <= 0 || row_bytes == 0) return cudaSuccess;
+  const uint64_t bytes = static_cast<uint64_t>(count) * row_bytes;
+  const uint64_t units = row_bytes % 16 == 0 ? bytes / 16 : bytes;
+  MoveRowsKernel<<<GridFor(static_cast<int64_t>((units + kThreads - 1) / kThreads)), kThreads, 0,
+                   stream>>>(dst, dst_offsets, src, src_offsets, count, row_bytes);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchCopyHostRows(uint8_t* arena, uint8_t* host, const uint64_t* arena_offsets,

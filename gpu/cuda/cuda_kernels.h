@@ -43,6 +43,13 @@ cudaError_t LaunchTopK(const float* scores, const int32_t* positions, const uint
 cudaError_t LaunchCopyRows(uint8_t* arena, const uint64_t* src_offsets, const uint64_t* dst_offsets,
                            int64_t count, uint64_t row_bytes, cudaStream_t stream);
 
+// Moves `count` rows of `row_bytes` in device memory: row r from src + src_offsets[r] (or
+// r * row_bytes when src_offsets is null) to dst + dst_offsets[r] (or r * row_bytes), every row
+// in parallel; no row may overlap another's destination. Offsets live in device memory.
+cudaError_t LaunchMoveRows(uint8_t* dst, const uint64_t* dst_offsets, const uint8_t* src,
+                           const uint64_t* src_offsets, int64_t count, uint64_t row_bytes,
+                           cudaStream_t stream);
+
 // FindNonFinite (gpu/backend.h): writes to *first_non_finite the lowest flat index of a value with
 // every exponent bit set, or -1. dtype: 1 fp16, 2 bf16, 3 fp32.
 cudaError_t LaunchFindNonFinite(const uint8_t* arena, const uint64_t* row_offsets, int64_t count,

@@ -181,6 +181,52 @@ TEST_F(ShmArenaTest, OutOfRangeAccessIsRefusedAndCopiesNothing) {
   EXPECT_TRUE((*arena)->Read(0, buffer.data(), 1024).ok());
 }
 
+// The default block copies (runs of adjacent blocks as one Read or Write): every block lands at
+// its place in the host buffer and back, and a block outside the arena refuses the whole call
+// before anything is copied.
+TEST_F(ShmArenaTest, BlockCopiesMoveEveryBlockAndRefuseOneOutsideBeforeCopying) {
+  constexpr uint64_t kBlock = 64;
+  auto arena = CreateShmArena(16 * kBlock, options_);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  for (uint64_t i = 0; i < 16 * kBlock; ++i) (*arena)->data()[i] = static_cast<uint8_t>(i * 7);
+  // Runs: {3,4,5}, {9}, {1,2}, {15}.
+  const std::vector<uint64_t> blocks = {3, 4, 5, 9, 1, 2, 15};
+  std::vector<uint64_t> offsets;
+  for (uint64_t b : blocks) offsets.push_back(b * kBlock);
+  std::vector<uint8_t> host(blocks.size() * kBlock, 0);
+  ASSERT_TRUE((*arena)->ReadBlocks(offsets, kBlock, host.data()).ok());
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    for (uint64_t j = 0; j < kBlock; ++j) {
+      ASSERT_EQ(host[i * kBlock + j], static_cast<uint8_t>((blocks[i] * kBlock + j) * 7))
+          << "block " << i << " byte " << j;
+    }
+  }
+  // Written back reversed: block i of the host buffer goes to blocks[n - 1 - i].
+  std::vector<uint64_t> reversed(offsets.rbegin(), offsets.rend());
+  ASSERT_TRUE((*arena)->WriteBlocks(reversed, kBlock, host.data()).ok());
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const uint64_t at = reversed[i];
+    EXPECT_EQ(std::vector<uint8_t>((*arena)->data() + at, (*arena)->data() + at + kBlock),
+              std::vector<uint8_t>(host.begin() + i * kBlock, host.begin() + (i + 1) * kBlock))
+        << "block " << i;
+  }
+  const std::vector<uint8_t> before((*arena)->data(), (*arena)->data() + 16 * kBlock);
+  std::vector<uint8_t> ones(3 * kBlock, 1);
+  EXPECT_EQ((*arena)->WriteBlocks({0, 16 * kBlock - 8, kBlock}, kBlock, ones.data()).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ((*arena)->WriteBlocks({0, std::numeric_limits<uint64_t>::max() - 8}, kBlock,
+                                  ones.data()).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(std::vector<uint8_t>((*arena)->data(), (*arena)->data() + 16 * kBlock), before)
+      << "a refused block write must copy nothing, not even the blocks before the bad one";
+  std::vector<uint8_t> untouched(3 * kBlock, 0xcd);
+  EXPECT_EQ((*arena)->ReadBlocks({0, 17 * kBlock}, kBlock, untouched.data()).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(untouched, std::vector<uint8_t>(3 * kBlock, 0xcd));
+  EXPECT_EQ((*arena)->ReadBlocks({0}, kBlock, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*arena)->ReadBlocks({}, kBlock, nullptr).ok());
+}
+
 TEST_F(ShmArenaTest, ZeroBytesIsInvalid) {
   auto arena = CreateShmArena(0, options_);
   EXPECT_EQ(arena.status().code(), absl::StatusCode::kInvalidArgument);

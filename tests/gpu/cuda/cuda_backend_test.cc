@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gpu/backend.h"
 #include "gpu/backend_factory.h"
@@ -744,6 +745,69 @@ TEST_F(CudaParityTest, ArenaIsExportedThroughCudaIpc) {
   EXPECT_EQ((*first)->Write((1 << 20) - 63, data.data(), 64).code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(cuda_->CreateArena(0, ArenaOptions()).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The device arena's block copies (a spill's and a restore's) against the CPU arena's default
+// run-by-run copies on the same bytes: a few runs (one transfer each), many shuffled blocks
+// across more than one 64 MiB scratch piece, into pageable and page-locked host memory; a block
+// outside the arena refuses the call before anything moves.
+TEST_F(CudaParityTest, ArenaBlockCopiesMatchTheCpuArena) {
+  constexpr uint64_t kBlock = uint64_t{256} << 10;
+  constexpr uint64_t kBlocks = 320;  // 80 MiB
+  auto device = cuda_->CreateArena(kBlocks * kBlock, ArenaOptions());
+  auto host = cpu_->CreateArena(kBlocks * kBlock, ArenaOptions());
+  ASSERT_TRUE(device.ok() && host.ok());
+  std::vector<uint8_t> fill(kBlocks * kBlock);
+  std::mt19937_64 rng(11);
+  for (size_t i = 0; i < fill.size(); i += 8) {
+    const uint64_t word = rng();
+    std::memcpy(fill.data() + i, &word, 8);
+  }
+  ASSERT_TRUE((*device)->Write(0, fill.data(), fill.size()).ok());
+  ASSERT_TRUE((*host)->Write(0, fill.data(), fill.size()).ok());
+  std::vector<uint64_t> order(kBlocks);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  const std::vector<std::vector<uint64_t>> cases = {
+      {7, 8, 9, 30, 2},                                      // three runs
+      std::vector<uint64_t>(order.begin(), order.begin() + 300),  // 75 MiB, two pieces
+      std::vector<uint64_t>(order.begin() + 300, order.end()),    // one piece
+  };
+  for (bool pinned : {false, true}) {
+    for (size_t c = 0; c < cases.size(); ++c) {
+      const std::string what = absl::StrCat("case ", c, pinned ? " page-locked" : " pageable");
+      std::vector<uint64_t> offsets;
+      for (uint64_t b : cases[c]) offsets.push_back(b * kBlock);
+      std::vector<uint8_t> expected(offsets.size() * kBlock), actual(offsets.size() * kBlock, 1);
+      ASSERT_TRUE((*host)->ReadBlocks(offsets, kBlock, expected.data()).ok()) << what;
+      if (pinned) {
+        ASSERT_TRUE(cuda_->PinHostMemory(actual.data(), actual.size())) << what;
+      }
+      ASSERT_TRUE((*device)->ReadBlocks(offsets, kBlock, actual.data()).ok()) << what;
+      EXPECT_TRUE(actual == expected) << what << ": ReadBlocks differs";
+      // Written back to the blocks in reverse order, on both arenas.
+      std::vector<uint64_t> reversed(offsets.rbegin(), offsets.rend());
+      ASSERT_TRUE((*host)->WriteBlocks(reversed, kBlock, expected.data()).ok()) << what;
+      ASSERT_TRUE((*device)->WriteBlocks(reversed, kBlock, actual.data()).ok()) << what;
+      if (pinned) cuda_->UnpinHostMemory(actual.data());
+      std::vector<uint8_t> device_all(fill.size()), host_all(fill.size());
+      ASSERT_TRUE((*device)->Read(0, device_all.data(), device_all.size()).ok());
+      ASSERT_TRUE((*host)->Read(0, host_all.data(), host_all.size()).ok());
+      EXPECT_TRUE(device_all == host_all) << what << ": WriteBlocks differs";
+    }
+  }
+  std::vector<uint8_t> before(fill.size()), after(fill.size()), ones(4 * kBlock, 1);
+  ASSERT_TRUE((*device)->Read(0, before.data(), before.size()).ok());
+  const std::vector<uint64_t> bad = {0, 3 * kBlock, 5 * kBlock, 9 * kBlock, 11 * kBlock,
+                                     13 * kBlock, 15 * kBlock, 17 * kBlock, 19 * kBlock,
+                                     kBlocks * kBlock - 4};
+  std::vector<uint8_t> big(bad.size() * kBlock, 1);
+  EXPECT_EQ((*device)->WriteBlocks(bad, kBlock, big.data()).code(), absl::StatusCode::kOutOfRange);
+  ASSERT_TRUE((*device)->Read(0, after.data(), after.size()).ok());
+  EXPECT_TRUE(after == before) << "a refused block write must change nothing";
+  EXPECT_EQ((*device)->ReadBlocks({0}, kBlock, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(cuda_->healthy());
 }
 
 TEST_F(CudaParityTest, InvalidJobsGetTheCpuMessagesAndLaunchNothing) {
