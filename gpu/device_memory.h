@@ -30,8 +30,9 @@ class DeviceMemory {
   virtual bool IsDeviceAccessible(const void* p) const = 0;
 
   // Device scratch of at least `bytes` (> 0) bytes, aligned to 256 bytes. RESOURCE_EXHAUSTED when
-  // the device is out of memory. Implementations keep a few freed buffers for reuse, so that the
-  // small allocations of every staged call do not reach the driver each time.
+  // the device is out of memory. Implementations keep freed memory for reuse (the CUDA one in the
+  // device's stream-ordered pool), so that the small allocations of every staged call do not
+  // reach the driver each time.
   virtual absl::StatusOr<void*> Allocate(uint64_t bytes) = 0;
   // Returns memory from Allocate; nullptr is ignored. The buffer may be handed out again at once,
   // so the device work that uses it must have finished (the stream synchronised) before.

@@ -5,8 +5,7 @@
 
 #include <cstdint>
 #include <memory>
-#include <unordered_map>
-#include <vector>
+#include <unordered_set>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -19,19 +18,15 @@
 namespace kvs {
 namespace {
 
-// At most this many freed buffers of at most this size are kept for reuse.
-constexpr size_t kMaxCached = 8;
-constexpr uint64_t kMaxCachedBytes = uint64_t{16} << 20;
-
+// Staging buffers come from the device's stream-ordered memory pool (cudaMallocAsync on the
+// calling thread's stream), the pool the kernels' scratch comes from: it keeps freed memory for
+// reuse up to the release threshold MakeCudaBackend sets, and hands it back when an arena is
+// freed (~CudaArena trims it). A cache of our own held cudaMalloc'd buffers past every session,
+// and each cudaMalloc or cudaFree it missed synchronised the whole device, serialising the host
+// threads that stage the layers of a step side by side.
 class CudaDeviceMemory final : public DeviceMemory {
  public:
   explicit CudaDeviceMemory(int device) : device_(device) {}
-
-  ~CudaDeviceMemory() override {
-    absl::MutexLock lock(&mu_);
-    if (!cache_.empty()) cudaSetDevice(device_);
-    for (const Buffer& buffer : cache_) cudaFree(buffer.p);  // errors have nowhere to go
-  }
 
   bool IsDeviceAccessible(const void* p) const override {
     if (p == nullptr) return false;
@@ -46,45 +41,33 @@ class CudaDeviceMemory final : public DeviceMemory {
 
   absl::StatusOr<void*> Allocate(uint64_t bytes) override {
     if (bytes == 0) return absl::InvalidArgumentError("CUDA device memory: Allocate of 0 bytes");
-    {
-      absl::MutexLock lock(&mu_);
-      auto best = cache_.end();
-      for (auto it = cache_.begin(); it != cache_.end(); ++it) {
-        if (it->bytes >= bytes && (best == cache_.end() || it->bytes < best->bytes)) best = it;
-      }
-      if (best != cache_.end()) {
-        void* p = best->p;
-        live_[p] = best->bytes;
-        cache_.erase(best);
-        return p;
-      }
-    }
     KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     void* p = nullptr;
-    if (cudaError_t error = cudaMalloc(&p, bytes); error != cudaSuccess) {
+    if (cudaError_t error = cudaMallocAsync(&p, bytes, cudaStreamPerThread);
+        error != cudaSuccess) {
       cudaGetLastError();
-      return CudaStatus(error, absl::StrCat("cudaMalloc of ", bytes, " staging bytes"));
+      return CudaStatus(error, absl::StrCat("cudaMallocAsync of ", bytes, " staging bytes"));
+    }
+    // Usable on any stream once the allocation has reached this thread's stream.
+    if (cudaError_t error = cudaStreamSynchronize(cudaStreamPerThread); error != cudaSuccess) {
+      cudaFreeAsync(p, cudaStreamPerThread);
+      return CudaStatus(error, "staging allocation (cudaStreamSynchronize)");
     }
     absl::MutexLock lock(&mu_);
-    live_[p] = bytes;
+    live_.insert(p);
     return p;
   }
 
+  // Back to the pool behind whatever this thread's stream still runs; the work of other streams
+  // that used the buffer has finished (see DeviceMemory::Free).
   void Free(void* p) override {
     if (p == nullptr) return;
     {
       absl::MutexLock lock(&mu_);
-      auto it = live_.find(p);
-      if (it == live_.end()) return;  // not from Allocate
-      const uint64_t bytes = it->second;
-      live_.erase(it);
-      if (cache_.size() < kMaxCached && bytes <= kMaxCachedBytes) {
-        cache_.push_back(Buffer{p, bytes});
-        return;
-      }
+      if (live_.erase(p) == 0) return;  // not from Allocate
     }
     cudaSetDevice(device_);
-    cudaFree(p);
+    if (cudaFreeAsync(p, cudaStreamPerThread) != cudaSuccess) cudaGetLastError();
   }
 
   absl::Status CopyToDevice(void* dst, const void* host_src, uint64_t bytes, Stream s) override {
@@ -95,11 +78,6 @@ class CudaDeviceMemory final : public DeviceMemory {
   }
 
  private:
-  struct Buffer {
-    void* p;
-    uint64_t bytes;
-  };
-
   absl::Status Copy(void* dst, const void* src, uint64_t bytes, Stream s, const char* what) {
     if (bytes == 0) return absl::OkStatus();
     KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
@@ -116,8 +94,7 @@ class CudaDeviceMemory final : public DeviceMemory {
 
   const int device_;
   absl::Mutex mu_;
-  std::vector<Buffer> cache_ ABSL_GUARDED_BY(mu_);
-  std::unordered_map<void*, uint64_t> live_ ABSL_GUARDED_BY(mu_);
+  std::unordered_set<void*> live_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
