@@ -31,7 +31,8 @@
 #                                             to .gpu/out when unset)
 # A rerun of some steps only: KVS_CHECK_ONLY=tests,python (keys: machine tests suites python
 # cuda_bench torch trace decode spill), e.g. run(command="KVS_CHECK_ONLY=suites bash deploy/gpu/check.sh", ...).
-# KVS_CHECK_TORCH_POLICIES (default: the bench's list) narrows step 5; KVS_CHECK_DECODE_BACKENDS
+# KVS_CHECK_TORCH_POLICIES (default: the bench's list) narrows step 5, KVS_CHECK_TRACE_POLICIES
+# (default streaming_llm,keydiff,snapkv,h2o) names the policies its trace follows; KVS_CHECK_DECODE_BACKENDS
 # (default "cuda cpu") and KVS_CHECK_DECODE_STEPS (50) size step 6.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -192,13 +193,14 @@ want cuda_bench && step "cuda_bench" 90 "$out/cuda_bench.log" cuda_bench
 if { want torch || want trace; } &&
     { [ -n "${PYTHONPATH:-}" ] || python_setup >>"$py_log" 2>&1; }; then
   export PYTHONPATH="$work/site" KVSIDECAR_BIN="$work/bin/kvsidecar"
-  want torch && step "compress vs PyTorch" 100 "$out/torch_bench.log" \
+  want torch && step "compress vs PyTorch" 140 "$out/torch_bench.log" \
     python3 "$root/bench/gpu/torch_compress_bench.py" --json "$work/torch_bench.json" \
     ${KVS_CHECK_TORCH_POLICIES:+--policies "$KVS_CHECK_TORCH_POLICIES"}
   # Where a Compress's time goes: the staging layer's per-call trace (planning, upload, launch,
   # device, download) of one compress per policy, the sidecar's stderr appended to the log.
-  want trace && step "staging trace" 60 "$out/torch_bench.log" env KVS_STAGING_TRACE=1 \
-    python3 "$root/bench/gpu/torch_compress_bench.py" --policies streaming_llm,keydiff,snapkv,h2o \
+  want trace && step "staging trace" 90 "$out/torch_bench.log" env KVS_STAGING_TRACE=1 \
+    python3 "$root/bench/gpu/torch_compress_bench.py" \
+    --policies "${KVS_CHECK_TRACE_POLICIES:-streaming_llm,keydiff,snapkv,h2o}" \
     --repeats 1 --server-log "$work/compress_trace.txt"
   if [ -f "$work/compress_trace.txt" ]; then
     {

@@ -56,6 +56,19 @@ def gpu_used_mib(pid):
     return None
 
 
+def thread_count(pid):
+    """Threads of process `pid` (/proc), or None. Each host thread that calls into CUDA gets a
+    default stream of its own, so a count that grows with the device memory names a suspect."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Threads:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def run_policy(session, name, k, v, q, results):
     arena = session.arena
     policy = kvs.policy(name)
@@ -123,19 +136,23 @@ def main():
             kvs.Client(server.address, timeout=120) as client:
         pid = server.process.pid
         mib = [gpu_used_mib(pid)]  # before, then attached and after detach, per session
+        threads = [thread_count(pid)]  # at the same points
         for _ in range(2):
             with client.attach(layout, num_blocks=L * (TOKENS // B) + 64) as session:
                 check(isinstance(session.arena, kvs.CudaArena),
                       "the session's arena is a CudaArena")
                 mib.append(gpu_used_mib(pid))
+                threads.append(thread_count(pid))
                 for name in ("keydiff", "h2o"):
                     run_policy(session, name, k, v, q, results)
             time.sleep(1.0)
             mib.append(gpu_used_mib(pid))
+            threads.append(thread_count(pid))
         before, attached, warm, attached2, after = mib
         results.update(server_mib_before=before, server_mib_attached=attached,
                        server_mib_after_first_detach=warm, server_mib_attached_again=attached2,
-                       server_mib_after_detach=after)
+                       server_mib_after_detach=after, server_threads=threads)
+        print(f"note: the sidecar's threads at the same points: {threads}")
         if None not in mib:
             print(f"note: the first session left {warm - before} MiB of one-time set-up")
             check(attached > before and attached2 > warm and after <= warm + 2,
