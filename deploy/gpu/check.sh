@@ -32,8 +32,8 @@
 # A rerun of some steps only: KVS_CHECK_ONLY=tests,python (keys: machine tests suites python
 # cuda_bench torch trace decode spill), e.g. run(command="KVS_CHECK_ONLY=suites bash deploy/gpu/check.sh", ...).
 # KVS_CHECK_TORCH_POLICIES (default: the bench's list) narrows step 5, KVS_CHECK_TRACE_POLICIES
-# (default streaming_llm,keydiff,snapkv,h2o) names the policies its trace follows; KVS_CHECK_DECODE_BACKENDS
-# (default "cuda cpu") and KVS_CHECK_DECODE_STEPS (50) size step 6.
+# (default streaming_llm,keydiff,snapkv,h2o) names the policies its trace follows;
+# KVS_CHECK_DECODE_BACKENDS (default "cuda cpu") and KVS_CHECK_DECODE_STEPS (50) size step 6.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 archive=${1:-$root/.gpu/kvs-gpu-bundle.tar.xz}
