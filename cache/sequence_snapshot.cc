@@ -454,23 +454,23 @@ absl::StatusOr<SpilledSequence> Sequence::Spill(const SequenceEnv& env) const {
     // page, more than the copy itself. Every byte is overwritten below.
     std::string& bytes = out.layers[l];
     bytes = SpillBuffers::Default().Take(static_cast<size_t>(blocks) * block_bytes);
-    const std::vector<uint64_t> offsets = BlockOffsets(layers_[l].blocks, blocks, block_bytes);
     if (!host_arena) {
       // A device arena gathers the layer's blocks and crosses the bus in large pieces.
-      KVS_RETURN_IF_ERROR(env.arena.ReadBlocks(offsets, block_bytes, bytes.data()));
+      KVS_RETURN_IF_ERROR(env.arena.ReadBlocks(BlockOffsets(layers_[l].blocks, blocks, block_bytes),
+                                               block_bytes, bytes.data()));
       continue;
     }
     for (int64_t b = 0; b < blocks;) {
       // Runs of blocks adjacent in the arena move as one copy.
+      const uint64_t offset = static_cast<uint64_t>(layers_[l].blocks[b]) * block_bytes;
       int64_t run = 1;
       while (b + run < blocks && layers_[l].blocks[b + run] == layers_[l].blocks[b] + run) ++run;
       const uint64_t run_bytes = static_cast<uint64_t>(run) * block_bytes;
       char* destination = bytes.data() + b * block_bytes;
-      if (offsets[b] <= env.arena.size_bytes() &&
-          run_bytes <= env.arena.size_bytes() - offsets[b]) {
-        StreamCopy(destination, env.arena.data() + offsets[b], run_bytes);
+      if (offset <= env.arena.size_bytes() && run_bytes <= env.arena.size_bytes() - offset) {
+        StreamCopy(destination, env.arena.data() + offset, run_bytes);
       } else {
-        KVS_RETURN_IF_ERROR(env.arena.Read(offsets[b], destination, run_bytes));
+        KVS_RETURN_IF_ERROR(env.arena.Read(offset, destination, run_bytes));
       }
       b += run;
     }

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -96,22 +97,40 @@ class Arena {
     return absl::OkStatus();
   }
 
+  // Blocks adjacent both in `offsets` and in the arena, as runs: blocks [first, first + count)
+  // of the list, which one copy of count * block_bytes moves.
+  struct BlockRun {
+    size_t first = 0;
+    size_t count = 0;
+  };
+  static std::vector<BlockRun> BlockRuns(absl::Span<const uint64_t> offsets,
+                                         uint64_t block_bytes) {
+    std::vector<BlockRun> runs;
+    for (size_t b = 0; b < offsets.size();) {
+      size_t count = 1;
+      while (b + count < offsets.size() && offsets[b + count] == offsets[b] + count * block_bytes) {
+        ++count;
+      }
+      runs.push_back({b, count});
+      b += count;
+    }
+    return runs;
+  }
+
  private:
-  // copy(offset, host, bytes) once per run of blocks adjacent in the arena, after CheckBlocks.
+  // copy(offset, host, bytes) once per run of blocks, after CheckBlocks.
   template <typename Copy>
   absl::Status EachBlockRun(absl::Span<const uint64_t> offsets, uint64_t block_bytes, void* host,
                             const Copy& copy) const {
     if (absl::Status status = CheckBlocks(offsets, block_bytes, host); !status.ok()) return status;
     if (offsets.empty() || block_bytes == 0) return absl::OkStatus();
     auto* bytes = static_cast<uint8_t*>(host);
-    for (size_t b = 0; b < offsets.size();) {
-      size_t run = 1;
-      while (b + run < offsets.size() && offsets[b + run] == offsets[b] + run * block_bytes) ++run;
-      if (absl::Status status = copy(offsets[b], bytes + b * block_bytes, run * block_bytes);
+    for (const BlockRun& run : BlockRuns(offsets, block_bytes)) {
+      if (absl::Status status = copy(offsets[run.first], bytes + run.first * block_bytes,
+                                     run.count * block_bytes);
           !status.ok()) {
         return status;
       }
-      b += run;
     }
     return absl::OkStatus();
   }

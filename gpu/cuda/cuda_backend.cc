@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -140,38 +139,15 @@ class CudaArena final : public Arena {
     constexpr size_t kFewRuns = 8;
     constexpr uint64_t kPieceBytes = uint64_t{64} << 20;
     const cudaStream_t stream = nullptr;  // this thread's default stream
-    // One transfer per run of adjacent blocks, then one wait: the path for a few runs, and
-    // when no scratch can be had.
-    const auto copy_runs = [&](size_t max_runs) -> std::optional<absl::Status> {
-      std::vector<std::pair<size_t, size_t>> runs;  // (first block, blocks)
-      for (size_t b = 0; b < offsets.size();) {
-        if (runs.size() == max_runs) return std::nullopt;
-        size_t run = 1;
-        while (b + run < offsets.size() && offsets[b + run] == offsets[b] + run * block_bytes) {
-          ++run;
-        }
-        runs.emplace_back(b, run);
-        b += run;
-      }
-      cudaError_t error = cudaSuccess;
-      for (const auto& [first, count] : runs) {
-        uint8_t* arena = base_ + offsets[first];
-        uint8_t* h = host + first * block_bytes;
-        error = cudaMemcpyAsync(to_host ? h : arena, to_host ? arena : h, count * block_bytes,
-                                cudaMemcpyDefault, stream);
-        if (error != cudaSuccess) break;
-      }
-      const cudaError_t waited = cudaStreamSynchronize(stream);
-      return CudaStatus(error != cudaSuccess ? error : waited, "arena block copy");
-    };
-    if (std::optional<absl::Status> done = copy_runs(kFewRuns)) return *done;
+    const std::vector<BlockRun> runs = BlockRuns(offsets, block_bytes);
+    if (runs.size() <= kFewRuns) return CopyRuns(runs, offsets, block_bytes, host, to_host);
     const uint64_t piece_blocks = std::max<uint64_t>(1, kPieceBytes / block_bytes);
     const uint64_t scratch_bytes = std::min<uint64_t>(piece_blocks, offsets.size()) * block_bytes;
     void* scratch = nullptr;
     void* device_offsets = nullptr;
     if (cudaMallocAsync(&scratch, scratch_bytes, stream) != cudaSuccess) {
       cudaGetLastError();  // not sticky: copy run by run instead
-      return *copy_runs(offsets.size());
+      return CopyRuns(runs, offsets, block_bytes, host, to_host);
     }
     cudaError_t error = cudaMallocAsync(&device_offsets, offsets.size() * sizeof(uint64_t), stream);
     if (error == cudaSuccess) {
@@ -205,6 +181,21 @@ class CudaArena final : public Arena {
     const cudaError_t waited = cudaStreamSynchronize(stream);
     if (error == cudaSuccess) error = waited;
     return CudaStatus(error, to_host ? "arena ReadBlocks" : "arena WriteBlocks");
+  }
+
+  // One transfer per run on this thread's default stream, then one wait.
+  absl::Status CopyRuns(absl::Span<const BlockRun> runs, absl::Span<const uint64_t> offsets,
+                        uint64_t block_bytes, uint8_t* host, bool to_host) const {
+    cudaError_t error = cudaSuccess;
+    for (const BlockRun& run : runs) {
+      uint8_t* arena = base_ + offsets[run.first];
+      uint8_t* h = host + run.first * block_bytes;
+      error = cudaMemcpyAsync(to_host ? h : arena, to_host ? arena : h, run.count * block_bytes,
+                              cudaMemcpyDefault, nullptr);
+      if (error != cudaSuccess) break;
+    }
+    const cudaError_t waited = cudaStreamSynchronize(nullptr);
+    return CudaStatus(error != cudaSuccess ? error : waited, "arena block copy");
   }
 
   absl::Status CheckRange(uint64_t offset, uint64_t bytes, const void* buffer,

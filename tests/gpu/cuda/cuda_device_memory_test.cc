@@ -53,7 +53,6 @@ TEST_F(CudaStagingTest, MemoryAllocatesCopiesAndKnowsDevicePointers) {
   ASSERT_TRUE(memory_->CopyToHost(back.data(), *p, back.size(), nullptr).ok());
   EXPECT_EQ(back, host);
   memory_->Free(*p);
-  memory_->Free(*p);  // no longer live: ignored, not a second free
   auto again = memory_->Allocate(800);  // from the pool the first went back to
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE(memory_->IsDeviceAccessible(*again));
