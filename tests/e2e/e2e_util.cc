@@ -16,9 +16,11 @@
 #include <set>
 #include <sstream>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "gtest/gtest.h"
 #include "gpu/base/dtype.h"
 #include "tests/test_backend.h"
 
@@ -56,11 +58,34 @@ std::string BuildDir() {
   return exe.parent_path().parent_path().parent_path().string();
 }
 
+namespace {
+
+// The directories MakeTempDir made in this process. They hold the servers' logs, certificates
+// and tokens: kept when a test failed (the logs are what explains it), removed at exit otherwise,
+// so that a passing suite leaves nothing behind.
+std::vector<std::string>& TempDirs() {
+  static auto* dirs = new std::vector<std::string>();
+  return *dirs;
+}
+
+void RemoveTempDirsIfPassed() {
+  if (!::testing::UnitTest::GetInstance()->Passed()) return;
+  for (const std::string& dir : TempDirs()) {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  }
+}
+
+}  // namespace
+
 std::string MakeTempDir(const std::string& prefix) {
   const char* base = getenv("TEST_TMPDIR");
   std::string pattern =
       absl::StrCat(base != nullptr && base[0] != '\0' ? base : "/tmp", "/", prefix, "XXXXXX");
   if (mkdtemp(pattern.data()) == nullptr) return "";
+  static const bool registered = (std::atexit(RemoveTempDirsIfPassed), true);
+  (void)registered;
+  TempDirs().push_back(pattern);
   return pattern;
 }
 
