@@ -19,6 +19,8 @@
 #include "gpu/cpu/cpu_isa.h"
 #include "gpu/cpu/keydiff_cpu.h"
 
+
+
 namespace kvs {
 namespace {
 
@@ -263,6 +265,7 @@ KVS_AVX2 inline void SoftmaxTileRow(const float* logits, const int32_t* key_posi
   const __m256 vscale = _mm256_set1_ps(scale);
   __m256 l[kTile / 8];
   __m256 vmax = neg_inf;
+  __m256 nan = _mm256_setzero_ps();
   const int vectors = (n + 7) / 8;
   for (int v = 0; v < vectors; ++v) {
     // Slots past n (a partial last tile) are masked like causal ones; their positions are not
@@ -272,7 +275,18 @@ KVS_AVX2 inline void SoftmaxTileRow(const float* logits, const int32_t* key_posi
     const __m256i keep = _mm256_andnot_si256(_mm256_cmpgt_epi32(kpos, qpos), valid);
     const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(logits + 8 * v), vscale);
     l[v] = _mm256_blendv_ps(neg_inf, x, _mm256_castsi256_ps(keep));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(l[v], l[v], _CMP_UNORD_Q));
     vmax = _mm256_max_ps(vmax, l[v]);
+  }
+  // A NaN logit (a dot product that overflowed to inf - inf) must not vanish: maxps returns its
+  // second operand when one is NaN, so the max may drop it and leave finite, meaningless
+  // probabilities. The tile's probabilities become NaN instead, for the caller's finiteness
+  // check to refuse, as the scalar kernel's do.
+  if (_mm256_movemask_ps(nan) != 0) {
+    std::fill(out, out + n, std::numeric_limits<float>::quiet_NaN());
+    *tile_max = std::numeric_limits<float>::quiet_NaN();
+    *tile_sum = std::numeric_limits<float>::quiet_NaN();
+    return;
   }
   const float max = std::max(HorizontalMax(vmax), *running_max);
   *running_max = max;
@@ -365,6 +379,31 @@ void PrefetchTile(const PagedLayerView& keys, int64_t head, int64_t s0, int n, u
   }
 }
 
+// The key rows of (tile t, kv head `head`) and of the (tile, head) after it in the decode
+// kernels' order, which are prefetched while this one is computed.
+struct DecodeRows {
+  const uint8_t* rows[kTile];
+  const uint8_t* ahead[kTile];
+  int n = 0;
+  int n_next = 0;  // 0: nothing after this (tile, head) in the task
+
+  void Load(const PagedLayerView& keys, int64_t head, int64_t head_begin, int64_t head_end,
+            int64_t t, int64_t tile_end) {
+    const int64_t s0 = t * kTile;
+    n = static_cast<int>(std::min<int64_t>(kTile, keys.count - s0));
+    PagedRows(keys, head, s0, n, rows);
+    n_next = 0;
+    if (head + 1 < head_end) {
+      n_next = n;
+      PagedRows(keys, head + 1, s0, n_next, ahead);
+    } else if (t + 1 < tile_end) {
+      n_next = static_cast<int>(std::min<int64_t>(kTile, keys.count - s0 - kTile));
+      PagedRows(keys, head_begin, s0 + kTile, n_next, ahead);
+    }
+  }
+  const uint8_t* const* next() const { return n_next > 0 ? ahead : nullptr; }
+};
+
 // The decode kernel over tiles [tile_begin, tile_end) of kv heads [head_begin, head_end), tile
 // by tile and head by head within a tile: a block holds every head's rows of its slots
 // ([2][H][B][D]), so this order reads each block's keys as one contiguous run (32 KiB for 8 heads
@@ -378,55 +417,40 @@ KVS_AVX2 void DecodeTiles(const JobPlan& plan, const Records& records, int64_t h
                           int64_t head_end, int64_t tile_begin, int64_t tile_end,
                           float* running_max) {
   const AttentionJob& job = *plan.job;
-  const PagedLayerView& keys = job.keys;
-  const int dim = keys.head_dim;
-  const int64_t count = keys.count;
+  const int dim = job.keys.head_dim;
+  const int64_t count = job.keys.count;
   const int64_t rows = plan.group_rows;
   alignas(32) float logits[kRowBlock * kLogitStride];
-  const uint8_t* tile_rows[kTile];
-  const uint8_t* ahead_rows[kTile];
+  DecodeRows tile;
   for (int64_t t = tile_begin; t < tile_end; ++t) {
     const int64_t s0 = t * kTile;
-    const int n = static_cast<int>(std::min<int64_t>(kTile, count - s0));
     for (int64_t head = head_begin; head < head_end; ++head) {
+      tile.Load(job.keys, head, head_begin, head_end, t, tile_end);
+      const int n = tile.n;
       const float* queries = job.queries + head * rows * dim;
-      const int32_t* key_positions = job.key_positions + head * count;
-      PagedRows(keys, head, s0, n, tile_rows);
-      // The next (tile, head) in this order.
-      const uint8_t* const* next = nullptr;
-      int n_next = 0;
-      if (head + 1 < head_end) {
-        n_next = n;
-        PagedRows(keys, head + 1, s0, n_next, ahead_rows);
-        next = ahead_rows;
-      } else if (t + 1 < tile_end) {
-        n_next = static_cast<int>(std::min<int64_t>(kTile, count - s0 - kTile));
-        PagedRows(keys, head_begin, s0 + kTile, n_next, ahead_rows);
-        next = ahead_rows;
-      }
       for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
         const int strip = static_cast<int>(std::min<int64_t>(kRowBlock, rows - m0));
         const float* q = queries + m0 * dim;
         // Only the first strip prefetches; later strips find the tile in L1/L2.
-        const uint8_t* const* p = m0 == 0 ? next : nullptr;
+        const uint8_t* const* p = m0 == 0 ? tile.next() : nullptr;
         switch (strip) {
           case 4:
-            FusedDotStrip<kType, 4>(q, tile_rows, n, p, n_next, dim, logits);
+            FusedDotStrip<kType, 4>(q, tile.rows, n, p, tile.n_next, dim, logits);
             break;
           case 3:
-            FusedDotStrip<kType, 3>(q, tile_rows, n, p, n_next, dim, logits);
+            FusedDotStrip<kType, 3>(q, tile.rows, n, p, tile.n_next, dim, logits);
             break;
           case 2:
-            FusedDotStrip<kType, 2>(q, tile_rows, n, p, n_next, dim, logits);
+            FusedDotStrip<kType, 2>(q, tile.rows, n, p, tile.n_next, dim, logits);
             break;
           default:
-            FusedDotStrip<kType, 1>(q, tile_rows, n, p, n_next, dim, logits);
+            FusedDotStrip<kType, 1>(q, tile.rows, n, p, tile.n_next, dim, logits);
             break;
         }
         for (int r = 0; r < strip; ++r) {
           const int64_t m = m0 + r;
           const int64_t row = head * rows + m;
-          SoftmaxTileRow(logits + r * kLogitStride, key_positions + s0,
+          SoftmaxTileRow(logits + r * kLogitStride, job.key_positions + head * count + s0,
                          job.query_positions[m % job.num_queries], job.scale, n,
                          job.probs + row * count + s0, &running_max[(head - head_begin) * rows + m],
                          &records.max[records.At(row, t)], &records.sum[records.At(row, t)]);
@@ -553,6 +577,7 @@ KVS_AVX512 inline void SoftmaxTileRow512(const float* logits, const int32_t* key
   __m512 l[kTile / 16];
   __mmask16 valid[kTile / 16];
   __m512 vmax = neg_inf;
+  __mmask16 nan = 0;
   const int vectors = (n + 15) / 16;
 #pragma GCC unroll 3
   for (int v = 0; v < vectors; ++v) {
@@ -564,7 +589,15 @@ KVS_AVX512 inline void SoftmaxTileRow512(const float* logits, const int32_t* key
     const __mmask16 keep = _mm512_mask_cmple_epi32_mask(valid[v], kpos, qpos);
     const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(logits + 16 * v), vscale);
     l[v] = _mm512_mask_blend_ps(keep, neg_inf, x);
+    nan |= _mm512_cmp_ps_mask(l[v], l[v], _CMP_UNORD_Q);
     vmax = _mm512_max_ps(vmax, l[v]);
+  }
+  // A NaN logit must not vanish into the max (see SoftmaxTileRow).
+  if (nan != 0) {
+    std::fill(out, out + n, std::numeric_limits<float>::quiet_NaN());
+    *tile_max = std::numeric_limits<float>::quiet_NaN();
+    *tile_sum = std::numeric_limits<float>::quiet_NaN();
+    return;
   }
   const float max = std::max(_mm512_reduce_max_ps(vmax), *running_max);
   *running_max = max;
@@ -708,6 +741,206 @@ KVS_AVX512 void Avx512Task(const JobPlan& plan, const Records& records, int64_t 
   }
 }
 
+// --- AVX-512 decode kernel (fewer than 8 query rows per kv head). Where DRAM streams keys
+// faster than eight-lane FMAs consume them, the AVX2 decode kernel is bound by its multiply-adds
+// (on a 2-core EPYC the key stream reaches 66 GB/s, the kernel read at ~24). Here each zmm
+// register holds two keys: its low 8 lanes accumulate one key and its high 8 the next, each the
+// same ordered FMA chain over d as a lane of FusedDotKernel, and the halves are reduced by the
+// same HorizontalSum4, so the logits equal the AVX2 kernel's to the bit with half the FMAs.
+
+// Elements [d, d + 8) of two key rows (the same offset into each) as one zmm: a's in the low
+// half, b's in the high half.
+template <DType kType>
+KVS_AVX512 inline __m512 LoadKeyPair(const uint8_t* a, const uint8_t* b) {
+  if constexpr (kType == DType::kFloat32) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(reinterpret_cast<const float*>(a))),
+                              _mm256_loadu_ps(reinterpret_cast<const float*>(b)), 1);
+  } else {
+    const __m256i halves = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+    if constexpr (kType == DType::kFloat16) return _mm512_cvtph_ps(halves);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+  }
+}
+
+// FusedDotKernel with kKeys <= 8 keys in (kKeys + 1) / 2 zmm pairs (an odd last key is paired
+// with itself; its copy is dropped): 4 rows x 4 pairs = 16 accumulators + 4 key registers.
+// out[r * out_stride + j] gets the dot of query row r with key j; the columns up to the next
+// multiple of 4 are scratch, as in FusedDotKernel.
+template <DType kType, int kRows, int kKeys>
+KVS_AVX512 inline void FusedDotKernel512(const float* q, const uint8_t* const* k,
+                                         const uint8_t* const* prefetch, int dim, float* out,
+                                         int out_stride) {
+  static_assert(kKeys >= 1 && kKeys <= 8);
+  constexpr int kPairs = (kKeys + 1) / 2;
+  constexpr int kBytes = DTypeBytes(kType);
+  // The lines of prefetch[0 .. kKeys) are requested a few per step of the loop over d rather
+  // than all at once: issued together they fill the core's miss buffers and the next
+  // prefetch waits for a free one, stalling the multiply-adds behind it.
+  const int row_bytes = dim * kBytes;
+  const int lines = prefetch != nullptr ? kKeys * ((row_bytes + 63) / 64) : 0;
+  const int steps = dim / 8;
+  const int per_step = (lines + steps - 1) / steps;
+  int line = 0, pf_row = 0, pf_offset = 0;
+  const uint8_t* lo[kPairs];
+  const uint8_t* hi[kPairs];
+#pragma GCC unroll 4
+  for (int p = 0; p < kPairs; ++p) {
+    lo[p] = k[2 * p];
+    hi[p] = 2 * p + 1 < kKeys ? k[2 * p + 1] : k[2 * p];
+  }
+  __m512 acc[kRows][kPairs];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int p = 0; p < kPairs; ++p) acc[r][p] = _mm512_setzero_ps();
+  }
+  for (int d = 0; d < dim; d += 8) {
+    for (int k = 0; k < per_step && line < lines; ++k, ++line) {
+      __builtin_prefetch(prefetch[pf_row] + pf_offset);
+      pf_offset += 64;
+      if (pf_offset >= row_bytes) {
+        pf_offset = 0;
+        ++pf_row;
+      }
+    }
+    __m512 key[kPairs];
+#pragma GCC unroll 4
+    for (int p = 0; p < kPairs; ++p) key[p] = LoadKeyPair<kType>(lo[p] + d * kBytes, hi[p] + d * kBytes);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 x = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + r * dim + d));
+#pragma GCC unroll 4
+      for (int p = 0; p < kPairs; ++p) acc[r][p] = _mm512_fmadd_ps(x, key[p], acc[r][p]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+    __m256 half[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) half[i] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int p = 0; p < kPairs; ++p) {
+      half[2 * p] = _mm512_castps512_ps256(acc[r][p]);
+      half[2 * p + 1] = _mm512_extractf32x8_ps(acc[r][p], 1);
+    }
+    _mm_storeu_ps(out + r * out_stride, avx2::HorizontalSum4(half[0], half[1], half[2], half[3]));
+    if constexpr (kKeys > 4) {
+      _mm_storeu_ps(out + r * out_stride + 4,
+                    avx2::HorizontalSum4(half[4], half[5], half[6], half[7]));
+    }
+  }
+}
+
+constexpr int kKeyBlock512 = 8;
+
+// FusedDotStrip with FusedDotKernel512: the logits of kRows query rows against a tile's n keys.
+template <DType kType, int kRows>
+KVS_AVX512 inline void FusedDotStrip512(const float* q, const uint8_t* const* rows, int n,
+                                        const uint8_t* const* prefetch, int n_prefetch, int dim,
+                                        float* out) {
+  int j = 0;
+  int prefetched = 0;
+  for (; j + kKeyBlock512 <= n; j += kKeyBlock512) {
+    const uint8_t* const* p = nullptr;
+    if (prefetch != nullptr && j + kKeyBlock512 <= n_prefetch) {
+      p = prefetch + j;
+      prefetched = j + kKeyBlock512;
+    }
+    FusedDotKernel512<kType, kRows, kKeyBlock512>(q, rows + j, p, dim, out + j, kLogitStride);
+  }
+  const uint8_t* const* r = rows + j;
+  float* o = out + j;
+  switch (n - j) {
+    case 7:
+      FusedDotKernel512<kType, kRows, 7>(q, r, nullptr, dim, o, kLogitStride);
+      break;
+    case 6:
+      FusedDotKernel512<kType, kRows, 6>(q, r, nullptr, dim, o, kLogitStride);
+      break;
+    case 5:
+      FusedDotKernel512<kType, kRows, 5>(q, r, nullptr, dim, o, kLogitStride);
+      break;
+    case 4:
+      FusedDotKernel512<kType, kRows, 4>(q, r, nullptr, dim, o, kLogitStride);
+      break;
+    case 3:
+      FusedDotKernel512<kType, kRows, 3>(q, r, nullptr, dim, o, kLogitStride);
+      break;
+    case 2:
+      FusedDotKernel512<kType, kRows, 2>(q, r, nullptr, dim, o, kLogitStride);
+      break;
+    case 1:
+      FusedDotKernel512<kType, kRows, 1>(q, r, nullptr, dim, o, kLogitStride);
+      break;
+    default:
+      break;
+  }
+  if (prefetch != nullptr) {
+    const int row_bytes = dim * DTypeBytes(kType);
+    for (int i = prefetched; i < n_prefetch; ++i) {
+      for (int offset = 0; offset < row_bytes; offset += 64) {
+        __builtin_prefetch(prefetch[i] + offset);
+      }
+    }
+  }
+}
+
+// DecodeTiles (the same order, prefetches and records) with FusedDotStrip512 and the 16-lane
+// softmax. (Reading each block's heads as one contiguous run, or prefetching further ahead, was
+// no faster in attention_bench on a 2-core EPYC: the software prefetches of the next (tile,
+// head) keep the core's miss buffers full either way.)
+template <DType kType>
+KVS_AVX512 void Avx512DecodeTask(const JobPlan& plan, const Records& records,
+                                 int64_t head_begin, int64_t head_end, int64_t tile_begin,
+                                 int64_t tile_end) {
+  const AttentionJob& job = *plan.job;
+  const int dim = job.keys.head_dim;
+  const int64_t count = job.keys.count;
+  const int64_t rows = plan.group_rows;
+  thread_local std::vector<float> running_max;
+  running_max.assign((head_end - head_begin) * rows, kNegInf);
+  alignas(64) float logits[kRowBlock * kLogitStride];
+  DecodeRows tile;
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    const int64_t s0 = t * kTile;
+    for (int64_t head = head_begin; head < head_end; ++head) {
+      tile.Load(job.keys, head, head_begin, head_end, t, tile_end);
+      const int n = tile.n;
+      const float* queries = job.queries + head * rows * dim;
+      const auto softmax = n == kTile ? SoftmaxTileRow512<true> : SoftmaxTileRow512<false>;
+      for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+        const int strip = static_cast<int>(std::min<int64_t>(kRowBlock, rows - m0));
+        const float* q = queries + m0 * dim;
+        const uint8_t* const* p = m0 == 0 ? tile.next() : nullptr;
+        switch (strip) {
+          case 4:
+            FusedDotStrip512<kType, 4>(q, tile.rows, n, p, tile.n_next, dim, logits);
+            break;
+          case 3:
+            FusedDotStrip512<kType, 3>(q, tile.rows, n, p, tile.n_next, dim, logits);
+            break;
+          case 2:
+            FusedDotStrip512<kType, 2>(q, tile.rows, n, p, tile.n_next, dim, logits);
+            break;
+          default:
+            FusedDotStrip512<kType, 1>(q, tile.rows, n, p, tile.n_next, dim, logits);
+            break;
+        }
+        for (int r = 0; r < strip; ++r) {
+          const int64_t m = m0 + r;
+          const int64_t row = head * rows + m;
+          softmax(logits + r * kLogitStride, job.key_positions + head * count + s0,
+                  job.query_positions[m % job.num_queries], job.scale, n,
+                  job.probs + row * count + s0, &running_max[(head - head_begin) * rows + m],
+                  &records.max[records.At(row, t)], &records.sum[records.At(row, t)]);
+        }
+      }
+    }
+  }
+}
+
 #pragma GCC diagnostic pop
 
 // ---------------------------------------------------------------------------------------------
@@ -737,7 +970,15 @@ void ForEachNormalizedRun(const JobPlan& plan, const Records& records, int64_t r
   const float* maxes = records.max + records.At(row, 0);
   const float* sums = records.sum + records.At(row, 0);
   float max = kNegInf;
-  for (int64_t t = 0; t < plan.tiles; ++t) max = std::max(max, maxes[t]);
+  bool nan = false;  // a tile saw a NaN logit (SoftmaxTileRow): the whole row is NaN
+  for (int64_t t = 0; t < plan.tiles; ++t) {
+    max = std::max(max, maxes[t]);
+    nan |= std::isnan(maxes[t]) || std::isnan(sums[t]);
+  }
+  if (nan) {
+    apply(0, count, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
   if (max == kNegInf) return;
   float sum = 0.0f;
   for (int64_t t = 0; t < plan.tiles; ++t) {
@@ -825,6 +1066,19 @@ void RunTask(const JobPlan& plan, const Records& records, int64_t head_begin, in
         return Avx512Task<DType::kBFloat16>(plan, records, head_begin, tile_begin, tile_end);
       case DType::kFloat32:
         return Avx512Task<DType::kFloat32>(plan, records, head_begin, tile_begin, tile_end);
+    }
+  }
+  if (isa == CpuIsa::kAvx512) {
+    switch (plan.job->keys.dtype) {
+      case DType::kFloat16:
+        return Avx512DecodeTask<DType::kFloat16>(plan, records, head_begin, head_end, tile_begin,
+                                                 tile_end);
+      case DType::kBFloat16:
+        return Avx512DecodeTask<DType::kBFloat16>(plan, records, head_begin, head_end, tile_begin,
+                                                  tile_end);
+      case DType::kFloat32:
+        return Avx512DecodeTask<DType::kFloat32>(plan, records, head_begin, head_end, tile_begin,
+                                                 tile_end);
     }
   }
   if (isa >= CpuIsa::kAvx2) {

@@ -263,6 +263,40 @@ TEST(AttentionCpu, LargeLogitsAreStable) {
   }
 }
 
+// Queries so large that the dot products overflow (+inf and -inf terms meet: NaN logits) give
+// non-finite probabilities (and column sums) on every ISA and shape, for the caller's finiteness
+// check to refuse: a NaN must not vanish into a max reduction and leave finite, meaningless
+// probabilities.
+TEST(AttentionCpu, OverflowingLogitsGiveNonFiniteProbabilitiesOnEveryIsa) {
+  for (CpuIsa isa : kAllIsas) {
+    for (const int window : {1, 32}) {  // the decode kernel and the window kernel
+      SCOPED_TRACE(::testing::Message() << CpuIsaName(isa) << " window " << window);
+      ThreadPool pool(2);
+      Problem p(/*heads=*/2, /*group=*/4, window, /*count=*/200, /*dim=*/128, DType::kFloat16,
+                /*block_tokens=*/16, 31);
+      for (float& q : p.queries) q = q >= 0.0f ? 3e38f : -3e38f;
+      for (int32_t& position : p.query_positions) position = p.job.keys.count + 20;  // sees all
+      ASSERT_TRUE(RunAttentionProbsWithIsa({&p.job, 1}, pool, isa).ok());
+      const int count = p.job.keys.count;
+      const int rows = static_cast<int>(p.probs.size()) / count;
+      for (int r = 0; r < rows; ++r) {
+        const float* row = p.probs.data() + static_cast<size_t>(r) * count;
+        EXPECT_FALSE(std::all_of(row, row + count, [](float v) { return std::isfinite(v); }))
+            << "row " << r << " has only finite probabilities";
+      }
+      std::vector<float> sums(static_cast<size_t>(p.job.num_q_heads) * count, -7.0f);
+      AttentionSumsJob sums_job{.attention = p.job, .sums = sums.data()};
+      sums_job.attention.probs = nullptr;
+      ASSERT_TRUE(RunAttentionColumnSums({&sums_job, 1}, pool, isa).ok());
+      for (int q = 0; q < p.job.num_q_heads; ++q) {
+        const float* row = sums.data() + static_cast<size_t>(q) * count;
+        EXPECT_FALSE(std::all_of(row, row + count, [](float v) { return std::isfinite(v); }))
+            << "the column sums of query head " << q << " are all finite";
+      }
+    }
+  }
+}
+
 // The AVX-512 window kernel against the scalar code (and the AVX2 kernel) on shapes that reach
 // every tail: key counts around the 48-slot tile and the 16-lane vectors, rows per kv head
 // (G x w) at every remainder of the 8-row block (and under 8: the decode kernel), head_dim 64,
