@@ -207,6 +207,7 @@ BENCHMARK(BM_AttentionWindow)
     // decode: one query per (sequence, layer). 16 sequences x 32 layers (2.1 GB of keys, far past
     // the caches) rather than 64: the 8.6 GB of 64 would not fit this shared machine's memory.
     ->Args({2, 1, 2048, 16 * kLayers})
+    ->Args({2, 1, 8192, kLayers})  // TOVA's compress: the newest query against 8192 keys, 32 layers
     ->Args({1, 32, 8192, kLayers})
     ->Unit(benchmark::kMillisecond)
     ->MinTime(1.0)

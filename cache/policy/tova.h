@@ -3,9 +3,9 @@
 // head is the GQA mean of its group. all_heads = original TOVA: one score per token, the mean over
 // every query head of the layer, shared by all kv heads. Nothing is protected, unless
 // keep_last_token (kvpress's TOVAPress) keeps each head's newest position whatever its score. The
-// scores are
-// transient (LayerPolicyState::step_scores, [Hq][count]): a call that must evict without this
-// step's attention is INVALID_ARGUMENT.
+// scores are transient (LayerPolicyState::step_scores: [Hq][count], or with all_heads the means
+// already taken, [H][count]): a call that must evict without this step's attention is
+// INVALID_ARGUMENT.
 //
 // Immutable; safe to share across threads.
 #ifndef KVSIDECAR_CACHE_POLICY_TOVA_H_
