@@ -404,23 +404,20 @@ struct DecodeRows {
   const uint8_t* const* next() const { return n_next > 0 ? ahead : nullptr; }
 };
 
-// The decode kernel over tiles [tile_begin, tile_end) of kv heads [head_begin, head_end), tile
-// by tile and head by head within a tile: a block holds every head's rows of its slots
-// ([2][H][B][D]), so this order reads each block's keys as one contiguous run (32 KiB for 8 heads
-// x 16 fp16 tokens x 128) where a head-by-head order would read scattered 4 KiB pieces, which
-// this machine streams at under half the speed (TLB and DRAM page misses). Keys are streamed from
-// the arena (FusedDotStrip) while the next (tile, head) is prefetched, 12 KiB ahead for fp16
-// keys of head_dim 128 (further ahead, or prefetches to L2 only, were no better in
-// attention_bench). running_max: (head_end - head_begin) * group_rows entries.
-template <DType kType>
-KVS_AVX2 void DecodeTiles(const JobPlan& plan, const Records& records, int64_t head_begin,
-                          int64_t head_end, int64_t tile_begin, int64_t tile_end,
-                          float* running_max) {
+// The body of the decode kernel, for the ISA whose kernels `Kernels` gives: Strip<kType, kRows>
+// (the logits of a strip of query rows against a tile, prefetching the next tile's rows) and
+// Softmax (SoftmaxTileRow's contract). Inlined into each ISA's entry point, which carries the
+// target attribute the kernels need.
+template <DType kType, typename Kernels>
+__attribute__((always_inline)) inline void DecodeLoop(const JobPlan& plan, const Records& records,
+                                                      int64_t head_begin, int64_t head_end,
+                                                      int64_t tile_begin, int64_t tile_end,
+                                                      float* running_max) {
   const AttentionJob& job = *plan.job;
   const int dim = job.keys.head_dim;
   const int64_t count = job.keys.count;
   const int64_t rows = plan.group_rows;
-  alignas(32) float logits[kRowBlock * kLogitStride];
+  alignas(64) float logits[kRowBlock * kLogitStride];
   DecodeRows tile;
   for (int64_t t = tile_begin; t < tile_end; ++t) {
     const int64_t s0 = t * kTile;
@@ -435,29 +432,61 @@ KVS_AVX2 void DecodeTiles(const JobPlan& plan, const Records& records, int64_t h
         const uint8_t* const* p = m0 == 0 ? tile.next() : nullptr;
         switch (strip) {
           case 4:
-            FusedDotStrip<kType, 4>(q, tile.rows, n, p, tile.n_next, dim, logits);
+            Kernels::template Strip<kType, 4>(q, tile.rows, n, p, tile.n_next, dim, logits);
             break;
           case 3:
-            FusedDotStrip<kType, 3>(q, tile.rows, n, p, tile.n_next, dim, logits);
+            Kernels::template Strip<kType, 3>(q, tile.rows, n, p, tile.n_next, dim, logits);
             break;
           case 2:
-            FusedDotStrip<kType, 2>(q, tile.rows, n, p, tile.n_next, dim, logits);
+            Kernels::template Strip<kType, 2>(q, tile.rows, n, p, tile.n_next, dim, logits);
             break;
           default:
-            FusedDotStrip<kType, 1>(q, tile.rows, n, p, tile.n_next, dim, logits);
+            Kernels::template Strip<kType, 1>(q, tile.rows, n, p, tile.n_next, dim, logits);
             break;
         }
         for (int r = 0; r < strip; ++r) {
           const int64_t m = m0 + r;
           const int64_t row = head * rows + m;
-          SoftmaxTileRow(logits + r * kLogitStride, job.key_positions + head * count + s0,
-                         job.query_positions[m % job.num_queries], job.scale, n,
-                         job.probs + row * count + s0, &running_max[(head - head_begin) * rows + m],
-                         &records.max[records.At(row, t)], &records.sum[records.At(row, t)]);
+          Kernels::Softmax(logits + r * kLogitStride, job.key_positions + head * count + s0,
+                           job.query_positions[m % job.num_queries], job.scale, n,
+                           job.probs + row * count + s0,
+                           &running_max[(head - head_begin) * rows + m],
+                           &records.max[records.At(row, t)], &records.sum[records.At(row, t)]);
         }
       }
     }
   }
+}
+
+struct Avx2DecodeKernels {
+  template <DType kType, int kRows>
+  KVS_AVX2 static void Strip(const float* q, const uint8_t* const* rows, int n,
+                             const uint8_t* const* prefetch, int n_prefetch, int dim,
+                             float* out) {
+    FusedDotStrip<kType, kRows>(q, rows, n, prefetch, n_prefetch, dim, out);
+  }
+  KVS_AVX2 static void Softmax(const float* logits, const int32_t* key_positions,
+                               int32_t query_position, float scale, int n, float* out,
+                               float* running_max, float* tile_max, float* tile_sum) {
+    SoftmaxTileRow(logits, key_positions, query_position, scale, n, out, running_max, tile_max,
+                   tile_sum);
+  }
+};
+
+// The decode kernel over tiles [tile_begin, tile_end) of kv heads [head_begin, head_end), tile
+// by tile and head by head within a tile: a block holds every head's rows of its slots
+// ([2][H][B][D]), so this order reads each block's keys as one contiguous run (32 KiB for 8 heads
+// x 16 fp16 tokens x 128) where a head-by-head order would read scattered 4 KiB pieces, which
+// this machine streams at under half the speed (TLB and DRAM page misses). Keys are streamed from
+// the arena (FusedDotStrip) while the next (tile, head) is prefetched, 12 KiB ahead for fp16
+// keys of head_dim 128 (further ahead, or prefetches to L2 only, were no better in
+// attention_bench). running_max: (head_end - head_begin) * group_rows entries.
+template <DType kType>
+KVS_AVX2 void DecodeTiles(const JobPlan& plan, const Records& records, int64_t head_begin,
+                          int64_t head_end, int64_t tile_begin, int64_t tile_end,
+                          float* running_max) {
+  DecodeLoop<kType, Avx2DecodeKernels>(plan, records, head_begin, head_end, tile_begin, tile_end,
+                                       running_max);
 }
 
 template <DType kType>
@@ -887,6 +916,26 @@ KVS_AVX512 inline void FusedDotStrip512(const float* q, const uint8_t* const* ro
   }
 }
 
+struct Avx512DecodeKernels {
+  template <DType kType, int kRows>
+  KVS_AVX512 static void Strip(const float* q, const uint8_t* const* rows, int n,
+                               const uint8_t* const* prefetch, int n_prefetch, int dim,
+                               float* out) {
+    FusedDotStrip512<kType, kRows>(q, rows, n, prefetch, n_prefetch, dim, out);
+  }
+  KVS_AVX512 static void Softmax(const float* logits, const int32_t* key_positions,
+                                 int32_t query_position, float scale, int n, float* out,
+                                 float* running_max, float* tile_max, float* tile_sum) {
+    if (n == kTile) {
+      SoftmaxTileRow512<true>(logits, key_positions, query_position, scale, n, out, running_max,
+                              tile_max, tile_sum);
+    } else {
+      SoftmaxTileRow512<false>(logits, key_positions, query_position, scale, n, out, running_max,
+                               tile_max, tile_sum);
+    }
+  }
+};
+
 // DecodeTiles (the same order, prefetches and records) with FusedDotStrip512 and the 16-lane
 // softmax. (Reading each block's heads as one contiguous run, or prefetching further ahead, was
 // no faster in attention_bench on a 2-core EPYC: the software prefetches of the next (tile,
@@ -895,50 +944,10 @@ template <DType kType>
 KVS_AVX512 void Avx512DecodeTask(const JobPlan& plan, const Records& records,
                                  int64_t head_begin, int64_t head_end, int64_t tile_begin,
                                  int64_t tile_end) {
-  const AttentionJob& job = *plan.job;
-  const int dim = job.keys.head_dim;
-  const int64_t count = job.keys.count;
-  const int64_t rows = plan.group_rows;
   thread_local std::vector<float> running_max;
-  running_max.assign((head_end - head_begin) * rows, kNegInf);
-  alignas(64) float logits[kRowBlock * kLogitStride];
-  DecodeRows tile;
-  for (int64_t t = tile_begin; t < tile_end; ++t) {
-    const int64_t s0 = t * kTile;
-    for (int64_t head = head_begin; head < head_end; ++head) {
-      tile.Load(job.keys, head, head_begin, head_end, t, tile_end);
-      const int n = tile.n;
-      const float* queries = job.queries + head * rows * dim;
-      const auto softmax = n == kTile ? SoftmaxTileRow512<true> : SoftmaxTileRow512<false>;
-      for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
-        const int strip = static_cast<int>(std::min<int64_t>(kRowBlock, rows - m0));
-        const float* q = queries + m0 * dim;
-        const uint8_t* const* p = m0 == 0 ? tile.next() : nullptr;
-        switch (strip) {
-          case 4:
-            FusedDotStrip512<kType, 4>(q, tile.rows, n, p, tile.n_next, dim, logits);
-            break;
-          case 3:
-            FusedDotStrip512<kType, 3>(q, tile.rows, n, p, tile.n_next, dim, logits);
-            break;
-          case 2:
-            FusedDotStrip512<kType, 2>(q, tile.rows, n, p, tile.n_next, dim, logits);
-            break;
-          default:
-            FusedDotStrip512<kType, 1>(q, tile.rows, n, p, tile.n_next, dim, logits);
-            break;
-        }
-        for (int r = 0; r < strip; ++r) {
-          const int64_t m = m0 + r;
-          const int64_t row = head * rows + m;
-          softmax(logits + r * kLogitStride, job.key_positions + head * count + s0,
-                  job.query_positions[m % job.num_queries], job.scale, n,
-                  job.probs + row * count + s0, &running_max[(head - head_begin) * rows + m],
-                  &records.max[records.At(row, t)], &records.sum[records.At(row, t)]);
-        }
-      }
-    }
-  }
+  running_max.assign((head_end - head_begin) * plan.group_rows, kNegInf);
+  DecodeLoop<kType, Avx512DecodeKernels>(plan, records, head_begin, head_end, tile_begin, tile_end,
+                                         running_max.data());
 }
 
 #pragma GCC diagnostic pop
