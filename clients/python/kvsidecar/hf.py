@@ -867,19 +867,48 @@ class SidecarCache(Cache):
         if width == 0:
             return new_k, new_v
         b, h, t, d = new_k.shape
-        keys = new_k.new_zeros((b, h, width + t, d))
-        values = new_v.new_zeros((b, h, width + t, d))
+        # Not zeroed: every slot is written below (held rows, a shorter row's padding, the new
+        # block), and the held rows go from the gathered blocks to their place in one copy.
+        keys = new_k.new_empty((b, h, width + t, d))
+        values = new_v.new_empty((b, h, width + t, d))
         arena = self._arena()
         bt = self.session.arena.block_tokens
+        if min(held) == width:
+            # Every row holds the same count (no padding, the usual batch): one gather of every
+            # row's blocks and one copy per K and V for the whole batch.
+            nb = -(-width // bt)
+            full = width // bt
+            table = torch.as_tensor(
+                np.asarray([step.tables[row][layer][:nb] for row in range(b)], np.int64),
+                device=arena.device).reshape(-1)
+            blocks = arena.index_select(0, table).view(b, nb, 2, h, bt, d)
+            for out, kv in ((keys, 0), (values, 1)):
+                if full:
+                    out[:, :, :full * bt].view(b, h, full, bt, d).copy_(
+                        blocks[:, :full, kv].permute(0, 2, 1, 3, 4))
+                if width > full * bt:
+                    out[:, :, full * bt:width].copy_(blocks[:, full, kv, :, :width - full * bt])
+            keys[:, :, width:] = new_k
+            values[:, :, width:] = new_v
+            return keys, values
         for row in range(b):
             n = held[row]
+            if n < width:
+                keys[row, :, n:width].zero_()
+                values[row, :, n:width].zero_()
+            if n == 0:
+                continue
             nb = -(-n // bt)
             table = torch.as_tensor(np.asarray(step.tables[row][layer][:nb], np.int64),
                                     device=arena.device)
             blocks = arena.index_select(0, table)  # [nb][2][H][bt][D]: the held tokens only
-            kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, h, nb * bt, d)[:, :, :n]
-            keys[row, :, :n] = kv[0].to(keys.device)
-            values[row, :, :n] = kv[1].to(values.device)
+            full = n // bt
+            for out, kv in ((keys, 0), (values, 1)):
+                if full:
+                    out[row, :, :full * bt].view(h, full, bt, d).copy_(
+                        blocks[:full, kv].permute(1, 0, 2, 3))
+                if n > full * bt:
+                    out[row, :, full * bt:n].copy_(blocks[full, kv, :, :n - full * bt])
         keys[:, :, width:] = new_k
         values[:, :, width:] = new_v
         return keys, values
