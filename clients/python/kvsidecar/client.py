@@ -248,8 +248,9 @@ class LayerKV:
 
 
 class CallFuture:
-    """A unary call in flight (:meth:`Session.decode_step_future`): ``result()`` waits for the
-    response and returns it, or raises the call's :class:`KvsError`; ``done()`` does not wait."""
+    """A unary call in flight (:meth:`Session.decode_step_future`,
+    :meth:`Session.get_layout_future`): ``result()`` waits for the response and returns it, or
+    raises the call's :class:`KvsError`; ``done()`` does not wait."""
 
     def __init__(self, future: Any) -> None:
         self._future = future
@@ -802,9 +803,22 @@ class Session:
     def get_layout(self, sequence_id: str, layers: Optional[Sequence[int]] = None,
                    omit_positions: bool = False) -> sidecar_pb2.GetLayoutResponse:
         """Per-layer counts, block tables and positions of a sequence."""
-        return self._call(self.stub.GetLayout, sidecar_pb2.GetLayoutRequest(
+        return self._call(self.stub.GetLayout,
+                          self._layout_request(sequence_id, layers, omit_positions))
+
+    def get_layout_future(self, sequence_id: str, layers: Optional[Sequence[int]] = None,
+                          omit_positions: bool = False) -> "CallFuture":
+        """:meth:`get_layout` without waiting: ``result()`` of the returned future waits for the
+        response (or raises the KvsError). The layouts of a batch's sequences can be asked for
+        together instead of one round trip after another."""
+        return CallFuture(self.stub.GetLayout.future(
+            self._layout_request(sequence_id, layers, omit_positions), timeout=self.timeout))
+
+    def _layout_request(self, sequence_id: str, layers: Optional[Sequence[int]],
+                        omit_positions: bool) -> sidecar_pb2.GetLayoutRequest:
+        return sidecar_pb2.GetLayoutRequest(
             session_id=self.session_id, sequence_id=sequence_id, layers=list(layers or []),
-            omit_positions=omit_positions))
+            omit_positions=omit_positions)
 
     @staticmethod
     def _layer_entry(layout: Union[sidecar_pb2.GetLayoutResponse, common_pb2.LayerLayout],

@@ -769,8 +769,11 @@ class SidecarCache(Cache):
         if self._seen > 0:
             # A block after held tokens masks a sliding layer's held slots by position.
             positions_needed = not step.decode and any(self.windows)
-            for seq in self.sequence_ids:
-                layout = self.session.get_layout(seq, omit_positions=not positions_needed)
+            # Asked for together: one round trip for the batch, not one per row.
+            pending = [self.session.get_layout_future(seq, omit_positions=not positions_needed)
+                       for seq in self.sequence_ids]
+            for future in pending:
+                layout = future.result()
                 by_layer = sorted(layout.layers, key=lambda e: e.layer)
                 step.held.append([e.count for e in by_layer])
                 step.tables.append([e.block_table for e in by_layer])
@@ -867,30 +870,25 @@ class SidecarCache(Cache):
         if width == 0:
             return new_k, new_v
         b, h, t, d = new_k.shape
+        arena = self._arena()
+        bt = self.session.arena.block_tokens
+        if min(held) == width:
+            # Every row holds the same count (no padding, the usual batch): one gather of the
+            # (row, K or V, head, block) runs of B tokens in the order attention reads them,
+            # [B][2][H][slots][D], then one concatenation with the new block per K and V.
+            nb = -(-width // bt)
+            tables = np.asarray([step.tables[row][layer][:nb] for row in range(b)], np.int64)
+            runs = ((tables[:, None, None, :] * 2 + np.arange(2)[None, :, None, None]) * h
+                    + np.arange(h)[None, None, :, None]).reshape(-1)
+            held_kv = arena.view(-1, bt, d).index_select(
+                0, torch.as_tensor(runs, device=arena.device)).view(b, 2, h, nb * bt, d)
+            keys = torch.cat((held_kv[:, 0, :, :width].to(new_k.device, new_k.dtype), new_k), 2)
+            values = torch.cat((held_kv[:, 1, :, :width].to(new_v.device, new_v.dtype), new_v), 2)
+            return keys, values
         # Not zeroed: every slot is written below (held rows, a shorter row's padding, the new
         # block), and the held rows go from the gathered blocks to their place in one copy.
         keys = new_k.new_empty((b, h, width + t, d))
         values = new_v.new_empty((b, h, width + t, d))
-        arena = self._arena()
-        bt = self.session.arena.block_tokens
-        if min(held) == width:
-            # Every row holds the same count (no padding, the usual batch): one gather of every
-            # row's blocks and one copy per K and V for the whole batch.
-            nb = -(-width // bt)
-            full = width // bt
-            table = torch.as_tensor(
-                np.asarray([step.tables[row][layer][:nb] for row in range(b)], np.int64),
-                device=arena.device).reshape(-1)
-            blocks = arena.index_select(0, table).view(b, nb, 2, h, bt, d)
-            for out, kv in ((keys, 0), (values, 1)):
-                if full:
-                    out[:, :, :full * bt].view(b, h, full, bt, d).copy_(
-                        blocks[:, :full, kv].permute(0, 2, 1, 3, 4))
-                if width > full * bt:
-                    out[:, :, full * bt:width].copy_(blocks[:, full, kv, :, :width - full * bt])
-            keys[:, :, width:] = new_k
-            values[:, :, width:] = new_v
-            return keys, values
         for row in range(b):
             n = held[row]
             if n < width:

@@ -92,6 +92,21 @@ def test_float_input_is_converted_to_the_session_dtype(client, admin):
         np.testing.assert_allclose(kvs.bf16_to_float32(got.v), -values, rtol=2 ** -8)
 
 
+def test_layouts_asked_for_together_are_the_ones_asked_for_one_by_one(client, admin):
+    with client.attach(layout("fp16"), num_blocks=16) as session:
+        seqs = [session.create_sequence().sequence_id for _ in range(3)]
+        for i, seq in enumerate(seqs):
+            r = session.reserve(seq, 5 + i)
+            session.commit(r)
+        futures = [session.get_layout_future(seq) for seq in seqs]
+        for seq, future in zip(seqs, futures):
+            assert future.result() == session.get_layout(seq)
+        assert [e.count for e in futures[2].result().layers] == [7, 7]
+        missing = session.get_layout_future("no-such-sequence")
+        with pytest.raises(kvs.errors.NotFound, match="no-such-sequence"):
+            missing.result()
+
+
 def test_reservation_views_are_the_arena(client, admin):
     T = 40  # first slot 0: views split at the block boundaries 16 and 32
     with client.attach(layout("fp32"), num_blocks=16) as session:
