@@ -19,8 +19,6 @@
 #include "gpu/cpu/cpu_isa.h"
 #include "gpu/cpu/keydiff_cpu.h"
 
-
-
 namespace kvs {
 namespace {
 
@@ -165,6 +163,14 @@ constexpr int kLogitStride = kTile + 4;  // room for the scratch columns of the 
 // (vcvtph2ps / a shift / a plain load) and multiplied at once, with no fp32 tile stored and read
 // back; the next tile's rows are prefetched while this one is computed (see DecodeTiles).
 
+// Requests every 64-byte line of rows[begin, end) (row_bytes each) towards the cache: the next
+// tile's key rows, while this one is computed.
+inline void PrefetchRowLines(const uint8_t* const* rows, int begin, int end, int row_bytes) {
+  for (int i = begin; i < end; ++i) {
+    for (int offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(rows[i] + offset);
+  }
+}
+
 // Dot products of kRows fp32 query rows with kKeys key rows of dtype kType read from the arena
 // (dim % 8 == 0): one accumulator per pair (kRows * kKeys independent FMA chains, enough to cover
 // the FMA latency on both pipes), reduced at the end with hadds. out[r * out_stride + j] gets the
@@ -178,15 +184,7 @@ KVS_AVX2 inline void FusedDotKernel(const float* q, const uint8_t* const* k,
                                     int out_stride) {
   static_assert(kKeys >= 1 && kKeys <= 4);
   constexpr int kBytes = DTypeBytes(kType);
-  if (prefetch != nullptr) {
-    const int row_bytes = dim * kBytes;
-#pragma GCC unroll 4
-    for (int j = 0; j < kKeys; ++j) {
-      for (int offset = 0; offset < row_bytes; offset += 64) {
-        __builtin_prefetch(prefetch[j] + offset);
-      }
-    }
-  }
+  if (prefetch != nullptr) PrefetchRowLines(prefetch, 0, kKeys, dim * kBytes);
   const uint8_t* key_row[kKeys];
 #pragma GCC unroll 4
   for (int j = 0; j < kKeys; ++j) key_row[j] = k[j];
@@ -242,12 +240,7 @@ KVS_AVX2 inline void FusedDotStrip(const float* q, const uint8_t* const* rows, i
   }
   // Prefetch rows the blocked loop above did not reach (a next tile longer than this one).
   if (prefetch != nullptr) {
-    const int row_bytes = dim * DTypeBytes(kType);
-    for (int i = prefetched; i < n_prefetch; ++i) {
-      for (int offset = 0; offset < row_bytes; offset += 64) {
-        __builtin_prefetch(prefetch[i] + offset);
-      }
-    }
+    PrefetchRowLines(prefetch, prefetched, n_prefetch, dim * DTypeBytes(kType));
   }
 }
 
@@ -771,18 +764,20 @@ KVS_AVX512 void Avx512Task(const JobPlan& plan, const Records& records, int64_t 
 }
 
 // --- AVX-512 decode kernel (fewer than 8 query rows per kv head). Where DRAM streams keys
-// faster than eight-lane FMAs consume them, the AVX2 decode kernel is bound by its multiply-adds
-// (on a 2-core EPYC the key stream reaches 66 GB/s, the kernel read at ~24). Here each zmm
-// register holds two keys: its low 8 lanes accumulate one key and its high 8 the next, each the
-// same ordered FMA chain over d as a lane of FusedDotKernel, and the halves are reduced by the
-// same HorizontalSum4, so the logits equal the AVX2 kernel's to the bit with half the FMAs.
+// faster than the AVX2 decode kernel reads them (a 2-core EPYC streams this key layout at
+// ~34 GB/s on two threads; the AVX2 kernel read it at ~24), halving its multiply-adds took 15-20 %
+// off in attention_bench. Each zmm register holds two keys: its low 8 lanes accumulate one key
+// and its high 8 the next, each the same ordered FMA chain over d as a lane of FusedDotKernel,
+// and the halves are reduced by the same HorizontalSum4, so by construction the logits are the
+// AVX2 kernel's to the bit.
 
 // Elements [d, d + 8) of two key rows (the same offset into each) as one zmm: a's in the low
 // half, b's in the high half.
 template <DType kType>
 KVS_AVX512 inline __m512 LoadKeyPair(const uint8_t* a, const uint8_t* b) {
   if constexpr (kType == DType::kFloat32) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(reinterpret_cast<const float*>(a))),
+    const __m256 low = _mm256_loadu_ps(reinterpret_cast<const float*>(a));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(low),
                               _mm256_loadu_ps(reinterpret_cast<const float*>(b)), 1);
   } else {
     const __m256i halves = _mm256_inserti128_si256(
@@ -804,14 +799,7 @@ KVS_AVX512 inline void FusedDotKernel512(const float* q, const uint8_t* const* k
   static_assert(kKeys >= 1 && kKeys <= 8);
   constexpr int kPairs = (kKeys + 1) / 2;
   constexpr int kBytes = DTypeBytes(kType);
-  // The lines of prefetch[0 .. kKeys) are requested a few per step of the loop over d rather
-  // than all at once: issued together they fill the core's miss buffers and the next
-  // prefetch waits for a free one, stalling the multiply-adds behind it.
-  const int row_bytes = dim * kBytes;
-  const int lines = prefetch != nullptr ? kKeys * ((row_bytes + 63) / 64) : 0;
-  const int steps = dim / 8;
-  const int per_step = (lines + steps - 1) / steps;
-  int line = 0, pf_row = 0, pf_offset = 0;
+  if (prefetch != nullptr) PrefetchRowLines(prefetch, 0, kKeys, dim * kBytes);
   const uint8_t* lo[kPairs];
   const uint8_t* hi[kPairs];
 #pragma GCC unroll 4
@@ -826,17 +814,11 @@ KVS_AVX512 inline void FusedDotKernel512(const float* q, const uint8_t* const* k
     for (int p = 0; p < kPairs; ++p) acc[r][p] = _mm512_setzero_ps();
   }
   for (int d = 0; d < dim; d += 8) {
-    for (int k = 0; k < per_step && line < lines; ++k, ++line) {
-      __builtin_prefetch(prefetch[pf_row] + pf_offset);
-      pf_offset += 64;
-      if (pf_offset >= row_bytes) {
-        pf_offset = 0;
-        ++pf_row;
-      }
-    }
     __m512 key[kPairs];
 #pragma GCC unroll 4
-    for (int p = 0; p < kPairs; ++p) key[p] = LoadKeyPair<kType>(lo[p] + d * kBytes, hi[p] + d * kBytes);
+    for (int p = 0; p < kPairs; ++p) {
+      key[p] = LoadKeyPair<kType>(lo[p] + d * kBytes, hi[p] + d * kBytes);
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
       const __m512 x = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + r * dim + d));
@@ -907,12 +889,7 @@ KVS_AVX512 inline void FusedDotStrip512(const float* q, const uint8_t* const* ro
       break;
   }
   if (prefetch != nullptr) {
-    const int row_bytes = dim * DTypeBytes(kType);
-    for (int i = prefetched; i < n_prefetch; ++i) {
-      for (int offset = 0; offset < row_bytes; offset += 64) {
-        __builtin_prefetch(prefetch[i] + offset);
-      }
-    }
+    PrefetchRowLines(prefetch, prefetched, n_prefetch, dim * DTypeBytes(kType));
   }
 }
 
@@ -937,9 +914,9 @@ struct Avx512DecodeKernels {
 };
 
 // DecodeTiles (the same order, prefetches and records) with FusedDotStrip512 and the 16-lane
-// softmax. (Reading each block's heads as one contiguous run, or prefetching further ahead, was
-// no faster in attention_bench on a 2-core EPYC: the software prefetches of the next (tile,
-// head) keep the core's miss buffers full either way.)
+// softmax. (Reading each block's heads as one contiguous run, prefetching further ahead or to L2
+// only, or spreading the prefetches over the loop over d were no faster in attention_bench on a
+// 2-core EPYC.)
 template <DType kType>
 KVS_AVX512 void Avx512DecodeTask(const JobPlan& plan, const Records& records,
                                  int64_t head_begin, int64_t head_end, int64_t tile_begin,
