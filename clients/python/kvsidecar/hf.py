@@ -115,6 +115,7 @@ Not thread-safe: one cache is used by one thread at a time.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -380,6 +381,7 @@ class _Step:
         self.decode = decode
         self.reservations: List[Any] = []           # per row (None: no real token to place)
         self.inline: List[np.ndarray] = []          # per row [L][2][H][1][D], session dtype
+        self.inline_t: Any = None                    # the same, one torch [B][L][2][H][1][D]
         self.queries: Dict[int, np.ndarray] = {}     # layer -> [B][Hq][w][D] float32
         self.scale: Optional[float] = None
         self.held: List[List[int]] = []              # per row, per layer: tokens held
@@ -787,8 +789,9 @@ class SidecarCache(Cache):
             step.tables = [[()] * self.num_layers for _ in self.sequence_ids]
         if step.decode:
             sdt = self.session.arena.storage_dtype
-            step.inline = [np.empty((self.num_layers, 2, self.num_kv_heads, 1, self.head_dim), sdt)
-                           for _ in self.sequence_ids]
+            inline = np.empty((batch, self.num_layers, 2, self.num_kv_heads, 1, self.head_dim), sdt)
+            step.inline = list(inline)  # per row: the DecodeStep item's inline_kv
+            step.inline_t = _as_torch(inline, self.dtype)  # one torch view: a layer's rows at once
         elif step.real is None:
             pos = positions.tolist()
             items = [ReserveItem(seq, tokens, positions=pos) for seq in self.sequence_ids]
@@ -844,20 +847,22 @@ class SidecarCache(Cache):
         """Writes one layer's new K (kv=0) or V (kv=1) of every row; returns them as stored."""
         step = self._step
         assert step is not None, "no forward pass in progress"
-        stored = states.detach().to(self._storage_torch_dtype())
+        states = states.detach()
         if step.decode:
-            for row, buf in enumerate(step.inline):
-                view = _as_torch(buf[layer, kv], self.dtype)  # [H][1][D], host
-                view.copy_(stored[row])
-        else:
-            for row, res in enumerate(step.reservations):
-                if res is None:
-                    continue
-                # A padded row's real columns (a copy of those only), else the row as it is.
-                src = stored[row] if step.real is None else stored[row][:, step.real[row]]
-                for first, kview, vview in res.views(layer):
-                    view = _as_torch(kview if kv == 0 else vview, self.dtype)  # arena, no copy
-                    view.copy_(src[:, first:first + view.shape[1]])
+            # Every row's token in one copy ([B][H][1][D], host), rounded to the session dtype.
+            step.inline_t[:, layer, kv].copy_(states)
+            if step.inline_t.dtype == states.dtype:
+                return states
+            return step.inline_t[:, layer, kv].to(states.device, states.dtype)
+        stored = states.to(self._storage_torch_dtype())
+        for row, res in enumerate(step.reservations):
+            if res is None:
+                continue
+            # A padded row's real columns (a copy of those only), else the row as it is.
+            src = stored[row] if step.real is None else stored[row][:, step.real[row]]
+            for first, kview, vview in res.views(layer):
+                view = _as_torch(kview if kv == 0 else vview, self.dtype)  # arena, no copy
+                view.copy_(src[:, first:first + view.shape[1]])
         return stored.to(states.dtype)
 
     def _assemble(self, layer: int, new_k: Any, new_v: Any) -> Tuple[Any, Any]:
@@ -874,17 +879,23 @@ class SidecarCache(Cache):
         bt = self.session.arena.block_tokens
         if min(held) == width:
             # Every row holds the same count (no padding, the usual batch): one gather of the
-            # (row, K or V, head, block) runs of B tokens in the order attention reads them,
-            # [B][2][H][slots][D], then one concatenation with the new block per K and V.
-            nb = -(-width // bt)
-            tables = np.asarray([step.tables[row][layer][:nb] for row in range(b)], np.int64)
-            runs = ((tables[:, None, None, :] * 2 + np.arange(2)[None, :, None, None]) * h
-                    + np.arange(h)[None, None, :, None]).reshape(-1)
+            # (row, K or V, head, block) runs of bt tokens in the order attention reads them,
+            # [B][2][H][slots][D], with room after the held slots where the new block is written:
+            # no second copy of the held K/V to append it. Runs past the table read the table's
+            # last block as a stand-in; the new block and the slice below leave none of it seen.
+            have = -(-width // bt)
+            nb = -(-(width + t) // bt)
+            tables = np.asarray([step.tables[row][layer][:have] for row in range(b)], np.int64)
+            if nb > have:
+                tables = np.concatenate((tables, np.repeat(tables[:, -1:], nb - have, 1)), 1)
+            runs = ((tables * (2 * h))[:, None, None, :] + self._kv_head_runs(h)).reshape(-1)
             held_kv = arena.view(-1, bt, d).index_select(
                 0, torch.as_tensor(runs, device=arena.device)).view(b, 2, h, nb * bt, d)
-            keys = torch.cat((held_kv[:, 0, :, :width].to(new_k.device, new_k.dtype), new_k), 2)
-            values = torch.cat((held_kv[:, 1, :, :width].to(new_v.device, new_v.dtype), new_v), 2)
-            return keys, values
+            if held_kv.device != new_k.device or held_kv.dtype != new_k.dtype:
+                held_kv = held_kv.to(new_k.device, new_k.dtype)
+            held_kv[:, 0, :, width:width + t] = new_k
+            held_kv[:, 1, :, width:width + t] = new_v
+            return held_kv[:, 0, :, :width + t], held_kv[:, 1, :, :width + t]
         # Not zeroed: every slot is written below (held rows, a shorter row's padding, the new
         # block), and the held rows go from the gathered blocks to their place in one copy.
         keys = new_k.new_empty((b, h, width + t, d))
@@ -911,22 +922,29 @@ class SidecarCache(Cache):
         values[:, :, width:] = new_v
         return keys, values
 
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def _kv_head_runs(h: int) -> np.ndarray:
+        """[1][2][H][1]: the offset of (K or V, head) among a block's 2 x H runs."""
+        return (np.arange(2)[:, None] * h + np.arange(h)[None, :])[None, :, :, None]
+
     def _layer_mask(self, layer: int, given: Any, query: Any, original: str) -> Any:
         """The mask of one layer of the compacted cache (None when nothing needs masking)."""
         step = self._step
         assert step is not None, "no forward pass in progress"
         t = query.shape[2]
-        held = torch.as_tensor([row[layer] for row in step.held])
-        width = int(held.max())
+        counts = [row[layer] for row in step.held]
+        width = max(counts)
         window = self.windows[layer]
         if layer == 0 and given is not None and not self._padded:
             self._check_no_padding(given, t, layer)
-        if step.real is None and (held == width).all() and (t == 1 or (width == 0 and original == "sdpa"
-                                                  and (window == 0 or t <= window))):
+        if step.real is None and min(counts) == width and (
+                t == 1 or (width == 0 and original == "sdpa" and (window == 0 or t <= window))):
             # One query over equal rows sees everything (a sliding layer holds W - 1 tokens);
             # a fresh block with no mask is causal in sdpa (is_causal), as long as it fits a
             # sliding layer's window; eager needs its causal mask spelled out.
             return None
+        held = torch.as_tensor(counts)
         slots = torch.arange(width + t)
         q = torch.arange(t)
         new = (slots[None, :] >= width) & (slots[None, :] - width <= q[:, None])  # [T][S]
