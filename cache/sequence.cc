@@ -1514,20 +1514,22 @@ void Sequence::LowestEvicted(const LayerState& state, int32_t keep, absl::Span<c
                              std::vector<int32_t>& lowest) const {
   const int32_t heads = layout_.num_kv_heads;
   lowest.assign(heads, -1);
+  // Kept slots are distinct, so a head evicts exactly when it keeps fewer than it holds.
+  if (keep >= state.count) return;
+  // The kept slots masked out by their positions' replacement with the largest value, then one
+  // min over the head: a straight loop the compiler vectorises, where a walk over the gaps
+  // between kept slots (a few slots each) was mostly branches.
+  thread_local std::vector<int32_t> masked;
+  masked.resize(state.count);
+  constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
   for (int32_t h = 0; h < heads; ++h) {
-    // Kept slots ascend, so the evicted ones are the gaps between them: a min over each gap.
     const int32_t* positions = state.positions[h].data();
     const int32_t* kept_slots = kept.data() + int64_t{h} * keep;
-    int32_t low = std::numeric_limits<int32_t>::max();
-    int32_t from = 0;
-    bool evicts = false;
-    for (int32_t t = 0; t <= keep; ++t) {
-      const int32_t to = t < keep ? kept_slots[t] : state.count;
-      evicts |= from < to;
-      for (int32_t s = from; s < to; ++s) low = std::min(low, positions[s]);
-      from = to + 1;
-    }
-    if (evicts) lowest[h] = low;
+    std::copy_n(positions, state.count, masked.data());
+    for (int32_t t = 0; t < keep; ++t) masked[kept_slots[t]] = kNone;
+    int32_t low = kNone;
+    for (int32_t s = 0; s < state.count; ++s) low = std::min(low, masked[s]);
+    lowest[h] = low;
   }
 }
 

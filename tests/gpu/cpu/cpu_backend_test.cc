@@ -574,7 +574,11 @@ TEST(TopKTest, MatchesAFullSortOnRandomInputs) {
 // The radix select must agree with a full sort on inputs that stress every digit: scores a few
 // ulps apart (equal high bits, differences only in the last digit), both zeros, infinities and
 // NaN, with and without forced slots, for k from 1 to n (and so does the few-dropped path).
-TEST(TopKTest, RadixSelectMatchesAFullSortOnCloseScores) {
+// Without the special values every key shares its high bits, where the select starts below
+// them; with every score equal no bit differs and position alone decides.
+enum class CloseScores { kWithSpecials, kSharedHighBits, kAllEqual };
+
+void CheckRadixSelectOnCloseScores(CloseScores kind) {
   auto backend = MakeCpuBackend(2);
   std::mt19937 rng(11);
   const float specials[] = {0.0f,
@@ -611,7 +615,9 @@ TEST(TopKTest, RadixSelectMatchesAFullSortOnCloseScores) {
           for (int s = 0; s < n; ++s) {
             const uint32_t pick = rng() % 16;
             float score;
-            if (pick < 3) {
+            if (kind == CloseScores::kAllEqual) {
+              score = 1.5f;
+            } else if (pick < 3 && kind == CloseScores::kWithSpecials) {
               score = specials[rng() % 7];
             } else {
               // 1.5 + a few ulps: shares the top two digits with its neighbours.
@@ -619,7 +625,7 @@ TEST(TopKTest, RadixSelectMatchesAFullSortOnCloseScores) {
               for (uint32_t steps = rng() % 40; steps > 0; --steps) {
                 score = std::nextafter(score, 2.0f);
               }
-              if (pick == 3) score = -score;
+              if (pick == 3 && kind == CloseScores::kWithSpecials) score = -score;
             }
             c.scores[r * n + s] = score;
             c.positions[r * n + s] = perm[s];
@@ -652,6 +658,14 @@ TEST(TopKTest, RadixSelectMatchesAFullSortOnCloseScores) {
         }
       }
     }
+  }
+}
+
+TEST(TopKTest, RadixSelectMatchesAFullSortOnCloseScores) {
+  for (const CloseScores kind :
+       {CloseScores::kWithSpecials, CloseScores::kSharedHighBits, CloseScores::kAllEqual}) {
+    SCOPED_TRACE(static_cast<int>(kind));
+    CheckRadixSelectOnCloseScores(kind);
   }
 }
 
