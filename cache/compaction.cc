@@ -80,23 +80,48 @@ absl::StatusOr<ReducedTable> ReduceTable(int32_t b, int32_t heads, int32_t count
                                          absl::Span<const int32_t> kept) {
   absl::StatusOr<std::vector<int32_t>> kept_in_block = KeptInBlock(b, heads, count, keep, kept);
   if (!kept_in_block.ok()) return kept_in_block.status();
-  const int32_t old_blocks = static_cast<int32_t>(kept_in_block->size());
+  const std::vector<int32_t>& in_block = *kept_in_block;
+  const int32_t old_blocks = static_cast<int32_t>(in_block.size());
+  const int32_t keep_blocks = static_cast<int32_t>(CeilDiv(keep, b));
   ReducedTable table;
-  table.reduced_index.assign(old_blocks, -1);
   table.old_block.reserve(old_blocks);
   for (int32_t j = 0; j < old_blocks; ++j) {
-    if ((*kept_in_block)[j] == 0) continue;
-    table.reduced_index[j] = static_cast<int32_t>(table.old_block.size());
-    table.old_block.push_back(j);
+    if (in_block[j] != 0) table.old_block.push_back(j);
   }
+  // The new table is the reduced one's first keep_blocks blocks, and a kept token in them stays
+  // where it is (below `keep`) while every other kept token is copied. With exact counts (an
+  // eviction of a block or more per head) those are the keep_blocks blocks holding the most kept
+  // tokens, fullest first (ties: the earlier), so that the partly used last one is the emptiest;
+  // then the rest in table order. A block a policy keeps whole (a recent window, dense
+  // attention) stays wherever it lies.
+  if (count - keep >= b && static_cast<int32_t>(table.old_block.size()) > keep_blocks) {
+    auto fuller = [&](int32_t x, int32_t y) {
+      return in_block[x] != in_block[y] ? in_block[x] > in_block[y] : x < y;
+    };
+    std::vector<int32_t> by_kept = table.old_block;
+    std::nth_element(by_kept.begin(), by_kept.begin() + keep_blocks, by_kept.end(), fuller);
+    std::sort(by_kept.begin(), by_kept.begin() + keep_blocks, fuller);
+    std::vector<uint8_t> chosen(old_blocks, 0);
+    for (int32_t i = 0; i < keep_blocks; ++i) chosen[by_kept[i]] = 1;
+    by_kept.resize(keep_blocks);
+    for (int32_t j : table.old_block) {
+      if (chosen[j] == 0) by_kept.push_back(j);
+    }
+    table.old_block = std::move(by_kept);
+  }
+  table.reduced_index.assign(old_blocks, -1);
   table.identity = static_cast<int32_t>(table.old_block.size()) == old_blocks;
+  for (int32_t r = 0; r < static_cast<int32_t>(table.old_block.size()); ++r) {
+    table.reduced_index[table.old_block[r]] = r;
+    table.identity = table.identity && table.old_block[r] == r;
+  }
   return table;
 }
 
-// Step 2 for one head: hole filling on the reduced table. Walks the head's kept slots once: the
-// ones below `keep` (logically) leave holes between them; the ones at or above `keep` are the
-// movers, paired in order with the holes. Writes the head's new positions and sources, and the
-// K and V row copies of each mover at `rows` onwards (advanced).
+// Step 2 for one head: hole filling on the reduced table. The head's kept slots below `keep`
+// (logically) stay and leave holes between them; the ones at or above `keep` are the movers,
+// paired in order with the holes. Writes the head's new positions and sources, and the K and V
+// row copies of each mover at `rows` onwards (advanced).
 class HoleFiller {
  public:
   HoleFiller(const ModelLayout& layout, absl::Span<const int32_t> block_table, int32_t count,
@@ -134,7 +159,8 @@ class HoleFiller {
   const uint64_t row_bytes_;
   const ReducedTable& table_;
   CompactionPlan& plan_;
-  std::vector<int32_t> holes_;  // logical slots
+  std::vector<uint8_t> stays_;    // per logical slot below keep: a kept token stays there
+  std::vector<int32_t> logical_;  // per kept token of the head: its logical slot
 };
 
 absl::StatusOr<int32_t> HoleFiller::Logical(int32_t h, int32_t slot) const {
@@ -153,13 +179,14 @@ absl::Status HoleFiller::Head(int32_t h, absl::Span<const int32_t> head_kept,
   const uint64_t head_base = layout_.RowOffsetInBlock(0, h, 0);
   // V rows sit a fixed distance after the K row of the same head and slot.
   const uint64_t value_delta = layout_.RowOffsetInBlock(1, 0, 0);
-  holes_.clear();
-  int32_t next_unkept = 0;  // every logical slot in [next_unkept, slot) below keep is a hole
-  size_t hole_index = 0;
   std::vector<int32_t>& new_positions = plan_.positions[h];
   std::vector<int32_t>& sources = plan_.sources[h];
   new_positions.resize(keep_);
   sources.resize(keep_);
+  // First pass: the kept tokens at logical slots below keep stay; the reduced table need not
+  // follow the old one's order, so they are marked rather than met in order.
+  stays_.assign(keep_, 0);
+  logical_.resize(keep_);
   for (int32_t i = 0; i < keep_; ++i) {
     const int32_t slot = head_kept[i];
     if (slot < 0 || slot >= count_ || (i > 0 && slot <= head_kept[i - 1])) {
@@ -169,20 +196,23 @@ absl::Status HoleFiller::Head(int32_t h, absl::Span<const int32_t> head_kept,
     }
     absl::StatusOr<int32_t> logical = Logical(h, slot);
     if (!logical.ok()) return logical.status();
-    if (*logical < keep_) {
-      for (int32_t hole = next_unkept; hole < *logical; ++hole) holes_.push_back(hole);
-      next_unkept = *logical + 1;
-      new_positions[*logical] = head_positions[slot];
-      sources[*logical] = slot;
-      continue;
-    }
-    // First mover: every unkept logical slot below keep is a hole.
-    for (int32_t hole = next_unkept; hole < keep_; ++hole) holes_.push_back(hole);
-    next_unkept = keep_;
-    if (hole_index >= holes_.size()) {
+    logical_[i] = *logical;
+    if (*logical >= keep_) continue;
+    stays_[*logical] = 1;
+    new_positions[*logical] = head_positions[slot];
+    sources[*logical] = slot;
+  }
+  // Second pass: the movers (logical slots at or past keep), in slot order, fill the holes below
+  // keep in ascending order. keep kept slots, so every hole receives exactly one mover.
+  int32_t hole = 0;
+  for (int32_t i = 0; i < keep_; ++i) {
+    if (logical_[i] < keep_) continue;
+    const int32_t slot = head_kept[i];
+    while (hole < keep_ && stays_[hole] != 0) ++hole;
+    if (hole >= keep_) {
       return absl::InternalError(absl::StrCat("head ", h, ": more movers than holes"));
     }
-    const int32_t destination = holes_[hole_index++];
+    const int32_t destination = hole++;
     new_positions[destination] = head_positions[slot];
     sources[destination] = slot;
     const uint64_t from = KeyOffset(head_base, slot);
@@ -194,7 +224,6 @@ absl::Status HoleFiller::Head(int32_t h, absl::Span<const int32_t> head_kept,
     rows += 2;
     ++plan_.moved_tokens;
   }
-  // keep kept slots, so after the walk every hole below keep received exactly one mover.
   return absl::OkStatus();
 }
 

@@ -1,5 +1,6 @@
 // Sequence's retain_evicted half: what an eviction copies aside into the host tier, and reading
 // it back (KvPool::GetRetained).
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -35,6 +36,7 @@ absl::Status Sequence::RetainEvicted(const SequenceEnv& env, absl::Span<const in
   std::vector<RetainedEntry> entries;
   std::vector<uint64_t> arena_offsets;
   std::vector<uint8_t> is_kept;
+  std::vector<int32_t> evicted;
   for (size_t i = 0; i < victims.size(); ++i) {
     const int32_t l = victims[i];
     const LayerState& state = layers_[l];
@@ -42,8 +44,17 @@ absl::Status Sequence::RetainEvicted(const SequenceEnv& env, absl::Span<const in
     for (int32_t h = 0; h < heads; ++h) {
       is_kept.assign(state.count, 0);
       for (int32_t t = 0; t < k; ++t) is_kept[kept[i][static_cast<size_t>(h) * k + t]] = 1;
+      evicted.clear();
       for (int32_t s = 0; s < state.count; ++s) {
-        if (is_kept[s] != 0) continue;
+        if (is_kept[s] == 0) evicted.push_back(s);
+      }
+      // The tokens of one eviction in position order: slot order follows the block table, which
+      // compaction reorders (its fullest blocks first).
+      const std::vector<int32_t>& head_positions = state.positions[h];
+      std::sort(evicted.begin(), evicted.end(), [&](int32_t a, int32_t b) {
+        return head_positions[a] < head_positions[b];
+      });
+      for (int32_t s : evicted) {
         entries.push_back(RetainedEntry{l, h, state.positions[h][s],
                                         scores[i][static_cast<size_t>(h) * state.count + s]});
         arena_offsets.push_back(layout_.SlotRowOffset(state.blocks.data(), 0, h, s));

@@ -15,6 +15,7 @@ namespace kvs {
 namespace {
 
 using ::testing::ElementsAre;
+using ::testing::UnorderedElementsAre;
 using testing_util::MakeLayout;
 
 uint64_t RowOffset(const ModelLayout& layout, const std::vector<int32_t>& table, int kv, int head,
@@ -89,6 +90,26 @@ TEST(CompactionTest, EvictedBlocksLeaveTheTableAndWholeBlocksStay) {
   EXPECT_EQ(plan->dst_offsets[0], RowOffset(layout, table, 0, 0, 2));
   EXPECT_EQ(plan->src_offsets[2], RowOffset(layout, table, 0, 0, 15));
   EXPECT_EQ(plan->dst_offsets[2], RowOffset(layout, table, 0, 0, 3));
+}
+
+// The blocks holding the most kept tokens form the new table, fullest first: a block kept whole
+// at the end of the table stays, and the partly kept ones fill in after it.
+TEST(CompactionTest, TheFullestBlocksStayWhereverTheyLie) {
+  const ModelLayout layout = MakeLayout(1, 1, 3, DType::kFloat32, 4);
+  const std::vector<int32_t> table = {5, 2, 7, 9};  // 16 tokens
+  const auto positions = Positions(1, 16, 2);
+  // Kept: slot 0 (block 5), slot 4 (block 2), slots 12..15 (block 9, whole); block 7 evicted.
+  // New table [9, 5]: slots 12..15 stay as logical 0..3, slot 0 as logical 4; slot 4 moves into
+  // logical 5 (old slot 1, block 5). First blocks first ([5, 2], then 9) would have moved 4.
+  auto plan = PlanCompaction(layout, table, 16, 6, {0, 4, 12, 13, 14, 15}, positions);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_THAT(plan->block_table, ElementsAre(9, 5));
+  EXPECT_THAT(plan->freed_blocks, UnorderedElementsAre(2, 7));
+  EXPECT_EQ(plan->moved_tokens, 1);
+  EXPECT_THAT(plan->sources[0], ElementsAre(12, 13, 14, 15, 0, 4));
+  ASSERT_EQ(plan->src_offsets.size(), 2u);
+  EXPECT_EQ(plan->src_offsets[0], RowOffset(layout, table, 0, 0, 4));
+  EXPECT_EQ(plan->dst_offsets[0], RowOffset(layout, table, 0, 0, 1));
 }
 
 TEST(CompactionTest, NothingMovesWhenKeptSlotsArePrefix) {
@@ -166,12 +187,32 @@ TEST(CompactionTest, ExecutedPlanPreservesEveryKeptRow) {
         std::sort(slots.begin(), slots.end());
         kept.insert(kept.end(), slots.begin(), slots.end());
       }
-      // Blocks no head keeps a token of leave the table; the others, in order, number the
-      // slots, and the kept tokens at slots >= keep of that numbering move.
+      // Blocks no head keeps a token of leave the table. When a block or more per head is
+      // evicted, the ceil(keep / 4) blocks holding the most kept tokens come first, fullest first
+      // (ties: the earlier), then the others in table order; otherwise the table order stays.
+      // That order numbers the slots, and the kept tokens at slots >= keep of it move.
+      std::vector<int32_t> in_block(blocks, 0);
+      for (int32_t s : kept) ++in_block[s / 4];
+      std::vector<int32_t> order;
+      for (int32_t j = 0; j < blocks; ++j) {
+        if (in_block[j] > 0) order.push_back(j);
+      }
+      const int32_t keep_blocks = (keep + 3) / 4;
+      if (count - keep >= 4 && static_cast<int32_t>(order.size()) > keep_blocks) {
+        std::vector<int32_t> densest = order;
+        std::sort(densest.begin(), densest.end(), [&](int32_t x, int32_t y) {
+          return in_block[x] != in_block[y] ? in_block[x] > in_block[y] : x < y;
+        });
+        densest.resize(keep_blocks);
+        std::vector<int32_t> rest;
+        for (int32_t j : order) {
+          if (std::find(densest.begin(), densest.end(), j) == densest.end()) rest.push_back(j);
+        }
+        order = densest;
+        order.insert(order.end(), rest.begin(), rest.end());
+      }
       std::vector<int32_t> rank(blocks, -1);
-      for (int32_t s : kept) rank[s / 4] = 0;
-      int32_t reduced = 0;
-      for (int32_t& r : rank) r = r < 0 ? -1 : reduced++;
+      for (int32_t r = 0; r < static_cast<int32_t>(order.size()); ++r) rank[order[r]] = r;
       int64_t expected_moves = 0;
       for (int32_t s : kept) expected_moves += rank[s / 4] * 4 + s % 4 >= keep ? 1 : 0;
       auto plan = PlanCompaction(layout, table, count, keep, kept, positions);

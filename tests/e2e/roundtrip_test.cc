@@ -210,8 +210,9 @@ TEST_F(RoundTripTest, StreamingLlmKeepsSinksAndRecentTokens) {
 }
 
 // Compaction works on blocks first: StreamingLLM's evicted middle leaves the block table without
-// a copy and the recent window's whole blocks stay where they are, so only the rows of one block
-// per head move (hole filling over the whole table moved every kept token past the budget).
+// a copy, the recent window's blocks (the fullest) form the new table where they are, and only
+// the sinks move into its holes (hole filling over the whole table moved every kept token past
+// the budget; keeping the first blocks moved a whole block per head).
 TEST_F(RoundTripTest, StreamingLlmCompressCopiesOnlyPartlyKeptBlocks) {
   const v1::ModelLayout layout = MakeLayout(2, 2, 4, 32, v1::DTYPE_FLOAT16, 16);
   auto session = Attach(layout, 128);
@@ -222,9 +223,10 @@ TEST_F(RoundTripTest, StreamingLlmCompressCopiesOnlyPartlyKeptBlocks) {
   auto compressed = session->Compress("blocks");
   ASSERT_TRUE(compressed.ok()) << compressed.status();
   // Kept: positions 0..3 (block 0) and 196..255 (12 in block 12, blocks 13..15 whole). Blocks
-  // 1..11 leave the table; the 16 holes of blocks 0 and 12 take block 15's 16 tokens, so per
-  // (layer, head) 16 tokens x (K, V) x 32 dims x 2 bytes move.
-  EXPECT_EQ(compressed->bytes_copied(), 2u * 2 * 16 * 2 * 32 * 2);
+  // 1..11 leave the table; the new one is blocks 13, 14, 15, 12 (fullest first), and block 0's
+  // 4 sinks fill block 12's 4 holes, so per (layer, head) 4 tokens x (K, V) x 32 dims x 2 bytes
+  // move, and block 0 is freed too.
+  EXPECT_EQ(compressed->bytes_copied(), 2u * 2 * 4 * 2 * 32 * 2);
   EXPECT_EQ(compressed->blocks_freed(), 2 * (16 - 4));
   auto kept = VerifySequence(*session, "blocks", seed);  // every kept row is its position's
   ASSERT_TRUE(kept.ok()) << kept.status();
