@@ -2,13 +2,15 @@
 // fill slots [0, keep). Slots are logical: the block table maps slot / B to an arena block, so the
 // plan works at block granularity first and moves rows only where it must:
 //   1. a block none of whose tokens any head keeps leaves the table (it is freed, nothing copied);
-//      the other blocks keep their order, and a block every head keeps whole stays where it is;
-//   2. on the remaining table, HOLE FILLING: kept tokens sitting in slots >= keep move into
-//      evicted slots < keep (the i-th such token, by slot, into the i-th hole), so the fewest rows
-//      move and kept tokens already below `keep` stay in their block.
-// StreamingLLM's sinks + recent window thus drop every middle block and copy at most a block's
-// worth of rows per head. Slot order is not position order (it was not before either: holes are
-// refilled); the new position table says which position every slot holds. The plan is pure data:
+//      when a block or more per head is evicted, the ceil(keep / B) blocks holding the most kept
+//      tokens (summed over heads) become the new table, fullest first, so a block kept whole
+//      stays wherever it lies; otherwise the blocks keep their order;
+//   2. on that table, HOLE FILLING: kept tokens outside slots [0, keep) of it move into its
+//      evicted slots (the i-th such token, by old slot, into the i-th hole), so the fewest rows
+//      move and kept tokens already inside stay in their block.
+// StreamingLLM's sinks + recent window thus drop every middle block and copy only the sinks'
+// rows. Slot order is not position order (holes are refilled, blocks reordered); the new
+// position table says which position every slot holds. The plan is pure data:
 // arena offsets for Backend::CopyRows, the new block table, the blocks to free and the new
 // position table; the caller executes it.
 //
@@ -35,8 +37,9 @@ struct CompactionPlan {
   std::vector<uint64_t> dst_offsets;
   // New position table, per head `keep` entries in slot order.
   std::vector<std::vector<int32_t>> positions;
-  // [H][keep]: the old slot of every new slot (sources[h][t] == t for a token that stayed), for
-  // LayerPolicyState::Compact to permute the slot-aligned policy state like the rows.
+  // [H][keep]: the old slot of every new slot (sources[h][t] == t for a token that stayed when
+  // the table kept its order), for LayerPolicyState::Compact to permute the slot-aligned policy
+  // state like the rows.
   std::vector<std::vector<int32_t>> sources;
   int64_t moved_tokens = 0;  // tokens whose rows were copied, summed over heads
   int32_t keep_blocks = 0;   // ceil(keep / B): block-table entries still needed
