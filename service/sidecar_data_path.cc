@@ -15,6 +15,7 @@
 #include "service/arena_fd_server.h"
 #include "service/convert.h"
 #include "service/internal/batch_items.h"
+#include "service/internal/response_size.h"
 #include "service/internal/session_lookups.h"
 #include "service/log.h"
 #include "service/rpc_guard.h"
@@ -169,6 +170,34 @@ grpc::ServerUnaryReactor* SidecarService::BatchCommit(grpc::CallbackServerContex
   });
 }
 
+namespace {
+
+// RESOURCE_EXHAUSTED, before the step changes anything, when the layouts the items ask for
+// (return_layout) could exceed the message limit.
+absl::Status CheckDecodeLayoutsFit(const v1::DecodeStepRequest& request,
+                                   SessionLookups& sessions) {
+  // Bounded before the step changes anything: per item asking, its layers' entries; per session
+  // among them, every block of its arena as a table entry (a session's tables share no block).
+  uint64_t bytes = service_internal::kResponseFixedBytes;
+  absl::flat_hash_set<std::string> tables_counted;
+  for (const v1::DecodeStepRequest::Item& item : request.items()) {
+    if (!item.return_layout()) continue;
+    KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(item.session_id()));
+    bytes += service_internal::SequenceLayoutEntriesBytes(session);
+    if (tables_counted.insert(item.session_id()).second) {
+      bytes += service_internal::SessionTableBytes(session);
+    }
+  }
+  if (bytes > static_cast<uint64_t>(kMaxMessageBytes)) {
+    return service_internal::TooLarge(
+        "the layouts asked for (return_layout)", bytes, kMaxMessageBytes,
+        "ask for fewer of them and read the others with GetLayout");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* SidecarService::DecodeStep(grpc::CallbackServerContext* context,
                                                      const v1::DecodeStepRequest* request,
                                                      v1::DecodeStepResponse* response) {
@@ -177,6 +206,7 @@ grpc::ServerUnaryReactor* SidecarService::DecodeStep(grpc::CallbackServerContext
     KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_ASSIGN_OR_RETURN(std::vector<DecodeItem> items,
                          ItemsFromProto(request->items(), sessions, &DecodeItemFromProto));
+    KVS_RETURN_IF_ERROR(CheckDecodeLayoutsFit(*request, sessions));
     // The pool validates every item again (reservations, positions, attention sizes) before it
     // changes anything, and prefixes its errors with "items[i]: ".
     KVS_ASSIGN_OR_RETURN(std::vector<DecodeResult> results,
@@ -185,7 +215,16 @@ grpc::ServerUnaryReactor* SidecarService::DecodeStep(grpc::CallbackServerContext
       return absl::InternalError(absl::StrCat("DecodeStep: the pool returned ", results.size(),
                                               " results for ", items.size(), " items"));
     }
-    for (const DecodeResult& result : results) DecodeResultToProto(result, response->add_items());
+    for (size_t i = 0; i < results.size(); ++i) {
+      v1::DecodeStepResponse::Item* out = response->add_items();
+      DecodeResultToProto(results[i], out);
+      if (!request->items(static_cast<int>(i)).return_layout()) continue;
+      KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(items[i].session_id));
+      KVS_ASSIGN_OR_RETURN(SequenceLayout layout,
+                           pool_->GetLayout(session, items[i].sequence_id, {},
+                                            /*with_positions=*/false));
+      for (const LayerLayoutView& layer : layout.layers) LayerLayoutToProto(layer, out->add_layers());
+    }
     return absl::OkStatus();
   });
 }

@@ -80,6 +80,25 @@ inline uint64_t LayerLayoutsBytes(const SequenceLayout& layout, const SessionRef
   return total;
 }
 
+// The LayerLayout entries (without positions) of every layer of one sequence of `session`, as a
+// DecodeStep item with return_layout answers them, bounded without looking at the sequence:
+// count, budget and window at the varint size of the most tokens the arena holds, and each
+// table's tag and length. The tables' entries are counted apart (SessionTableBytes): the tables of
+// a session's sequences hold each of its arena's blocks at most once.
+inline uint64_t SequenceLayoutEntriesBytes(const SessionRef& session) {
+  const int64_t blocks = std::max<int64_t>(session.num_blocks(), 0);
+  const int64_t max_tokens = blocks * std::max<int64_t>(session.layout().block_tokens, 1);
+  const uint64_t body = ScalarBytes(4, std::max<int64_t>(max_tokens, session.layout().num_layers)) +
+                        1 + VarintBytes(static_cast<uint64_t>(blocks) * 5);
+  return static_cast<uint64_t>(session.layout().num_layers) * EmbeddedBytes(body);
+}
+
+// Every block of `session`'s arena as a block-table entry.
+inline uint64_t SessionTableBytes(const SessionRef& session) {
+  const uint64_t blocks = static_cast<uint64_t>(std::max<int64_t>(session.num_blocks(), 0));
+  return blocks * VarintBytes(blocks);
+}
+
 // RESOURCE_EXHAUSTED "<what> would be about N bytes, above the 64 MiB message limit; <advice>".
 inline absl::Status TooLarge(absl::string_view what, uint64_t bytes, uint64_t limit,
                              absl::string_view advice) {

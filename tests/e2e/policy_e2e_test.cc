@@ -164,6 +164,66 @@ TEST_F(PolicyE2eTest, BadDecodeStepItemChangesNothing) {
   EXPECT_EQ(verified->counts, std::vector<int>(layout_.num_layers(), 8));
 }
 
+// return_layout: the item's answer carries the layout GetLayout gives right after the step
+// (counts, block tables as compaction left them); an item that does not ask gets none.
+TEST_F(PolicyE2eTest, DecodeStepAnswersWithTheLayoutAnItemAsksFor) {
+  constexpr int kBudget = 12;
+  for (const char* id : {"with", "without"}) {
+    ASSERT_TRUE(session_->CreateSequence(KeyDiffPolicy(), MakeBudget(kBudget), id).ok());
+    ASSERT_TRUE(WriteTokens(*session_, id, 20, kSeed, /*compress_if_over_budget=*/true).ok());
+  }
+  for (int step = 0; step < 6; ++step) {
+    const int position = 20 + step;
+    v1::DecodeStepRequest request;
+    v1::DecodeStepRequest::Item* asking = request.add_items();
+    asking->set_sequence_id("with");
+    asking->set_inline_kv(DecodeKv(kSeed, position));
+    asking->set_return_layout(true);
+    v1::DecodeStepRequest::Item* silent = request.add_items();
+    silent->set_sequence_id("without");
+    silent->set_inline_kv(DecodeKv(kSeed, position));
+    auto response = session_->DecodeStep(request);
+    ASSERT_TRUE(response.ok()) << response.status();
+    ASSERT_EQ(response->items_size(), 2);
+    EXPECT_EQ(response->items(1).layers_size(), 0);
+    auto layout = session_->GetLayout("with", {}, /*omit_positions=*/true);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    ASSERT_EQ(response->items(0).layers_size(), layout_.num_layers()) << "step " << step;
+    for (int l = 0; l < layout_.num_layers(); ++l) {
+      EXPECT_EQ(response->items(0).layers(l).SerializeAsString(),
+                layout->layers(l).SerializeAsString())
+          << "step " << step << " layer " << l;
+      EXPECT_EQ(response->items(0).layers(l).count(), kBudget);
+    }
+  }
+  ASSERT_TRUE(VerifySequence(*session_, "with", kSeed).ok());
+}
+
+// Layouts that could exceed the message limit are refused before the step changes anything:
+// 8192 items of a 1024-layer session would answer with some 8192 x 1024 layer entries.
+TEST_F(PolicyE2eTest, DecodeStepRefusesLayoutsBeyondTheMessageLimit) {
+  const v1::ModelLayout wide = MakeLayout(1024, 1, 1, 8, v1::DTYPE_FLOAT16, 4);
+  auto session = client_->Attach(wide, "default", /*num_blocks=*/2048);
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_TRUE((*session)->CreateSequence(KeyDiffPolicy(), MakeBudget(4), "s0").ok());
+  ASSERT_TRUE(WriteTokens(**session, "s0", 2, kSeed).ok());
+  auto before = (*session)->GetLayout("s0");
+  ASSERT_TRUE(before.ok()) << before.status();
+  v1::DecodeStepRequest request;
+  for (int i = 0; i < 8192; ++i) {
+    v1::DecodeStepRequest::Item* item = request.add_items();
+    item->set_sequence_id("s" + std::to_string(i));
+    item->set_return_layout(true);
+  }
+  request.mutable_items(0)->set_inline_kv(PatternPayload(wide, kSeed, {}, {2}));
+  absl::Status status = (*session)->DecodeStep(request).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_THAT(MessageOf(status), HasSubstr("return_layout"));
+  auto after = (*session)->GetLayout("s0");
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->SerializeAsString(), before->SerializeAsString());
+}
+
 TEST_F(PolicyE2eTest, CommitCarriesAttention) {
   ASSERT_TRUE(session_->CreateSequence(KeyDiffPolicy(), MakeBudget(6), "att").ok());
   auto reservation = session_->Reserve("att", 9);

@@ -226,11 +226,15 @@ class DecodeItem:
 
     Give its K/V either as a pending one-token ``reservation`` (committed first) or as
     ``inline_kv`` ``[L][2][H][1][D]``, or neither if it was already committed. ``attention`` is
-    the token's query for every layer (see :func:`attention`)."""
+    the token's query for every layer (see :func:`attention`). ``return_layout``: the response
+    item also carries the sequence's layout after the step (``layers``: counts and block tables,
+    as :meth:`Session.get_layout` with ``omit_positions``), saving a GetLayout before the next
+    step reads the held K/V."""
     sequence_id: str
     attention: Optional[common_pb2.AttentionInputs] = None
     reservation: Optional["Reservation"] = None
     inline_kv: Union[None, np.ndarray, bytes] = None
+    return_layout: bool = False
 
 
 @dataclass
@@ -939,7 +943,8 @@ class Session:
     def _decode_step_request(self, items: Sequence[DecodeItem]) -> sidecar_pb2.DecodeStepRequest:
         request = sidecar_pb2.DecodeStepRequest()
         for item in items:
-            out = request.items.add(session_id=self.session_id, sequence_id=item.sequence_id)
+            out = request.items.add(session_id=self.session_id, sequence_id=item.sequence_id,
+                                    return_layout=item.return_layout)
             if item.attention is not None:
                 out.attention.CopyFrom(item.attention)
             if item.reservation is not None:

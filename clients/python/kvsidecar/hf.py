@@ -608,6 +608,9 @@ class SidecarCache(Cache):
         self._counts: Any = None   # [B][L] tokens held (np.ndarray once a batch started)
         self._step: Optional[_Step] = None
         self._inflight: Optional[Tuple[Any, List[DecodeItem], np.ndarray]] = None
+        # Every row's layers as the last DecodeStep answered them (return_layout), for the next
+        # step only; None = ask with GetLayout.
+        self._next_layouts: Optional[List[List[Any]]] = None
         self._arena_t: Any = None
         self._name = self.policy.name if self.policy is not None else ""
         self._query_window = self._window()
@@ -768,15 +771,21 @@ class SidecarCache(Cache):
         if self._omni is not None:
             self._omni.begin(step, self._seen)
         self._input_mask = None
+        answered, self._next_layouts = self._next_layouts, None
         if self._seen > 0:
             # A block after held tokens masks a sliding layer's held slots by position.
             positions_needed = not step.decode and any(self.windows)
-            # Asked for together: one round trip for the batch, not one per row.
-            pending = [self.session.get_layout_future(seq, omit_positions=not positions_needed)
-                       for seq in self.sequence_ids]
-            for future in pending:
-                layout = future.result()
-                by_layer = sorted(layout.layers, key=lambda e: e.layer)
+            if answered is not None and not positions_needed:
+                # The last DecodeStep answered with every row's layout (return_layout).
+                layouts = answered
+            else:
+                # Asked for together: one round trip for the batch, not one per row.
+                pending = [self.session.get_layout_future(seq,
+                                                          omit_positions=not positions_needed)
+                           for seq in self.sequence_ids]
+                layouts = [future.result().layers for future in pending]
+            for layers in layouts:
+                by_layer = sorted(layers, key=lambda e: e.layer)
                 step.held.append([e.count for e in by_layer])
                 step.tables.append([e.block_table for e in by_layer])
                 if positions_needed:
@@ -1051,7 +1060,7 @@ class SidecarCache(Cache):
                 self._omni.finish()
             attns = [self._attention_of(step, row, every) for row in range(rows_total)]
             self.last_attention = attns
-            items = [DecodeItem(seq, attention=attn, inline_kv=buf.tobytes())
+            items = [DecodeItem(seq, attention=attn, inline_kv=buf.tobytes(), return_layout=True)
                      for seq, attn, buf in zip(self.sequence_ids, attns, step.inline)]
             future = self.session.decode_step_future(items)
             self._inflight = (future, items, step.positions)
@@ -1120,6 +1129,10 @@ class SidecarCache(Cache):
                     f"sequence {items[row].sequence_id}: the sidecar appended the token at "
                     f"position {out.position}, the model computed {int(positions[0])}")
             self._counts[row] = list(out.counts)
+        # What the next step reads the held K/V by, unless a server that predates return_layout
+        # left them out (then the next step asks with GetLayout).
+        if all(len(out.layers) == self.num_layers for out in resp.items):
+            self._next_layouts = [list(out.layers) for out in resp.items]
 
     # -- compressed prefix reuse ---------------------------------------------------------------
 
@@ -1188,6 +1201,7 @@ class SidecarCache(Cache):
                 self._abandon(step)
             ids, self.sequence_ids = self.sequence_ids, []
             self._counts = None
+            self._next_layouts = None
             self._seen = 0
             self._padded = False
             self._arena_t = None

@@ -106,6 +106,28 @@ def test_full_budget_generates_what_dynamic_cache_does(server, family, attn):
         cache.release()
 
 
+def test_decode_steps_read_the_layouts_the_previous_step_answered(session, monkeypatch):
+    """Each DecodeStep answers with the rows' layouts (return_layout): the next step reads the
+    held K/V by them, so only the first decode step (after the prefill's commit) asks GetLayout,
+    and the tokens are still DynamicCache's."""
+    model = make_model()
+    ids = prompts(2)
+    ref = _generate(model, ids, DynamicCache(config=model.config))
+    asked = []
+    real = session.get_layout_future
+
+    def counting(*args, **kwargs):
+        asked.append(args[0] if args else kwargs.get("sequence_id"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session, "get_layout_future", counting)
+    cache = SidecarCache(session, model, policy="snapkv", budget=1.0)
+    out = _generate(model, ids, cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert sorted(asked) == sorted(cache.sequence_ids)  # one per row, before the first step
+    cache.release()
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_plain_forward_loop_with_chunked_prefill_matches_dynamic_cache(session, family):
     """Two prefill chunks (the second attends to the first from the arena, with the slot mask;
