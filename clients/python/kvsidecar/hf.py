@@ -17,8 +17,10 @@ What happens in one forward of B rows and T new tokens:
 
   layer 0          the previous step's DecodeStep answer is applied (see "overlap"); a prefill
                    block (T > 1, or the first block) is reserved in every layer of every row
-                   with ONE BatchReserve (a left-padded row: its real tokens only); the block table of what each row holds is read with
-                   one GetLayout per row (skipped while nothing is held).
+                   with ONE BatchReserve (a left-padded row: its real tokens only); the block
+                   tables of what each row holds come with the previous DecodeStep's answer
+                   (return_layout), or else from one GetLayout per row, asked together
+                   (skipped while nothing is held).
   every layer      the model calls ``update(k, v, layer)`` with its post-RoPE K/V. A prefill
                    block is written into the reserved arena slots through torch views of the
                    mapped arena (``torch.from_numpy`` over the shared memory: zero copy); a
@@ -35,7 +37,7 @@ What happens in one forward of B rows and T new tokens:
   after the last   prefill blocks: ONE BatchCommit with each row's queries, compressing to the
   layer            budget when over it; decode steps: ONE DecodeStep for the whole batch, which
                    appends each token, folds its query into the policy state and evicts each
-                   layer back to its budget.
+                   layer back to its budget, and answers with each row's new layout.
 
 Positions and RoPE after eviction. Keys are stored post-RoPE, so a kept key keeps the rotation of
 its original position, and the sidecar records that position per (layer, head, slot). The cache
