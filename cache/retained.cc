@@ -55,7 +55,7 @@ absl::Status Sequence::RetainEvicted(const SequenceEnv& env, absl::Span<const in
         return head_positions[a] < head_positions[b];
       });
       for (int32_t s : evicted) {
-        entries.push_back(RetainedEntry{l, h, state.positions[h][s],
+        entries.push_back(RetainedEntry{l, h, head_positions[s],
                                         scores[i][static_cast<size_t>(h) * state.count + s]});
         arena_offsets.push_back(layout_.SlotRowOffset(state.blocks.data(), 0, h, s));
         arena_offsets.push_back(layout_.SlotRowOffset(state.blocks.data(), 1, h, s));

@@ -219,11 +219,17 @@ grpc::ServerUnaryReactor* SidecarService::DecodeStep(grpc::CallbackServerContext
       v1::DecodeStepResponse::Item* out = response->add_items();
       DecodeResultToProto(results[i], out);
       if (!request->items(static_cast<int>(i)).return_layout()) continue;
-      KVS_ASSIGN_OR_RETURN(SessionRef session, sessions.Find(items[i].session_id));
-      KVS_ASSIGN_OR_RETURN(SequenceLayout layout,
-                           pool_->GetLayout(session, items[i].sequence_id, {},
-                                            /*with_positions=*/false));
-      for (const LayerLayoutView& layer : layout.layers) LayerLayoutToProto(layer, out->add_layers());
+      // The step has run: a layout that cannot be read now (the sequence released by another
+      // call meanwhile) leaves the item's layers empty rather than failing a call that changed
+      // state; the worker then asks GetLayout, which names the reason.
+      absl::StatusOr<SessionRef> session = sessions.Find(items[i].session_id);
+      if (!session.ok()) continue;
+      absl::StatusOr<SequenceLayout> layout =
+          pool_->GetLayout(*session, items[i].sequence_id, {}, /*with_positions=*/false);
+      if (!layout.ok()) continue;
+      for (const LayerLayoutView& layer : layout->layers) {
+        LayerLayoutToProto(layer, out->add_layers());
+      }
     }
     return absl::OkStatus();
   });

@@ -1,6 +1,7 @@
 // Upper bounds of the size of the responses whose bulk is positions (GetLayout, Score, Compress,
-// the Export header), computed from the counts alone so that an oversized request is refused
-// before anything is built, copied or evicted. Internal to service/.
+// the Export header) or block tables (DecodeStep's return_layout), computed from the counts alone
+// so that an oversized request is refused before anything is built, copied or evicted. Internal
+// to service/.
 #ifndef KVSIDECAR_SERVICE_INTERNAL_RESPONSE_SIZE_H_
 #define KVSIDECAR_SERVICE_INTERNAL_RESPONSE_SIZE_H_
 
@@ -67,9 +68,10 @@ inline uint64_t LayerLayoutsBytes(const SequenceLayout& layout, const SessionRef
   const uint64_t position_bytes = PositionBytes(layout);
   uint64_t total = 0;
   for (const LayerLayoutView& layer : layout.layers) {
-    // layer, count, budget
-    uint64_t body = ScalarBytes(3, std::max({layer.layer, layer.count, layer.budget})) +
-                    PackedBytes(layer.block_table.size(), block_bytes);
+    // layer, count, budget, window
+    uint64_t body =
+        ScalarBytes(4, std::max({layer.layer, layer.count, layer.budget, layer.window})) +
+        PackedBytes(layer.block_table.size(), block_bytes);
     if (with_positions) {
       body += PackedBytes(static_cast<uint64_t>(session.layout().num_kv_heads) *
                               static_cast<uint64_t>(std::max(layer.count, 0)),
