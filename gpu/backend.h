@@ -216,18 +216,23 @@ struct NearestKeyJob {
   int32_t* target = nullptr;                     // out: [num_queries]
 };
 
-// Weighted merge of rows inside one arena: row(dst) = sum_k weights[k] * row(src_offsets[k]),
-// accumulated in fp32 and rounded once into `dtype`. dst may be among the sources (every source
-// is read before dst is written). Jobs of one call write distinct rows and read no row another
-// job writes.
+// Weighted merges of rows inside one arena: for each r < rows,
+//   row(dst_offsets[r]) = sum_{k in [source_starts[r], source_starts[r+1])}
+//                           weights[k] * row(src_offsets[k]),
+// accumulated in fp32 and rounded once into `dtype`. The sources of all rows are one CSR array
+// (source_starts[0] = 0, every row has at least one source), so that a policy that folds
+// thousands of evicted tokens into their targets sends one job per layer, not one per row. A row's
+// dst may be among its own sources (every source is read before dst is written). The rows of a
+// call write distinct rows and read no row another row of the call writes.
 struct RowMergeJob {
   uint8_t* arena = nullptr;
   DType dtype = DType::kFloat16;
-  int32_t row_elements = 0;               // head_dim
-  uint64_t dst_offset = 0;                // byte offsets into the arena
-  const uint64_t* src_offsets = nullptr;  // [num_sources]
-  const float* weights = nullptr;         // [num_sources]
-  int32_t num_sources = 0;
+  int32_t row_elements = 0;                // head_dim
+  int64_t rows = 0;                        // rows written
+  const uint64_t* dst_offsets = nullptr;   // [rows], byte offsets into the arena
+  const int64_t* source_starts = nullptr;  // [rows + 1]
+  const uint64_t* src_offsets = nullptr;   // [source_starts[rows]], byte offsets into the arena
+  const float* weights = nullptr;          // [source_starts[rows]]
 };
 
 // Finds non-finite values (NaN, +-inf: every exponent bit set) in `count` rows of `row_elements`

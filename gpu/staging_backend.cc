@@ -2,11 +2,13 @@
 // one download of the outputs.
 #include "gpu/staging_backend.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -588,17 +590,30 @@ class StagingBackend final : public Backend {
       const RowMergeJob& job = jobs[i];
       const std::string context = absl::StrCat("row merge job ", i);
       RowMergeJob host = job;
-      std::vector<uint64_t> offsets;
-      if (job.num_sources > 0) {
-        KVS_ASSIGN_OR_RETURN(host.src_offsets,
-                             HostReadable(job.src_offsets, job.num_sources, offsets, context,
-                                          "src_offsets", stream));
+      std::vector<int64_t> starts;
+      std::vector<uint64_t> dst, src;
+      int64_t sources = 0;
+      if (job.rows > 0 && job.rows < std::numeric_limits<int64_t>::max()) {
+        KVS_ASSIGN_OR_RETURN(host.source_starts,
+                             HostReadable(job.source_starts, job.rows + 1, starts, context,
+                                          "source_starts", stream));
+        KVS_ASSIGN_OR_RETURN(host.dst_offsets, HostReadable(job.dst_offsets, job.rows, dst, context,
+                                                            "dst_offsets", stream));
+        // The validator checks that the starts rise from 0; the count it implies is read here
+        // only to mirror the sources for it.
+        sources =
+            host.source_starts == nullptr ? 0 : std::max<int64_t>(host.source_starts[job.rows], 0);
+        KVS_ASSIGN_OR_RETURN(host.src_offsets, HostReadable(job.src_offsets, sources, src, context,
+                                                            "src_offsets", stream));
       }
       KVS_RETURN_IF_ERROR(ValidateRowMergeJob(host, i));
+      if (job.rows == 0) continue;  // nothing is read or written
       KVS_RETURN_IF_ERROR(CheckArena(job.arena, context, "arena"));
       RowMergeJob& d = device_jobs.emplace_back(job);
-      KVS_RETURN_IF_ERROR(stager.Input(&d.src_offsets, job.src_offsets, job.num_sources));
-      KVS_RETURN_IF_ERROR(stager.Input(&d.weights, job.weights, job.num_sources));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.dst_offsets, job.dst_offsets, job.rows));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.source_starts, job.source_starts, job.rows + 1));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.src_offsets, job.src_offsets, sources));
+      KVS_RETURN_IF_ERROR(stager.Input(&d.weights, job.weights, sources));
     }
     return Run(stager, device_jobs, stream, &Backend::MergeRows);
   }

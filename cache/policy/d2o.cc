@@ -69,9 +69,16 @@ struct MergeScratch {
   std::vector<float> head_means, column;
   std::vector<MergeEntry> entries;
   std::vector<double> weights_double;
+  // The merge jobs' CSR arrays, every job's in one buffer: dst rows, the rows' source starts
+  // (each job's own from 0), and the sources' offsets and weights.
+  std::vector<uint64_t> dst;
+  std::vector<int64_t> source_starts;
   std::vector<uint64_t> offsets;
   std::vector<float> weights;
-  std::vector<size_t> starts;  // per job: its first source in offsets / weights
+  struct JobSpan {
+    size_t dst, starts, sources;  // where the job's part of each buffer begins
+  };
+  std::vector<JobSpan> spans;
   std::vector<RowMergeJob> jobs;
 };
 
@@ -369,15 +376,18 @@ absl::Status CollectEntries(MergeScratch& x) {
   return absl::OkStatus();
 }
 
-// Step 4: one weighted-merge job per (kept target, kv), the target its own first source;
-// merged[layer] counts the folded tokens.
+// Step 4: one weighted-merge job per layer, one merged row per (kept target, kv), the target
+// its own first source; merged[layer] counts the folded tokens.
 absl::Status BuildMergeJobs(D2oMergeWeighting weighting, absl::Span<const LayerSelection> layers,
                             MergeScratch& x, absl::Span<int32_t> merged) {
   KVS_RETURN_IF_ERROR(CollectEntries(x));
+  x.dst.clear();
+  x.source_starts.clear();
   x.offsets.clear();
   x.weights.clear();
-  x.starts.clear();
+  x.spans.clear();
   x.jobs.clear();
+  size_t job_layer = std::numeric_limits<size_t>::max();
   for (size_t g = 0; g < x.entries.size();) {
     size_t g_end = g + 1;
     while (g_end < x.entries.size() && x.entries[g_end].work == x.entries[g].work &&
@@ -386,34 +396,44 @@ absl::Status BuildMergeJobs(D2oMergeWeighting weighting, absl::Span<const LayerS
     }
     const HeadMerge& head = x.work[x.entries[g].work];
     const PagedLayerView& view = layers[head.layer].keys;
+    if (head.layer != job_layer) {
+      RowMergeJob& job = x.jobs.emplace_back();
+      job.arena = layers[head.layer].writable_arena;
+      job.dtype = view.dtype;
+      job.row_elements = view.head_dim;
+      x.spans.push_back({x.dst.size(), x.source_starts.size(), x.offsets.size()});
+      x.source_starts.push_back(0);
+      job_layer = head.layer;
+    }
+    RowMergeJob& job = x.jobs.back();
+    const size_t source_base = x.spans.back().sources;
     const size_t members = g_end - g;
     std::vector<double>& w = x.weights_double;
     GroupWeights(weighting, x, head, g, members, w);
     const int32_t target_slot = head.kept[x.entries[g].target];
     for (int32_t kv = 0; kv < 2; ++kv) {
-      RowMergeJob job;
-      job.arena = layers[head.layer].writable_arena;
-      job.dtype = view.dtype;
-      job.row_elements = view.head_dim;
-      job.dst_offset = RowOffset(view, kv, head.head, target_slot);
-      job.num_sources = static_cast<int32_t>(members + 1);
-      x.starts.push_back(x.offsets.size());
-      x.offsets.push_back(job.dst_offset);
+      const uint64_t dst = RowOffset(view, kv, head.head, target_slot);
+      x.dst.push_back(dst);
+      x.offsets.push_back(dst);
       x.weights.push_back(static_cast<float>(w[0]));
       for (size_t m = 0; m < members; ++m) {
         const int32_t slot = x.evicted[head.evicted_begin + x.entries[g + m].evicted];
         x.offsets.push_back(RowOffset(view, kv, head.head, slot));
         x.weights.push_back(static_cast<float>(w[m + 1]));
       }
-      x.jobs.push_back(job);
+      x.source_starts.push_back(static_cast<int64_t>(x.offsets.size() - source_base));
+      ++job.rows;
     }
     merged[head.layer] += static_cast<int32_t>(members);
     g = g_end;
   }
-  // The offset and weight buffers no longer grow: point the jobs into them.
+  // The buffers no longer grow: point the jobs into them.
   for (size_t j = 0; j < x.jobs.size(); ++j) {
-    x.jobs[j].src_offsets = x.offsets.data() + x.starts[j];
-    x.jobs[j].weights = x.weights.data() + x.starts[j];
+    const MergeScratch::JobSpan& span = x.spans[j];
+    x.jobs[j].dst_offsets = x.dst.data() + span.dst;
+    x.jobs[j].source_starts = x.source_starts.data() + span.starts;
+    x.jobs[j].src_offsets = x.offsets.data() + span.sources;
+    x.jobs[j].weights = x.weights.data() + span.sources;
   }
   return absl::OkStatus();
 }

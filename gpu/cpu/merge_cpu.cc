@@ -438,14 +438,28 @@ absl::Status ValidateRowMergeJob(const RowMergeJob& job, size_t index) {
     return invalid("dtype ", static_cast<int>(job.dtype), " is not supported");
   }
   if (job.row_elements < 1) return invalid("row_elements must be >= 1, got ", job.row_elements);
-  if (job.num_sources < 1) return invalid("num_sources must be >= 1, got ", job.num_sources);
+  if (job.rows < 0) return invalid("rows must be >= 0, got ", job.rows);
+  if (job.rows == 0) return absl::OkStatus();  // nothing is read or written
   if (job.arena == nullptr) return invalid("arena is null");
+  if (job.dst_offsets == nullptr) return invalid("dst_offsets is null");
+  if (job.source_starts == nullptr) return invalid("source_starts is null");
   if (job.src_offsets == nullptr) return invalid("src_offsets is null");
   if (job.weights == nullptr) return invalid("weights is null");
+  if (job.source_starts[0] != 0) {
+    return invalid("source_starts[0] must be 0, got ", job.source_starts[0]);
+  }
   // The arena's size is not part of the job; the offsets can at least not wrap around.
   const uint64_t row_bytes = static_cast<uint64_t>(job.row_elements) * DTypeBytes(job.dtype);
-  if (!CheckedAdd(job.dst_offset, row_bytes)) return invalid("dst_offset overflows");
-  for (int32_t k = 0; k < job.num_sources; ++k) {
+  for (int64_t r = 0; r < job.rows; ++r) {
+    if (job.source_starts[r + 1] <= job.source_starts[r]) {
+      return invalid("source_starts[", r + 1, "] must be above source_starts[", r, "] (every row ",
+                     "has a source), got ", job.source_starts[r + 1]);
+    }
+    if (!CheckedAdd(job.dst_offsets[r], row_bytes)) {
+      return invalid("dst_offsets[", r, "] overflows");
+    }
+  }
+  for (int64_t k = 0; k < job.source_starts[job.rows]; ++k) {
     if (!CheckedAdd(job.src_offsets[k], row_bytes)) {
       return invalid("src_offsets[", k, "] overflows");
     }
@@ -456,15 +470,15 @@ absl::Status ValidateRowMergeJob(const RowMergeJob& job, size_t index) {
 namespace {
 
 // Every source is read into the fp32 sum before dst is written, so dst may be a source.
-void MergeJob(const RowMergeJob& job, std::vector<float>& sum) {
+void MergeRow(const RowMergeJob& job, int64_t r, std::vector<float>& sum) {
   const int n = job.row_elements;
   sum.assign(n, 0.0f);
-  for (int32_t k = 0; k < job.num_sources; ++k) {
+  for (int64_t k = job.source_starts[r]; k < job.source_starts[r + 1]; ++k) {
     const uint8_t* src = job.arena + job.src_offsets[k];
     const float w = job.weights[k];
     for (int d = 0; d < n; ++d) sum[d] += w * LoadAsFloat(src, job.dtype, d);
   }
-  uint8_t* dst = job.arena + job.dst_offset;
+  uint8_t* dst = job.arena + job.dst_offsets[r];
   for (int d = 0; d < n; ++d) StoreFromFloat(dst, job.dtype, d, sum[d]);
 }
 
@@ -568,14 +582,25 @@ absl::Status RunMergeRows(absl::Span<const RowMergeJob> jobs, ThreadPool& pool) 
   uint64_t elements = 0;
   for (size_t i = 0; i < jobs.size(); ++i) {
     if (auto status = ValidateRowMergeJob(jobs[i], i); !status.ok()) return status;
-    elements += static_cast<uint64_t>(jobs[i].num_sources) * jobs[i].row_elements;
+    if (jobs[i].rows > 0) {
+      elements += static_cast<uint64_t>(jobs[i].source_starts[jobs[i].rows]) *
+                  static_cast<uint64_t>(jobs[i].row_elements);
+    }
   }
-  // Jobs write distinct rows and read none another job writes (gpu/backend.h): any order works.
+  // Rows write distinct rows and read none another row writes (gpu/backend.h): any order works.
+  // Tasks of up to kRowsPerTask rows of one job.
+  constexpr int64_t kRowsPerTask = 64;
+  std::vector<std::pair<size_t, int64_t>> tasks;  // (job, first row)
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    for (int64_t r = 0; r < jobs[i].rows; r += kRowsPerTask) tasks.emplace_back(i, r);
+  }
   pool.ParallelFor(
-      static_cast<int64_t>(jobs.size()),
-      [&](int64_t i) {
+      static_cast<int64_t>(tasks.size()),
+      [&](int64_t t) {
         thread_local std::vector<float> sum;
-        MergeJob(jobs[i], sum);
+        const RowMergeJob& job = jobs[tasks[t].first];
+        const int64_t end = std::min(job.rows, tasks[t].second + kRowsPerTask);
+        for (int64_t r = tasks[t].second; r < end; ++r) MergeRow(job, r, sum);
       },
       elements < kParallelMinMergeElements ? 1 : 0);
   return absl::OkStatus();

@@ -21,7 +21,8 @@ namespace kvs {
 
 // INVALID_ARGUMENT "<nearest key|row merge> job <index>: <field> ..." when the job cannot be
 // computed safely. ValidateNearestKeyJob reads the block table, query_slots and candidate_slots;
-// ValidateRowMergeJob reads src_offsets. Shared with the host-validating backends (staging, CUDA).
+// ValidateRowMergeJob reads dst_offsets, source_starts and src_offsets. Shared with the
+// host-validating backends (staging, CUDA).
 absl::Status ValidateNearestKeyJob(const NearestKeyJob& job, size_t index);
 absl::Status ValidateRowMergeJob(const RowMergeJob& job, size_t index);
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -621,48 +622,48 @@ class CudaBackend final : public Backend {
 
   absl::Status MergeRows(absl::Span<const RowMergeJob> jobs, Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
-    std::vector<cuda::DevMergeJob> descriptors;
-    descriptors.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
       const RowMergeJob& job = jobs[i];
       const std::string context = absl::StrCat("row merge job ", i);
       RowMergeJob host = job;
-      std::vector<uint64_t> offsets;
-      if (job.num_sources > 0 && job.src_offsets != nullptr) {
-        KVS_ASSIGN_OR_RETURN(offsets,
-                             Mirror(job.src_offsets, job.num_sources, context, "src_offsets"));
-        host.src_offsets = offsets.data();
+      std::vector<int64_t> starts;
+      std::vector<uint64_t> dst, src;
+      if (job.rows > 0 && job.rows < std::numeric_limits<int64_t>::max()) {
+        if (job.source_starts != nullptr) {
+          KVS_ASSIGN_OR_RETURN(starts,
+                               Mirror(job.source_starts, job.rows + 1, context, "source_starts"));
+          host.source_starts = starts.data();
+        }
+        if (job.dst_offsets != nullptr) {
+          KVS_ASSIGN_OR_RETURN(dst, Mirror(job.dst_offsets, job.rows, context, "dst_offsets"));
+          host.dst_offsets = dst.data();
+        }
+        // The count the starts imply, only to mirror the sources; the validator checks them.
+        const int64_t sources = starts.empty() ? 0 : std::max<int64_t>(starts.back(), 0);
+        if (job.src_offsets != nullptr) {
+          KVS_ASSIGN_OR_RETURN(src, Mirror(job.src_offsets, sources, context, "src_offsets"));
+          host.src_offsets = src.data();
+        }
       }
       KVS_RETURN_IF_ERROR(ValidateRowMergeJob(host, i));
+      if (job.rows == 0) continue;
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena, context, "arena"));
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.weights, context, "weights"));
+    }
+    for (const RowMergeJob& job : jobs) {
+      if (job.rows == 0) continue;
       cuda::DevMergeJob d;
       d.arena = job.arena;
       d.dtype = static_cast<int32_t>(job.dtype);
       d.row_elements = job.row_elements;
-      d.dst_offset = job.dst_offset;
+      d.rows = job.rows;
+      d.dst_offsets = job.dst_offsets;
+      d.source_starts = job.source_starts;
       d.src_offsets = job.src_offsets;
       d.weights = job.weights;
-      d.num_sources = job.num_sources;
-      descriptors.push_back(d);
+      KVS_RETURN_IF_ERROR(Launched(cuda::LaunchMergeRows(d, ToStream(stream)), "MergeRows"));
     }
-    if (descriptors.empty()) return absl::OkStatus();
-    // The descriptors travel in a stream-ordered allocation freed behind the kernel. The copy
-    // is from pageable memory, so it has left `descriptors` when cudaMemcpyAsync returns.
-    const cudaStream_t s = ToStream(stream);
-    const size_t bytes = descriptors.size() * sizeof(cuda::DevMergeJob);
-    void* device_jobs = nullptr;
-    KVS_RETURN_IF_ERROR(Launched(cudaMallocAsync(&device_jobs, bytes, s), "cudaMallocAsync"));
-    absl::Status status =
-        Launched(cudaMemcpyAsync(device_jobs, descriptors.data(), bytes, cudaMemcpyHostToDevice, s),
-                 "cudaMemcpyAsync");
-    if (status.ok()) {
-      status = Launched(cuda::LaunchMergeRows(static_cast<const cuda::DevMergeJob*>(device_jobs),
-                                              static_cast<int64_t>(descriptors.size()), s),
-                        "MergeRows");
-    }
-    const absl::Status freed = Launched(cudaFreeAsync(device_jobs, s), "cudaFreeAsync");
-    return status.ok() ? freed : status;
+    return absl::OkStatus();
   }
 
   absl::Status Synchronize(Stream stream) override {

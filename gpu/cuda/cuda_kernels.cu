@@ -1207,28 +1207,130 @@ __global__ void NearestKeysKernel(DevPagedView v, int32_t head, const int32_t* q
   }
 }
 
+// The tiled path of prefill-sized jobs: every query and candidate row is normalised once into
+// fp32 scratch (UnitRowsKernel), then a block takes kNearestTileQueries queries and streams the
+// candidates through shared memory kNearestTileCandidates at a time, each thread scanning four
+// candidates of one query. Each dot is the same sequential rounded sum over d as
+// NearestKeysKernel's (this file is built with --fmad=false), and Beats is a total order, so both
+// kernels pick the same target with the same similarity whatever the order of the scan.
+constexpr int kNearestTileQueries = 16;
+constexpr int kNearestTileCandidates = 64;
+constexpr int kNearestLanes = kThreads / kNearestTileQueries;  // threads per query
+constexpr int kNearestPerLane = kNearestTileCandidates / kNearestLanes;
+static_assert(kNearestLanes * kNearestTileQueries == kThreads, "one tile row per lane group");
+static_assert(kNearestLanes == 16 && kNearestPerLane == 4, "the lane reduction is written for 16");
+constexpr int kNearestMaxTiledDim = 128;         // shared memory: (16 + 64) x 132 fp32 = 41 KiB
+constexpr int32_t kNearestMinTiledQueries = 64;  // below: one block per query (decode steps)
+
+// One warp per row: out[i] = row(slots[i]) / NormOf(row), NearestKeysKernel's numbers.
+__global__ void UnitRowsKernel(DevPagedView v, int32_t head, const int32_t* slots, int32_t n,
+                               float* out) {
+  const int warps = kThreads / 32;
+  const int lane = threadIdx.x % 32;
+  const int dim = v.head_dim;
+  for (int64_t i = int64_t{blockIdx.x} * warps + threadIdx.x / 32; i < n;
+       i += int64_t{gridDim.x} * warps) {
+    const uint8_t* row = PagedRow(v, head, slots[i]);
+    float norm = 0.0f;
+    if (lane == 0) norm = NormOf(row, v.dtype, dim);
+    norm = __shfl_sync(0xffffffffu, norm, 0);
+    for (int d = lane; d < dim; d += 32) out[i * dim + d] = LoadF(row, v.dtype, d) / norm;
+  }
+}
+
+// Rows of `dim` (a multiple of 4) fp32 values, `count` of them from `first`, into a tile of
+// `rows` rows of `stride` floats; rows past `count` are zero (never selected).
+__device__ inline void LoadUnitTile(const float* units, int64_t first, int64_t count, int rows,
+                                    int dim, int stride, float* tile) {
+  const int vec = dim / 4;
+  for (int i = threadIdx.x; i < rows * vec; i += kThreads) {
+    const int r = i / vec, k = i % vec;
+    float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (first + r < count) value = reinterpret_cast<const float4*>(units + (first + r) * dim)[k];
+    reinterpret_cast<float4*>(tile + r * stride)[k] = value;
+  }
+}
+
+__global__ void NearestTiledKernel(const float* query_units, int32_t num_queries,
+                                   const float* candidate_units, int32_t num_candidates, int dim,
+                                   const int32_t* candidate_positions, float* similarity,
+                                   int32_t* target) {
+  extern __shared__ float4 shared4[];  // float4: 16-byte aligned rows
+  const int stride = dim + 4;          // 4 floats of padding: a quarter warp's rows hit 8 banks
+  float* queries = reinterpret_cast<float*>(shared4);
+  float* candidates = queries + kNearestTileQueries * stride;
+  const int q = threadIdx.x / kNearestLanes, lane = threadIdx.x % kNearestLanes;
+  const int vec = dim / 4;
+  for (int64_t q0 = int64_t{blockIdx.x} * kNearestTileQueries; q0 < num_queries;
+       q0 += int64_t{gridDim.x} * kNearestTileQueries) {
+    __syncthreads();
+    LoadUnitTile(query_units, q0, num_queries, kNearestTileQueries, dim, stride, queries);
+    Best best{0.0f, 0, -1};
+    for (int32_t c0 = 0; c0 < num_candidates; c0 += kNearestTileCandidates) {
+      __syncthreads();
+      LoadUnitTile(candidate_units, c0, num_candidates, kNearestTileCandidates, dim, stride,
+                   candidates);
+      __syncthreads();
+      float dot[kNearestPerLane] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const float4* query = reinterpret_cast<const float4*>(queries + q * stride);
+      for (int k = 0; k < vec; ++k) {
+        const float4 a = query[k];
+#pragma unroll
+        for (int j = 0; j < kNearestPerLane; ++j) {
+          const float4 b =
+              reinterpret_cast<const float4*>(candidates + (lane + kNearestLanes * j) * stride)[k];
+          dot[j] += a.x * b.x;  // in d order, each product rounded, then the sum (no fma)
+          dot[j] += a.y * b.y;
+          dot[j] += a.z * b.z;
+          dot[j] += a.w * b.w;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kNearestPerLane; ++j) {
+        const int32_t c = c0 + lane + kNearestLanes * j;
+        if (c >= num_candidates) continue;
+        const Best candidate{dot[j], candidate_positions[c], c};
+        if (best.index < 0 || Beats(candidate, best)) best = candidate;
+      }
+    }
+    // The best of the 16 lanes of each query (lanes of one query are adjacent in one warp).
+    for (int offset = kNearestLanes / 2; offset > 0; offset >>= 1) {
+      Best other;
+      other.similarity = __shfl_down_sync(0xffffffffu, best.similarity, offset, kNearestLanes);
+      other.position = __shfl_down_sync(0xffffffffu, best.position, offset, kNearestLanes);
+      other.index = __shfl_down_sync(0xffffffffu, best.index, offset, kNearestLanes);
+      if (Beats(other, best)) best = other;
+    }
+    if (lane == 0 && q0 + q < num_queries) {
+      similarity[q0 + q] = best.similarity;
+      target[q0 + q] = best.index;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
-// Weighted row merge: one block per job; every source element is read into shared memory before
-// any element of dst is written (dst may be a source).
+// Weighted row merge: one block per merged row; every source element is read into shared memory
+// before any element of dst is written (dst may be a source).
 
 constexpr int kMergeChunk = 4096;  // = kMaxHeadDim: one chunk for every layout
 
-__global__ void MergeRowsKernel(const DevMergeJob* jobs, int64_t count) {
+__global__ void MergeRowsKernel(DevMergeJob job) {
   __shared__ float sum[kMergeChunk];
-  for (int64_t j = blockIdx.x; j < count; j += gridDim.x) {
-    const DevMergeJob job = jobs[j];
+  for (int64_t r = blockIdx.x; r < job.rows; r += gridDim.x) {
+    const int64_t first = job.source_starts[r], last = job.source_starts[r + 1];
+    uint8_t* dst = job.arena + job.dst_offsets[r];
     for (int base = 0; base < job.row_elements; base += kMergeChunk) {
       const int end = job.row_elements - base < kMergeChunk ? job.row_elements : base + kMergeChunk;
       for (int d = base + threadIdx.x; d < end; d += kThreads) {
         float acc = 0.0f;
-        for (int32_t k = 0; k < job.num_sources; ++k) {
+        for (int64_t k = first; k < last; ++k) {
           acc += job.weights[k] * LoadF(job.arena + job.src_offsets[k], job.dtype, d);
         }
         sum[d - base] = acc;
       }
       __syncthreads();
       for (int d = base + threadIdx.x; d < end; d += kThreads) {
-        StoreF(job.arena + job.dst_offset, job.dtype, d, sum[d - base]);
+        StoreF(dst, job.dtype, d, sum[d - base]);
       }
       __syncthreads();
     }
@@ -1427,16 +1529,45 @@ cudaError_t LaunchNearestKeys(const DevPagedView& keys, int32_t head, const int3
                               const int32_t* candidate_positions, int32_t num_candidates,
                               float* similarity, int32_t* target, cudaStream_t stream) {
   if (num_queries == 0) return cudaSuccess;
-  const size_t shared = static_cast<size_t>(keys.head_dim) * sizeof(float);
-  NearestKeysKernel<<<GridFor(num_queries), kThreads, shared, stream>>>(
-      keys, head, query_slots, num_queries, candidate_slots, candidate_positions, num_candidates,
-      similarity, target);
-  return cudaGetLastError();
+  const int dim = keys.head_dim;
+  if (num_queries < kNearestMinTiledQueries || dim > kNearestMaxTiledDim || dim % 4 != 0) {
+    const size_t shared = static_cast<size_t>(dim) * sizeof(float);
+    NearestKeysKernel<<<GridFor(num_queries), kThreads, shared, stream>>>(
+        keys, head, query_slots, num_queries, candidate_slots, candidate_positions, num_candidates,
+        similarity, target);
+    return cudaGetLastError();
+  }
+  float* units = nullptr;
+  const size_t rows = static_cast<size_t>(num_queries) + static_cast<size_t>(num_candidates);
+  cudaError_t error = cudaMallocAsync(reinterpret_cast<void**>(&units),
+                                      rows * static_cast<size_t>(dim) * sizeof(float), stream);
+  if (error != cudaSuccess) return error;
+  float* candidate_units = units + static_cast<size_t>(num_queries) * dim;
+  constexpr int kRowsPerBlock = kThreads / 32;
+  UnitRowsKernel<<<GridFor((num_queries + kRowsPerBlock - 1) / kRowsPerBlock), kThreads, 0,
+                   stream>>>(keys, head, query_slots, num_queries, units);
+  error = cudaGetLastError();
+  if (error == cudaSuccess) {
+    UnitRowsKernel<<<GridFor((num_candidates + kRowsPerBlock - 1) / kRowsPerBlock), kThreads, 0,
+                     stream>>>(keys, head, candidate_slots, num_candidates, candidate_units);
+    error = cudaGetLastError();
+  }
+  if (error == cudaSuccess) {
+    const size_t shared = static_cast<size_t>(kNearestTileQueries + kNearestTileCandidates) *
+                          static_cast<size_t>(dim + 4) * sizeof(float);
+    NearestTiledKernel<<<GridFor((num_queries + kNearestTileQueries - 1) / kNearestTileQueries),
+                         kThreads, shared, stream>>>(units, num_queries, candidate_units,
+                                                     num_candidates, dim, candidate_positions,
+                                                     similarity, target);
+    error = cudaGetLastError();
+  }
+  const cudaError_t freed = cudaFreeAsync(units, stream);
+  return error != cudaSuccess ? error : freed;
 }
 
-cudaError_t LaunchMergeRows(const DevMergeJob* jobs, int64_t count, cudaStream_t stream) {
-  if (count == 0) return cudaSuccess;
-  MergeRowsKernel<<<GridFor(count), kThreads, 0, stream>>>(jobs, count);
+cudaError_t LaunchMergeRows(const DevMergeJob& job, cudaStream_t stream) {
+  if (job.rows == 0) return cudaSuccess;
+  MergeRowsKernel<<<GridFor(job.rows), kThreads, 0, stream>>>(job);
   return cudaGetLastError();
 }
 

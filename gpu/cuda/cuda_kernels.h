@@ -115,13 +115,14 @@ struct DevMergeJob {
   uint8_t* arena = nullptr;
   int32_t dtype = 1;
   int32_t row_elements = 0;
-  uint64_t dst_offset = 0;
-  const uint64_t* src_offsets = nullptr;  // device
-  const float* weights = nullptr;         // device
-  int32_t num_sources = 0;
+  int64_t rows = 0;
+  const uint64_t* dst_offsets = nullptr;   // device, [rows]
+  const int64_t* source_starts = nullptr;  // device, [rows + 1]
+  const uint64_t* src_offsets = nullptr;   // device
+  const float* weights = nullptr;          // device
 };
-// `jobs` is a device array of `count` descriptors; one thread block per job.
-cudaError_t LaunchMergeRows(const DevMergeJob* jobs, int64_t count, cudaStream_t stream);
+// One thread block per merged row of `job` (RowMergeJob semantics, gpu/backend.h).
+cudaError_t LaunchMergeRows(const DevMergeJob& job, cudaStream_t stream);
 
 }  // namespace kvs::cuda
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -539,9 +540,24 @@ class SimBackend final : public Backend {
     for (size_t i = 0; i < real.size(); ++i) {
       RowMergeJob& j = real[i];
       const Translator t(*state_, absl::StrCat("row merge job ", i));
+      if (j.rows <= 0) continue;  // the CPU backend validates what is not read
       KVS_RETURN_IF_ERROR(t(j.arena, 0, "arena"));
-      KVS_RETURN_IF_ERROR(t(j.src_offsets, Extent({j.num_sources}, 8), "src_offsets"));
-      KVS_RETURN_IF_ERROR(t(j.weights, Extent({j.num_sources}, 4), "weights"));
+      KVS_RETURN_IF_ERROR(t(j.dst_offsets, Extent({j.rows}, 8), "dst_offsets"));
+      const uint64_t starts_bytes =
+          j.rows < std::numeric_limits<int64_t>::max() ? Extent({j.rows + 1}, 8) : 0;
+      if (starts_bytes == 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("row merge job ", i, ": rows ", j.rows, " is too large"));
+      }
+      KVS_RETURN_IF_ERROR(t(j.source_starts, starts_bytes, "source_starts"));
+      // The sources' count is read from the (now host-addressable) starts.
+      const int64_t sources = j.source_starts == nullptr ? 0 : j.source_starts[j.rows];
+      if (sources < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("row merge job ", i, ": source_starts[",
+                                                       j.rows, "] must be >= 0, got ", sources));
+      }
+      KVS_RETURN_IF_ERROR(t(j.src_offsets, Extent({sources}, 8), "src_offsets"));
+      KVS_RETURN_IF_ERROR(t(j.weights, Extent({sources}, 4), "weights"));
     }
     return cpu_->MergeRows(real, stream);
   }

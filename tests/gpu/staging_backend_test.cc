@@ -25,6 +25,7 @@
 #include "gpu/base/dtype.h"
 #include "gpu/sim/simulated_device.h"
 #include "gtest/gtest.h"
+#include "tests/gpu/merge_rows_csr.h"
 
 namespace kvs {
 namespace {
@@ -634,20 +635,13 @@ TEST_P(StagingTest, MergeRowsBitIdenticalWithDstAmongSources) {
     for (float& x : ws) x = w(rng);
     weights.push_back(ws);
   }
+  // Two jobs: rows 0-2 and rows 3-4.
+  MergeRowsCsr first, second;
+  for (size_t j = 0; j < sources.size(); ++j) {
+    (j < 3 ? first : second).Add(dsts[j], sources[j], weights[j]);
+  }
   auto jobs_on = [&](uint8_t* base) {
-    std::vector<RowMergeJob> jobs;
-    for (size_t j = 0; j < sources.size(); ++j) {
-      RowMergeJob job;
-      job.arena = base;
-      job.dtype = dtype();
-      job.row_elements = dim;
-      job.dst_offset = dsts[j];
-      job.src_offsets = sources[j].data();
-      job.weights = weights[j].data();
-      job.num_sources = static_cast<int32_t>(sources[j].size());
-      jobs.push_back(job);
-    }
-    return jobs;
+    return std::vector<RowMergeJob>{first.Job(base, dtype(), dim), second.Job(base, dtype(), dim)};
   };
   ASSERT_TRUE(cpu_->MergeRows(jobs_on(cpu_base()), nullptr).ok());
   ASSERT_TRUE(staged_->MergeRows(jobs_on(dev_base()), nullptr).ok());
@@ -793,8 +787,9 @@ TEST_P(StagingTest, AHostArenaIsRefusedNamingTheJobAndField) {
 
   std::vector<uint64_t> offsets = {0};
   std::vector<float> weights = {1.0f};
-  RowMergeJob merge{cpu_base(), dtype(), 8, 64, offsets.data(), weights.data(), 1};
-  const absl::Status merged = staged_->MergeRows({merge}, nullptr);
+  MergeRowsCsr csr;
+  csr.Add(64, offsets, weights);
+  const absl::Status merged = staged_->MergeRows({csr.Job(cpu_base(), dtype(), 8)}, nullptr);
   EXPECT_EQ(merged.message(), "row merge job 0: arena is not device memory");
   uint8_t buffer[64];
   const absl::Status copied = staged_->CopyHostRows(
@@ -928,12 +923,12 @@ TEST_P(StagingTest, InvalidJobsGetTheCpuMessageAndWriteNothing) {
                 "nearest");
   }
   {  // Merge: an overflowing source offset in the second job.
-    std::vector<uint64_t> bad = {0, ~uint64_t{0} - 4};
-    std::vector<float> w = {0.5f, 0.5f};
+    MergeRowsCsr good, bad;
+    good.Add(256, {offsets[0], offsets[1]}, {0.5f, 0.5f});
+    bad.Add(512, {0, 64}, {0.5f, 0.5f});
+    bad.Add(576, {0, ~uint64_t{0} - 4}, {0.5f, 0.5f});
     auto jobs = [&](uint8_t* base) {
-      return std::vector<RowMergeJob>{
-          RowMergeJob{base, dtype(), 8, 256, offsets.data(), w.data(), 2},
-          RowMergeJob{base, dtype(), 8, 512, bad.data(), w.data(), 2}};
+      return std::vector<RowMergeJob>{good.Job(base, dtype(), 8), bad.Job(base, dtype(), 8)};
     };
     expect_same(cpu_->MergeRows(jobs(cpu_base()), nullptr),
                 staged_->MergeRows(jobs(dev_base()), nullptr), "merge");

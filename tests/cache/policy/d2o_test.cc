@@ -158,7 +158,8 @@ TEST_P(D2oWeightingTest, Tv4PrefillMerge) {
   EXPECT_NEAR(layer.state.threshold[0], 0.892416, 1e-6);
   EXPECT_EQ(backend.nearest_calls, 1);
   EXPECT_EQ(backend.merge_calls, 1);
-  EXPECT_EQ(backend.merge_jobs, 2);  // one target, K and V
+  EXPECT_EQ(backend.merge_jobs, 1);  // one layer
+  EXPECT_EQ(backend.merge_rows, 2);  // one target, K and V
   if (GetParam() == D2oMergeWeighting::kPaper) {
     ExpectRow(layer, 0, 0, {2.316829f, 0.326732f});
     ExpectRow(layer, 1, 0, {1.673268f, 1.0f});

@@ -180,6 +180,7 @@ class TestBackend final : public Backend {
   absl::Status MergeRows(absl::Span<const RowMergeJob> jobs, Stream stream) override {
     ++merge_calls;
     merge_jobs += static_cast<int>(jobs.size());
+    for (const RowMergeJob& job : jobs) merge_rows += job.rows;
     return cpu_->MergeRows(jobs, stream);
   }
   absl::Status Synchronize(Stream stream) override { return cpu_->Synchronize(stream); }
@@ -187,6 +188,7 @@ class TestBackend final : public Backend {
   int nearest_calls = 0;
   int merge_calls = 0;
   int merge_jobs = 0;
+  int64_t merge_rows = 0;
 
  private:
   std::unique_ptr<Backend> cpu_;

@@ -17,6 +17,7 @@
 #include "gpu/cpu/avx2_util.h"
 #include "gpu/cpu/thread_pool.h"
 #include "gtest/gtest.h"
+#include "tests/gpu/merge_rows_csr.h"
 
 namespace kvs {
 namespace {
@@ -505,18 +506,10 @@ TEST(MergeRowsCpu, Tv4PaperWeights) {
                                          kv.Offset(kv.keys, 0, 4)};
   const std::vector<uint64_t> value_src = {kv.Offset(kv.values, 0, 0), kv.Offset(kv.values, 0, 1),
                                            kv.Offset(kv.values, 0, 4)};
-  RowMergeJob key_job;
-  key_job.arena = kv.arena.data();
-  key_job.dtype = DType::kFloat32;
-  key_job.row_elements = 2;
-  key_job.dst_offset = key_src[0];
-  key_job.src_offsets = key_src.data();
-  key_job.weights = weights.data();
-  key_job.num_sources = 3;
-  RowMergeJob value_job = key_job;
-  value_job.dst_offset = value_src[0];
-  value_job.src_offsets = value_src.data();
-  ASSERT_TRUE(Merge({key_job, value_job}).ok());
+  MergeRowsCsr csr;
+  csr.Add(key_src[0], key_src, weights);
+  csr.Add(value_src[0], value_src, weights);
+  ASSERT_TRUE(Merge({csr.Job(kv.arena.data(), DType::kFloat32, 2)}).ok());
   const std::vector<float> k0 = kv.Read(kv.keys, 0, 0), v0 = kv.Read(kv.values, 0, 0);
   EXPECT_NEAR(k0[0], 2.316829, 1e-6);
   EXPECT_NEAR(k0[1], 0.326732, 1e-6);
@@ -537,20 +530,15 @@ TEST(MergeRowsCpu, Fp16RoundsOnce) {
   StoreFromFloat(arena.data() + 16, DType::kFloat16, 0, half_ulp);
   const std::vector<uint64_t> src = {0, 8, 16};
   const std::vector<float> weights = {1, 1, 1};
-  RowMergeJob job;
-  job.arena = arena.data();
-  job.dtype = DType::kFloat16;
-  job.row_elements = 1;
-  job.dst_offset = 0;
-  job.src_offsets = src.data();
-  job.weights = weights.data();
-  job.num_sources = 3;
-  ASSERT_TRUE(Merge({job}).ok());
+  MergeRowsCsr csr;
+  csr.Add(0, src, weights);
+  ASSERT_TRUE(Merge({csr.Job(arena.data(), DType::kFloat16, 1)}).ok());
   EXPECT_EQ(LoadAsFloat(arena.data(), DType::kFloat16, 0), 1.0f + std::ldexp(1.0f, -10));
 }
 
-// Many rows in one call (parallel path), bf16, against a float reference rounded once.
-TEST(MergeRowsCpu, ManyJobsBFloat16) {
+// Many rows in one call (parallel path), bf16, split over two jobs, against a float reference
+// rounded once.
+TEST(MergeRowsCpu, ManyRowsBFloat16) {
   const int rows = 600, dim = 64, sources = 3;
   std::vector<uint8_t> arena(static_cast<size_t>(rows) * (sources + 1) * dim * 2);
   std::mt19937 rng(4);
@@ -559,33 +547,31 @@ TEST(MergeRowsCpu, ManyJobsBFloat16) {
     StoreFromFloat(arena.data(), DType::kBFloat16, i, normal(rng));
   }
   const std::vector<uint8_t> before = arena;
-  std::vector<uint64_t> offsets(static_cast<size_t>(rows) * sources);
-  std::vector<float> weights(static_cast<size_t>(rows) * sources);
-  std::vector<RowMergeJob> jobs(rows);
+  MergeRowsCsr first, second;
+  std::vector<uint64_t> dst(rows);
+  std::vector<std::vector<uint64_t>> offsets(rows);
+  std::vector<std::vector<float>> weights(rows);
   for (int r = 0; r < rows; ++r) {
     const uint64_t base = static_cast<uint64_t>(r) * (sources + 1) * dim * 2;
     for (int k = 0; k < sources; ++k) {
-      offsets[r * sources + k] = base + (k + 1) * dim * 2;
-      weights[r * sources + k] = normal(rng);
+      offsets[r].push_back(base + (k + 1) * dim * 2);
+      weights[r].push_back(normal(rng));
     }
-    jobs[r].arena = arena.data();
-    jobs[r].dtype = DType::kBFloat16;
-    jobs[r].row_elements = dim;
-    jobs[r].dst_offset = base;
-    jobs[r].src_offsets = offsets.data() + r * sources;
-    jobs[r].weights = weights.data() + r * sources;
-    jobs[r].num_sources = sources;
+    dst[r] = base;
+    (r < 250 ? first : second).Add(dst[r], offsets[r], weights[r]);
   }
-  ASSERT_TRUE(Merge(jobs, 3).ok());
+  ASSERT_TRUE(Merge({first.Job(arena.data(), DType::kBFloat16, dim),
+                     second.Job(arena.data(), DType::kBFloat16, dim)},
+                    3)
+                  .ok());
   for (int r = 0; r < rows; ++r) {
     for (int d = 0; d < dim; ++d) {
       float sum = 0;
       for (int k = 0; k < sources; ++k) {
-        sum += weights[r * sources + k] *
-               LoadAsFloat(before.data() + offsets[r * sources + k], DType::kBFloat16, d);
+        sum += weights[r][k] * LoadAsFloat(before.data() + offsets[r][k], DType::kBFloat16, d);
       }
       const float expected = BFloat16ToFloat(FloatToBFloat16(sum));
-      const float actual = LoadAsFloat(arena.data() + jobs[r].dst_offset, DType::kBFloat16, d);
+      const float actual = LoadAsFloat(arena.data() + dst[r], DType::kBFloat16, d);
       ASSERT_NEAR(actual, expected, std::abs(expected) * 1e-2 + 1e-6) << r << " " << d;
     }
   }
@@ -593,36 +579,34 @@ TEST(MergeRowsCpu, ManyJobsBFloat16) {
 
 TEST(MergeRowsCpu, InvalidJobsAreRejectedAndNothingIsWritten) {
   std::vector<uint8_t> arena(64, 0);
-  const std::vector<uint64_t> src = {8, 16}, huge = {8, ~uint64_t{0} - 1};
-  const std::vector<float> weights = {1, 1};
+  const std::vector<uint64_t> huge = {8, ~uint64_t{0} - 1}, huge_dst = {32, ~uint64_t{0}};
+  const std::vector<int64_t> not_from_zero = {1, 2, 3}, empty_row = {0, 2, 2};
+  MergeRowsCsr csr;
+  csr.Add(0, {8, 16}, {1, 1});
+  csr.Add(48, {24}, {1});
   struct Case {
     const char* field;
     std::function<void(RowMergeJob&)> mutate;
   };
   const Case cases[] = {
       {"row_elements", [](RowMergeJob& j) { j.row_elements = 0; }},
-      {"num_sources", [](RowMergeJob& j) { j.num_sources = 0; }},
-      {"num_sources", [](RowMergeJob& j) { j.num_sources = -2; }},
+      {"rows", [](RowMergeJob& j) { j.rows = -2; }},
       {"arena", [](RowMergeJob& j) { j.arena = nullptr; }},
+      {"dst_offsets", [](RowMergeJob& j) { j.dst_offsets = nullptr; }},
+      {"source_starts", [](RowMergeJob& j) { j.source_starts = nullptr; }},
       {"src_offsets", [](RowMergeJob& j) { j.src_offsets = nullptr; }},
       {"weights", [](RowMergeJob& j) { j.weights = nullptr; }},
       {"dtype", [](RowMergeJob& j) { j.dtype = static_cast<DType>(0); }},
+      {"source_starts[0]", [&](RowMergeJob& j) { j.source_starts = not_from_zero.data(); }},
+      {"source_starts[2]", [&](RowMergeJob& j) { j.source_starts = empty_row.data(); }},
       {"src_offsets[1]", [&](RowMergeJob& j) { j.src_offsets = huge.data(); }},
-      {"dst_offset", [](RowMergeJob& j) { j.dst_offset = ~uint64_t{0}; }},
+      {"dst_offsets[1]", [&](RowMergeJob& j) { j.dst_offsets = huge_dst.data(); }},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.field);
     std::fill(arena.begin(), arena.end(), 0x3c);
-    RowMergeJob good;
-    good.arena = arena.data();
-    good.dtype = DType::kFloat16;
-    good.row_elements = 2;
-    good.dst_offset = 0;
-    good.src_offsets = src.data();
-    good.weights = weights.data();
-    good.num_sources = 2;
+    const RowMergeJob good = csr.Job(arena.data(), DType::kFloat16, 2);
     RowMergeJob bad = good;
-    bad.dst_offset = 32;
     c.mutate(bad);
     const absl::Status status = Merge({good, bad});
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
@@ -630,6 +614,11 @@ TEST(MergeRowsCpu, InvalidJobsAreRejectedAndNothingIsWritten) {
     EXPECT_THAT(std::string(status.message()), HasSubstr(c.field));
     for (uint8_t b : arena) ASSERT_EQ(b, 0x3c);
   }
+  // A job of no rows reads nothing: its arrays may be null.
+  RowMergeJob none;
+  none.dtype = DType::kFloat16;
+  none.row_elements = 2;
+  EXPECT_TRUE(Merge({none}).ok());
 }
 
 // Through the Backend entry points.
@@ -652,14 +641,9 @@ TEST(MergeRowsCpu, BackendNearestAndMerge) {
   EXPECT_EQ(target, 2);
   const std::vector<uint64_t> src = {kv.Offset(kv.values, 0, 3), kv.Offset(kv.values, 0, 5)};
   const std::vector<float> weights = {0.5f, 0.5f};
-  RowMergeJob merge;
-  merge.arena = kv.arena.data();
-  merge.dtype = DType::kFloat16;
-  merge.row_elements = 2;
-  merge.dst_offset = src[0];
-  merge.src_offsets = src.data();
-  merge.weights = weights.data();
-  merge.num_sources = 2;
+  MergeRowsCsr csr;
+  csr.Add(src[0], src, weights);
+  const RowMergeJob merge = csr.Job(kv.arena.data(), DType::kFloat16, 2);
   ASSERT_TRUE(backend->MergeRows({&merge, 1}, nullptr).ok());
   EXPECT_THAT(kv.Read(kv.values, 0, 3), ElementsAre(4.0f, 1.0f));
 }

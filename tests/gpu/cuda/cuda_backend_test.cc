@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -23,6 +24,7 @@
 #include "gpu/backend_factory.h"
 #include "gpu/base/dtype.h"
 #include "gtest/gtest.h"
+#include "tests/gpu/merge_rows_csr.h"
 
 namespace kvs {
 namespace {
@@ -686,6 +688,71 @@ TEST_F(CudaParityTest, NearestKeysPickTheSameTargetsWithTies) {
   }
 }
 
+// Jobs of at least 64 queries (a prefill's evicted tokens) take the tiled kernel, smaller ones one
+// block per query: both give the same targets and bit-equal similarities, over candidate counts
+// that do not fill the last tile, and agree with the host up to near-ties.
+TEST_F(CudaParityTest, NearestKeysTiledKernelMatchesTheKernelOfOneBlockPerQuery) {
+  struct Case {
+    DType dtype;
+    int dim;
+  };
+  uint32_t seed = 80;
+  for (const Case& c : {Case{DType::kFloat16, 128}, Case{DType::kBFloat16, 64},
+                        Case{DType::kFloat32, 40}, Case{DType::kFloat16, 6}}) {
+    const int count = 1500;
+    Layer layer(2, count, c.dim, 16, c.dtype, seed++);
+    DeviceLayer device(*cuda_, layer);
+    std::vector<int32_t> query_slots, candidate_slots;
+    for (int s = 0; s < count; ++s) (s % 4 == 0 ? query_slots : candidate_slots).push_back(s);
+    std::vector<int32_t> positions(candidate_slots.size());
+    std::iota(positions.begin(), positions.end(), 0);
+    std::shuffle(positions.begin(), positions.end(), std::mt19937(seed));
+    const int q = static_cast<int>(query_slots.size());  // 375: tiled
+    const int n = static_cast<int>(candidate_slots.size());
+    DeviceBuffer<int32_t> d_queries(query_slots), d_candidates(candidate_slots),
+        d_positions(positions), d_tiled_target(q, -9), d_split_target(q, -9);
+    DeviceBuffer<float> d_tiled(q, -9.0f), d_split(q, -9.0f);
+    const int head = 1;
+    NearestKeyJob tiled{
+        device.view, head,          d_queries.get(),     q, d_candidates.get(), d_positions.get(),
+        n,           d_tiled.get(), d_tiled_target.get()};
+    ASSERT_TRUE(cuda_->NearestKeys({tiled}, nullptr).ok());
+    std::vector<NearestKeyJob> split;  // jobs of at most 47 queries
+    for (int first = 0; first < q; first += 47) {
+      NearestKeyJob job = tiled;
+      job.query_slots = d_queries.get() + first;
+      job.num_queries = std::min(47, q - first);
+      job.similarity = d_split.get() + first;
+      job.target = d_split_target.get() + first;
+      split.push_back(job);
+    }
+    ASSERT_TRUE(cuda_->NearestKeys(split, nullptr).ok());
+    ASSERT_TRUE(cuda_->Synchronize(nullptr).ok());
+    const std::vector<int32_t> target = d_tiled_target.ToHost();
+    const std::vector<float> similarity = d_tiled.ToHost();
+    EXPECT_EQ(target, d_split_target.ToHost()) << DTypeName(c.dtype) << " dim " << c.dim;
+    EXPECT_EQ(similarity, d_split.ToHost()) << DTypeName(c.dtype) << " dim " << c.dim;
+    std::vector<float> host_similarity(q);
+    std::vector<int32_t> host_target(q);
+    NearestKeyJob host{layer.view,
+                       head,
+                       query_slots.data(),
+                       q,
+                       candidate_slots.data(),
+                       positions.data(),
+                       n,
+                       host_similarity.data(),
+                       host_target.data()};
+    ASSERT_TRUE(cpu_->NearestKeys({host}, nullptr).ok());
+    int differ = 0;
+    for (int e = 0; e < q; ++e) {
+      ASSERT_NEAR(similarity[e], host_similarity[e], 1e-5f) << e;
+      differ += target[e] != host_target[e];
+    }
+    EXPECT_LE(differ, 2) << "targets other than the host's beyond near-ties";
+  }
+}
+
 TEST_F(CudaParityTest, MergeRowsBitIdenticalWithDstAmongSources) {
   for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
     const int elements = 40;
@@ -696,28 +763,42 @@ TEST_F(CudaParityTest, MergeRowsBitIdenticalWithDstAmongSources) {
     for (uint64_t i = 0; i < arena.size() / DTypeBytes(dtype); ++i) {
       StoreFromFloat(arena.data(), dtype, i, normal(rng));
     }
-    // Job 0 merges rows 1, 2, 3 into row 1; job 1 rows 5, 6 into row 8.
-    const std::vector<uint64_t> src0 = {row_bytes, 2 * row_bytes, 3 * row_bytes};
-    const std::vector<uint64_t> src1 = {5 * row_bytes, 6 * row_bytes};
-    const std::vector<float> w0 = {0.5f, 0.25f, 0.25f}, w1 = {0.75f, 0.25f};
+    // Job 0 merges rows 1, 2, 3 into row 1 and rows 10, 11 into row 12; job 1 rows 5, 6 into 8.
+    MergeRowsCsr first, second;
+    first.Add(row_bytes, {row_bytes, 2 * row_bytes, 3 * row_bytes}, {0.5f, 0.25f, 0.25f});
+    first.Add(12 * row_bytes, {10 * row_bytes, 11 * row_bytes}, {0.125f, 2.0f});
+    second.Add(8 * row_bytes, {5 * row_bytes, 6 * row_bytes}, {0.75f, 0.25f});
     std::vector<uint8_t> expected = arena;
-    std::vector<RowMergeJob> jobs = {
-        {expected.data(), dtype, elements, row_bytes, src0.data(), w0.data(), 3},
-        {expected.data(), dtype, elements, 8 * row_bytes, src1.data(), w1.data(), 2}};
-    ASSERT_TRUE(cpu_->MergeRows(jobs, nullptr).ok());
+    ASSERT_TRUE(cpu_->MergeRows({first.Job(expected.data(), dtype, elements),
+                                 second.Job(expected.data(), dtype, elements)},
+                                nullptr)
+                    .ok());
     auto device = cuda_->CreateArena(arena.size(), ArenaOptions());
     ASSERT_TRUE(device.ok());
     ASSERT_TRUE((*device)->Write(0, arena.data(), arena.size()).ok());
-    DeviceBuffer<uint64_t> d_src0(src0), d_src1(src1);
-    DeviceBuffer<float> d_w0(w0), d_w1(w1);
-    jobs[0].arena = jobs[1].arena = (*device)->data();
-    jobs[0].src_offsets = d_src0.get();
-    jobs[0].weights = d_w0.get();
-    jobs[1].src_offsets = d_src1.get();
-    jobs[1].weights = d_w1.get();
+    std::vector<RowMergeJob> jobs;
+    std::deque<DeviceBuffer<uint64_t>> offsets;  // deques: buffers that never move
+    std::deque<DeviceBuffer<int64_t>> starts;
+    std::deque<DeviceBuffer<float>> weights;
+    for (const MergeRowsCsr* csr : {&first, &second}) {
+      RowMergeJob& job = jobs.emplace_back(csr->Job((*device)->data(), dtype, elements));
+      job.dst_offsets = offsets.emplace_back(csr->dst).get();
+      job.src_offsets = offsets.emplace_back(csr->src).get();
+      job.source_starts = starts.emplace_back(csr->starts).get();
+      job.weights = weights.emplace_back(csr->weights).get();
+    }
     ASSERT_TRUE(cuda_->MergeRows(jobs, nullptr).ok());
     ASSERT_TRUE(cuda_->Synchronize(nullptr).ok());
     std::vector<uint8_t> actual(arena.size());
+    ASSERT_TRUE((*device)->Read(0, actual.data(), actual.size()).ok());
+    EXPECT_EQ(actual, expected) << DTypeName(dtype);
+    // A row without a source (its start not above the previous) is refused; nothing moves.
+    const std::vector<int64_t> flat = {0, 3, 3};
+    DeviceBuffer<int64_t> d_flat(flat);
+    jobs[0].source_starts = d_flat.get();
+    const absl::Status status = cuda_->MergeRows(jobs, nullptr);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(status.message()), HasSubstr("row merge job 0: source_starts[2]"));
     ASSERT_TRUE((*device)->Read(0, actual.data(), actual.size()).ok());
     EXPECT_EQ(actual, expected) << DTypeName(dtype);
   }
