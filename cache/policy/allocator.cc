@@ -188,8 +188,11 @@ class D2oAllocator final : public LayerAllocator {
  public:
   D2oAllocator(AllocatorConfig config, D2oConfig d2o) : config_(config), d2o_(std::move(d2o)) {}
 
+  // The density reads the accumulated column sums only.
   AttentionRequirement attention(Phase phase) const override {
-    if (phase == Phase::kPrefill) return {.needed = true, .trailing_queries = 0};
+    if (phase == Phase::kPrefill) {
+      return {.needed = true, .trailing_queries = 0, .column_sums = true};
+    }
     return {};
   }
   bool needs_accumulated() const override { return true; }

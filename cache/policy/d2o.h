@@ -46,7 +46,11 @@ class D2oPolicy final : public AttentionScoredPolicy {
                                     std::vector<float>& storage) const override;
 
  protected:
-  AttentionRequirement ScorerAttention(Phase) const override { return {true, 0}; }
+  // Every query's attention, but only its column sums are read (the accumulated scores): the
+  // backend may sum the rows as it computes them.
+  AttentionRequirement ScorerAttention(Phase) const override {
+    return {.needed = true, .trailing_queries = 0, .column_sums = true};
+  }
   bool ScorerNeedsAccumulated() const override { return true; }
   Protection Protect(Phase phase, const LayerSelection& layer) const override;
 };

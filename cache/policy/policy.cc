@@ -159,10 +159,15 @@ AttentionRequirement Policy::attention(Phase phase) const {
     combined.trailing_queries = std::max(scorer.needed ? scorer.trailing_queries : 0,
                                          allocator.needed ? allocator.trailing_queries : 0);
   }
-  // Sums serve only a scorer that reads nothing else, next to an allocator that reads nothing.
-  // Accumulated attention is itself a column sum (AccumulateColumnSums adds a summed step's one
-  // row as it would add every row).
-  combined.column_sums = scorer.needed && scorer.column_sums && !allocator.needed;
+  // Sums serve when every part that reads attention reads only the column sums of the same rows
+  // (D2O's scorer and allocator both read the accumulated sums of every query). Accumulated
+  // attention is itself a column sum (AccumulateColumnSums adds a summed step's one row as it
+  // would add every row).
+  const bool scorer_sums = !scorer.needed || scorer.column_sums;
+  const bool allocator_sums = !allocator.needed || allocator.column_sums;
+  const bool same_rows =
+      !scorer.needed || !allocator.needed || scorer.trailing_queries == allocator.trailing_queries;
+  combined.column_sums = combined.needed && scorer_sums && allocator_sums && same_rows;
   return combined;
 }
 
