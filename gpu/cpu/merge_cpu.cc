@@ -15,6 +15,7 @@
 #include "gpu/base/dtype.h"
 #include "gpu/cpu/attention_cpu.h"
 #include "gpu/cpu/avx2_util.h"
+#include "gpu/cpu/cpu_isa.h"
 #include "gpu/cpu/keydiff_cpu.h"
 
 namespace kvs {
@@ -117,21 +118,20 @@ void NearestKeysOfJobScalar(const NearestKeyJob& job) {
   }
 }
 
-// ---- AVX2/FMA path ----------------------------------------------------------------------------
+// ---- AVX2/FMA path (its dot products also on AVX-512) ------------------------------------------
 // A small GEMM of unit query rows against unit candidate rows with a running (max, argmax) per
 // query. Candidates are packed once per job into panels of kPanel candidates, transposed
 // ([dim][kPanel]), so the micro-kernel broadcasts one query element and FMAs it into kPanel
 // candidate lanes: every (query, candidate) dot is the same sequential fp32 FMA chain over d no
-// matter which lane or panel the candidate sits in, so equal unit rows give bit-equal cosines and
-// exact ties stay exact. Padding candidates (zero rows past num_candidates) are never selected.
+// matter which lane or panel the candidate sits in, or which ISA runs it, so equal unit rows give
+// bit-equal cosines and exact ties stay exact. Padding candidates (zero rows past num_candidates) are never selected.
 // Candidates are visited in index order per query and fed to Better() exactly like the scalar
 // path, so the tie rule (lowest position) and NaN handling are unchanged.
 
 using avx2::Transpose8x8;
 
-constexpr int kPanel = 16;             // candidates per packed panel (two ymm)
-constexpr int kRows = 6;               // queries per micro-kernel: 12 accumulators + 2 + 1 ymm
-constexpr int kChunkRows = 8 * kRows;  // queries per task (normalised into a thread-local buffer)
+constexpr int kPanel = 16;             // candidates per packed panel (two ymm, one zmm)
+constexpr int kChunkRows = 48;         // queries per task (normalised into a thread-local buffer)
 constexpr int kPanelsPerBlock = 8;     // 128 candidates x dim fp32 per L2-resident block
 // Packed candidates of all jobs of one batch stay under this many floats (16 MiB: bounds memory for
 // calls with hundreds of jobs; each job's panels are ~1 MiB at 2048 x 128).
@@ -218,46 +218,81 @@ void PackCandidates(const NearestKeyJob& job, PackedCandidates& out) {
   }
 }
 
-// Dots of `rows` (<= kRows) unit query rows (row stride = dim) with one candidate panel. Returns
-// false (out untouched beyond scratch) when no lane of any row can beat that row's best: every
-// dot is a number below best[r] (best[r] NaN or an unset best never skips).
-template <int kR>
-KVS_AVX2 inline bool PanelDots(const float* q, int dim, const float* panel, const float* best,
-                               float (*out)[kPanel]) {
-  __m256 acc[kR][2];
+// Dots of Dots::kRows unit query rows (row stride = dim) with one candidate panel, into
+// out[row][lane]. Returns false (out untouched) when no lane of any row can beat that row's best:
+// every dot is a number below best[r] (best[r] NaN or an unset best never skips). Each lane is
+// one sequential fp32 FMA chain over d in both kernels, so AVX2 and AVX-512 give bit-equal dots.
+struct PanelDotsAvx2 {
+  static constexpr int kRows = 6;  // 12 accumulators + 2 candidate registers + 1 broadcast
+  KVS_AVX2 static bool Run(const float* q, int dim, const float* panel, const float* best,
+                           float (*out)[kPanel]) {
+    __m256 acc[kRows][2];
 #pragma GCC unroll 6
-  for (int r = 0; r < kR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int d = 0; d < dim; ++d) {
-    const __m256 c0 = _mm256_loadu_ps(panel + static_cast<size_t>(d) * kPanel);
-    const __m256 c1 = _mm256_loadu_ps(panel + static_cast<size_t>(d) * kPanel + 8);
+    for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int d = 0; d < dim; ++d) {
+      const __m256 c0 = _mm256_loadu_ps(panel + static_cast<size_t>(d) * kPanel);
+      const __m256 c1 = _mm256_loadu_ps(panel + static_cast<size_t>(d) * kPanel + 8);
 #pragma GCC unroll 6
-    for (int r = 0; r < kR; ++r) {
-      const __m256 x = _mm256_broadcast_ss(q + static_cast<size_t>(r) * dim + d);
-      acc[r][0] = _mm256_fmadd_ps(x, c0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(x, c1, acc[r][1]);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 x = _mm256_broadcast_ss(q + static_cast<size_t>(r) * dim + d);
+        acc[r][0] = _mm256_fmadd_ps(x, c0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(x, c1, acc[r][1]);
+      }
     }
-  }
-  int all_below = 1;
+    int all_below = 1;
 #pragma GCC unroll 6
-  for (int r = 0; r < kR; ++r) {
-    const __m256 b = _mm256_set1_ps(best[r]);
-    // Ordered compares: false for NaN dots and NaN bests, which then take the exact path.
-    const __m256 below = _mm256_and_ps(_mm256_cmp_ps(acc[r][0], b, _CMP_LT_OQ),
-                                       _mm256_cmp_ps(acc[r][1], b, _CMP_LT_OQ));
-    all_below &= _mm256_movemask_ps(below) == 0xff;
-  }
-  if (all_below) return false;
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 b = _mm256_set1_ps(best[r]);
+      // Ordered compares: false for NaN dots and NaN bests, which then take the exact path.
+      const __m256 below = _mm256_and_ps(_mm256_cmp_ps(acc[r][0], b, _CMP_LT_OQ),
+                                         _mm256_cmp_ps(acc[r][1], b, _CMP_LT_OQ));
+      all_below &= _mm256_movemask_ps(below) == 0xff;
+    }
+    if (all_below) return false;
 #pragma GCC unroll 6
-  for (int r = 0; r < kR; ++r) {
-    _mm256_storeu_ps(out[r], acc[r][0]);
-    _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+    for (int r = 0; r < kRows; ++r) {
+      _mm256_storeu_ps(out[r], acc[r][0]);
+      _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+    }
+    return true;
   }
-  return true;
-}
+};
 
-// Queries [first, first + rows) of `job` (rows <= kChunkRows) against all packed candidates.
-KVS_AVX2 void NearestChunkAvx2(const NearestKeyJob& job, const PackedCandidates& packed,
-                               int32_t first, int rows) {
+// A panel's 16 lanes are one zmm: twice the query rows per candidate load.
+struct PanelDotsAvx512 {
+  static constexpr int kRows = 12;  // 12 accumulators + 1 candidate register + broadcasts
+  KVS_AVX512 static bool Run(const float* q, int dim, const float* panel, const float* best,
+                             float (*out)[kPanel]) {
+    static_assert(kPanel == 16, "one zmm per panel row");
+    __m512 acc[kRows];
+#pragma GCC unroll 12
+    for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int d = 0; d < dim; ++d) {
+      const __m512 c = _mm512_loadu_ps(panel + static_cast<size_t>(d) * kPanel);
+#pragma GCC unroll 12
+      for (int r = 0; r < kRows; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[static_cast<size_t>(r) * dim + d]), c, acc[r]);
+      }
+    }
+    bool all_below = true;
+#pragma GCC unroll 12
+    for (int r = 0; r < kRows; ++r) {
+      // Ordered compare: false for NaN dots and NaN bests, which then take the exact path.
+      all_below &= _mm512_cmp_ps_mask(acc[r], _mm512_set1_ps(best[r]), _CMP_LT_OQ) == 0xffff;
+    }
+    if (all_below) return false;
+#pragma GCC unroll 12
+    for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(out[r], acc[r]);
+    return true;
+  }
+};
+
+// Queries [first, first + rows) of `job` (rows <= kChunkRows) against all packed candidates,
+// Dots::kRows queries per pass over a block of panels.
+template <typename Dots>
+void NearestChunk(const NearestKeyJob& job, const PackedCandidates& packed, int32_t first,
+                  int rows) {
+  static_assert(kChunkRows % Dots::kRows == 0, "a chunk is whole passes");
   const PagedLayerView& v = job.keys;
   const int dim = v.head_dim;
   thread_local std::vector<float> queries;
@@ -274,17 +309,17 @@ KVS_AVX2 void NearestChunkAvx2(const NearestKeyJob& job, const PackedCandidates&
     best[r] = std::numeric_limits<float>::quiet_NaN();
     best_index[r] = -1;
   }
-  float dots[kRows][kPanel];
+  float dots[Dots::kRows][kPanel];
   const int32_t* positions = job.candidate_positions;
   for (int p0 = 0; p0 < packed.panels; p0 += kPanelsPerBlock) {
     const int p1 = std::min(packed.panels, p0 + kPanelsPerBlock);
-    for (int r0 = 0; r0 < rows; r0 += kRows) {
+    for (int r0 = 0; r0 < rows; r0 += Dots::kRows) {
       const float* q = queries.data() + static_cast<size_t>(r0) * dim;
       for (int p = p0; p < p1; ++p) {
         const float* panel = packed.data.data() + static_cast<size_t>(p) * dim * kPanel;
-        if (!PanelDots<kRows>(q, dim, panel, best + r0, dots)) continue;
+        if (!Dots::Run(q, dim, panel, best + r0, dots)) continue;
         const int lanes = std::min(kPanel, job.num_candidates - p * kPanel);
-        for (int r = 0; r < kRows && r0 + r < rows; ++r) {
+        for (int r = 0; r < Dots::kRows && r0 + r < rows; ++r) {
           float& b = best[r0 + r];
           int32_t& bi = best_index[r0 + r];
           for (int j = 0; j < lanes; ++j) {
@@ -489,14 +524,16 @@ absl::Status RunNearestKeys(absl::Span<const NearestKeyJob> jobs, ThreadPool& po
 }
 
 absl::Status RunNearestKeys(absl::Span<const NearestKeyJob> jobs, ThreadPool& pool,
-                            NearestKeysPath path) {
+                            NearestKeysPath path, CpuIsa max_isa) {
   uint64_t elements = 0;
   for (size_t i = 0; i < jobs.size(); ++i) {
     if (auto status = ValidateNearestKeyJob(jobs[i], i); !status.ok()) return status;
     elements += static_cast<uint64_t>(jobs[i].num_queries) *
                 static_cast<uint64_t>(std::max(jobs[i].num_candidates, 0)) * jobs[i].keys.head_dim;
   }
-  if (!CpuSupportsAvx2()) {
+  const CpuIsa isa = UsableCpuIsa(max_isa);
+  const bool avx512 = isa >= CpuIsa::kAvx512;  // the packed path's dots; the rest is AVX2
+  if (isa < CpuIsa::kAvx2) {
     pool.ParallelFor(
         static_cast<int64_t>(jobs.size()), [&](int64_t i) { NearestKeysOfJobScalar(jobs[i]); },
         elements < kParallelMinNearestElements ? 1 : 0);
@@ -569,8 +606,12 @@ absl::Status RunNearestKeys(absl::Span<const NearestKeyJob> jobs, ThreadPool& po
         [&](int64_t t) {
           const auto [i, first] = tasks[t];
           const NearestKeyJob& job = jobs[packed_jobs[i]];
-          NearestChunkAvx2(job, packed[i - begin], first,
-                           std::min(kChunkRows, job.num_queries - first));
+          const int rows = std::min(kChunkRows, job.num_queries - first);
+          if (avx512) {
+            NearestChunk<PanelDotsAvx512>(job, packed[i - begin], first, rows);
+          } else {
+            NearestChunk<PanelDotsAvx2>(job, packed[i - begin], first, rows);
+          }
         },
         max_parallel);
     begin = end;

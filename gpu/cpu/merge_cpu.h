@@ -3,7 +3,8 @@
 //
 // NearestKeys has two AVX2 paths with the same job semantics: jobs with many queries (prefill:
 // thousands of evicted tokens) normalise their candidates once into packed fp32 panels and run a
-// register-blocked kernel over them; jobs with at most kNearestStreamingMaxQueries (decode: one
+// register-blocked kernel over them (its dot products on AVX-512 where the CPU has it, bit-equal
+// to AVX2's); jobs with at most kNearestStreamingMaxQueries (decode: one
 // evicted token per (layer, head)) stream every query over the candidate rows straight from the
 // arena. Targets agree exactly (ties -> lowest position); similarities agree to fp32 rounding.
 //
@@ -15,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "gpu/backend.h"
+#include "gpu/cpu/cpu_isa.h"
 #include "gpu/cpu/thread_pool.h"
 
 namespace kvs {
@@ -36,11 +38,12 @@ absl::Status RunNearestKeys(absl::Span<const NearestKeyJob> jobs, ThreadPool& po
 inline constexpr int32_t kNearestStreamingMaxQueries = 12;
 
 // Which NearestKeys path to take: kAuto picks per job by num_queries; the others force one path
-// for every job (tests comparing the paths, benchmarks). CPUs without AVX2/FMA/F16C always take
-// the portable scalar path.
+// for every job (tests comparing the paths, benchmarks). CPUs without AVX2/FMA/F16C (or a
+// max_isa of kScalar) always take the portable scalar path. The packed path's dot products run
+// on AVX-512 where the CPU has it and max_isa allows, bit-equal to its AVX2 ones.
 enum class NearestKeysPath { kAuto, kStreaming, kPacked };
 absl::Status RunNearestKeys(absl::Span<const NearestKeyJob> jobs, ThreadPool& pool,
-                            NearestKeysPath path);
+                            NearestKeysPath path, CpuIsa max_isa = CpuIsa::kAvx512);
 absl::Status RunMergeRows(absl::Span<const RowMergeJob> jobs, ThreadPool& pool);
 
 }  // namespace kvs

@@ -1,6 +1,7 @@
 #include "gpu/cpu/merge_cpu.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -15,6 +16,7 @@
 #include "gpu/base/dtype.h"
 #include "gpu/cpu/attention_cpu.h"
 #include "gpu/cpu/avx2_util.h"
+#include "gpu/cpu/cpu_isa.h"
 #include "gpu/cpu/thread_pool.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/merge_rows_csr.h"
@@ -366,6 +368,64 @@ TEST(NearestKeysCpu, StreamingAndPackedPathsAgree) {
         }
         EXPECT_GT(ties, 0);  // the copies of the queries were the targets
       }
+    }
+  }
+}
+
+// The packed path's dot products on AVX-512 (a panel's 16 candidates in one register, 12 queries
+// per pass) and on AVX2 (two registers, 6 queries) are the same FMA chains: bit-equal targets and
+// similarities, over query counts that leave a partial pass and candidate counts a partial panel,
+// with exact ties (repeated rows), a zero key and a NaN key among the candidates.
+TEST(NearestKeysCpu, PackedPathIsBitEqualOnAvx2AndAvx512) {
+  if (HardwareCpuIsa() < CpuIsa::kAvx512 || DetectedCpuIsa() < CpuIsa::kAvx512) {
+    GTEST_SKIP() << "AVX-512 is not available here (CPU or KVS_CPU_ISA)";
+  }
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+    for (int dim : {128, 20}) {
+      SCOPED_TRACE(DTypeName(dtype));
+      SCOPED_TRACE(dim);
+      std::mt19937 rng(31 + dim);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      const int count = 700;
+      std::vector<std::vector<std::vector<float>>> k(1, std::vector<std::vector<float>>(count));
+      for (auto& row : k[0]) {
+        for (int d = 0; d < dim; ++d) row.push_back(normal(rng));
+      }
+      for (int s = 600; s < 650; ++s) k[0][s] = k[0][s - 50];   // tied candidates
+      for (int s = 650; s < 660; ++s) k[0][s] = k[0][s - 650];  // copies of queries
+      k[0][660].assign(dim, 0.0f);
+      k[0][661][dim / 2] = std::numeric_limits<float>::quiet_NaN();
+      PagedKv kv(k, k, dtype, 16);
+      std::vector<int32_t> queries(203), candidates(count - 300 - 3);  // 203 = 4 x 48 + 11
+      std::iota(queries.begin(), queries.end(), 0);
+      std::iota(candidates.begin(), candidates.end(), 300);  // 397: 24 panels + 13 lanes
+      std::vector<int32_t> positions(candidates.size());
+      std::iota(positions.begin(), positions.end(), 0);
+      std::shuffle(positions.begin(), positions.end(), rng);
+      Nearest out[2];
+      const CpuIsa isas[2] = {CpuIsa::kAvx2, CpuIsa::kAvx512};
+      for (int i = 0; i < 2; ++i) {
+        out[i] = Nearest{std::vector<float>(queries.size(), -9.0f),
+                         std::vector<int32_t>(queries.size(), -9)};
+        NearestKeyJob job;
+        job.keys = kv.keys;
+        job.query_slots = queries.data();
+        job.num_queries = static_cast<int32_t>(queries.size());
+        job.candidate_slots = candidates.data();
+        job.candidate_positions = positions.data();
+        job.num_candidates = static_cast<int32_t>(candidates.size());
+        job.similarity = out[i].similarity.data();
+        job.target = out[i].target.data();
+        ThreadPool pool(2);
+        ASSERT_TRUE(RunNearestKeys({&job, 1}, pool, NearestKeysPath::kPacked, isas[i]).ok());
+      }
+      EXPECT_EQ(out[0].target, out[1].target);
+      for (size_t e = 0; e < queries.size(); ++e) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(out[0].similarity[e]),
+                  std::bit_cast<uint32_t>(out[1].similarity[e]))
+            << e;
+      }
+      EXPECT_GE(*std::min_element(out[1].target.begin(), out[1].target.end()), 0);
     }
   }
 }
