@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <future>
 #include <limits>
 #include <map>
@@ -735,6 +736,9 @@ class RequestFuzzer {
     const bool unparsable = !reparsed->ParseFromString(frame);
     const absl::StatusCode code = static_cast<absl::StatusCode>(status.error_code());
     ++outcomes_[absl::StrCat(method->name(), " ", absl::StatusCodeToString(code))];
+    Remember(target_sequence.empty() ? "" : absl::StrCat(target_session, "/", target_sequence),
+             absl::StrCat(method->name(), " ", absl::StatusCodeToString(code), ": ",
+                          request_text.substr(0, 240)));
 
     // A session the fuzzed Attach created is detached, so that they do not pile up.
     if (method->name() == "Attach" && status.ok()) {
@@ -777,7 +781,8 @@ class RequestFuzzer {
           {name, request_text,
            absl::StrCat("failed with ", absl::StatusCodeToString(code), ": ",
                         status.error_message(), "\n      but changed the sequence: before ",
-                        Describe(before_layout), "\n      after ", Describe(after_layout))});
+                        Describe(before_layout), "\n      after ", Describe(after_layout),
+                        History(target_session, target_sequence))});
     }
     if (!after.empty() && after_layout.budget().strict()) {
       const int32_t block = after_layout.budget().prefill_block_tokens() > 0
@@ -788,11 +793,34 @@ class RequestFuzzer {
           findings_.push_back(
               {name, request_text,
                absl::StrCat("strict budget exceeded: layer ", layer.layer(), " holds ",
-                            layer.count(), " > ", layer.budget(), " + ", block)});
+                            layer.count(), " > ", layer.budget(), " + ", block,
+                            History(target_session, target_sequence))});
         }
       }
     }
   }
+
+  // The last calls on each sequence (key "session/sequence") and on no sequence (key ""), so
+  // that a finding shows how the sequence got there: state checks run only after calls on a
+  // sequence that existed before them, so the call that broke an invariant may be an earlier one
+  // (a create, a restore, a change of defaults).
+  void Remember(const std::string& key, std::string call) {
+    std::deque<std::string>& calls = history_[key];
+    calls.push_back(std::move(call));
+    if (calls.size() > kHistory) calls.pop_front();
+  }
+  std::string History(const std::string& session, const std::string& sequence) const {
+    std::string out;
+    for (const std::string& key : {absl::StrCat(session, "/", sequence), std::string()}) {
+      const auto it = history_.find(key);
+      if (it == history_.end()) continue;
+      absl::StrAppend(&out, "\n      last calls on ", key.empty() ? "no sequence" : key, ":");
+      for (const std::string& call : it->second) absl::StrAppend(&out, "\n        ", call);
+    }
+    return out;
+  }
+  static constexpr size_t kHistory = 12;
+  std::map<std::string, std::deque<std::string>> history_;
 
   ServerProcess* const server_;
   std::mt19937_64 rng_;
