@@ -118,15 +118,15 @@ void NearestKeysOfJobScalar(const NearestKeyJob& job) {
   }
 }
 
-// ---- AVX2/FMA path (its dot products also on AVX-512) ------------------------------------------
+// ---- AVX2/FMA path (its dot products also on AVX-512) ----------------------------------------
 // A small GEMM of unit query rows against unit candidate rows with a running (max, argmax) per
 // query. Candidates are packed once per job into panels of kPanel candidates, transposed
 // ([dim][kPanel]), so the micro-kernel broadcasts one query element and FMAs it into kPanel
 // candidate lanes: every (query, candidate) dot is the same sequential fp32 FMA chain over d no
 // matter which lane or panel the candidate sits in, or which ISA runs it, so equal unit rows give
-// bit-equal cosines and exact ties stay exact. Padding candidates (zero rows past num_candidates) are never selected.
-// Candidates are visited in index order per query and fed to Better() exactly like the scalar
-// path, so the tie rule (lowest position) and NaN handling are unchanged.
+// bit-equal cosines and exact ties stay exact. Padding candidates (zero rows past num_candidates)
+// are never selected. Candidates are visited in index order per query and fed to Better()
+// exactly like the scalar path, so the tie rule (lowest position) and NaN handling are unchanged.
 
 using avx2::Transpose8x8;
 
@@ -474,6 +474,10 @@ absl::Status ValidateRowMergeJob(const RowMergeJob& job, size_t index) {
   }
   if (job.row_elements < 1) return invalid("row_elements must be >= 1, got ", job.row_elements);
   if (job.rows < 0) return invalid("rows must be >= 0, got ", job.rows);
+  // Bounded before any array is read: the host-validating backends mirror rows + 1 starts.
+  if (job.rows > std::numeric_limits<int32_t>::max()) {
+    return invalid("rows must be <= ", std::numeric_limits<int32_t>::max(), ", got ", job.rows);
+  }
   if (job.rows == 0) return absl::OkStatus();  // nothing is read or written
   if (job.arena == nullptr) return invalid("arena is null");
   if (job.dst_offsets == nullptr) return invalid("dst_offsets is null");

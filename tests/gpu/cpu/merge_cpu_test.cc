@@ -651,6 +651,7 @@ TEST(MergeRowsCpu, InvalidJobsAreRejectedAndNothingIsWritten) {
   const Case cases[] = {
       {"row_elements", [](RowMergeJob& j) { j.row_elements = 0; }},
       {"rows", [](RowMergeJob& j) { j.rows = -2; }},
+      {"rows", [](RowMergeJob& j) { j.rows = std::numeric_limits<int64_t>::max(); }},
       {"arena", [](RowMergeJob& j) { j.arena = nullptr; }},
       {"dst_offsets", [](RowMergeJob& j) { j.dst_offsets = nullptr; }},
       {"source_starts", [](RowMergeJob& j) { j.source_starts = nullptr; }},
