@@ -234,6 +234,9 @@ struct RowMergeJob {
   const uint64_t* src_offsets = nullptr;   // [source_starts[rows]], byte offsets into the arena
   const float* weights = nullptr;          // [source_starts[rows]]
 };
+// A merge job's rows are at most this many: the bound is checked before any of its arrays is
+// read, so a host-validating backend can mirror rows + 1 starts.
+inline constexpr int64_t kMaxRowMergeRows = (int64_t{1} << 31) - 1;
 
 // Finds non-finite values (NaN, +-inf: every exponent bit set) in `count` rows of `row_elements`
 // values of `dtype` inside one arena, row i at arena + row_offsets[i]. Writes to

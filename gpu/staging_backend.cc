@@ -8,7 +8,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
-#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -593,7 +592,7 @@ class StagingBackend final : public Backend {
       std::vector<int64_t> starts;
       std::vector<uint64_t> dst, src;
       int64_t sources = 0;
-      if (job.rows > 0 && job.rows < std::numeric_limits<int64_t>::max()) {
+      if (job.rows > 0 && job.rows <= kMaxRowMergeRows) {  // else the validator refuses it
         KVS_ASSIGN_OR_RETURN(host.source_starts,
                              HostReadable(job.source_starts, job.rows + 1, starts, context,
                                           "source_starts", stream));

@@ -474,9 +474,8 @@ absl::Status ValidateRowMergeJob(const RowMergeJob& job, size_t index) {
   }
   if (job.row_elements < 1) return invalid("row_elements must be >= 1, got ", job.row_elements);
   if (job.rows < 0) return invalid("rows must be >= 0, got ", job.rows);
-  // Bounded before any array is read: the host-validating backends mirror rows + 1 starts.
-  if (job.rows > std::numeric_limits<int32_t>::max()) {
-    return invalid("rows must be <= ", std::numeric_limits<int32_t>::max(), ", got ", job.rows);
+  if (job.rows > kMaxRowMergeRows) {
+    return invalid("rows must be <= ", kMaxRowMergeRows, ", got ", job.rows);
   }
   if (job.rows == 0) return absl::OkStatus();  // nothing is read or written
   if (job.arena == nullptr) return invalid("arena is null");

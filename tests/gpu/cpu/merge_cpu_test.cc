@@ -80,6 +80,16 @@ struct PagedKv {
   }
 };
 
+// `count` keys of `dim` standard normal values (one head's).
+std::vector<std::vector<float>> RandomKeys(int count, int dim, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::vector<float>> keys(count);
+  for (auto& row : keys) {
+    for (int d = 0; d < dim; ++d) row.push_back(normal(rng));
+  }
+  return keys;
+}
+
 // d2o.md §11 TV4 keys k0..k7 and values v_i = (i, 1), one head.
 PagedKv Tv4(DType dtype, int block_tokens) {
   const std::vector<std::vector<float>> k = {{1, 0}, {4, 1},   {0, 1},  {-1, 0},
@@ -385,12 +395,8 @@ TEST(NearestKeysCpu, PackedPathIsBitEqualOnAvx2AndAvx512) {
       SCOPED_TRACE(DTypeName(dtype));
       SCOPED_TRACE(dim);
       std::mt19937 rng(31 + dim);
-      std::normal_distribution<float> normal(0.0f, 1.0f);
       const int count = 700;
-      std::vector<std::vector<std::vector<float>>> k(1, std::vector<std::vector<float>>(count));
-      for (auto& row : k[0]) {
-        for (int d = 0; d < dim; ++d) row.push_back(normal(rng));
-      }
+      std::vector<std::vector<std::vector<float>>> k = {RandomKeys(count, dim, rng)};
       for (int s = 600; s < 650; ++s) k[0][s] = k[0][s - 50];   // tied candidates
       for (int s = 650; s < 660; ++s) k[0][s] = k[0][s - 650];  // copies of queries
       k[0][660].assign(dim, 0.0f);
@@ -442,12 +448,8 @@ TEST(NearestKeysCpu, PackedPathMatchesExactReference) {
       SCOPED_TRACE(DTypeName(dtype));
       SCOPED_TRACE(dim);
       std::mt19937 rng(23 + dim);
-      std::normal_distribution<float> normal(0.0f, 1.0f);
       const int count = 200;
-      std::vector<std::vector<std::vector<float>>> k(1, std::vector<std::vector<float>>(count));
-      for (auto& row : k[0]) {
-        for (int d = 0; d < dim; ++d) row.push_back(normal(rng));
-      }
+      std::vector<std::vector<std::vector<float>>> k = {RandomKeys(count, dim, rng)};
       for (int s = 190; s < count; ++s) k[0][s] = k[0][s - 10];  // exact ties
       k[0][150].assign(dim, 0.0f);
       PagedKv kv(k, k, dtype, 16);
