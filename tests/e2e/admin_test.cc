@@ -140,6 +140,65 @@ TEST_F(AdminE2eTest, RebudgetCompressesRunningSequencesOfOneTenantOnly) {
   EXPECT_THAT(listed->sequences(0).tokens_per_layer(), ::testing::ElementsAre(16, 16));
 }
 
+// A re-budget cannot compress a sequence whose policy needs queries: it is listed as skipped,
+// holds its tokens under the new budget (over a strict bound: Budget.strict in common.proto), and
+// its next Commit with the step's queries brings it under the bound.
+TEST_F(AdminE2eTest, RebudgetSkipsAnAttentionSequenceAndItsNextStepCompressesIt) {
+  auto a = AttachAs("team-h");
+  ASSERT_TRUE(a.ok()) << a.status();
+  v1::PolicySpec h2o;
+  h2o.set_name("h2o");
+  v1::Budget strict = MakeBudget(8);
+  strict.set_strict(true);
+  strict.set_prefill_block_tokens(4);
+  ASSERT_TRUE((*a)->CreateSequence(h2o, strict, "s").ok());
+  for (int block = 0; block < 2; ++block) {
+    auto written = WriteTokens(**a, "s", 4, 1 + block);  // at the budget: no queries needed
+    ASSERT_TRUE(written.ok()) << written.status();
+  }
+
+  v1::SetDefaultsRequest request;
+  request.mutable_default_budget()->set_tokens_per_layer(2);
+  request.set_rebudget_tenant("team-h");
+  auto set = admin_->SetDefaults(request);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->sequences_rebudgeted(), 0);
+  ASSERT_EQ(set->rebudget_skipped_size(), 1);
+  EXPECT_THAT(set->rebudget_skipped(0), HasSubstr((*a)->session_id() + "/s: "));
+  EXPECT_THAT(set->rebudget_skipped(0), HasSubstr("needs attention"));
+  auto skipped = (*a)->GetLayout("s");
+  ASSERT_TRUE(skipped.ok()) << skipped.status();
+  EXPECT_EQ(skipped->budget().tokens_per_layer(), 2);
+  EXPECT_TRUE(skipped->budget().strict());
+  for (const v1::LayerLayout& layer : skipped->layers()) EXPECT_EQ(layer.count(), 8);
+
+  // The next block, committed with its queries: evicted down to the new budget.
+  auto reservation = (*a)->Reserve("s", 1);
+  ASSERT_TRUE(reservation.ok()) << reservation.status();
+  ASSERT_TRUE(WritePattern(**a, *reservation, 3).ok());
+  v1::CommitRequest commit;
+  commit.set_sequence_id("s");
+  commit.set_reservation_id(reservation->id());
+  v1::AttentionInputs& attention = *commit.mutable_attention();
+  attention.set_num_queries(1);
+  attention.add_query_positions(reservation->positions()[0]);
+  attention.set_softmax_scale(0.25f);
+  attention.set_queries_dtype(v1::DTYPE_FLOAT32);
+  std::string queries;
+  for (int i = 0; i < layout_.num_layers() * layout_.num_q_heads() * layout_.head_dim(); ++i) {
+    const float value = 0.01f * static_cast<float>(i % 17);
+    queries.append(reinterpret_cast<const char*>(&value), sizeof(value));
+  }
+  attention.set_inline_queries(queries);
+  auto committed = (*a)->Commit(commit);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  auto after = (*a)->GetLayout("s");
+  ASSERT_TRUE(after.ok()) << after.status();
+  for (const v1::LayerLayout& layer : after->layers()) {
+    EXPECT_LE(layer.count(), 2 + 4) << "layer " << layer.layer();
+  }
+}
+
 TEST_F(AdminE2eTest, SequenceQuotaIsEnforcedAndQuotaBelowUseIsRefused) {
   auto a = AttachAs("team-q");
   ASSERT_TRUE(a.ok()) << a.status();

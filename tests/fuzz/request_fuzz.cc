@@ -237,10 +237,18 @@ class RequestFuzzer {
     // Attention policies compress only with queries (DecodeStep, Compress): a Commit that asked
     // to compress without them would fail and leave its reservation pending.
     const bool keys_only = sequence.id == "kd" || sequence.id == "kds" || sequence.id == "st";
-    auto written = WriteTokens(*own.session, sequence.id, tokens, Uniform(1, 1000),
-                               /*compress_if_over_budget=*/keys_only && Chance(0.7));
+    const bool compress = keys_only && Chance(0.7);
+    const std::string& session_id = own.session->session_id();
+    const bool existed = !LayoutState(session_id, sequence.id).empty();
+    auto written = WriteTokens(*own.session, sequence.id, tokens, Uniform(1, 1000), compress);
     const absl::StatusCode code = written.status().code();
     ++outcomes_[absl::StrCat("(valid write) ", absl::StatusCodeToString(code))];
+    const std::string call = absl::StrCat(tokens, " tokens", compress ? ", compress" : "");
+    Remember(absl::StrCat(session_id, "/", sequence.id),
+             absl::StrCat("(valid write) ", absl::StatusCodeToString(code), ": ", call));
+    // The written tokens are state changes like any fuzzed call's: the budget bounds hold after
+    // them too (a sequence fuzzed calls made strict is written here as a relaxed one).
+    if (existed) CheckStrictBudget("(valid write) " + sequence.id, call, session_id, sequence.id);
     if (std::getenv("KVS_FUZZ_VERBOSE") != nullptr && !written.ok()) {
       std::printf("valid write %s %d: %s\n", sequence.id.c_str(), tokens,
                   written.status().ToString().c_str());
@@ -590,7 +598,10 @@ class RequestFuzzer {
         for (const grpc::Slice& s : slices)
           flat.append(reinterpret_cast<const char*>(s.begin()), s.size());
       }
-      if (parsed->ParseFromString(flat)) *response_text = Describe(*parsed);
+      if (parsed->ParseFromString(flat)) {
+        *response_text = Describe(*parsed);
+        NoteSkippedRebudgets(*parsed);
+      }
     }
     return status;
   }
@@ -784,18 +795,62 @@ class RequestFuzzer {
                         Describe(before_layout), "\n      after ", Describe(after_layout),
                         History(target_session, target_sequence))});
     }
-    if (!after.empty() && after_layout.budget().strict()) {
-      const int32_t block = after_layout.budget().prefill_block_tokens() > 0
-                                ? after_layout.budget().prefill_block_tokens()
-                                : 128;
-      for (const v1::LayerLayout& layer : after_layout.layers()) {
-        if (layer.budget() > 0 && layer.count() > layer.budget() + block) {
-          findings_.push_back(
-              {name, request_text,
-               absl::StrCat("strict budget exceeded: layer ", layer.layer(), " holds ",
-                            layer.count(), " > ", layer.budget(), " + ", block,
-                            History(target_session, target_sequence))});
-        }
+    if (!after.empty()) {
+      CheckStrictBudget(name, request_text, target_session, target_sequence, &after_layout);
+    }
+  }
+
+  // An operator's re-budget (Admin SetDefaults / SetQuota) cannot compress a sequence whose
+  // policy needs queries: the response lists it ("session/sequence: reason") and it keeps its
+  // tokens under the lower budget until its next step with attention (admin.proto,
+  // common.proto Budget.strict). Those sequences may be over a strict bound until then.
+  void NoteSkippedRebudgets(const pb::Message& response) {
+    const pb::FieldDescriptor* field =
+        response.GetDescriptor()->FindFieldByName("rebudget_skipped");
+    if (field == nullptr || !field->is_repeated() ||
+        field->cpp_type() != pb::FieldDescriptor::CPPTYPE_STRING) {
+      return;
+    }
+    const pb::Reflection* reflection = response.GetReflection();
+    for (int i = 0; i < reflection->FieldSize(response, field); ++i) {
+      const std::string entry = reflection->GetRepeatedString(response, field, i);
+      rebudget_skipped_.insert(entry.substr(0, entry.find(": ")));
+    }
+  }
+
+  // A sequence under a strict budget holds at most budget + prefill_block_tokens per layer,
+  // unless a re-budget skipped it and no step has brought it under the bound since.
+  // `layout` is the sequence's state when the caller has it, else it is read here.
+  void CheckStrictBudget(const std::string& name, const std::string& request_text,
+                         const std::string& session_id, const std::string& sequence_id,
+                         const v1::GetLayoutResponse* layout = nullptr) {
+    v1::GetLayoutResponse read;
+    if (layout == nullptr) {
+      if (LayoutState(session_id, sequence_id, &read).empty()) return;
+      layout = &read;
+    }
+    if (!layout->budget().strict()) return;
+    const int32_t block =
+        layout->budget().prefill_block_tokens() > 0 ? layout->budget().prefill_block_tokens() : 128;
+    const std::string key = absl::StrCat(session_id, "/", sequence_id);
+    const bool over = std::any_of(
+        layout->layers().begin(), layout->layers().end(), [block](const v1::LayerLayout& layer) {
+          return layer.budget() > 0 && layer.count() > layer.budget() + block;
+        });
+    if (!over) {
+      rebudget_skipped_.erase(key);
+      return;
+    }
+    if (rebudget_skipped_.count(key) > 0) {
+      ++outcomes_["(over a strict budget after a re-budget it was skipped by)"];
+      return;
+    }
+    for (const v1::LayerLayout& layer : layout->layers()) {
+      if (layer.budget() > 0 && layer.count() > layer.budget() + block) {
+        findings_.push_back(
+            {name, request_text,
+             absl::StrCat("strict budget exceeded: layer ", layer.layer(), " holds ", layer.count(),
+                          " > ", layer.budget(), " + ", block, History(session_id, sequence_id))});
       }
     }
   }
@@ -821,6 +876,8 @@ class RequestFuzzer {
   }
   static constexpr size_t kHistory = 12;
   std::map<std::string, std::deque<std::string>> history_;
+  // "session/sequence" of the sequences a re-budget skipped (NoteSkippedRebudgets).
+  std::set<std::string> rebudget_skipped_;
 
   ServerProcess* const server_;
   std::mt19937_64 rng_;
