@@ -13,7 +13,9 @@ PyramidKV get the post-RoPE queries of the last 32 tokens, TOVA the newest one (
   sin = 0, so kvpress attends with exactly the queries the sidecar gets.
 - kvsidecar: a `kvsidecar --threads=N` process (CPU backend, $KVSIDECAR_BIN or --kvsidecar); the
   same K/V written into its mapped arena, committed, and the Compress RPC timed (wall clock,
-  every layer in one call, queries inline).
+  every layer in one call, queries inline). The Commit before it is timed too (`commit` /
+  `kvsidecar_commit_ms`): it checks every written row for NaN/inf and, for KNorm, takes the keys'
+  norms in the same read, which the Compress then ranks by without reading the keys.
 Medians of --repeats after one untimed run each; layer 0's kept sets of both sides are compared
 (`layer0_kept_agreement`, the share of kvpress's kept positions the sidecar keeps). Matched
 settings: StreamingLLM 4 sinks; KeyDiff cosine to the mean normalised key; KNorm (no
@@ -184,14 +186,16 @@ def main():
     def sidecar_compress(session, name):
         """Compress times (ms) of --repeats fresh copies after an untimed one, the response's
         bytes_copied, and what slot-by-slot hole filling would copy for the same kept sets."""
-        times, copied, hole_filling, layer0 = [], None, None, None
+        times, commits, copied, hole_filling, layer0 = [], [], None, None, None
         for i in range(args.repeats + 1):
             seq = session.create_sequence(policy=specs[name]).sequence_id
             r = session.reserve(seq, T)
             for layer in range(L):
                 ids = np.asarray(r.slots(layer).blocks[:T // B])
                 session.arena.blocks[ids] = blocks[layer]
-            session.commit(r)
+            t0 = time.perf_counter()
+            session.commit(r)  # checks every written row (and takes KNorm's key norms with it)
+            commit_ms = (time.perf_counter() - t0) * 1e3
             first = i == 0
             t0 = time.perf_counter()
             response = session.compress(seq, budget_tokens=budget,
@@ -209,8 +213,10 @@ def main():
                 layer0 = np.asarray(response.layers[0].positions).reshape(H, -1)
             else:
                 times.append(elapsed)
+                commits.append(commit_ms)
             session.release_sequence(seq)
-        return statistics.median(times), copied, hole_filling, layer0
+        return (statistics.median(times), statistics.median(commits), copied, hole_filling,
+                layer0)
 
     def kvpress_kept(press):
         """kvpress's kept positions of layer 0, [H][n], from its own score and top-k."""
@@ -228,8 +234,9 @@ def main():
             client.attach(layout, num_blocks=L * (T // B) + 4 * L) as session:
         for name in [p for p in args.policies.split(",") if p]:
             row = {"policy": name}
-            ms, copied, hole_filling, layer0 = sidecar_compress(session, name)
+            ms, commit_ms, copied, hole_filling, layer0 = sidecar_compress(session, name)
             row["kvsidecar_ms"] = round(ms, 1)
+            row["kvsidecar_commit_ms"] = round(commit_ms, 1)
             row["bytes_copied"] = copied
             row["bytes_copied_hole_filling"] = hole_filling
             if not args.sidecar_only:
@@ -260,13 +267,14 @@ def main():
               "repeats": args.repeats, "rows": rows}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     print(f"{'policy':<14} {'kvpress':>10} {'kvsidecar':>10} {'ratio':>7} "
-          f"{'copied':>10} {'hole-fill':>10}")
+          f"{'copied':>10} {'hole-fill':>10} {'commit':>9}")
     for row in rows:
         copied = row["bytes_copied"]
         print(f"{row['policy']:<14} {row.get('kvpress_ms', float('nan')):>8.0f}ms "
               f"{row['kvsidecar_ms']:>8.1f}ms {row.get('speedup', float('nan')):>6.1f}x "
               f"{'?' if copied is None else f'{copied / 2**20:.2f}':>8}MB "
-              f"{row['bytes_copied_hole_filling'] / 2**20:>8.2f}MB")
+              f"{row['bytes_copied_hole_filling'] / 2**20:>8.2f}MB "
+              f"{row['kvsidecar_commit_ms']:>7.1f}ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

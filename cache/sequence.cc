@@ -457,7 +457,10 @@ void Sequence::ClearStepScores() {
 void Sequence::CommitPending(const SequenceEnv& env) {
   Pending pending = std::move(*pending_);
   pending_.reset();
-  for (int32_t layer : pending.layers) {
+  const size_t norms_per_layer = static_cast<size_t>(layout_.num_kv_heads) * pending.num_tokens;
+  const bool with_norms = pending.key_norms.size() == pending.layers.size() * norms_per_layer;
+  for (size_t i = 0; i < pending.layers.size(); ++i) {
+    const int32_t layer = pending.layers[i];
     LayerState& state = layers_[layer];
     // Position rows are made on a layer's first tokens, so an empty sequence stays small even
     // for the largest layouts.
@@ -472,8 +475,10 @@ void Sequence::CommitPending(const SequenceEnv& env) {
         head.insert(head.end(), pending.positions.begin(), pending.positions.end());
       }
     }
-    // New tokens start at zero in every slot-aligned policy array.
-    states_[layer].Extend(layout_.num_kv_heads, state.count, pending.num_tokens);
+    // New tokens start at zero in every slot-aligned policy array; their keys' norms are the
+    // check's, where it took them.
+    states_[layer].Extend(layout_.num_kv_heads, state.count, pending.num_tokens,
+                          with_norms ? pending.key_norms.data() + i * norms_per_layer : nullptr);
     state.count += pending.num_tokens;
     state.appended += pending.num_tokens;
     state.next_position = int64_t{pending.positions.back()} + 1;
@@ -494,12 +499,13 @@ size_t PendingRowChecks::AddGroup() {
 }
 
 uint64_t* PendingRowChecks::AddJob(const uint8_t* arena, int64_t rows, int32_t row_elements,
-                                   DType dtype) {
+                                   DType dtype, float* norms) {
   FiniteCheckJob job;
   job.arena = arena;
   job.count = rows;
   job.row_elements = row_elements;
   job.dtype = dtype;
+  job.row_norms = norms;
   jobs_.push_back(job);
   offset_begin_.push_back(offsets_.size());
   offsets_.resize(offsets_.size() + static_cast<size_t>(rows));
@@ -524,31 +530,39 @@ absl::Span<const int64_t> PendingRowChecks::first(size_t group) const {
   return absl::MakeConstSpan(first_).subspan(begin, end - begin);
 }
 
-absl::Status Sequence::CheckPendingFinite(const SequenceEnv& env) const {
+absl::Status Sequence::CheckPendingFinite(const SequenceEnv& env) {
   PendingRowChecks checks;
   AddPendingRowChecks(env, checks);
   KVS_RETURN_IF_ERROR(checks.Run(env.backend));
   return PendingRowsResult(checks.first(0));
 }
 
-void Sequence::AddPendingRowChecks(const SequenceEnv& env, PendingRowChecks& checks) const {
-  const Pending& pending = *pending_;
+void Sequence::AddPendingRowChecks(const SequenceEnv& env, PendingRowChecks& checks) {
+  Pending& pending = *pending_;
   const int32_t heads = layout_.num_kv_heads;
   const int32_t tokens = pending.num_tokens;
   // One job per (layer, K or V), rows [head][token]: the backend reads the arena where it lives.
   checks.AddGroup();
   const int64_t rows_per_job = int64_t{heads} * tokens;
+  // The keys' norms come with the check's read of them (sized before any job points into them).
+  if (policy_->keeps_key_norms()) {
+    pending.key_norms.resize(pending.layers.size() * static_cast<size_t>(rows_per_job));
+  } else {
+    pending.key_norms.clear();
+  }
+  float* norms = pending.key_norms.empty() ? nullptr : pending.key_norms.data();
   for (int32_t layer : pending.layers) {
     const LayerState& state = layers_[layer];
     for (int kv = 0; kv < 2; ++kv) {
-      uint64_t* rows =
-          checks.AddJob(env.arena.data(), rows_per_job, layout_.head_dim, layout_.dtype);
+      uint64_t* rows = checks.AddJob(env.arena.data(), rows_per_job, layout_.head_dim,
+                                     layout_.dtype, kv == 0 ? norms : nullptr);
       for (int32_t h = 0; h < heads; ++h) {
         for (int32_t t = 0; t < tokens; ++t) {
           *rows++ = layout_.SlotRowOffset(state.blocks.data(), kv, h, int64_t{state.count} + t);
         }
       }
     }
+    if (norms != nullptr) norms += rows_per_job;
   }
 }
 
@@ -1194,7 +1208,7 @@ absl::StatusOr<std::vector<int32_t>> Sequence::StrictFlushKeep() const {
                  &floor_applied);
 }
 
-absl::Status Sequence::CheckDecode(const SequenceEnv& env, const DecodeItem& item) const {
+absl::Status Sequence::CheckDecode(const SequenceEnv& env, const DecodeItem& item) {
   const bool has_inline = !item.inline_kv.empty();
   if (item.reservation_id != 0 && has_inline) {
     return absl::InvalidArgumentError(
@@ -1609,6 +1623,8 @@ absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const
   for (size_t i = 0; i < choice.selections.size(); ++i) {
     eviction.merged[choice.selections[i].layer] = merged[i];
     totals_.merged += merged[i];
+    // Merging rewrote kept keys in place: their norms are no longer known.
+    if (merged[i] > 0) choice.selections[i].state->key_norms.clear();
   }
 
   // 4. Move rows, then publish the new tables, permute the policy state the same way and give

@@ -95,7 +95,10 @@ class PendingRowChecks {
   size_t AddGroup();
   // One job of the current group: `rows` row offsets (filled in by the caller) of `row_elements`
   // values of `dtype` in `arena`.
-  uint64_t* AddJob(const uint8_t* arena, int64_t rows, int32_t row_elements, DType dtype);
+  // With `norms` ([rows], kept alive until Run returns), the check writes each row's L2 norm there
+  // (FiniteCheckJob::row_norms).
+  uint64_t* AddJob(const uint8_t* arena, int64_t rows, int32_t row_elements, DType dtype,
+                   float* norms = nullptr);
   // One backend call over every job (and a synchronisation); then first() holds the results.
   absl::Status Run(Backend& backend);
   // Per job of group `group`, in the order added: the first non-finite flat index, or -1.
@@ -162,14 +165,16 @@ class Sequence {
   // several sequences' checks: the jobs of those rows (one per listed layer and K or V, rows
   // [head][token]) as one group of `checks`; then, once `checks` ran, the outcome from that
   // group's results (INVALID_ARGUMENT naming the first non-finite value). Needs a pending
-  // reservation; changes nothing.
-  void AddPendingRowChecks(const SequenceEnv& env, PendingRowChecks& checks) const;
+  // reservation; changes nothing the sequence holds (a policy that keeps key norms gets the
+  // pending keys' norms, which the commit then publishes with them).
+  void AddPendingRowChecks(const SequenceEnv& env, PendingRowChecks& checks);
   absl::Status PendingRowsResult(absl::Span<const int64_t> first) const;
   absl::StatusOr<CompressResult> Compress(const SequenceEnv& env, const CompressParams& params);
-  // DecodeStep of one item (KvPool::DecodeStep): CheckDecode validates without changing anything;
+  // DecodeStep of one item (KvPool::DecodeStep): CheckDecode validates without changing anything
+  // the sequence holds (a pending token's key norms are taken with its check);
   // Decode (after a successful CheckDecode) appends/commits the token, observes, evicts to the
   // budget. `reservation_id` is the id an inline token's internal reservation takes.
-  absl::Status CheckDecode(const SequenceEnv& env, const DecodeItem& item) const;
+  absl::Status CheckDecode(const SequenceEnv& env, const DecodeItem& item);
   absl::StatusOr<DecodeResult> Decode(const SequenceEnv& env, const DecodeItem& item,
                                       uint64_t reservation_id);
   // Dry run of Compress on copies of the policy state; changes nothing.
@@ -246,6 +251,9 @@ class Sequence {
     std::vector<int32_t> layers;  // in the order asked
     std::vector<int32_t> positions;
     uint64_t payload_bytes = 0;
+    // [i][H][num_tokens]: the norms of the keys of layers[i], written by the finiteness check
+    // when the policy keeps key norms (AddPendingRowChecks); empty otherwise.
+    std::vector<float> key_norms;
   };
   // Per-layer result of an eviction.
   struct Eviction {
@@ -372,8 +380,9 @@ class Sequence {
   // Publishes the pending reservation (no eviction).
   void CommitPending(const SequenceEnv& env);
   // INVALID_ARGUMENT naming the layer, K or V, head, token and dim of the first non-finite value
-  // in the pending reservation's rows (read through the backend); changes nothing.
-  absl::Status CheckPendingFinite(const SequenceEnv& env) const;
+  // in the pending reservation's rows (read through the backend); changes nothing the sequence
+  // holds (AddPendingRowChecks).
+  absl::Status CheckPendingFinite(const SequenceEnv& env);
   // What a failed call must restore: the sequence's metadata before the call. The arena rows
   // need no copy as long as rows_moved_ stays false (nothing but new, unpublished rows written).
   struct Checkpoint {

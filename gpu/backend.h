@@ -243,6 +243,11 @@ inline constexpr int64_t kMaxRowMergeRows = (int64_t{1} << 31) - 1;
 // *first_non_finite the lowest flat index (i * row_elements + element) holding one, or -1 when
 // every value is finite. Reads the arena only: how K/V the worker wrote into the arena is checked
 // before it becomes part of a sequence.
+//
+// With row_norms, the same pass also writes the L2 norm of every row (fp32), the value KNorm's
+// KeyDiff job (KeyDiffMetric::kNegativeNorm) negates: a policy that ranks keys by their norms then
+// scores a committed prompt without reading its keys again. The norms are defined only when every
+// row is finite (first_non_finite == -1).
 struct FiniteCheckJob {
   const uint8_t* arena = nullptr;
   const uint64_t* row_offsets = nullptr;  // [count]
@@ -250,6 +255,7 @@ struct FiniteCheckJob {
   int32_t row_elements = 0;  // head_dim
   DType dtype = DType::kFloat16;
   int64_t* first_non_finite = nullptr;  // out: one value
+  float* row_norms = nullptr;           // optional out: [count]
 };
 
 struct ArenaOptions {

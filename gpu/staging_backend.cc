@@ -632,6 +632,9 @@ class StagingBackend final : public Backend {
       FiniteCheckJob& d = device_jobs.emplace_back(job);
       KVS_RETURN_IF_ERROR(stager.Input(&d.row_offsets, job.row_offsets, job.count));
       KVS_RETURN_IF_ERROR(stager.Output(&d.first_non_finite, job.first_non_finite, 1));
+      if (job.row_norms != nullptr) {
+        KVS_RETURN_IF_ERROR(stager.Output(&d.row_norms, job.row_norms, job.count));
+      }
     }
     return Run(stager, device_jobs, stream, &Backend::FindNonFinite);
   }

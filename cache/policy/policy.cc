@@ -97,7 +97,7 @@ void LayerPolicyState::Compact(int32_t num_kv_heads, int32_t old_count,
   step_scores.clear();
   step_protected_recent = 0;
   std::vector<float> original;
-  for (std::vector<float>* array : {&accumulated, &indicator}) {
+  for (std::vector<float>* array : {&accumulated, &indicator, &key_norms}) {
     if (array->empty()) continue;
     if (old_count == 0) continue;
     const int64_t rows = static_cast<int64_t>(array->size()) / old_count;
@@ -124,8 +124,24 @@ void LayerPolicyState::Compact(int32_t num_kv_heads, int32_t old_count,
   }
 }
 
-void LayerPolicyState::Extend(int32_t num_kv_heads, int32_t old_count, int32_t added) {
-  (void)num_kv_heads;
+void LayerPolicyState::Extend(int32_t num_kv_heads, int32_t old_count, int32_t added,
+                              const float* added_key_norms) {
+  if (added > 0) {
+    const size_t heads = static_cast<size_t>(num_kv_heads);
+    if (added_key_norms == nullptr || key_norms.size() != heads * old_count) {
+      key_norms.clear();  // not known for the new keys, or not for the old ones
+    } else {
+      // Grown in place, last head first, each head's new norms after its old ones.
+      const size_t new_count = static_cast<size_t>(old_count) + added;
+      key_norms.resize(heads * new_count);
+      float* data = key_norms.data();
+      for (size_t h = heads; h-- > 0;) {
+        std::memmove(data + h * new_count, data + h * old_count, sizeof(float) * old_count);
+        std::memcpy(data + h * new_count + old_count, added_key_norms + h * added,
+                    sizeof(float) * added);
+      }
+    }
+  }
   for (std::vector<float>* array : {&accumulated, &indicator, &step_scores}) {
     if (array->empty() || old_count == 0 || added <= 0) continue;
     const int64_t rows = static_cast<int64_t>(array->size()) / old_count;

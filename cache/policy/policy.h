@@ -81,12 +81,19 @@ struct LayerPolicyState {
   // cascade stage); 0 = not frozen. `frozen_for` is the sequence budget it was computed for.
   int32_t frozen_budget = 0;
   int32_t frozen_for = 0;
+  // Policies that keep them (Policy::keeps_key_norms, KNorm): the L2 norm of every key, [H][count],
+  // taken by the finiteness check as the keys were committed (FiniteCheckJob::row_norms), so that
+  // scoring reads no keys; empty = not known (a path that adds or rewrites keys without them
+  // clears it, and the scorer then reads the keys).
+  std::vector<float> key_norms;
 
   // After compaction, new slot t of head h holds what old slot sources[h][t] held.
   void Compact(int32_t num_kv_heads, int32_t old_count,
                absl::Span<const std::vector<int32_t>> sources);
-  // `added` new slots at the end of every head, zero in every slot-aligned array.
-  void Extend(int32_t num_kv_heads, int32_t old_count, int32_t added);
+  // `added` new slots at the end of every head, zero in every slot-aligned array. key_norms takes
+  // `added_key_norms` ([H][added]) when it is known and they are given, else it is cleared.
+  void Extend(int32_t num_kv_heads, int32_t old_count, int32_t added,
+              const float* added_key_norms = nullptr);
 };
 
 // One layer of one sequence as Observe sees it.
@@ -166,6 +173,9 @@ class Policy {
   bool needs_accumulated() const {
     return ScorerNeedsAccumulated() || allocator_->needs_accumulated();
   }
+  // Whether LayerPolicyState::key_norms is maintained for this policy (the commits' finiteness
+  // checks then take each key's norm).
+  virtual bool keeps_key_norms() const { return false; }
   // Tokens every layer keeps outside the allocated share (CAKE's window W; 0 for the others).
   virtual int32_t window_tokens() const { return 0; }
   // The budget as a fraction of the prompt, for a sequence that has no token budget (D2O's rho;

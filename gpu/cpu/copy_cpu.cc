@@ -1,5 +1,7 @@
 #include "gpu/cpu/copy_cpu.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "gpu/base/finite.h"
 
@@ -78,11 +80,11 @@ inline int64_t RowBytes(const FiniteCheckJob& job) {
 
 }  // namespace
 
-void FindNonFiniteRows(const FiniteCheckJob& job) {
-  FindNonFiniteRows(absl::MakeConstSpan(&job, 1));
+void FindNonFiniteRows(const FiniteCheckJob& job, KeyDiffIsa isa) {
+  FindNonFiniteRows(absl::MakeConstSpan(&job, 1), isa);
 }
 
-void FindNonFiniteRows(absl::Span<const FiniteCheckJob> jobs) {
+void FindNonFiniteRows(absl::Span<const FiniteCheckJob> jobs, KeyDiffIsa isa) {
   // Rows are scattered over the arena's blocks (one per head and token, each in its own page), so
   // neither the hardware prefetcher nor the TLB sees them coming: ask for the rows a few ahead,
   // which keeps several cache misses and page walks in flight instead of one (the check is
@@ -99,6 +101,8 @@ void FindNonFiniteRows(absl::Span<const FiniteCheckJob> jobs) {
   for (size_t j = 0; j < jobs.size(); ++j) {
     const FiniteCheckJob& job = jobs[j];
     *job.first_non_finite = -1;
+    const KeyRowNormFn row_norm =
+        job.row_norms != nullptr ? KeyRowNormFor(job.dtype, job.row_elements, isa) : nullptr;
     for (int64_t r = 0; r < job.count; ++r) {
       if (ahead.job < jobs.size()) {
         const FiniteCheckJob& next = jobs[ahead.job];
@@ -106,8 +110,17 @@ void FindNonFiniteRows(absl::Span<const FiniteCheckJob> jobs) {
         NextRow(jobs, ahead);
       }
       if (job.row_elements <= 0) break;
-      const int64_t at =
-          FirstNonFinite(job.arena + job.row_offsets[r], job.row_elements, job.dtype);
+      const uint8_t* row = job.arena + job.row_offsets[r];
+      float norm = 0.0f;
+      if (job.row_norms != nullptr) {
+        norm = row_norm(row, job.row_elements);
+        job.row_norms[r] = norm;
+        // In fp16 the norm is the check: a NaN or inf makes the sum of squares NaN or inf, and no
+        // finite row can overflow it (65504^2 per value), so only a row whose norm is not finite
+        // is scanned for the value that made it so.
+        if (job.dtype == DType::kFloat16 && std::isfinite(norm)) continue;
+      }
+      const int64_t at = FirstNonFinite(row, job.row_elements, job.dtype);
       if (at >= 0) {
         *job.first_non_finite = r * job.row_elements + at;
         break;

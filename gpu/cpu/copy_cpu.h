@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "gpu/backend.h"
+#include "gpu/cpu/keydiff_cpu.h"  // KeyDiffIsa, KeyRowNorm
 
 namespace kvs {
 
@@ -26,11 +27,13 @@ absl::Status ValidateHostRowCopyJob(const HostRowCopyJob& job, size_t index);
 // output, or null arena/offsets when the job reads anything. Reads no offsets.
 absl::Status ValidateFiniteCheckJob(const FiniteCheckJob& job, size_t index);
 
-// The job's result, computed on the host (the CPU backend's kernel; row offsets trusted).
-void FindNonFiniteRows(const FiniteCheckJob& job);
+// The job's result, computed on the host (the CPU backend's kernel; row offsets trusted). A
+// job's row_norms are KeyRowNorm's at `isa` (gpu/cpu/keydiff_cpu.h), the values KNorm's score
+// pass at the same ISA computes.
+void FindNonFiniteRows(const FiniteCheckJob& job, KeyDiffIsa isa);
 // The same for a run of jobs, in order, reading ahead across the jobs' boundaries (a decode
 // commit's jobs are a few rows each).
-void FindNonFiniteRows(absl::Span<const FiniteCheckJob> jobs);
+void FindNonFiniteRows(absl::Span<const FiniteCheckJob> jobs, KeyDiffIsa isa);
 
 }  // namespace kvs
 

@@ -200,7 +200,7 @@ class CpuBackend final : public Backend {
     pool_.ParallelFor(
         static_cast<int64_t>(run_begin.size() - 1),
         [&](int64_t r) {
-          FindNonFiniteRows(jobs.subspan(run_begin[r], run_begin[r + 1] - run_begin[r]));
+          FindNonFiniteRows(jobs.subspan(run_begin[r], run_begin[r + 1] - run_begin[r]), isa_);
         },
         parallel);
     return absl::OkStatus();

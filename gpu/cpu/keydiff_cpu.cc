@@ -65,6 +65,12 @@ float Dot(const float* a, const float* b, int dim) {
 
 float Norm(const float* a, int dim) { return std::sqrt(Dot(a, a, dim)); }
 
+// KNorm's scalar norm of one row, through `scratch` ([dim]).
+float ScalarRowNorm(const uint8_t* row, DType dtype, int dim, float* scratch) {
+  LoadRow(row, dtype, dim, scratch);
+  return Norm(scratch, dim);
+}
+
 // Orders NaN after every number so nth_element sees a strict weak ordering on any input.
 bool LessNanLast(float a, float b) { return !std::isnan(a) && (std::isnan(b) || a < b); }
 
@@ -160,8 +166,7 @@ void ScoreHeadScalar(const KeyDiffScoreJob& job, int head) {
     }
     case KeyDiffMetric::kNegativeNorm:
       keys.ForEachRow([&](int64_t s, const uint8_t* p) {
-        LoadRow(p, job.keys.dtype, dim, row.data());
-        out[s] = -Norm(row.data(), dim) + 0.0f;
+        out[s] = -ScalarRowNorm(p, job.keys.dtype, dim, row.data()) + 0.0f;
       });
       return;
     case KeyDiffMetric::kDot:
@@ -314,6 +319,12 @@ KVS_AVX2 inline float RowDotAvx2(const uint8_t* row, const float* other, int dim
   return HorizontalSum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
+// KNorm's AVX2 norm of one row (KeyRowNorm).
+template <DType kType>
+KVS_AVX2 float Avx2RowNorm(const uint8_t* row, int dim) {
+  return std::sqrt(RowDotAvx2<kType, true>(row, nullptr, dim));
+}
+
 // One streaming pass over a head's keys (the next block's rows prefetched): the cosine to
 // `anchor` when kCosine, with `out` holding each slot's squared key norm on entry; else KNorm's
 // -|k| (KeyDiffMetric::kNegativeNorm, no anchor). `out` holds the scores on return.
@@ -340,7 +351,7 @@ KVS_AVX2 void ScorePassAvx2(const HeadView& keys, const float* anchor, float* ou
         const float key_norm = std::max(std::sqrt(block_out[r]), kCosineEps);
         block_out[r] = -dot / (key_norm * anchor_norm) + 0.0f;
       } else {
-        block_out[r] = -std::sqrt(RowDotAvx2<kType, true>(row, nullptr, dim)) + 0.0f;
+        block_out[r] = -Avx2RowNorm<kType>(row, dim) + 0.0f;
       }
     }
   }
@@ -435,6 +446,40 @@ void KeyDiffScoreHead(const KeyDiffScoreJob& job, int head, KeyDiffIsa isa) {
     }
   }
   ScoreHeadScalar(job, head);
+}
+
+namespace {
+
+// KNorm's scalar norm of one row of kType values (KeyRowNormFor).
+template <DType kType>
+float ScalarKeyRowNorm(const uint8_t* row, int dim) {
+  constexpr int kStackDims = 512;
+  if (dim <= kStackDims) {
+    float scratch[kStackDims];
+    return ScalarRowNorm(row, kType, dim, scratch);
+  }
+  std::vector<float> scratch(dim);
+  return ScalarRowNorm(row, kType, dim, scratch.data());
+}
+
+}  // namespace
+
+KeyRowNormFn KeyRowNormFor(DType dtype, int dim, KeyDiffIsa isa) {
+  // The same choice as KeyDiffScoreHead's for a kNegativeNorm job (Avx2Covers: dim % 8 == 0).
+  const bool avx2 = isa == KeyDiffIsa::kAvx2 && CpuSupportsAvx2() && dim % 8 == 0;
+  switch (dtype) {
+    case DType::kFloat16:
+      return avx2 ? &Avx2RowNorm<DType::kFloat16> : &ScalarKeyRowNorm<DType::kFloat16>;
+    case DType::kBFloat16:
+      return avx2 ? &Avx2RowNorm<DType::kBFloat16> : &ScalarKeyRowNorm<DType::kBFloat16>;
+    case DType::kFloat32:
+      return avx2 ? &Avx2RowNorm<DType::kFloat32> : &ScalarKeyRowNorm<DType::kFloat32>;
+  }
+  return &ScalarKeyRowNorm<DType::kFloat32>;  // not reached: every dtype is listed
+}
+
+float KeyRowNorm(const uint8_t* row, DType dtype, int dim, KeyDiffIsa isa) {
+  return KeyRowNormFor(dtype, dim, isa)(row, dim);
 }
 
 }  // namespace kvs

@@ -5,6 +5,8 @@
 #ifndef KVSIDECAR_GPU_CPU_KEYDIFF_CPU_H_
 #define KVSIDECAR_GPU_CPU_KEYDIFF_CPU_H_
 
+#include <cstdint>
+
 #include "absl/status/status.h"
 #include "gpu/backend.h"
 #include "gpu/cpu/avx2_util.h"  // CpuSupportsAvx2: whether kAvx2 runs here
@@ -29,6 +31,16 @@ absl::Status ValidateKeyDiffJob(const KeyDiffScoreJob& job, size_t index);
 // ValidateKeyDiffJob. kAvx2 silently uses the scalar code for the cases it does not cover and
 // when the CPU lacks the instructions.
 void KeyDiffScoreHead(const KeyDiffScoreJob& job, int head, KeyDiffIsa isa);
+
+// The L2 norm of one key row of `dim` values of `dtype`, in fp32, computed exactly as
+// KeyDiffScoreHead's KeyDiffMetric::kNegativeNorm pass at the same `isa` computes it (the same
+// instructions in the same order), so that a norm taken elsewhere (FindNonFinite's row_norms,
+// when the row is committed) equals the one a pass over the keys would give, bit for bit.
+float KeyRowNorm(const uint8_t* row, DType dtype, int dim, KeyDiffIsa isa);
+// The function KeyRowNorm calls for rows of `dtype` and `dim` at `isa`, chosen once for a run of
+// rows (its second argument is `dim`).
+using KeyRowNormFn = float (*)(const uint8_t* row, int dim);
+KeyRowNormFn KeyRowNormFor(DType dtype, int dim, KeyDiffIsa isa);
 
 }  // namespace kvs
 

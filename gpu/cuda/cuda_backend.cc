@@ -416,13 +416,16 @@ class CudaBackend final : public Backend {
       if (job.count == 0 || job.row_elements == 0) continue;
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena, context, "arena"));
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.row_offsets, context, "row_offsets"));
+      if (job.row_norms != nullptr) {
+        KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.row_norms, context, "row_norms"));
+      }
     }
     for (const FiniteCheckJob& job : jobs) {
-      KVS_RETURN_IF_ERROR(Launched(
-          cuda::LaunchFindNonFinite(job.arena, job.row_offsets, job.count, job.row_elements,
-                                    static_cast<int32_t>(job.dtype), job.first_non_finite,
-                                    ToStream(stream)),
-          "FindNonFinite"));
+      KVS_RETURN_IF_ERROR(
+          Launched(cuda::LaunchFindNonFinite(job.arena, job.row_offsets, job.count,
+                                             job.row_elements, static_cast<int32_t>(job.dtype),
+                                             job.first_non_finite, job.row_norms, ToStream(stream)),
+                   "FindNonFinite"));
     }
     return absl::OkStatus();
   }

@@ -566,12 +566,23 @@ __global__ void CopyHostRowsKernel(uint8_t* arena, uint8_t* host, const uint64_t
 
 // Finite check: one block per row (grid-strided); every thread tests the exponent bits of its
 // elements and the lowest flat index wins through an unsigned atomicMin over a result preset to
-// all ones (which reads as -1 when no value is non-finite).
+// all ones (which reads as -1 when no value is non-finite). With `norms`, the block also sums the
+// squares of the row's values it has read (FiniteCheckJob::row_norms).
 __global__ void FindNonFiniteKernel(const uint8_t* arena, const uint64_t* row_offsets,
                                     int64_t count, int32_t row_elements, int32_t dtype,
-                                    unsigned long long* first) {
+                                    unsigned long long* first, float* norms) {
+  __shared__ float scratch[kThreads];
   for (int64_t r = blockIdx.x; r < count; r += gridDim.x) {
     const uint8_t* row = arena + row_offsets[r];
+    if (norms != nullptr) {
+      float squared = 0.0f;
+      for (int32_t e = threadIdx.x; e < row_elements; e += kThreads) {
+        const float x = LoadF(row, dtype, e);
+        squared += x * x;
+      }
+      squared = BlockSum(squared, scratch);  // every thread of the block takes part
+      if (threadIdx.x == 0) norms[r] = sqrtf(squared);
+    }
     for (int32_t e = threadIdx.x; e < row_elements; e += kThreads) {
       bool bad;
       if (dtype == 3) {
@@ -1431,14 +1442,14 @@ cudaError_t LaunchCopyHostRows(uint8_t* arena, uint8_t* host, const uint64_t* ar
 
 cudaError_t LaunchFindNonFinite(const uint8_t* arena, const uint64_t* row_offsets, int64_t count,
                                 int32_t row_elements, int32_t dtype, int64_t* first_non_finite,
-                                cudaStream_t stream) {
+                                float* row_norms, cudaStream_t stream) {
   // All ones = -1 as int64 and the largest value for the unsigned atomicMin.
   cudaError_t error = cudaMemsetAsync(first_non_finite, 0xff, sizeof(int64_t), stream);
   if (error != cudaSuccess) return error;
   if (count <= 0 || row_elements <= 0) return cudaSuccess;
   FindNonFiniteKernel<<<GridFor(count), kThreads, 0, stream>>>(
       arena, row_offsets, count, row_elements, dtype,
-      reinterpret_cast<unsigned long long*>(first_non_finite));
+      reinterpret_cast<unsigned long long*>(first_non_finite), row_norms);
   return cudaGetLastError();
 }
 

@@ -51,10 +51,11 @@ cudaError_t LaunchMoveRows(uint8_t* dst, const uint64_t* dst_offsets, const uint
                            cudaStream_t stream);
 
 // FindNonFinite (gpu/backend.h): writes to *first_non_finite the lowest flat index of a value with
-// every exponent bit set, or -1. dtype: 1 fp16, 2 bf16, 3 fp32.
+// every exponent bit set, or -1; with row_norms (nullable, [count]) each row's L2 norm too.
+// dtype: 1 fp16, 2 bf16, 3 fp32.
 cudaError_t LaunchFindNonFinite(const uint8_t* arena, const uint64_t* row_offsets, int64_t count,
                                 int32_t row_elements, int32_t dtype, int64_t* first_non_finite,
-                                cudaStream_t stream);
+                                float* row_norms, cudaStream_t stream);
 
 // `host` must be device-accessible page-locked host memory (cudaHostAlloc / cudaHostRegister).
 cudaError_t LaunchCopyHostRows(uint8_t* arena, uint8_t* host, const uint64_t* arena_offsets,

@@ -563,6 +563,9 @@ class SimBackend final : public Backend {
       KVS_RETURN_IF_ERROR(t(j.arena, 0, "arena"));
       KVS_RETURN_IF_ERROR(t(j.row_offsets, Extent({j.count}, 8), "row_offsets"));
       KVS_RETURN_IF_ERROR(t(j.first_non_finite, Extent({1}, 8), "first_non_finite"));
+      if (j.row_norms != nullptr) {
+        KVS_RETURN_IF_ERROR(t(j.row_norms, Extent({j.count}, 4), "row_norms"));
+      }
     }
     return cpu_->FindNonFinite(real, stream);
   }

@@ -32,6 +32,7 @@ class FailingBackend final : public Backend {
     return cpu_->CreateArena(bytes, options);
   }
   absl::Status KeyDiffScores(absl::Span<const KeyDiffScoreJob> jobs, Stream s) override {
+    keydiff_jobs += static_cast<int>(jobs.size());
     return cpu_->KeyDiffScores(jobs, s);
   }
   absl::Status TopK(absl::Span<const TopKJob> jobs, Stream s) override {
@@ -91,6 +92,7 @@ class FailingBackend final : public Backend {
   int pool_jobs = 0;
   int variance_jobs = 0;
   int entropy_jobs = 0;
+  int keydiff_jobs = 0;  // KeyDiff and KNorm passes over the keys
 
  private:
   std::unique_ptr<Backend> cpu_;
@@ -307,6 +309,74 @@ TEST_P(RollbackTest, CakeWindowStatisticsRunInsideTheBackend) {
   EXPECT_EQ(backend_.variance_jobs, expected);
   EXPECT_EQ(backend_.entropy_jobs, expected);
 }
+
+// KNorm ranks by the norms the finiteness checks of its commits took as they read the keys
+// (FiniteCheckJob::row_norms): its compress reads no keys and keeps exactly what a pass over the
+// keys keeps (the same data under KeyDiff, compressed with a KNorm override, which has no norms
+// and reads them); the norms follow the kept keys through the compaction, so the next commit and
+// compress read none either. A token added without the check (an inline decode token) leaves the
+// norms unknown: the next compress reads the keys, once.
+class KeyNormsTest : public RollbackTest {
+ protected:
+  void AppendTo(const std::string& seq, int32_t tokens) {
+    auto reservation = pool_->Reserve(session_, seq, tokens, {}, {});
+    ASSERT_TRUE(reservation.ok()) << reservation.status();
+    const auto payload =
+        BuildPayload(layout_, std::vector<int32_t>{0, 1}, reservation->positions, HashValue);
+    ASSERT_TRUE(pool_->WriteReserved(session_, seq, reservation->reservation_id, 0, payload).ok());
+    ASSERT_TRUE(pool_->Commit(session_, seq, reservation->reservation_id, false).ok());
+  }
+  // Compresses `seq` to `budget` (with `policy` when given); the KeyDiff jobs it issued.
+  int CompressTo(const std::string& seq, int32_t budget, const char* policy = nullptr) {
+    CompressParams params;
+    params.budget_tokens = budget;
+    if (policy != nullptr) {
+      params.policy = PolicyConfig{};
+      params.policy->name = policy;
+    }
+    backend_.keydiff_jobs = 0;
+    auto compressed = pool_->Compress(session_, seq, params);
+    EXPECT_TRUE(compressed.ok()) << compressed.status();
+    return backend_.keydiff_jobs;
+  }
+  std::vector<std::vector<int32_t>> Positions(const std::string& seq) {
+    auto layout = pool_->GetLayout(session_, seq, {}, true);
+    EXPECT_TRUE(layout.ok()) << layout.status();
+    std::vector<std::vector<int32_t>> out;
+    for (const LayerLayoutView& layer : layout->layers) out.push_back(layer.positions);
+    return out;
+  }
+};
+
+TEST_P(KeyNormsTest, KnormRanksByTheNormsItsCommitsTook) {
+  SequenceParams params;
+  params.policy = PolicyConfig{};
+  params.policy->name = "keydiff";
+  params.sequence_id = "ref";
+  ASSERT_TRUE(pool_->CreateSequence(session_, params).ok());
+  AppendTo("ref", kBudget + 2);  // the same positions, so the same keys, as "seq"
+
+  EXPECT_EQ(CompressTo("seq", 6), 0);
+  EXPECT_EQ(CompressTo("ref", 6, "knorm"), 2);  // both layers' keys read
+  EXPECT_EQ(Positions("seq"), Positions("ref"));
+
+  AppendTo("seq", 5);
+  AppendTo("ref", 5);
+  EXPECT_EQ(CompressTo("seq", 4), 0);
+  EXPECT_EQ(CompressTo("ref", 4, "knorm"), 2);
+  EXPECT_EQ(Positions("seq"), Positions("ref"));
+
+  DecodeItem token = InlineToken(/*position=*/15);
+  token.attention = AttentionInput{};
+  ASSERT_TRUE(pool_->DecodeStep(std::vector<DecodeItem>{token}).ok());
+  EXPECT_EQ(CompressTo("seq", 3), 2);
+  EXPECT_EQ(CompressTo("seq", 2), 0);  // the norms that pass computed are kept
+}
+
+INSTANTIATE_TEST_SUITE_P(Knorm, KeyNormsTest, ::testing::Values("knorm"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
 
 INSTANTIATE_TEST_SUITE_P(EvictingPolicies, RollbackTest,
                          ::testing::Values("keydiff", "h2o", "tova", "snapkv", "cake", "caote"),

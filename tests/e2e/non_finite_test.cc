@@ -351,8 +351,8 @@ TEST_P(NonFiniteTest, BatchCommitRefusesTheFirstItemWithNonFiniteRows) {
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryPolicy, NonFiniteTest,
-                         ::testing::Values("streaming_llm", "keydiff", "h2o", "tova", "snapkv",
-                                           "cake", "d2o", "caote"),
+                         ::testing::Values("streaming_llm", "keydiff", "knorm", "h2o", "tova",
+                                           "snapkv", "cake", "d2o", "caote"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

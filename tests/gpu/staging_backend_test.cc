@@ -191,6 +191,37 @@ TEST_P(StagingTest, KeyDiffScoresBitIdentical) {
   for (size_t i = 0; i < cpu_out.size(); ++i) ExpectBitEqual(dev_out[i], cpu_out[i], "scores");
 }
 
+// The finiteness check with row_norms (what a KNorm commit asks for): the staged call writes the
+// same verdicts and the same norms, downloaded into the host arrays, as the CPU backend.
+TEST_P(StagingTest, FindNonFiniteRowNormsBitIdentical) {
+  constexpr int kDim = 64;
+  const uint64_t row_bytes = static_cast<uint64_t>(kDim) * DTypeBytes(dtype());
+  std::vector<uint64_t> offsets;
+  for (uint64_t at = 0; at + row_bytes <= kArenaBytes && offsets.size() < 300;
+       at += 3 * row_bytes) {
+    offsets.push_back(at);
+  }
+  std::vector<float> cpu_norms(offsets.size(), -1.0f), dev_norms(offsets.size(), -2.0f);
+  int64_t cpu_first = 7, dev_first = 8;
+  FiniteCheckJob job;
+  job.row_offsets = offsets.data();
+  job.count = static_cast<int64_t>(offsets.size());
+  job.row_elements = kDim;
+  job.dtype = dtype();
+  job.arena = cpu_base();
+  job.first_non_finite = &cpu_first;
+  job.row_norms = cpu_norms.data();
+  ASSERT_TRUE(cpu_->FindNonFinite({job}, nullptr).ok());
+  job.arena = dev_base();
+  job.first_non_finite = &dev_first;
+  job.row_norms = dev_norms.data();
+  ASSERT_TRUE(staged_->FindNonFinite({job}, nullptr).ok());
+  ASSERT_TRUE(staged_->Synchronize(nullptr).ok());
+  EXPECT_EQ(cpu_first, -1);
+  EXPECT_EQ(dev_first, -1);
+  ExpectBitEqual(dev_norms, cpu_norms, "row_norms");
+}
+
 TEST_P(StagingTest, TopKBitIdenticalWithTiesNanAndForced) {
   struct Spec {
     int rows, n, k;

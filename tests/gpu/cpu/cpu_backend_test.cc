@@ -829,6 +829,104 @@ TEST(CpuBackendTest, FindNonFiniteFindsTheFirstNaNOrInfInEveryDtype) {
   EXPECT_EQ(backend->FindNonFinite({bad}, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// FindNonFinite's row_norms (what a commit keeps for KNorm) are, bit for bit, the norms KNorm's
+// pass over the same keys negates (KeyDiffMetric::kNegativeNorm), at the backend's ISA and at each
+// ISA through KeyRowNorm; with dims the AVX2 path covers (% 8 == 0) and one it does not.
+TEST(CpuBackendTest, FindNonFiniteRowNormsAreTheNormsKnormScoresBy) {
+  auto backend = MakeCpuBackend(2);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+    for (int dim : {128, 12}) {
+      SCOPED_TRACE(std::string(DTypeName(dtype)) + " dim " + std::to_string(dim));
+      constexpr int kHeads = 2, kBlockTokens = 16, kCount = 40;
+      const int bytes = DTypeBytes(dtype);
+      const uint64_t block_bytes = 2ull * kHeads * kBlockTokens * dim * bytes;  // K and V
+      const std::vector<int32_t> table = {2, 0, 3};  // ceil(40 / 16) blocks
+      std::vector<uint8_t> arena(4 * block_bytes);
+      for (size_t e = 0; e < arena.size() / bytes; ++e) {
+        StoreFromFloat(arena.data(), dtype, static_cast<int64_t>(e), normal(rng));
+      }
+      PagedLayerView keys;
+      keys.arena = arena.data();
+      keys.block_table = table.data();
+      keys.count = kCount;
+      keys.num_kv_heads = kHeads;
+      keys.head_dim = dim;
+      keys.block_tokens = kBlockTokens;
+      keys.dtype = dtype;
+      keys.block_bytes = block_bytes;
+      std::vector<float> scores(kHeads * kCount);
+      KeyDiffScoreJob knorm;
+      knorm.keys = keys;
+      knorm.metric = KeyDiffMetric::kNegativeNorm;
+      knorm.scores = scores.data();
+      ASSERT_TRUE(backend->KeyDiffScores({knorm}, nullptr).ok());
+
+      std::vector<uint64_t> offsets;  // rows [head][slot], as a commit's check lists them
+      for (int h = 0; h < kHeads; ++h) {
+        for (int s = 0; s < kCount; ++s) {
+          offsets.push_back(table[s / kBlockTokens] * block_bytes +
+                            static_cast<uint64_t>((h * kBlockTokens + s % kBlockTokens) * dim) *
+                                bytes);
+        }
+      }
+      std::vector<float> norms(offsets.size(), -1.0f);
+      int64_t first = 7;
+      FiniteCheckJob check;
+      check.arena = arena.data();
+      check.row_offsets = offsets.data();
+      check.count = static_cast<int64_t>(offsets.size());
+      check.row_elements = dim;
+      check.dtype = dtype;
+      check.first_non_finite = &first;
+      check.row_norms = norms.data();
+      ASSERT_TRUE(backend->FindNonFinite({check}, nullptr).ok());
+      ASSERT_EQ(first, -1);
+      for (size_t i = 0; i < norms.size(); ++i) {
+        const float score = -norms[i] + 0.0f;
+        ASSERT_EQ(std::memcmp(&score, &scores[i], sizeof(float)), 0)
+            << "row " << i << ": norm " << norms[i] << ", score " << scores[i];
+      }
+      // The check itself is unchanged by the norms: the largest finite value is finite (its
+      // square overflows fp32 in bf16 and fp32), -inf and NaN are found where they are.
+      const uint32_t largest = dtype == DType::kFloat32   ? 0x7f7fffffu
+                               : dtype == DType::kFloat16 ? 0x7bffu
+                                                          : 0x7f7fu;
+      const uint32_t minus_inf = dtype == DType::kFloat32   ? 0xff800000u
+                                 : dtype == DType::kFloat16 ? 0xfc00u
+                                                            : 0xff80u;
+      const uint32_t nan = dtype == DType::kFloat32   ? 0x7fc00001u
+                           : dtype == DType::kFloat16 ? 0x7e01u
+                                                      : 0x7fc1u;
+      std::vector<uint8_t> saved = arena;
+      auto set = [&](size_t row, int element, uint32_t bits) {
+        std::memcpy(arena.data() + offsets[row] + static_cast<size_t>(element) * bytes, &bits,
+                    bytes);
+      };
+      set(3, dim - 1, largest);
+      ASSERT_TRUE(backend->FindNonFinite({check}, nullptr).ok());
+      EXPECT_EQ(first, -1);
+      set(50, 1, minus_inf);
+      set(30, dim - 2, nan);
+      ASSERT_TRUE(backend->FindNonFinite({check}, nullptr).ok());
+      EXPECT_EQ(first, 30 * dim + dim - 2);
+      std::copy(saved.begin(), saved.end(), arena.begin());
+
+      for (KeyDiffIsa isa : {KeyDiffIsa::kScalar, KeyDiffIsa::kAvx2}) {
+        std::vector<float> isa_scores(kHeads * kCount);
+        knorm.scores = isa_scores.data();
+        for (int h = 0; h < kHeads; ++h) KeyDiffScoreHead(knorm, h, isa);
+        for (size_t i = 0; i < offsets.size(); ++i) {
+          const float score = -KeyRowNorm(arena.data() + offsets[i], dtype, dim, isa) + 0.0f;
+          ASSERT_EQ(std::memcmp(&score, &isa_scores[i], sizeof(float)), 0)
+              << "isa " << static_cast<int>(isa) << " row " << i;
+        }
+      }
+    }
+  }
+}
+
 // A commit's check: thousands of jobs of a few rows each (some empty), in one call large enough to
 // be split over the pool, the rows scattered. Every job gets its own answer: its first
 // non-finite value (the first of several), or -1, whatever the jobs around it hold.

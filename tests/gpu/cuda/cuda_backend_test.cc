@@ -262,6 +262,53 @@ TEST_F(CudaParityTest, KeyDiffScores) {
   }
 }
 
+// The finiteness check with row_norms (a KNorm commit): the same verdict as the CPU, and norms
+// that rank as the CPU's (close, not bit-equal: the block sums the squares in its own order),
+// for the keys of every shape; a NaN planted in one key row is found with norms asked for too.
+TEST_F(CudaParityTest, FindNonFiniteWithRowNorms) {
+  uint32_t seed = 40;
+  for (const Shape& shape : kShapes) {
+    Layer layer(shape.heads, shape.count, shape.dim, shape.block_tokens, shape.dtype, seed++);
+    const int type_bytes = DTypeBytes(shape.dtype);
+    std::vector<uint64_t> offsets;  // the keys, [head][slot]
+    for (int h = 0; h < shape.heads; ++h) {
+      for (int s = 0; s < shape.count; ++s) {
+        offsets.push_back(layer.table[s / shape.block_tokens] * layer.view.block_bytes +
+                          (uint64_t(h) * shape.block_tokens + s % shape.block_tokens) * shape.dim *
+                              type_bytes);
+      }
+    }
+    const std::string what = "dtype " + std::string(DTypeName(shape.dtype));
+    for (bool plant : {false, true}) {
+      if (plant) StoreFromFloat(layer.bytes.data() + offsets.back(), shape.dtype, 0, NAN);
+      DeviceLayer device(*cuda_, layer);
+      std::vector<float> expected(offsets.size(), -1.0f);
+      int64_t cpu_first = 7;
+      FiniteCheckJob job;
+      job.arena = layer.bytes.data();
+      job.row_offsets = offsets.data();
+      job.count = static_cast<int64_t>(offsets.size());
+      job.row_elements = shape.dim;
+      job.dtype = shape.dtype;
+      job.first_non_finite = &cpu_first;
+      job.row_norms = expected.data();
+      ASSERT_TRUE(cpu_->FindNonFinite({job}, nullptr).ok());
+      DeviceBuffer<uint64_t> device_offsets(offsets);
+      DeviceBuffer<int64_t> first(1, 7);
+      DeviceBuffer<float> norms(offsets.size(), -1.0f);
+      job.arena = device.arena->data();
+      job.row_offsets = device_offsets.get();
+      job.first_non_finite = first.get();
+      job.row_norms = norms.get();
+      ASSERT_TRUE(cuda_->FindNonFinite({job}, nullptr).ok());
+      ASSERT_TRUE(cuda_->Synchronize(nullptr).ok());
+      EXPECT_EQ(first.ToHost()[0], cpu_first) << what;
+      EXPECT_EQ(cpu_first, plant ? int64_t(offsets.size() - 1) * shape.dim : -1) << what;
+      if (!plant) ExpectClose(norms.ToHost(), expected, 1e-5f, "row norms " + what);
+    }
+  }
+}
+
 TEST_F(CudaParityTest, TopKKeepsTheSameSlotsWithTiesNanAndForced) {
   std::mt19937 rng(5);
   for (int n : {1, 7, 300, 5000}) {
