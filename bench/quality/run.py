@@ -94,6 +94,8 @@ def parse_args(argv):
                     "the budget while decoding)")
     ap.add_argument("--policies", default="", help="only these sidecar policies (default all)")
     ap.add_argument("--no-kvpress", action="store_true", help="no kvpress rows")
+    ap.add_argument("--kvpress-presses", default="",
+                    help="only these kvpress presses (default all), e.g. snapkv,tova")
     ap.add_argument("--kvpress-defaults", action="store_true",
                     help="also kvpress rows with its own default windows/kernels")
     ap.add_argument("--fidelity-prompt", type=int, default=768)
@@ -125,7 +127,14 @@ def configs(args):
     out += side
     if not args.no_kvpress:
         try:
-            out += engine.kvpress_configs(budgets, args.kvpress_defaults)
+            presses = engine.kvpress_configs(budgets, args.kvpress_defaults)
+            if args.kvpress_presses:
+                keep = set(args.kvpress_presses.split(","))
+                unknown = keep - {c.policy for c in presses}
+                if unknown:
+                    sys.exit(f"--kvpress-presses: no such press: {','.join(sorted(unknown))}")
+                presses = [c for c in presses if c.policy in keep]
+            out += presses
         except ImportError as e:
             print(f"kvpress is not installed ({e}): no kvpress rows", file=sys.stderr)
     return out
