@@ -841,21 +841,18 @@ TEST(CpuBackendTest, FindNonFiniteRowNormsAreTheNormsKnormScoresBy) {
       SCOPED_TRACE(std::string(DTypeName(dtype)) + " dim " + std::to_string(dim));
       constexpr int kHeads = 2, kBlockTokens = 16, kCount = 40;
       const int bytes = DTypeBytes(dtype);
-      const uint64_t block_bytes = 2ull * kHeads * kBlockTokens * dim * bytes;  // K and V
-      const std::vector<int32_t> table = {2, 0, 3};  // ceil(40 / 16) blocks
-      std::vector<uint8_t> arena(4 * block_bytes);
-      for (size_t e = 0; e < arena.size() / bytes; ++e) {
-        StoreFromFloat(arena.data(), dtype, static_cast<int64_t>(e), normal(rng));
+      std::vector<std::vector<std::vector<float>>> values(
+          kHeads, std::vector<std::vector<float>>(kCount, std::vector<float>(dim)));
+      for (auto& head : values) {
+        for (auto& row : head) {
+          for (float& x : row) x = normal(rng);
+        }
       }
-      PagedLayerView keys;
-      keys.arena = arena.data();
-      keys.block_table = table.data();
-      keys.count = kCount;
-      keys.num_kv_heads = kHeads;
-      keys.head_dim = dim;
-      keys.block_tokens = kBlockTokens;
-      keys.dtype = dtype;
-      keys.block_bytes = block_bytes;
+      PagedKeys paged(values, dtype, kBlockTokens);
+      const PagedLayerView& keys = paged.view;
+      std::vector<uint8_t>& arena = paged.arena;
+      const std::vector<int32_t>& table = paged.block_table;
+      const uint64_t block_bytes = keys.block_bytes;
       std::vector<float> scores(kHeads * kCount);
       KeyDiffScoreJob knorm;
       knorm.keys = keys;
