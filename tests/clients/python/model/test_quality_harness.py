@@ -295,3 +295,32 @@ def test_omnikv_rows_run_through_select(server):
                 assert [v.layer for v in item.sparse_layers] == [5]
                 assert item.host_bytes > 0  # the sparse layer's prompt went to the host tier
     assert [o["tokens"] for o in outs[1.0]] == [o["tokens"] for o in ref]
+
+
+def test_kvpress_presses_selects_presses_and_names_an_unknown_one(monkeypatch):
+    """--kvpress-presses keeps only the named kvpress rows (a resumed run can leave out a slow
+    press) and refuses a name that is no press, naming it."""
+    from collections import namedtuple
+    Config = namedtuple("Config", "method policy budget protocol params make",
+                        defaults=("prefill", "", None))
+    fake = types.ModuleType("engine")
+    fake.Config = Config
+    fake.sidecar_configs = lambda budgets, protos: [Config("sidecar", "snapkv", b)
+                                                    for b in budgets]
+    fake.kvpress_configs = lambda budgets, defaults: [
+        Config("kvpress", name, b) for b in budgets
+        for name in ("snapkv", "tova", "observed_attention")]
+    monkeypatch.setitem(sys.modules, "engine", fake)
+    args = types.SimpleNamespace(budgets="0.1,0.5", protocols="prefill", policies="",
+                                 no_kvpress=False, kvpress_defaults=False,
+                                 kvpress_presses="snapkv,tova")
+    kept = [(c.method, c.policy, c.budget) for c in harness.configs(args)]
+    assert ("kvpress", "observed_attention", 0.1) not in kept
+    assert [k for k in kept if k[0] == "kvpress"] == [
+        ("kvpress", "snapkv", 0.1), ("kvpress", "tova", 0.1),
+        ("kvpress", "snapkv", 0.5), ("kvpress", "tova", 0.5)]
+    args.kvpress_presses = ""
+    assert sum(c.method == "kvpress" for c in harness.configs(args)) == 6
+    args.kvpress_presses = "snapkv,no_such"
+    with pytest.raises(SystemExit, match="no such press: no_such"):
+        harness.configs(args)
