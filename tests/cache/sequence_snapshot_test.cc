@@ -134,15 +134,18 @@ TEST(SpillRestoreTest, RoundTripsAreBitIdenticalOnBothTiers) {
   KvPool& pool = tiered.pool();
   std::mt19937 gen(1234);
   const DType dtypes[] = {DType::kFloat16, DType::kBFloat16, DType::kFloat32};
-  const char* policies[] = {kPolicyH2o, kPolicyD2o, kPolicyCake, kPolicyKeyDiff};
-  for (int trial = 0; trial < 12; ++trial) {
+  // KNorm: a spilled copy does not carry the key norms its commits took, so the restored
+  // sequence reads its keys where its twin reads the kept norms; both must keep the same tokens.
+  const char* policies[] = {kPolicyH2o, kPolicyD2o, kPolicyCake, kPolicyKeyDiff, "knorm"};
+  constexpr int kPolicies = sizeof(policies) / sizeof(policies[0]);
+  for (int trial = 0; trial < 15; ++trial) {
     SCOPED_TRACE(absl::StrCat("trial ", trial));
     ModelLayout layout = MakeLayout(1 + gen() % 4, 1 + gen() % 3, 8 << (gen() % 3),
                                     dtypes[trial % 3], trial % 2 == 0 ? 4 : 16);
     layout.num_q_heads = layout.num_kv_heads * (1 + gen() % 2);
     const StorageTier tier = trial % 2 == 0 ? StorageTier::kHost : StorageTier::kDisk;
     const std::string session = tiered.test_pool.Attach(layout, 400);
-    const PolicyConfig policy = Named(policies[trial % 4]);
+    const PolicyConfig policy = Named(policies[trial % kPolicies]);
     const std::string a = tiered.test_pool.Create(session, policy, Budget(0), "a");
     const std::string b = tiered.test_pool.Create(session, policy, Budget(0), "b");
     const int32_t prompt = 20 + gen() % 40;
