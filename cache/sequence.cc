@@ -1336,6 +1336,10 @@ absl::StatusOr<DecodeResult> Sequence::DecodeChecked(const SequenceEnv& env,
                    [&](uint64_t arena_offset, uint64_t from, uint64_t run) {
                      return env.arena.Write(arena_offset, item.inline_kv.data() + from, run);
                    });
+    // The token's bytes were checked before they reached the arena (CheckDecode); a policy that
+    // keeps key norms still takes them through the backend's check of the written rows, so they
+    // are the norms its pass over the keys would compute.
+    if (written.ok() && policy_->keeps_key_norms()) written = CheckPendingFinite(env);
     if (!written.ok()) {
       (void)Cancel(env, reservation_id);
       return written;

@@ -313,9 +313,9 @@ TEST_P(RollbackTest, CakeWindowStatisticsRunInsideTheBackend) {
 // KNorm ranks by the norms the finiteness checks of its commits took as they read the keys
 // (FiniteCheckJob::row_norms): its compress reads no keys and keeps exactly what a pass over the
 // keys keeps (the same data under KeyDiff, compressed with a KNorm override, which has no norms
-// and reads them); the norms follow the kept keys through the compaction, so the next commit and
-// compress read none either. A token added without the check (an inline decode token) leaves the
-// norms unknown: the next compress reads the keys, once.
+// and reads them); the norms follow the kept keys through the compaction, so the next commit,
+// inline decode token and compress read none either. Where no norms were taken, the pass's are
+// kept: the next compress reads the keys no more.
 class KeyNormsTest : public RollbackTest {
  protected:
   void AppendTo(const std::string& seq, int32_t tokens) {
@@ -366,11 +366,16 @@ TEST_P(KeyNormsTest, KnormRanksByTheNormsItsCommitsTook) {
   EXPECT_EQ(CompressTo("ref", 4, "knorm"), 2);
   EXPECT_EQ(Positions("seq"), Positions("ref"));
 
+  // An inline decode token's rows are checked (and their norms taken) once written.
   DecodeItem token = InlineToken(/*position=*/15);
   token.attention = AttentionInput{};
   ASSERT_TRUE(pool_->DecodeStep(std::vector<DecodeItem>{token}).ok());
-  EXPECT_EQ(CompressTo("seq", 3), 2);
-  EXPECT_EQ(CompressTo("seq", 2), 0);  // the norms that pass computed are kept
+  EXPECT_EQ(CompressTo("seq", 3), 0);
+
+  // Without norms (KeyDiff's commits take none) the pass's norms are kept for the next compress.
+  AppendTo("ref", 2);
+  EXPECT_EQ(CompressTo("ref", 5, "knorm"), 2);
+  EXPECT_EQ(CompressTo("ref", 4, "knorm"), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Knorm, KeyNormsTest, ::testing::Values("knorm"),
