@@ -2,6 +2,8 @@
 // the lowest-norm keys kept. Keys only, no parameters, no protected positions. The whole policy
 // is this one registry unit; the norms it ranks by are kept with the keys from their commit
 // (Policy::keeps_key_norms).
+#include <algorithm>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -54,8 +56,9 @@ class KnormPolicy final : public ScoredPolicy {
     for (size_t i : read) {
       const LayerSelection& layer = layers[i];
       const size_t slots = static_cast<size_t>(layer.keys.num_kv_heads) * layer.keys.count;
-      layer.state->key_norms.assign(slots, 0.0f);
-      for (size_t j = 0; j < slots; ++j) layer.state->key_norms[j] = -scores[i][j];
+      std::vector<float>& norms = layer.state->key_norms;
+      norms.resize(slots);
+      std::transform(scores[i], scores[i] + slots, norms.begin(), std::negate<float>());
     }
     return absl::OkStatus();
   }

@@ -80,10 +80,6 @@ inline int64_t RowBytes(const FiniteCheckJob& job) {
 
 }  // namespace
 
-void FindNonFiniteRows(const FiniteCheckJob& job, KeyDiffIsa isa) {
-  FindNonFiniteRows(absl::MakeConstSpan(&job, 1), isa);
-}
-
 void FindNonFiniteRows(absl::Span<const FiniteCheckJob> jobs, KeyDiffIsa isa) {
   // Rows are scattered over the arena's blocks (one per head and token, each in its own page), so
   // neither the hardware prefetcher nor the TLB sees them coming: ask for the rows a few ahead,
@@ -111,9 +107,8 @@ void FindNonFiniteRows(absl::Span<const FiniteCheckJob> jobs, KeyDiffIsa isa) {
       }
       if (job.row_elements <= 0) break;
       const uint8_t* row = job.arena + job.row_offsets[r];
-      float norm = 0.0f;
-      if (job.row_norms != nullptr) {
-        norm = row_norm(row, job.row_elements);
+      if (row_norm != nullptr) {
+        const float norm = row_norm(row, job.row_elements);
         job.row_norms[r] = norm;
         // In fp16 the norm is the check: a NaN or inf makes the sum of squares NaN or inf, and no
         // finite row can overflow it (65504^2 per value), so only a row whose norm is not finite

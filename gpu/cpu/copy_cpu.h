@@ -27,12 +27,10 @@ absl::Status ValidateHostRowCopyJob(const HostRowCopyJob& job, size_t index);
 // output, or null arena/offsets when the job reads anything. Reads no offsets.
 absl::Status ValidateFiniteCheckJob(const FiniteCheckJob& job, size_t index);
 
-// The job's result, computed on the host (the CPU backend's kernel; row offsets trusted). A
-// job's row_norms are KeyRowNorm's at `isa` (gpu/cpu/keydiff_cpu.h), the values KNorm's score
-// pass at the same ISA computes.
-void FindNonFiniteRows(const FiniteCheckJob& job, KeyDiffIsa isa);
-// The same for a run of jobs, in order, reading ahead across the jobs' boundaries (a decode
-// commit's jobs are a few rows each).
+// The results of a run of jobs, in order, computed on the host (the CPU backend's kernel; row
+// offsets trusted), reading ahead across the jobs' boundaries (a decode commit's jobs are a few
+// rows each). A job's row_norms are KeyRowNorm's at `isa` (gpu/cpu/keydiff_cpu.h), the values
+// KNorm's score pass at the same ISA computes.
 void FindNonFiniteRows(absl::Span<const FiniteCheckJob> jobs, KeyDiffIsa isa);
 
 }  // namespace kvs
