@@ -19,7 +19,22 @@ run_suite() {  # run_suite BUILD_DIR [cmake args...]
   echo "== build $dir"
   cmake --build "$dir" -j "$jobs"
   echo "== test $dir"
-  ctest --test-dir "$dir" --output-on-failure --timeout 300 -j "$jobs"
+  ctest --test-dir "$dir" --output-on-failure --timeout 300 -j "$jobs" ||
+    { print_failures "$dir"; return 1; }
+}
+
+# The output of every test that failed in BUILD_DIR's last ctest run, again at the end: a CI log
+# is often read from its tail, where ctest leaves only the names of the failed tests.
+print_failures() {  # print_failures BUILD_DIR
+  local log=$1/Testing/Temporary/LastTest.log failed=$1/Testing/Temporary/LastTestsFailed.log
+  [[ -f $log && -f $failed ]] || return 0
+  echo "== output of the failed tests in $1"
+  cut -d: -f2- "$failed" | while IFS= read -r name; do
+    awk -v name="$name" '
+      index($0, " Test: " name) && $0 ~ /^[0-9]+\/[0-9]+ Test: / { on = 1 }
+      on { print }
+      on && index($0, "\"" name "\" end time") == 1 { on = 0 }' "$log" | tail -n 200
+  done
 }
 
 mkdir -p "$root/build"

@@ -86,13 +86,14 @@ class FailingBackend final : public Backend {
 
   std::atomic<bool> fail_topk{false};
   std::atomic<bool> fail_window{false};
-  // Jobs of the attention kernels the policies issued (one thread drives the pool here).
-  int probs_jobs = 0;
-  int sums_jobs = 0;
-  int pool_jobs = 0;
-  int variance_jobs = 0;
-  int entropy_jobs = 0;
-  int keydiff_jobs = 0;  // KeyDiff and KNorm passes over the keys
+  // Jobs of the kernels the policies issued. Atomic: a policy scores the layers of a step side
+  // by side on the pool's host threads, each layer's jobs in a call of its own.
+  std::atomic<int> probs_jobs{0};
+  std::atomic<int> sums_jobs{0};
+  std::atomic<int> pool_jobs{0};
+  std::atomic<int> variance_jobs{0};
+  std::atomic<int> entropy_jobs{0};
+  std::atomic<int> keydiff_jobs{0};  // KeyDiff and KNorm passes over the keys
 
  private:
   std::unique_ptr<Backend> cpu_;
@@ -274,17 +275,17 @@ TEST_P(AttentionJobsTest, WindowVoteIsSummedAndPooledInsideTheBackend) {
     EXPECT_EQ(kept, kBudget * layout_.num_layers);
   }
   if (GetParam() == "snapkv") {
-    EXPECT_EQ(backend_.probs_jobs, 0);
-    EXPECT_EQ(backend_.sums_jobs, layout_.num_layers);
-    EXPECT_EQ(backend_.pool_jobs, layout_.num_layers);
+    EXPECT_EQ(backend_.probs_jobs.load(), 0);
+    EXPECT_EQ(backend_.sums_jobs.load(), layout_.num_layers);
+    EXPECT_EQ(backend_.pool_jobs.load(), layout_.num_layers);
   }
   if (GetParam() == "h2o" || GetParam() == "caote" || GetParam() == "d2o") {
-    EXPECT_EQ(backend_.probs_jobs, 0);
-    EXPECT_EQ(backend_.sums_jobs, layout_.num_layers);
+    EXPECT_EQ(backend_.probs_jobs.load(), 0);
+    EXPECT_EQ(backend_.sums_jobs.load(), layout_.num_layers);
   }
   if (GetParam() == "tova") {  // one query row: nothing to sum
-    EXPECT_EQ(backend_.probs_jobs, layout_.num_layers);
-    EXPECT_EQ(backend_.sums_jobs, 0);
+    EXPECT_EQ(backend_.probs_jobs.load(), layout_.num_layers);
+    EXPECT_EQ(backend_.sums_jobs.load(), 0);
   }
 }
 
@@ -306,8 +307,8 @@ TEST_P(RollbackTest, CakeWindowStatisticsRunInsideTheBackend) {
   ASSERT_TRUE(compressed.ok()) << compressed.status();
   for (const LayerCompressResult& layer : compressed->layers) EXPECT_EQ(layer.kept, kBudget);
   const int expected = GetParam() == "cake" ? layout_.num_layers : 0;
-  EXPECT_EQ(backend_.variance_jobs, expected);
-  EXPECT_EQ(backend_.entropy_jobs, expected);
+  EXPECT_EQ(backend_.variance_jobs.load(), expected);
+  EXPECT_EQ(backend_.entropy_jobs.load(), expected);
 }
 
 // KNorm ranks by the norms the finiteness checks of its commits took as they read the keys
@@ -337,7 +338,7 @@ class KeyNormsTest : public RollbackTest {
     backend_.keydiff_jobs = 0;
     auto compressed = pool_->Compress(session_, seq, params);
     EXPECT_TRUE(compressed.ok()) << compressed.status();
-    return backend_.keydiff_jobs;
+    return backend_.keydiff_jobs.load();
   }
   std::vector<std::vector<int32_t>> Positions(const std::string& seq) {
     auto layout = pool_->GetLayout(session_, seq, {}, true);
