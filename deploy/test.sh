@@ -31,7 +31,7 @@ print_failures() {  # print_failures BUILD_DIR
   echo "== output of the failed tests in $1"
   cut -d: -f2- "$failed" | while IFS= read -r name; do
     awk -v name="$name" '
-      index($0, " Test: " name) && $0 ~ /^[0-9]+\/[0-9]+ Test: / { on = 1 }
+      /^[0-9]+\/[0-9]+ Test: / && substr($0, index($0, " Test: ") + 7) == name { on = 1 }
       on { print }
       on && index($0, "\"" name "\" end time") == 1 { on = 0 }' "$log" | tail -n 200
   done
