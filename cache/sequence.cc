@@ -6,6 +6,7 @@
 #include <numeric>
 #include <utility>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "cache/compaction.h"
 #include "cache/policy/registry.h"
@@ -551,15 +552,23 @@ void Sequence::AddPendingRowChecks(const SequenceEnv& env, PendingRowChecks& che
     pending.key_norms.clear();
   }
   float* norms = pending.key_norms.empty() ? nullptr : pending.key_norms.data();
+  // Head h's row of a slot lies h runs of a block's tokens past head 0's: each token's row is
+  // placed once (its block and place in it) and the heads follow by that stride. A decode
+  // BatchCommit places 64 x 32 x 2 x 8 rows this way.
+  const uint64_t head_stride = static_cast<uint64_t>(layout_.block_tokens) * layout_.row_bytes();
+  absl::InlinedVector<uint64_t, 16> first_head(static_cast<size_t>(tokens));
   for (int32_t layer : pending.layers) {
     const LayerState& state = layers_[layer];
+    for (int32_t t = 0; t < tokens; ++t) {
+      first_head[t] = layout_.SlotRowOffset(state.blocks.data(), 0, 0, int64_t{state.count} + t);
+    }
     for (int kv = 0; kv < 2; ++kv) {
       uint64_t* rows = checks.AddJob(env.arena.data(), rows_per_job, layout_.head_dim,
                                      layout_.dtype, kv == 0 ? norms : nullptr);
+      const uint64_t kv_offset = layout_.RowOffsetInBlock(kv, 0, 0);
       for (int32_t h = 0; h < heads; ++h) {
-        for (int32_t t = 0; t < tokens; ++t) {
-          *rows++ = layout_.SlotRowOffset(state.blocks.data(), kv, h, int64_t{state.count} + t);
-        }
+        const uint64_t head_offset = kv_offset + h * head_stride;
+        for (int32_t t = 0; t < tokens; ++t) *rows++ = first_head[t] + head_offset;
       }
     }
     if (norms != nullptr) norms += rows_per_job;

@@ -4,6 +4,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/cache/cache_test_util.h"
@@ -15,10 +16,12 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using testing_util::Append;
 using testing_util::Budget;
+using testing_util::BuildPayload;
 using testing_util::ContentsMatch;
 using testing_util::HashValue;
 using testing_util::KeyDiff;
 using testing_util::MakeLayout;
+using testing_util::ReservedLayers;
 using testing_util::StreamingLlm;
 using testing_util::TestPool;
 
@@ -421,6 +424,43 @@ TEST_F(PoolTest, ReservationStateErrorsChangeNothing) {
   EXPECT_THAT(pool_.pool.Compress(session_, seq_, bad_policy).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, "omnikv is chosen when a sequence"));
   EXPECT_TRUE(Snap(pool_, session_, seq_) == committed);
+}
+
+// The finiteness check reads each row where the worker wrote it: a NaN placed in any (layer, K or
+// V, head, token) of a reservation that starts inside a block and spans three is found and named
+// there, and every other row is read too (a commit with the NaN alone is refused each time).
+TEST_F(PoolTest, CommitNamesTheRowOfEveryNonFiniteValueItChecks) {
+  ASSERT_TRUE(Append(pool_.pool, session_, seq_, 3, layout_, HashValue).ok());  // slots 0..2
+  constexpr int32_t kTokens = 7;  // slots 3..9: blocks 0, 1 and 2 of block_tokens 4
+  auto reservation = pool_.pool.Reserve(session_, seq_, kTokens, {}, {});
+  ASSERT_TRUE(reservation.ok()) << reservation.status();
+  const std::vector<int32_t> layers = ReservedLayers(*reservation);
+  const std::vector<uint8_t> payload =
+      BuildPayload(layout_, layers, reservation->positions, HashValue);
+  const uint64_t row_bytes = layout_.row_bytes();
+  const uint64_t id = reservation->reservation_id;
+  const std::vector<uint8_t> nan = {0xff, 0x7f};
+  uint64_t row = 0;  // the payload's rows are [layer][2][H][T]
+  for (int32_t layer : layers) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int h = 0; h < layout_.num_kv_heads; ++h) {
+        for (int32_t t = 0; t < kTokens; ++t, ++row) {
+          ASSERT_TRUE(pool_.pool.WriteReserved(session_, seq_, id, 0, payload).ok());
+          const uint64_t at = row * row_bytes + 2 * sizeof(uint16_t);  // dim 2
+          ASSERT_TRUE(pool_.pool.WriteReserved(session_, seq_, id, at, nan).ok());
+          const std::string where =
+              absl::StrCat("in ", kv == 0 ? "K" : "V", " at layer ", layer, " head ", h, " token ",
+                           t, " (position ", 3 + t, ") dim 2 ");
+          EXPECT_THAT(pool_.pool.Commit(session_, seq_, id, false).status(),
+                      StatusIs(absl::StatusCode::kInvalidArgument, where));
+        }
+      }
+    }
+  }
+  ASSERT_TRUE(pool_.pool.WriteReserved(session_, seq_, id, 0, payload).ok());
+  auto committed = pool_.pool.Commit(session_, seq_, id, false);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_THAT(committed->counts, ElementsAre(10, 10));
 }
 
 // BatchCommit's pool half: every item is checked before any is committed, then the items commit
