@@ -38,6 +38,7 @@ Without torch or kvpress installed it prints why and exits 0.
 """
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
@@ -260,7 +261,12 @@ def main():
                 row["fma_isa"] = kernel_isa
             print(json.dumps(row), flush=True)
             rows.append(row)
-    result = {"torch": torch.__version__, "kvpress": getattr(kvpress, "__version__", "?"),
+    # kvpress has no __version__; the installed distribution's metadata names it.
+    try:
+        kvpress_version = importlib.metadata.version("kvpress")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        kvpress_version = getattr(kvpress, "__version__", "?")
+    result = {"torch": torch.__version__, "kvpress": kvpress_version,
               "threads": args.threads, "fma_peak_gflops": peak, "kernel_isa": kernel_isa,
               "shape": {"layers": L, "tokens": T, "budget": budget, "kv_heads": H,
                         "q_heads": HQ, "head_dim": D, "window": W, "dtype": "fp16"},
