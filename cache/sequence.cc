@@ -552,23 +552,21 @@ void Sequence::AddPendingRowChecks(const SequenceEnv& env, PendingRowChecks& che
     pending.key_norms.clear();
   }
   float* norms = pending.key_norms.empty() ? nullptr : pending.key_norms.data();
-  // Head h's row of a slot lies h runs of a block's tokens past head 0's: each token's row is
-  // placed once (its block and place in it) and the heads follow by that stride. A decode
-  // BatchCommit places 64 x 32 x 2 x 8 rows this way.
-  const uint64_t head_stride = static_cast<uint64_t>(layout_.block_tokens) * layout_.row_bytes();
-  absl::InlinedVector<uint64_t, 16> first_head(static_cast<size_t>(tokens));
+  // Each token's slot is placed once per layer (its block and place in the block: a division
+  // and a block-table read); every (K or V, head) row of it lies a fixed offset past that. A
+  // decode BatchCommit places 64 x 32 x 2 x 8 rows.
+  absl::InlinedVector<uint64_t, 16> slot_offset(static_cast<size_t>(tokens));
   for (int32_t layer : pending.layers) {
     const LayerState& state = layers_[layer];
     for (int32_t t = 0; t < tokens; ++t) {
-      first_head[t] = layout_.SlotRowOffset(state.blocks.data(), 0, 0, int64_t{state.count} + t);
+      slot_offset[t] = layout_.SlotRowOffset(state.blocks.data(), 0, 0, int64_t{state.count} + t);
     }
     for (int kv = 0; kv < 2; ++kv) {
       uint64_t* rows = checks.AddJob(env.arena.data(), rows_per_job, layout_.head_dim,
                                      layout_.dtype, kv == 0 ? norms : nullptr);
-      const uint64_t kv_offset = layout_.RowOffsetInBlock(kv, 0, 0);
       for (int32_t h = 0; h < heads; ++h) {
-        const uint64_t head_offset = kv_offset + h * head_stride;
-        for (int32_t t = 0; t < tokens; ++t) *rows++ = first_head[t] + head_offset;
+        const uint64_t head_offset = layout_.RowOffsetInBlock(kv, h, 0);
+        for (int32_t t = 0; t < tokens; ++t) *rows++ = slot_offset[t] + head_offset;
       }
     }
     if (norms != nullptr) norms += rows_per_job;
