@@ -2,10 +2,12 @@
 //
 // An OmniKV sequence never evicts, so in every layer slot order is position order and, because
 // the worker appends every token to every layer, the prompt (positions below N) occupies the
-// first slots of each layer. Offloading a sparse layer moves those slots to the host tier and
-// slides the layer's generated tokens to the front; a filter layer and the sparse layers of its
-// segment therefore index the prompt the same way (checked at the first Select), and T_f is kept
-// both as positions (for the worker) and as prompt indices (for the gathers).
+// first slots of each layer. The exception is a sliding-window layer, which keeps only its last
+// W tokens; the plan makes it neither a filter nor a sparse layer, so nothing here reads it.
+// Offloading a sparse layer moves those slots to the host tier and slides the layer's generated
+// tokens to the front; a filter layer and the sparse layers of its segment therefore index the
+// prompt the same way (checked at the first Select), and T_f is kept both as positions (for the
+// worker) and as prompt indices (for the gathers).
 #include "cache/omnikv.h"
 
 #include <algorithm>
@@ -119,8 +121,8 @@ absl::Status OmniKvKind::CheckFirstSelect(const Sequence& sequence,
                      sequence.pending_->id,
                      "); the first Select offloads the prompt: commit or cancel it first"));
   }
-  KVS_ASSIGN_OR_RETURN(OmniKvPlan plan,
-                       PlanOmniKvLayers(config_, sequence.layout_.num_layers));
+  KVS_ASSIGN_OR_RETURN(OmniKvPlan plan, PlanOmniKvLayers(config_, sequence.layout_.num_layers,
+                                                         sequence.layer_windows()));
   for (size_t i = 0; i < config_.filter_layers.size(); ++i) {
     const int32_t f = config_.filter_layers[i];
     const int32_t prompt = PromptSlots(sequence, f, prompt_end);
@@ -145,7 +147,8 @@ absl::Status OmniKvKind::Begin(Sequence& sequence, SelectTask& task) {
   if (state_ != nullptr) return absl::OkStatus();
   const ModelLayout& layout = sequence.layout_;
   auto state = std::make_unique<OmniKvState>();
-  KVS_ASSIGN_OR_RETURN(state->plan, PlanOmniKvLayers(config_, layout.num_layers));
+  KVS_ASSIGN_OR_RETURN(state->plan,
+                       PlanOmniKvLayers(config_, layout.num_layers, sequence.layer_windows()));
   state->prompt_end =
       task.item->prompt_tokens > 0 ? task.item->prompt_tokens : sequence.next_position_;
   state->k = ResolveOmniKvBudget(config_, state->prompt_end);
@@ -537,7 +540,7 @@ absl::Status ResolveOmniKvSequence(PolicyConfig& policy, const SequenceParams& p
         "policy.omnikv.filter_layers is required: no default is known for a model of ",
         num_layers, " layers (defaults exist for 32, 48 and 80)"));
   }
-  KVS_RETURN_IF_ERROR(PlanOmniKvLayers(policy.omnikv, num_layers).status());
+  KVS_RETURN_IF_ERROR(PlanOmniKvLayers(policy.omnikv, num_layers, params.layer_windows).status());
   if (policy.omnikv.offload && !has_tiers) {
     return absl::FailedPreconditionError(
         "policy.omnikv.offload needs the host tier, which this pool was built without");

@@ -424,6 +424,8 @@ absl::StatusOr<SequenceCreated> KvPool::CreateInSession(Session& session,
         "retain_evicted needs the host tier, which this pool was built without");
   }
   const int32_t num_layers = session.layout.num_layers;
+  // Before the kind's admission, which plans OmniKV's layers around the windows.
+  KVS_RETURN_IF_ERROR(CheckLayerWindows(params.layer_windows, num_layers));
   PolicyConfig policy_config = params.policy.value_or(default_policy());
   // What the sequence's kind makes of the parameters (OmniKV's defaults and refusals).
   KVS_ASSIGN_OR_RETURN(const SequenceAdmission admission,
@@ -435,8 +437,6 @@ absl::StatusOr<SequenceCreated> KvPool::CreateInSession(Session& session,
       int64_t{session.num_blocks / num_layers} * session.layout.block_tokens;
   KVS_RETURN_IF_ERROR(CheckBudgetTokens(budget, per_layer_capacity, options_.max_tokens_per_call));
   KVS_RETURN_IF_ERROR(CheckPerLayerTokens(budget, num_layers, per_layer_capacity));
-  KVS_RETURN_IF_ERROR(admission.CheckLayerWindows(params.layer_windows));
-  KVS_RETURN_IF_ERROR(CheckLayerWindows(params.layer_windows, num_layers));
   if (!params.sequence_id.empty()) KVS_RETURN_IF_ERROR(ValidateSequenceId(params.sequence_id));
 
   absl::MutexLock lock(&session.mu);

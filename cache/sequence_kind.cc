@@ -113,12 +113,6 @@ BudgetConfig SequenceAdmission::Budget(const BudgetConfig& requested) const {
   return evicts_ ? requested : BudgetConfig{};
 }
 
-absl::Status SequenceAdmission::CheckLayerWindows(absl::Span<const int32_t> windows) const {
-  if (evicts_ || windows.empty()) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      "layer_windows does not apply to policy omnikv, which never evicts");
-}
-
 absl::StatusOr<std::vector<SelectResult>> RunSelects(absl::Span<SelectTask> tasks,
                                                      ThreadPool& pool) {
   std::vector<absl::Status> statuses(tasks.size());

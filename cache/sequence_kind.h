@@ -96,7 +96,8 @@ std::unique_ptr<SequenceKind> MakeSequenceKind(const PolicyConfig& config);
 // (KvPool::CreateSequence), so that the generic path asks the kind rather than testing for a
 // policy. The kind is chosen as MakeSequenceKind chooses it. A kind that never evicts (OmniKV)
 // completes its configuration and refuses what applies only to eviction (retain_evicted, a
-// budget, layer_windows); an evicting kind takes the parameters as given.
+// budget) or cannot serve its plan (a sliding-window filter layer); an evicting kind takes the
+// parameters as given.
 class SequenceAdmission {
  public:
   // Before the policy is made from `policy`, which it may complete. `has_tiers`: the pool has
@@ -108,8 +109,6 @@ class SequenceAdmission {
   bool evicts() const { return evicts_; }
   // The budget the sequence runs with: `requested` for a kind that evicts, none otherwise.
   BudgetConfig Budget(const BudgetConfig& requested) const;
-  // INVALID_ARGUMENT naming layer_windows when a kind that never evicts is given windows.
-  absl::Status CheckLayerWindows(absl::Span<const int32_t> windows) const;
 
  private:
   explicit SequenceAdmission(bool evicts) : evicts_(evicts) {}

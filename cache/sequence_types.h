@@ -28,7 +28,8 @@ struct SequenceParams {
   bool retain_evicted = false;
   // Per-layer sliding windows: empty, or one per layer of the session, each >= 0 (0 = a global
   // layer). A layer with W > 0 holds exactly its last W tokens, whatever the policy and budget
-  // (Sequence::set_layer_windows). Not with omnikv (INVALID_ARGUMENT).
+  // (Sequence::set_layer_windows). With omnikv a windowed layer is neither a filter
+  // (INVALID_ARGUMENT naming policy.omnikv.filter_layers) nor a sparse layer.
   std::vector<int32_t> layer_windows;
   // Start from the prefix published under this key by the session's tenant (KvPool::Publish)
   // instead of empty; policy and budget, when set, must equal the published ones.

@@ -40,7 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from kvsidecar.client import common_pb2
 from kvsidecar.client import policy as make_policy
-from kvsidecar.hf import SidecarCache
+from kvsidecar.hf import SidecarCache, layer_windows
 
 CAPTURE = "kvs_eval_capture"
 # What kvpress's window presses may read of the attention input: the last HIDDEN_TAIL positions.
@@ -225,7 +225,7 @@ class SidecarRunner:
         decode step then Selects through the cache."""
         layers = int(model.config.num_hidden_layers)
         if not spec.omnikv.filter_layers:
-            spec.omnikv.filter_layers.extend(omnikv_filter_layers(layers))
+            spec.omnikv.filter_layers.extend(omnikv_filter_layers(layers, layer_windows(model)))
         b = int(pre.ids.shape[0])
         self.cache = cache = SidecarCache(session, model, policy=spec)
         try:
@@ -400,15 +400,23 @@ def sidecar_configs(budgets, protocols) -> List[Config]:
                 "sidecar", "omnikv", b, omni_proto,
                 "Select per decode step, last selector, k = budget x prompt (as the other rows' "
                 "budget), filter layers = the paper's Llama-3-8B {2,8,18} scaled to the depth "
-                "(30 layers: 2, 8, 17; the paper's own at 32/48/80), 1 wait layer, sparse "
+                "(30 layers: 2, 8, 17; the paper's own at 32/48/80; with sliding layers the "
+                "first full-attention layer: Gemma 3 270M 5, sparse 11, 17), 1 wait layer, sparse "
                 "prompt offloaded to the host tier; never evicts (kept: every token held)",
                 lambda n: make_policy("omnikv", selected_tokens=n, offload=True)))
     return out
 
 
-def omnikv_filter_layers(num_layers: int) -> List[int]:
+def omnikv_filter_layers(num_layers: int, windows: Optional[List[int]] = None) -> List[int]:
     """OmniKV's filter layers for a depth: empty (the sidecar's paper defaults) at 32, 48 and 80
-    layers, else Llama-3-8B's {2, 8, 18} scaled to the depth (distinct, ascending)."""
+    layers, else Llama-3-8B's {2, 8, 18} scaled to the depth (distinct, ascending). A model with
+    sliding-window layers (`windows`, one per layer, 0 = full attention) filters at its first
+    full-attention layer alone: a windowed layer cannot filter and is never sparse, so the later
+    full-attention layers are the sparse ones (Gemma 3 270M: filter 5, sparse 11 and 17; the
+    paper's Llama-3-8B has three filters among 32 full-attention layers, this model has 3)."""
+    full = [layer for layer, w in enumerate(windows or []) if w == 0]
+    if windows and any(windows):
+        return full[:1]
     if num_layers in (32, 48, 80):
         return []
     scaled = sorted({min(num_layers - 1, round(f * num_layers / 32)) for f in (2, 8, 18)})

@@ -15,12 +15,18 @@ float NanToLowest(float v) { return std::isnan(v) ? -std::numeric_limits<float>:
 
 }  // namespace
 
-absl::StatusOr<OmniKvPlan> PlanOmniKvLayers(const OmniKvConfig& config, int32_t num_layers) {
+absl::StatusOr<OmniKvPlan> PlanOmniKvLayers(const OmniKvConfig& config, int32_t num_layers,
+                                            absl::Span<const int32_t> windows) {
   const std::vector<int32_t>& filters = config.filter_layers;
   if (filters.empty()) {
     return absl::InvalidArgumentError(
         "policy.omnikv.filter_layers is empty; the model has no default filter layers");
   }
+  if (!windows.empty() && windows.size() != static_cast<size_t>(num_layers)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer_windows has ", windows.size(), " entries for ", num_layers, " layers"));
+  }
+  const auto windowed = [&](int32_t l) { return !windows.empty() && windows[l] > 0; };
   for (size_t i = 0; i < filters.size(); ++i) {
     if (filters[i] < 0 || filters[i] >= num_layers) {
       return absl::InvalidArgumentError(absl::StrCat("policy.omnikv.filter_layers[", i,
@@ -31,6 +37,12 @@ absl::StatusOr<OmniKvPlan> PlanOmniKvLayers(const OmniKvConfig& config, int32_t 
       return absl::InvalidArgumentError(
           absl::StrCat("policy.omnikv.filter_layers must be strictly ascending; filter_layers[", i,
                        "] = ", filters[i], " follows ", filters[i - 1]));
+    }
+    if (windowed(filters[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.omnikv.filter_layers[", i, "] = ", filters[i],
+          " is a sliding-window layer (layer_windows[", filters[i], "] = ", windows[filters[i]],
+          "); a filter layer must attend to the whole prompt to select from it"));
     }
   }
   OmniKvPlan plan;
@@ -45,10 +57,14 @@ absl::StatusOr<OmniKvPlan> PlanOmniKvLayers(const OmniKvConfig& config, int32_t 
     plan.roles[f] = OmniKvRole::kFilter;
     for (int32_t l = f + 1; l < dense_end; ++l) plan.roles[l] = OmniKvRole::kWait;
     for (int32_t l = dense_end; l < next; ++l) {
+      if (windowed(l)) continue;
       plan.roles[l] = OmniKvRole::kSparse;
       plan.feeding_filter[l] = f;
       plan.sparse[i].push_back(l);
     }
+  }
+  for (int32_t l = 0; l < num_layers; ++l) {
+    if (windowed(l)) plan.roles[l] = OmniKvRole::kWindowed;
   }
   return plan;
 }

@@ -1,8 +1,9 @@
 // OmniKV (shared/design/policies/omnikv.md): decode-time sparse attention that never evicts. This
 // header owns the policy object (which keeps every token: Compress and Score do not apply) and
 // the spec's arithmetic that Select needs — the layer plan (prefix / filter / wait / sparse
-// layers and which filter feeds which sparse layers), the budget k, and the per-candidate score
-// of each selector. The state and the gathers live with the sequence (cache/omnikv.cc).
+// layers, sliding-window layers, and which filter feeds which sparse layers), the budget k, and
+// the per-candidate score of each selector. The state and the gathers live with the sequence
+// (cache/omnikv.cc).
 //
 // Threading: everything here is immutable or pure.
 #ifndef KVSIDECAR_CACHE_POLICY_OMNIKV_H_
@@ -19,18 +20,28 @@
 
 namespace kvs {
 
-enum class OmniKvRole { kPrefix, kFilter, kWait, kSparse };
+// kWindowed: a sliding-window layer (SequenceParams::layer_windows, e.g. Gemma 3's local
+// layers). It attends to its own last W tokens, which is all it holds, so it is dense wherever it
+// sits: never a filter (it cannot rank the whole prompt) and never sparse (its window, not T_f, is
+// what the model attends to there).
+enum class OmniKvRole { kPrefix, kFilter, kWait, kSparse, kWindowed };
 
-// Layer roles of one model under one config (omnikv.md §2).
+// Layer roles of one model under one config (omnikv.md §2). The wait layers are the
+// `wait_layers` layers after each filter, whatever their kind (a windowed one among them still
+// hides the Select's latency); the full-attention layers after them are that filter's sparse
+// layers.
 struct OmniKvPlan {
   std::vector<OmniKvRole> roles;        // per layer
   std::vector<int32_t> feeding_filter;  // per layer: the filter layer a sparse layer reads, else -1
   std::vector<std::vector<int32_t>> sparse;  // per entry of config.filter_layers: its sparse layers
 };
 
-// The plan for `num_layers`; INVALID_ARGUMENT naming policy.omnikv.filter_layers[i] when a filter
-// layer is out of range, or the list is empty, unsorted or repeats a layer.
-absl::StatusOr<OmniKvPlan> PlanOmniKvLayers(const OmniKvConfig& config, int32_t num_layers);
+// The plan for `num_layers` whose sliding windows are `windows` (empty, or one per layer with
+// 0 = full attention); INVALID_ARGUMENT naming policy.omnikv.filter_layers[i] when a filter
+// layer is out of range or a sliding-window layer, or the list is empty, unsorted or repeats a
+// layer.
+absl::StatusOr<OmniKvPlan> PlanOmniKvLayers(const OmniKvConfig& config, int32_t num_layers,
+                                            absl::Span<const int32_t> windows = {});
 
 // The filter layers the paper gives for a model of `num_layers` layers (32: {2, 8, 18};
 // 48: {6, 11, 30}; 80: {4, 19, 41}); empty when it gives none.

@@ -24,6 +24,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::UnorderedElementsAre;
 using testing_util::Append;
 using testing_util::MakeLayout;
 using testing_util::TestPool;
@@ -518,7 +519,6 @@ TEST(SequenceAdmission, TheKindSettlesANewSequencesParameters) {
   SequenceParams params;
   params.budget = BudgetConfig{};
   params.budget->tokens_per_layer = 8;
-  const std::vector<int32_t> windows = {1, 2};
 
   PolicyConfig h2o;
   h2o.name = kPolicyH2o;
@@ -526,7 +526,6 @@ TEST(SequenceAdmission, TheKindSettlesANewSequencesParameters) {
   ASSERT_TRUE(evicting.ok()) << evicting.status();
   EXPECT_TRUE(evicting->evicts());
   EXPECT_EQ(evicting->Budget(*params.budget).tokens_per_layer, 8);
-  EXPECT_TRUE(evicting->CheckLayerWindows(windows).ok());
   // retain_evicted is the pool's to check against its tiers, not the evicting kind's.
   params.retain_evicted = true;
   EXPECT_TRUE(SequenceAdmission::Resolve(h2o, params, 32, false).ok());
@@ -544,10 +543,17 @@ TEST(SequenceAdmission, TheKindSettlesANewSequencesParameters) {
   BudgetConfig requested;
   requested.tokens_per_layer = 8;
   EXPECT_EQ(selecting->Budget(requested).tokens_per_layer, 0);
-  EXPECT_TRUE(selecting->CheckLayerWindows({}).ok());
-  EXPECT_THAT(selecting->CheckLayerWindows(windows),
+  // Sliding windows: served on any layer but a filter layer (the defaults 2, 8, 18 here).
+  params.layer_windows.assign(32, 0);
+  params.layer_windows[3] = 16;
+  PolicyConfig windowed;
+  windowed.name = kPolicyOmniKv;
+  EXPECT_TRUE(SequenceAdmission::Resolve(windowed, params, 32, false).ok());
+  params.layer_windows[8] = 16;
+  EXPECT_THAT(SequenceAdmission::Resolve(windowed, params, 32, false).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       "layer_windows does not apply to policy omnikv, which never evicts"));
+                       "policy.omnikv.filter_layers[1] = 8 is a sliding-window layer"));
+  params.layer_windows.clear();
   params.retain_evicted = true;
   EXPECT_THAT(SequenceAdmission::Resolve(omnikv, params, 32, true).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
@@ -559,21 +565,102 @@ TEST(SequenceAdmission, TheKindSettlesANewSequencesParameters) {
   EXPECT_TRUE(SequenceAdmission::Resolve(omnikv, params, 32, true).ok());
 }
 
-// Through the pool: the kind's refusal of layer_windows, with its text, and nothing created.
-TEST(SequenceAdmission, PoolRefusesLayerWindowsForOmniKv) {
-  TestPool pool;
-  const std::string session = pool.Attach(MakeLayout(kLayers, kHkv, kDim, DType::kFloat32, 4), 64);
+// Sliding-window layers on an OmniKV sequence (Gemma 3's local layers), through the pool: each
+// holds its last W tokens at every commit and is never staged, the filters select as without
+// windows, and the full-attention layers past the wait layers are the only sparse ones. A
+// windowed filter layer is refused, naming it, and nothing is created.
+TEST(SequenceAdmission, PoolServesOmniKvWithSlidingWindowLayers) {
+  constexpr int32_t kWindow = 5;
+  for (const bool offload : {false, true}) {
+    SCOPED_TRACE(offload ? "offload" : "in the arena");
+    Fixture f;
+    SequenceParams params;
+    params.policy = OmniKv(4, offload);  // filters 1 and 4, one wait layer each
+    // Layers 0, 3 and 6 windowed: roles prefix-windowed, filter, wait, windowed, filter, wait,
+    // windowed, sparse.
+    params.layer_windows = {kWindow, 0, 0, kWindow, 0, 0, kWindow, 0};
+    params.sequence_id = "gemma";
+    absl::StatusOr<SequenceCreated> created = f.pool.pool.CreateSequence(f.session, params);
+    ASSERT_TRUE(created.ok()) << created.status();
+    ASSERT_TRUE(Append(f.pool.pool, f.session, "gemma", kTokens, f.layout, Tv7).ok());
+    absl::StatusOr<SequenceLayout> held = f.pool.pool.GetLayout(f.session, "gemma", {}, true);
+    ASSERT_TRUE(held.ok()) << held.status();
+    for (int32_t l : {0, 3, 6}) {
+      EXPECT_EQ(held->layers[l].count, kWindow) << l;
+      EXPECT_EQ(held->layers[l].window, kWindow) << l;
+      EXPECT_THAT(held->layers[l].positions,
+                  UnorderedElementsAre(9, 10, 11, 12, 13, 9, 10, 11, 12, 13));
+    }
+
+    absl::StatusOr<SelectResult> result = f.Select("gemma", 1, {1, 4});
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(result->filters.size(), 2u);
+    EXPECT_THAT(result->filters[0].positions, ElementsAre(1, 2, 5, 9));  // as TV7
+    EXPECT_TRUE(result->filters[0].sparse_layers.empty());               // layer 3 is windowed
+    EXPECT_THAT(result->filters[1].positions, ElementsAre(3, 6, 7, 10));
+    EXPECT_THAT(result->filters[1].sparse_layers, ElementsAre(7));
+    const uint64_t per_layer = uint64_t{kPrompt} * 2 * kHkv * f.layout.row_bytes();
+    EXPECT_EQ(result->host_bytes,
+              offload ? per_layer + std::string("omnikv offloaded prompt").size() : 0u);
+    ASSERT_EQ(result->sparse_layers.size(), 1u);
+    EXPECT_EQ(result->sparse_layers[0].layer, 7);
+    ASSERT_EQ(result->sparse_layers[0].count, 6);
+    absl::StatusOr<SessionView> view = f.pool.pool.GetSession(f.session);
+    ASSERT_TRUE(view.ok());
+    {
+      ArenaReader arena(f.pool.pool, *view);
+      const std::vector<int32_t> staged_positions = {3, 6, 7, 10, 12, 13};
+      for (int s = 0; s < 6; ++s) {
+        for (int kv = 0; kv < 2; ++kv) {
+          for (int h = 0; h < kHkv; ++h) {
+            for (int d = 0; d < kDim; ++d) {
+              ASSERT_EQ(arena.At(f.layout, result->sparse_layers[0].block_table, kv, h, s, d),
+                        Tv7(7, kv, h, staged_positions[s], d))
+                  << "slot " << s << " kv " << kv << " head " << h;
+            }
+          }
+        }
+      }
+    }
+
+    // A decode token: the windows slide, the sparse layer's tail grows, the rest hold it all.
+    ASSERT_TRUE(Append(f.pool.pool, f.session, "gemma", 1, f.layout, Tv7).ok());
+    absl::StatusOr<SelectResult> next = f.Select("gemma", 2, {1, 4});
+    ASSERT_TRUE(next.ok()) << next.status();
+    ASSERT_EQ(next->sparse_layers.size(), 1u);
+    EXPECT_EQ(next->sparse_layers[0].count, 4 + 3);
+    held = f.pool.pool.GetLayout(f.session, "gemma", {}, true);
+    ASSERT_TRUE(held.ok());
+    for (int32_t l = 0; l < kLayers; ++l) {
+      const bool windowed = l == 0 || l == 3 || l == 6;
+      const int32_t expected = windowed ? kWindow : (offload && l == 7 ? 3 : kTokens + 1);
+      EXPECT_EQ(held->layers[l].count, expected) << l;
+    }
+    // The window's rows are the tokens its positions name (10..14).
+    ArenaReader arena(f.pool.pool, *view);
+    const LayerLayoutView& window = held->layers[6];
+    EXPECT_THAT(window.positions, UnorderedElementsAre(10, 11, 12, 13, 14, 10, 11, 12, 13, 14));
+    for (int h = 0; h < kHkv; ++h) {
+      for (int s = 0; s < kWindow; ++s) {
+        const int32_t position = window.positions[h * kWindow + s];
+        for (int kv = 0; kv < 2; ++kv) {
+          EXPECT_EQ(arena.At(f.layout, window.block_table, kv, h, s, 2), Tv7(6, kv, h, position, 2))
+              << "windowed layer 6 head " << h << " slot " << s;
+        }
+      }
+    }
+  }
+
+  Fixture f;
   SequenceParams params;
-  params.policy = PolicyConfig{};
-  params.policy->name = kPolicyOmniKv;
-  params.policy->omnikv.filter_layers = {3};
-  params.layer_windows = std::vector<int32_t>(kLayers, 2);
+  params.policy = OmniKv(4, false);
+  params.layer_windows = {0, 0, 0, 0, kWindow, 0, 0, 0};
   params.sequence_id = "w";
-  EXPECT_THAT(pool.pool.CreateSequence(session, params).status(),
+  EXPECT_THAT(f.pool.pool.CreateSequence(f.session, params).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       "layer_windows does not apply to policy omnikv, which never evicts"));
-  params.layer_windows.clear();
-  EXPECT_TRUE(pool.pool.CreateSequence(session, params).ok());
+                       "policy.omnikv.filter_layers[1] = 4 is a sliding-window layer "
+                       "(layer_windows[4] = 5)"));
+  EXPECT_TRUE(f.pool.pool.ListSequences(f.session).empty());
 }
 
 TEST(OmniKvSelect, WindowSelectorForcesThePromptQueriesTokensTv3) {

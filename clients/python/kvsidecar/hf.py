@@ -99,10 +99,12 @@ from the prefill's last W - 1 filter queries, sent with their positions at the f
 their tokens are forced in while they stay in the window (omnikv.md §4.5). With ``offload`` the
 sparse layers' prompt K/V move to the sidecar's host tier at the first Select (``counts`` then
 shows their generated tokens only). ``last_selection`` gives the last step's Select answer per
-filter layer. Not supported with OmniKV: sliding-window layers (the sidecar keeps every token), a
-block of several tokens after decoding began (the prompt the filters choose from is fixed). A
-left-padded row's candidates are its real prompt tokens; a fractional k is taken of N, the padded
-length.
+filter layer. Sliding-window layers (Gemma 3's local layers) keep their window as with any policy
+and are dense wherever they sit: the filter layers must be full-attention layers (the sidecar
+refuses a windowed one, naming it), and the sparse layers of a segment are its full-attention
+layers past the wait layers. Not supported with OmniKV: a block of several tokens after decoding
+began (the prompt the filters choose from is fixed). A left-padded row's candidates are its real
+prompt tokens; a fractional k is taken of N, the padded length.
 
 Overlap: the DecodeStep is sent without waiting; its answer is applied when the cache is next
 used (the model computes its logits meanwhile). `sync()` waits for it.
@@ -436,17 +438,22 @@ class _OmniKv:
         # their positions [w] and which are real tokens ([B][w] bool).
         self.prompt_queries: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def plan(self, resolved: common_pb2.PolicySpec, num_layers: int) -> None:
-        """Layer roles from the policy the sidecar resolved (omnikv.md §2, PlanOmniKvLayers)."""
+    def plan(self, resolved: common_pb2.PolicySpec, windows: Sequence[int]) -> None:
+        """Layer roles from the policy the sidecar resolved (omnikv.md §2, PlanOmniKvLayers):
+        a sliding-window layer (`windows[layer]` > 0) is dense wherever it sits, attending to the
+        window it holds; the sidecar refused it as a filter."""
         params = resolved.omnikv
         filters = list(params.filter_layers)
         wait = params.wait_layers or 1
+        num_layers = len(windows)
         self.roles = ["dense"] * num_layers
         self.feeding = [-1] * num_layers
         for i, f in enumerate(filters):
             end = filters[i + 1] if i + 1 < len(filters) else num_layers
             self.roles[f] = "filter"
             for layer in range(min(end, f + wait + 1), end):
+                if windows[layer] > 0:
+                    continue
                 self.roles[layer] = "sparse"
                 self.feeding[layer] = f
         if params.selector in (common_pb2.OmniKvParams.SELECTOR_UNIFORM,
@@ -581,11 +588,6 @@ class SidecarCache(Cache):
         # OmniKV never evicts: the budget is how many prompt tokens Select picks per step.
         self._omni: Optional[_OmniKv] = None
         if spec is not None and spec.name == "omnikv":
-            if any(layer_windows(model)):
-                raise UnsupportedModelError(
-                    f"{type(_text_config(model)).__name__}: the omnikv policy with "
-                    "sliding-window layers is not supported (OmniKV keeps every token; the "
-                    "sidecar refuses layer_windows on an omnikv sequence)")
             spec = _omnikv_spec(spec, budget)
             self._omni = _OmniKv()
             budget = None
@@ -743,7 +745,7 @@ class SidecarCache(Cache):
                     layer_windows=self.sidecar_windows if any(self.sidecar_windows) else None)
                 made.append(resp.sequence_id)
                 if self._omni is not None and len(made) == 1:
-                    self._omni.plan(resp.policy, self.num_layers)
+                    self._omni.plan(resp.policy, self.windows)
         except Exception:
             for seq in made:
                 self.session.release_sequence(seq)
@@ -1167,7 +1169,7 @@ class SidecarCache(Cache):
             raise
         by_layer = sorted(layout.layers, key=lambda e: e.layer)
         if cache._omni is not None:
-            cache._omni.plan(created.policy, cache.num_layers)
+            cache._omni.plan(created.policy, cache.windows)
         cache.sequence_ids = [created.sequence_id]
         cache.budget_tokens = int(created.budget.tokens_per_layer)
         cache._seen = int(layout.next_position)

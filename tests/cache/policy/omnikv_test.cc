@@ -62,6 +62,44 @@ TEST(OmniKvPlanTest, Tv7Roles) {
                                        OmniKvRole::kSparse, OmniKvRole::kSparse));
 }
 
+// Gemma 3 270M's 18 layers: five sliding-window layers, then a global one (5, 11, 17). The
+// windowed layers are dense wherever they sit; the global layers past the wait layer are sparse.
+TEST(OmniKvPlanTest, SlidingWindowLayersAreNeitherFiltersNorSparse) {
+  std::vector<int32_t> windows(18, 512);
+  for (int32_t global : {5, 11, 17}) windows[global] = 0;
+  auto plan = PlanOmniKvLayers(Config({5}), 18, windows);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_THAT(plan->sparse[0], ElementsAre(11, 17));
+  EXPECT_THAT(DenseLayers(*plan),
+              ElementsAre(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16));
+  EXPECT_EQ(plan->roles[5], OmniKvRole::kFilter);
+  EXPECT_EQ(plan->roles[6], OmniKvRole::kWindowed);  // the wait layer is a windowed one here
+  EXPECT_EQ(plan->roles[0], OmniKvRole::kWindowed);
+  EXPECT_EQ(plan->feeding_filter[17], 5);
+  EXPECT_EQ(plan->feeding_filter[12], -1);
+  // A full-attention wait layer stays a wait layer; the one after it is sparse.
+  windows[6] = 0;
+  windows[7] = 0;
+  auto waiting = PlanOmniKvLayers(Config({5}), 18, windows);
+  ASSERT_TRUE(waiting.ok());
+  EXPECT_EQ(waiting->roles[6], OmniKvRole::kWait);
+  EXPECT_THAT(waiting->sparse[0], ElementsAre(7, 11, 17));
+  // All zeros is no window: the plan without windows.
+  auto none = PlanOmniKvLayers(Config({5}), 18, std::vector<int32_t>(18, 0));
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->roles, PlanOmniKvLayers(Config({5}), 18)->roles);
+}
+
+TEST(OmniKvPlanTest, RefusesASlidingWindowFilterLayer) {
+  std::vector<int32_t> windows(18, 512);
+  windows[5] = 0;
+  EXPECT_THAT(std::string(PlanOmniKvLayers(Config({5, 8}), 18, windows).status().message()),
+              HasSubstr("policy.omnikv.filter_layers[1] = 8 is a sliding-window layer "
+                        "(layer_windows[8] = 512)"));
+  EXPECT_THAT(std::string(PlanOmniKvLayers(Config({5}), 18, {512, 0}).status().message()),
+              HasSubstr("layer_windows has 2 entries for 18 layers"));
+}
+
 TEST(OmniKvPlanTest, RejectsBadFilterLayers) {
   EXPECT_THAT(std::string(PlanOmniKvLayers(Config({}), 8).status().message()),
               HasSubstr("filter_layers is empty"));

@@ -119,8 +119,10 @@ def test_bad_windows_are_refused_naming_the_field(client, admin):
             s.create_sequence(policy="h2o", layer_windows=[4, 0])
         with pytest.raises(kvs.errors.InvalidArgument, match=r"layer_windows\[1\]"):
             s.create_sequence(policy="h2o", layer_windows=[0, -3, 0])
-        with pytest.raises(kvs.errors.InvalidArgument, match="layer_windows.*omnikv"):
-            s.create_sequence(policy=kvs.policy("omnikv", filter_layers=[0]),
+        # OmniKV serves windows (a windowed layer stays dense), but never on a filter layer.
+        with pytest.raises(kvs.errors.InvalidArgument,
+                           match=r"filter_layers\[0\] = 1 is a sliding-window layer"):
+            s.create_sequence(policy=kvs.policy("omnikv", filter_layers=[1]),
                               layer_windows=WINDOWS)
         # Nothing was created by the refused calls.
         assert admin.list_sessions().sessions[0].sequences == 0

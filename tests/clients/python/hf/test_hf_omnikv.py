@@ -1,22 +1,25 @@
-"""OmniKV through kvsidecar.hf.SidecarCache on tiny random Llama models against a real kvsidecar
-server on loopback: nothing is evicted, and at every decode step the filter layers' queries go to
-the sidecar's Select, whose staged tokens are what the sparse layers attend to.
+"""OmniKV through kvsidecar.hf.SidecarCache on tiny random Llama and Gemma 3 models against a real
+kvsidecar server on loopback: nothing is evicted (but what falls out of a Gemma sliding layer's
+window), and at every decode step the filter layers' queries go to the sidecar's Select, whose
+staged tokens are what the sparse layers attend to.
 
 Selecting everything (selected_fraction 1.0): the same greedy tokens as DynamicCache and logits
 within LOGIT_TOL. Selecting a quarter of the prompt: each filter layer's selection is the top k of
 its own query against its prompt keys (a numpy reference over what the model computed), and each
 sparse layer's attention reads exactly the keys and values the model computed for the selected
-prompt positions, then every generated token — nothing else, with no mask."""
+prompt positions, then every generated token — nothing else, with no mask; a sliding layer reads
+its window, wherever it sits among the segment's layers."""
 
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import (DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kvsidecar as kvs
 from kvsidecar.hf import SidecarCache, UnsupportedModelError, blocks_for, layout_for
-from test_hf_cache import (CACHE, LOGIT_TOL, PROMPT, _common, _generate, _left_padded,
+from test_hf_cache import (CACHE, LOGIT_TOL, PROMPT, SLIDING, _common, _generate, _left_padded,
                            make_model, prompts, session)  # noqa: F401 (the session fixture)
 
 torch.set_num_threads(1)
@@ -24,6 +27,13 @@ torch.set_num_threads(1)
 FILTERS = [0, 3]
 ROLES = ["filter", "wait", "sparse", "filter", "wait", "sparse"]
 FEEDING = {2: 0, 5: 3}
+# Gemma 3 with sliding layers 1, 2 and 4 and filter 0: layer 1 waits (windowed), layer 2 keeps its
+# window between the wait layer and the sparse layer 3, layer 5 is sparse too.
+GEMMA_TYPES = ["full_attention", "sliding_attention", "sliding_attention", "full_attention",
+               "sliding_attention", "full_attention"]
+GEMMA_FILTERS = [0]
+GEMMA_ROLES = ["filter", "windowed", "windowed", "sparse", "windowed", "sparse"]
+GEMMA_FEEDING = {3: 0, 5: 0}
 
 
 def _six_layer_llama():
@@ -31,6 +41,22 @@ def _six_layer_llama():
     model = LlamaForCausalLM(LlamaConfig(**dict(_common(), num_hidden_layers=6)))
     model.set_attn_implementation("sdpa")
     return model.eval()
+
+
+def _six_layer_gemma():
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**dict(
+        _common(head_dim=16, query_pre_attn_scalar=16, sliding_window=SLIDING,
+                layer_types=GEMMA_TYPES), num_hidden_layers=6)))
+    model.set_attn_implementation("sdpa")
+    return model.eval()
+
+
+def _six_layers(family):
+    """The model, its filter layers, each layer's role and each sparse layer's filter."""
+    if family == "llama":
+        return _six_layer_llama(), FILTERS, ROLES, FEEDING
+    return _six_layer_gemma(), GEMMA_FILTERS, GEMMA_ROLES, GEMMA_FEEDING
 
 
 class _Recorder:
@@ -88,8 +114,60 @@ def test_selecting_everything_generates_what_dynamic_cache_does(server, offload)
 
 
 @pytest.mark.parametrize("offload", [False, True])
-def test_sparse_layers_attend_to_what_select_reported(server, monkeypatch, offload):
-    model = _six_layer_llama()
+def test_gemma3_selecting_everything_generates_what_dynamic_cache_does(server, offload):
+    """Sliding layers keep their window under OmniKV: were one staged as a sparse layer it would
+    attend to the whole prompt, and the logits would not be DynamicCache's."""
+    model = _six_layer_gemma()
+    ids = prompts(2)
+    ref = _generate(model, ids, DynamicCache(config=model.config))
+    with kvs.Client(server.address, timeout=60) as client, \
+            client.attach(layout_for(model), num_blocks=3 * blocks_for(model, 64, 2)) as s:
+        policy = kvs.policy("omnikv", filter_layers=GEMMA_FILTERS, offload=offload)
+        cache = SidecarCache(s, model, policy=policy, budget=1.0)
+        out = _generate(model, ids, cache)
+        assert torch.equal(out.sequences, ref.sequences)
+        diff = max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits))
+        assert diff <= LOGIT_TOL, diff
+        for item in cache.last_selection[0]:
+            assert list(item.filters[0].positions) == list(range(PROMPT))
+            assert list(item.filters[0].sparse_layers) == [3, 5]
+            assert [v.layer for v in item.sparse_layers] == [3, 5]
+        seen, window = PROMPT + 11, SLIDING - 1
+        tail = 11 if offload else seen
+        assert cache.counts == [[seen, window, window, tail, window, tail]] * 2
+        cache.release()
+
+
+def test_gemma3_sliding_filter_layer_is_refused_naming_it(server, admin):
+    model = _six_layer_gemma()
+    with kvs.Client(server.address, timeout=60) as client, \
+            client.attach(layout_for(model), num_blocks=blocks_for(model, 64, 2)) as s:
+        cache = SidecarCache(s, model, policy=kvs.policy("omnikv", filter_layers=[0, 2]))
+        with pytest.raises(kvs.errors.InvalidArgument,
+                           match=r"filter_layers\[1\] = 2 is a sliding-window layer"):
+            with torch.no_grad():
+                model(prompts(1), **{CACHE: cache}, use_cache=True)
+        assert cache.sequence_ids == [] and admin.get_stats().sequences == 0
+
+
+def _same_columns(got, want):
+    """Whether `got` [H][n][D] holds exactly the columns of `want` [H][n][D], in any order (a
+    sliding layer's held slots are in compaction order, not position order)."""
+    if got.shape != want.shape:
+        return False
+    unmatched = list(range(want.shape[1]))
+    for j in range(got.shape[1]):
+        hit = next((i for i in unmatched if torch.equal(got[:, j], want[:, i])), None)
+        if hit is None:
+            return False
+        unmatched.remove(hit)
+    return True
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("offload", [False, True])
+def test_sparse_layers_attend_to_what_select_reported(server, monkeypatch, offload, family):
+    model, filters, roles, feeding = _six_layers(family)
     ids = prompts(2)
     fraction, steps = 0.25, 5
     k = int(fraction * PROMPT)
@@ -97,7 +175,7 @@ def test_sparse_layers_attend_to_what_select_reported(server, monkeypatch, offlo
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", recorder)
     with kvs.Client(server.address, timeout=60) as client, \
             client.attach(layout_for(model), num_blocks=3 * blocks_for(model, 64, 2)) as s:
-        cache = SidecarCache(s, model, policy=kvs.policy("omnikv", filter_layers=FILTERS,
+        cache = SidecarCache(s, model, policy=kvs.policy("omnikv", filter_layers=filters,
                                                          offload=offload), budget=fraction)
         with torch.no_grad():
             logits = model(ids, **{CACHE: cache}, use_cache=True).logits
@@ -112,32 +190,41 @@ def test_sparse_layers_attend_to_what_select_reported(server, monkeypatch, offlo
                 logits = model(tok, **{CACHE: cache}, use_cache=True).logits
             keys = [torch.cat([keys[l], recorder.keys[l][:, :, -1:]], 2) for l in range(6)]
             values = [torch.cat([values[l], recorder.values[l][:, :, -1:]], 2) for l in range(6)]
-            generated = list(range(PROMPT, PROMPT + step + 1))  # the new token included
+            seen = PROMPT + step + 1                     # the new token included
+            generated = list(range(PROMPT, seen))
             for row in range(2):
                 selected = {}
-                for f in FILTERS:
+                for f in filters:
                     item = cache.last_selection[f][row]
                     assert item.budget_tokens == k and item.prompt_tokens == PROMPT
                     selected[f] = list(item.filters[0].positions)
-                    assert list(item.filters[0].sparse_layers) == [f + 2]
+                    assert list(item.filters[0].sparse_layers) == sorted(
+                        layer for layer, fed in feeding.items() if fed == f)
                     expect = _top_k_reference(recorder.queries[f][row, :, 0].numpy(),
                                               keys[f][row, :, :PROMPT].numpy(), k, scale)
                     assert selected[f] == expect, (step, row, f)
-                for layer, role in enumerate(ROLES):
-                    visible = (selected[FEEDING[layer]] + generated if role == "sparse"
-                               else list(range(PROMPT + step + 1)))
+                for layer, role in enumerate(roles):
+                    visible = (selected[feeding[layer]] + generated if role == "sparse"
+                               else list(range(seen - SLIDING, seen)) if role == "windowed"
+                               else list(range(seen)))
                     got_k, got_v = recorder.keys[layer][row], recorder.values[layer][row]
+                    want_k, want_v = keys[layer][row][:, visible], values[layer][row][:, visible]
                     assert got_k.shape[1] == len(visible), (step, row, layer)
-                    assert torch.equal(got_k, keys[layer][row][:, visible]), (step, row, layer)
-                    assert torch.equal(got_v, values[layer][row][:, visible]), (step, row, layer)
+                    if role == "windowed":
+                        got, want = torch.cat([got_k, got_v], 2), torch.cat([want_k, want_v], 2)
+                        assert _same_columns(got, want), (step, row, layer)
+                    else:
+                        assert torch.equal(got_k, want_k), (step, row, layer)
+                        assert torch.equal(got_v, want_v), (step, row, layer)
                     mask = recorder.masks[layer]
                     assert mask is None or bool(mask[row].all()), (step, row, layer)
-        # The two filter layers chose differently somewhere: their segments read their own.
-        assert any(cache.last_selection[0][row].filters[0].positions !=
-                   cache.last_selection[3][row].filters[0].positions for row in range(2))
+        if family == "llama":
+            # The two filter layers chose differently somewhere: their segments read their own.
+            assert any(cache.last_selection[0][row].filters[0].positions !=
+                       cache.last_selection[3][row].filters[0].positions for row in range(2))
         seen = PROMPT + steps
-        tail = steps if offload else seen
-        assert cache.counts == [[seen, seen, tail, seen, seen, tail]] * 2
+        held = {"sparse": steps if offload else seen, "windowed": SLIDING - 1}
+        assert cache.counts == [[held.get(role, seen) for role in roles]] * 2
         cache.release()
 
 
@@ -198,9 +285,6 @@ def test_window_selector_forces_the_prompt_queries_tokens_in(server, window):
 
 
 def test_omnikv_refusals_are_named(session):
-    gemma = make_model("gemma3")
-    with pytest.raises(UnsupportedModelError, match="omnikv.*sliding"):
-        SidecarCache(session, gemma, policy="omnikv")
     model = make_model("llama")
     with pytest.raises(ValueError, match="selected_tokens"):
         SidecarCache(session, model, policy=kvs.policy("omnikv", filter_layers=[0],

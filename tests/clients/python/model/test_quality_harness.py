@@ -264,6 +264,9 @@ def test_omnikv_rows_run_through_select(server):
     assert engine.omnikv_filter_layers(30) == [2, 8, 17]  # SmolLM2
     assert engine.omnikv_filter_layers(32) == []          # the sidecar's paper default
     assert engine.omnikv_filter_layers(6) == [0, 2, 3]    # layer 5 is sparse (filter 3)
+    gemma = [512] * 18
+    gemma[5] = gemma[11] = gemma[17] = 0
+    assert engine.omnikv_filter_layers(18, gemma) == [5]  # Gemma 3 270M: 11 and 17 sparse
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
