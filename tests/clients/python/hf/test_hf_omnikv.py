@@ -18,7 +18,8 @@ from transformers import (DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Lla
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kvsidecar as kvs
-from kvsidecar.hf import SidecarCache, UnsupportedModelError, blocks_for, layout_for
+from kvsidecar.hf import (SidecarCache, UnsupportedModelError, blocks_for, layer_windows,
+                          layout_for)
 from test_hf_cache import (CACHE, LOGIT_TOL, PROMPT, SLIDING, _common, _generate, _left_padded,
                            make_model, prompts, session)  # noqa: F401 (the session fixture)
 
@@ -86,55 +87,41 @@ def _top_k_reference(query, keys, k, scale):
     return sorted(np.argsort(-scores, kind="stable")[:k].tolist())
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("offload", [False, True])
-def test_selecting_everything_generates_what_dynamic_cache_does(server, offload):
-    model = make_model("llama")
+def test_selecting_everything_generates_what_dynamic_cache_does(server, offload, family):
+    """Llama: layer 0 filters, layer 1 waits, layer 2 attends to the selection. Gemma 3: the
+    sliding layers keep their window (were one staged as a sparse layer it would attend to the
+    whole prompt, and the logits would not be DynamicCache's); layers 3 and 5 are sparse."""
+    if family == "llama":
+        model, filters, sparse = make_model("llama"), [0], [2]
+    else:
+        model, filters, sparse = _six_layer_gemma(), GEMMA_FILTERS, [3, 5]
     ids = prompts(2)
     ref = _generate(model, ids, DynamicCache(config=model.config))
     with kvs.Client(server.address, timeout=60) as client, \
             client.attach(layout_for(model), num_blocks=3 * blocks_for(model, 64, 2)) as s:
-        # Layer 0 filters, layer 1 waits, layer 2 attends to the selection.
-        policy = kvs.policy("omnikv", filter_layers=[0], offload=offload)
+        policy = kvs.policy("omnikv", filter_layers=filters, offload=offload)
         cache = SidecarCache(s, model, policy=policy, budget=1.0)
         out = _generate(model, ids, cache)
         assert torch.equal(out.sequences, ref.sequences)
         diff = max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits))
         assert diff <= LOGIT_TOL, diff
-        # The last step's Select: every prompt token, for layer 2.
-        for item in cache.last_selection[0]:
+        # The last step's Select: every prompt token, for the sparse layers.
+        for item in cache.last_selection[filters[0]]:
             assert list(item.filters[0].positions) == list(range(PROMPT))
-            assert list(item.filters[0].sparse_layers) == [2]
+            assert list(item.filters[0].sparse_layers) == sparse
+            assert [v.layer for v in item.sparse_layers] == sparse
             assert item.budget_tokens == PROMPT and item.prompt_tokens == PROMPT
             assert (item.host_bytes > 0) == offload
-        # Nothing evicted; offloaded, the sparse layer's prompt lives in the host tier.
+        # Nothing evicted but what left a window; offloaded, the sparse layers' prompt lives in
+        # the host tier.
         seen = PROMPT + 11
         assert cache.get_seq_length() == seen
-        assert cache.counts == [[seen, seen, 11 if offload else seen]] * 2
-        cache.release()
-
-
-@pytest.mark.parametrize("offload", [False, True])
-def test_gemma3_selecting_everything_generates_what_dynamic_cache_does(server, offload):
-    """Sliding layers keep their window under OmniKV: were one staged as a sparse layer it would
-    attend to the whole prompt, and the logits would not be DynamicCache's."""
-    model = _six_layer_gemma()
-    ids = prompts(2)
-    ref = _generate(model, ids, DynamicCache(config=model.config))
-    with kvs.Client(server.address, timeout=60) as client, \
-            client.attach(layout_for(model), num_blocks=3 * blocks_for(model, 64, 2)) as s:
-        policy = kvs.policy("omnikv", filter_layers=GEMMA_FILTERS, offload=offload)
-        cache = SidecarCache(s, model, policy=policy, budget=1.0)
-        out = _generate(model, ids, cache)
-        assert torch.equal(out.sequences, ref.sequences)
-        diff = max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits))
-        assert diff <= LOGIT_TOL, diff
-        for item in cache.last_selection[0]:
-            assert list(item.filters[0].positions) == list(range(PROMPT))
-            assert list(item.filters[0].sparse_layers) == [3, 5]
-            assert [v.layer for v in item.sparse_layers] == [3, 5]
-        seen, window = PROMPT + 11, SLIDING - 1
-        tail = 11 if offload else seen
-        assert cache.counts == [[seen, window, window, tail, window, tail]] * 2
+        windows = layer_windows(model)
+        assert cache.counts == [[(11 if offload else seen) if layer in sparse
+                                 else SLIDING - 1 if windows[layer] else seen
+                                 for layer in range(len(windows))]] * 2
         cache.release()
 
 
