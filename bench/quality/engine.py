@@ -414,9 +414,8 @@ def omnikv_filter_layers(num_layers: int, windows: Optional[List[int]] = None) -
     full-attention layer alone: a windowed layer cannot filter and is never sparse, so the later
     full-attention layers are the sparse ones (Gemma 3 270M: filter 5, sparse 11 and 17; the
     paper's Llama-3-8B has three filters among 32 full-attention layers, this model has 3)."""
-    full = [layer for layer, w in enumerate(windows or []) if w == 0]
     if windows and any(windows):
-        return full[:1]
+        return [layer for layer, w in enumerate(windows) if w == 0][:1]
     if num_layers in (32, 48, 80):
         return []
     scaled = sorted({min(num_layers - 1, round(f * num_layers / 32)) for f in (2, 8, 18)})

@@ -22,10 +22,6 @@ absl::StatusOr<OmniKvPlan> PlanOmniKvLayers(const OmniKvConfig& config, int32_t 
     return absl::InvalidArgumentError(
         "policy.omnikv.filter_layers is empty; the model has no default filter layers");
   }
-  if (!windows.empty() && windows.size() != static_cast<size_t>(num_layers)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer_windows has ", windows.size(), " entries for ", num_layers, " layers"));
-  }
   const auto windowed = [&](int32_t l) { return !windows.empty() && windows[l] > 0; };
   for (size_t i = 0; i < filters.size(); ++i) {
     if (filters[i] < 0 || filters[i] >= num_layers) {

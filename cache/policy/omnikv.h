@@ -37,9 +37,9 @@ struct OmniKvPlan {
 };
 
 // The plan for `num_layers` whose sliding windows are `windows` (empty, or one per layer with
-// 0 = full attention); INVALID_ARGUMENT naming policy.omnikv.filter_layers[i] when a filter
-// layer is out of range or a sliding-window layer, or the list is empty, unsorted or repeats a
-// layer.
+// 0 = full attention, as KvPool::CreateSequence checked them); INVALID_ARGUMENT naming
+// policy.omnikv.filter_layers[i] when a filter layer is out of range or a sliding-window layer, or
+// the list is empty, unsorted or repeats a layer.
 absl::StatusOr<OmniKvPlan> PlanOmniKvLayers(const OmniKvConfig& config, int32_t num_layers,
                                             absl::Span<const int32_t> windows = {});
 
