@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the Python virtual environment the Python tests run in, and installs the
 # kvsidecar Python client into it from ./clients/python with its test, model and hf extras
-# (PyPI; hf = torch + transformers, about 5.6 GB with torch's CUDA runtime wheels).
+# (PyPI; hf = torch + transformers, about 6 GiB with torch's CUDA runtime wheels).
 #   deploy/python_env.sh VENV_DIR        # e.g. build/pyenv (git-ignored); prints VENV_DIR/bin/python
 #   KVS_PY_EDITABLE=1 deploy/python_env.sh VENV_DIR   # editable install, for development
 #   KVS_PY_EXTRAS=test,model deploy/python_env.sh VENV_DIR   # other extras (default test,model,hf)

@@ -38,6 +38,16 @@ print_failures() {  # print_failures BUILD_DIR
 }
 
 mkdir -p "$root/build"
+# Free disk, said up front. A fresh run needs about 16 GiB under the checkout: the venv is 6 GiB
+# (PyPI's torch for Linux x86_64 is the CUDA build; its nvidia-* and triton wheels are 4 GiB of
+# it, and they must be there for `import torch` even on a CPU), pip holds about 3 GiB more while
+# it installs, and the RelWithDebInfo and sanitizer build trees take about 3.5 and 6 GiB. Short of
+# that, pip or the linker stops minutes in with "No space left on device"; this line says why.
+free_kib=$(df -Pk "$root/build" | awk 'NR == 2 { print $4 }')
+echo "== disk: $((free_kib / 1048576)) GiB free under $root (a fresh run needs about 16 GiB)"
+if ((free_kib < 16 * 1048576)); then
+  echo "deploy/test.sh: warning: less than 16 GiB free; the install or the build may run out" >&2
+fi
 # The Python client (clients/python) in a venv under the build dir, for its pytest suites (PyPI).
 echo "== python venv $root/build/pyenv"
 kvs_python=$("$root/deploy/python_env.sh" "$root/build/pyenv")
