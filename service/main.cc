@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -18,6 +19,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/flags/commandlineflag.h"
@@ -29,6 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
@@ -127,6 +130,12 @@ ABSL_FLAG(std::string, drain_grace, "25s",
           "How long the moves of --drain_to (and of Admin.Drain without grace_ms) may take: a "
           "duration (30s, 1m30s, 500ms) or seconds. Keep it below the orchestrator's kill "
           "deadline (Kubernetes terminationGracePeriodSeconds) with room to shut down.");
+// How the process is launched, not how it serves: a command-line flag only, not a YAML key.
+ABSL_FLAG(std::string, exit_when_stdin_closes, "false",
+          "true: shut down as on SIGTERM when standard input reaches end of file. For a parent "
+          "that starts the sidecar with a pipe as its stdin (tests, benchmarks, a worker "
+          "launching its own): the kernel closes the pipe when the parent dies, however it "
+          "dies, so the sidecar never outlives it.");
 
 namespace {
 
@@ -161,6 +170,22 @@ void ConfigureUsage() {
 int Fail(absl::string_view message, int code) {
   std::fprintf(stderr, "kvsidecar: %.*s\n", static_cast<int>(message.size()), message.data());
   return code;
+}
+
+// Reads standard input until end of file (or an error), then sends this process SIGTERM, which
+// the main thread's sigwait takes: the shutdown is the one a signal gets. Runs on a thread of its
+// own, started after the stop signals are blocked, so the signal is never delivered to it.
+void StopWhenStdinCloses() {
+  std::thread([] {
+    char buffer[256];
+    for (;;) {
+      const ssize_t n = read(STDIN_FILENO, buffer, sizeof(buffer));
+      if (n > 0 || (n < 0 && errno == EINTR)) continue;
+      break;
+    }
+    KVS_LOG(kInfo, "stdin_closed")("action", "shutting down as on SIGTERM");
+    kill(getpid(), SIGTERM);
+  }).detach();
 }
 
 // absl exits with status 1 on an unknown flag; look for one first so that every flag mistake
@@ -221,6 +246,13 @@ int main(int argc, char** argv) {
   }
   const std::set<std::string> explicit_flags = ExplicitFlags(argc, argv);
   absl::ParseCommandLine(argc, argv);
+  bool exit_when_stdin_closes = false;
+  if (!absl::SimpleAtob(absl::GetFlag(FLAGS_exit_when_stdin_closes), &exit_when_stdin_closes)) {
+    return Fail(absl::StrCat("--exit_when_stdin_closes=\"",
+                             absl::GetFlag(FLAGS_exit_when_stdin_closes),
+                             "\" is not a boolean (true or false)"),
+                kExitBadFlags);
+  }
 
   kvs::SidecarConfig config;
   if (const std::string path = absl::GetFlag(FLAGS_config); !path.empty()) {
@@ -443,6 +475,7 @@ int main(int argc, char** argv) {
   }
 
   std::cout << (*server)->ListeningLine() << std::endl;  // endl flushes: tests wait for it
+  if (exit_when_stdin_closes) StopWhenStdinCloses();
 
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);

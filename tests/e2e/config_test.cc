@@ -111,6 +111,8 @@ TEST_F(ConfigE2eTest, BadValuesExit2NamingTheKeyAndReason) {
   err =
       ExpectExit2(dir_, {"--config=" + WriteFile(dir_, "f.yaml", "threads: 2\n"), "--threads=-4"});
   EXPECT_THAT(err, HasSubstr("--threads must be in"));
+  err = ExpectExit2(dir_, {"--exit_when_stdin_closes=maybe"});
+  EXPECT_THAT(err, HasSubstr("--exit_when_stdin_closes=\"maybe\" is not a boolean"));
 }
 
 TEST_F(ConfigE2eTest, FileValuesApplyAndExplicitFlagsWin) {

@@ -6,6 +6,13 @@ exposes the data-plane and admin addresses. It is a context manager: leaving the
 server (SIGTERM, then SIGKILL) and removes its directories. The binary is ``binary`` or
 ``$KVSIDECAR_BIN``.
 
+The server never outlives this process: its stdin is a pipe whose write end only this object
+holds, and it runs with ``--exit_when_stdin_closes``, so when this process dies, even by SIGKILL,
+the kernel closes the pipe and the server shuts down as on SIGTERM. (Its directories are then left
+behind: nothing of this process runs to remove them.) A child this process forks without exec
+inherits the write end and keeps the server up until it exits too; subprocess's children do not
+(close_fds).
+
 Not thread-safe; one object per server process.
 """
 
@@ -68,12 +75,13 @@ class LocalServer:
         self.admin_address = ""
         args: List[str] = [self.binary, "--listen=127.0.0.1:0", "--admin_listen=127.0.0.1:0",
                            f"--data_dir={self.dir}/data", f"--shm_dir={self.shm_dir}",
-                           f"--lease_ms={lease_ms}", *extra_args]
+                           f"--lease_ms={lease_ms}", "--exit_when_stdin_closes=true",
+                           *extra_args]
         self._stdout_path = os.path.join(self.dir, "kvsidecar.stdout")
         self._stderr_path = os.path.join(self.dir, "kvsidecar.stderr")
         with open(self._stdout_path, "wb") as out, open(self._stderr_path, "wb") as err:
             self.process = subprocess.Popen(args, stdout=out, stderr=err,
-                                            stdin=subprocess.DEVNULL)
+                                            stdin=subprocess.PIPE)
         deadline = time.monotonic() + start_timeout
         while time.monotonic() < deadline:
             match = _LISTENING.search(self.stdout())
@@ -111,6 +119,8 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.process.stdin is not None:
+            self.process.stdin.close()
         return self.process.returncode
 
     def close(self) -> None:
