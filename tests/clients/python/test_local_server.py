@@ -7,6 +7,7 @@ owner dies however it dies, and the server shuts down as on SIGTERM.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ _OWNER = textwrap.dedent("""
     import sys, time
     from kvsidecar.server import LocalServer
     srv = LocalServer()
-    print(srv.process.pid, srv.address, srv.dir, flush=True)
+    print(srv.process.pid, srv.address, srv.dir, srv.shm_dir, flush=True)
     time.sleep(600)
 """)
 
@@ -37,8 +38,9 @@ def _alive(pid):
 
 def test_server_stops_when_its_owner_is_killed():
     owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
+    pid, dirs = None, []
     try:
-        pid_text, address, _ = owner.stdout.readline().split()
+        pid_text, address, *dirs = owner.stdout.readline().split()
         pid = int(pid_text)
         assert _alive(pid)
         with kvs.Client(address, timeout=10) as client:
@@ -53,10 +55,11 @@ def test_server_stops_when_its_owner_is_killed():
         if owner.poll() is None:
             owner.kill()
             owner.wait()
-        try:
-            os.kill(pid, signal.SIGKILL)  # only when the test failed
-        except (NameError, ProcessLookupError):
-            pass
+        if pid is not None and _alive(pid):  # only when the test failed
+            os.kill(pid, signal.SIGKILL)
+        # The killed owner could not remove its server's directories.
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_server_serves_while_its_owner_lives_and_stops_cleanly():
