@@ -308,9 +308,9 @@ def make_runner(model, session, pre: Prefill, cfg: Config):
 
 def greedy(runner, first_logits: torch.Tensor, max_new: int,
            is_stop: Callable[[int, List[int]], bool]) -> List[Dict[str, Any]]:
-    """Greedy decoding of every row until its answer line ends (newline or EOS) or max_new
-    tokens; the first token comes from the prefill's logits. Returns per row its tokens and
-    whether it was cut at max_new."""
+    """Greedy decoding of every row until its answer ends (`is_stop`: its line or its list, or
+    EOS) or max_new tokens; the first token comes from the prefill's logits. Returns per row
+    its tokens and whether it was cut at max_new."""
     b = first_logits.shape[0]
     tok = first_logits.argmax(-1)
     out = [[int(t)] for t in tok]

@@ -161,8 +161,8 @@ def run_model(args, model_name, store, session_factory):
              isinstance(i, int) and i >= 0}
 
     def line_done(toks):
-        # The end of the answer line: a newline after something else than blank lines.
-        return toks[-1] in stops or "\n" in tok.decode(toks).lstrip()
+        # The end of the answer: the newline after its line, or after its list (scoring.py).
+        return toks[-1] in stops or scoring.answer_complete(tok.decode(toks))
 
     def encode(text):
         return tok.encode(text, add_special_tokens=False)

@@ -13,10 +13,54 @@ _ITEM = re.compile(r"[a-z0-9]+")
 _SKIP = {"and"}
 
 
+# A list entry: "- x", "* x", "• x", "1. x", "2) x" (numbered to 99: "1234567. x" is an answer).
+_ENTRY = re.compile(r"^\s*(?:[-*\u2022]|\d{1,2}[.)])\s+")
+
+
+def _entry(line: str) -> bool:
+    return bool(_ENTRY.match(line)) and bool(items(_ENTRY.sub("", line, count=1)))
+
+
+def _answer(text: str) -> Tuple[List[str], bool]:
+    """(the answer's lines, list markers removed; whether the text goes on past them).
+
+    The answer is the first line that holds an item: blank lines and lines of punctuation alone
+    before it are skipped (a model may write "are:" and answer on the next line). When that line
+    is a list entry, the entries right after it belong to the answer too (a model may give k
+    items as a list, one per line)."""
+    lines = text.lstrip().split("\n")
+    start = next((i for i, line in enumerate(lines) if items(line)), None)
+    if start is None:
+        return [], False
+    end = start + 1
+    if _ENTRY.match(lines[start]):
+        while end < len(lines) and _entry(lines[end]):
+            end += 1
+    answer = [_ENTRY.sub("", line, count=1) for line in lines[start:end]]
+    return answer, end < len(lines)
+
+
 def answer_line(text: str) -> str:
-    """The generated answer: its first line that is not blank (a model may start its answer on
-    a new line after "they are:")."""
-    return text.lstrip().split("\n", 1)[0]
+    """The generated answer as one line (a list's entries joined by "; ")."""
+    return "; ".join(line.strip() for line in _answer(text)[0])
+
+
+def answer_complete(text: str) -> bool:
+    """True once the answer has ended: its line is followed by a newline, or, for a list, a line
+    that is not an entry has begun after it. Decoding stops there (or at EOS)."""
+    answer, more = _answer(text)
+    if not answer or not more:
+        return False
+    lines = text.lstrip().split("\n")
+    rest = lines[len(lines) - 1] if lines else ""
+    start = next(i for i, line in enumerate(lines) if items(line))
+    if not _ENTRY.match(lines[start]):
+        return True
+    after = start + len(answer)  # the first line past the list
+    if after < len(lines) - 1:
+        return True  # a whole line that is not an entry (a blank one included)
+    # The line being written: still possibly an entry while it starts like one.
+    return rest.strip() != "" and not re.match(r"^\s*(?:[-*\u2022]|\d)", rest)
 
 
 def items(line: str) -> List[str]:
@@ -25,16 +69,17 @@ def items(line: str) -> List[str]:
 
 
 def answered(text: str, k: int) -> bool:
-    """True once the answer line holds k complete items: k items and something after the k-th
+    """True once the answer holds k complete items: k items and something after the k-th
     (the end of the line, punctuation or a space), so that more tokens cannot change them."""
-    line = answer_line(text).lower()
+    answer, more = _answer(text)
+    joined = "\n".join(answer).lower()
     found = 0
-    for m in _ITEM.finditer(line):
+    for m in _ITEM.finditer(joined):
         if m.group() in _SKIP:
             continue
         found += 1
         if found == k:
-            return m.end() < len(line) or "\n" in text.lstrip()
+            return m.end() < len(joined) or more
     return False
 
 
@@ -42,7 +87,7 @@ def exact_match(text: str, expected: Sequence[str]) -> bool:
     """True iff the first len(expected) items of the answer line are exactly the expected items
     (in any order, no repeats): "1234567." matches ["1234567"]; "12345678", "123456" or
     "1234567 is the number" for ["1234567", "7654321"] do not."""
-    got = items(answer_line(text))[:len(expected)]
+    got = items("\n".join(_answer(text)[0]))[:len(expected)]
     want = [e.lower() for e in expected]
     return len(got) == len(want) and len(set(got)) == len(got) and set(got) == set(want)
 

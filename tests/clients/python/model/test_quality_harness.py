@@ -93,6 +93,30 @@ def test_exact_match():
     assert not scoring.answered(" 1111111, 22", 2) and scoring.answered(" 1111111, 22 ", 2)
 
 
+def test_an_answer_after_its_intro_line_or_as_a_list_is_read_whole():
+    # "are" + ":" and the answer on the lines after it, as SmolLM2-135M writes niah_multivalue.
+    listed = ":\n\n- 9619094\n- 2705971\n- 3009802\n- 8323326\n- 300"
+    want = ["2705971", "9619094", "8323326", "3009802"]
+    assert scoring.exact_match(listed, want)
+    assert scoring.answer_line(listed) == "9619094; 2705971; 3009802; 8323326; 300"
+    assert scoring.answered(listed, 4) and not scoring.answered(":\n\n- 9619094\n- 27", 2)
+    assert scoring.exact_match("\n1. 1111111\n2) 2222222\n", ["1111111", "2222222"])
+    assert scoring.exact_match(":\n\n1234567.", ["1234567"])
+    # A repeated entry or a list cut short is wrong, as on one line; a list ends at a line that
+    # is not an entry.
+    assert not scoring.exact_match(":\n- cuda\n- cuda\n- list", ["cuda", "list", "house"])
+    assert not scoring.exact_match("- 1111111\nThese are 2222222", ["1111111", "2222222"])
+    # The numbers of an enumeration on one line stay items of that line (Gemma 3's ": 1. 2.").
+    assert scoring.answer_line(": 1. 2. 3. 4.") == ": 1. 2. 3. 4."
+    # Decoding stops when the answer has ended: after its line, or after its list.
+    assert not scoring.answer_complete(":") and not scoring.answer_complete(":\n")
+    assert not scoring.answer_complete(": 1234567.")
+    assert scoring.answer_complete(": 1234567.\n") and scoring.answer_complete(":\n1234567\n")
+    assert not scoring.answer_complete("- a\n- b\n") and not scoring.answer_complete("- a\n- b\n-")
+    assert not scoring.answer_complete("- a\n- b\n3")
+    assert scoring.answer_complete("- a\n- b\n\n") and scoring.answer_complete("- a\n- b\nThese")
+
+
 def test_bootstrap_ci_on_known_inputs():
     assert scoring.bootstrap_ci([1.0] * 50) == (1.0, 1.0, 1.0)
     assert scoring.bootstrap_ci([0.0] * 50) == (0.0, 0.0, 0.0)
