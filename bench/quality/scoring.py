@@ -15,29 +15,34 @@ _SKIP = {"and"}
 
 # A list entry: "- x", "* x", "• x", "1. x", "2) x" (numbered to 99: "1234567. x" is an answer).
 _ENTRY = re.compile(r"^\s*(?:[-*\u2022]|\d{1,2}[.)])\s+")
+# The start of a line that may still become an entry as more tokens come.
+_MAY_BE_ENTRY = re.compile(r"^\s*(?:[-*\u2022]|\d)")
 
 
 def _entry(line: str) -> bool:
     return bool(_ENTRY.match(line)) and bool(items(_ENTRY.sub("", line, count=1)))
 
 
-def _answer(text: str) -> Tuple[List[str], bool]:
-    """(the answer's lines, list markers removed; whether the text goes on past them).
+def _span(text: str) -> Tuple[List[str], int, int]:
+    """(the lines of `text`, the answer's first line, one past its last; start == end: none).
 
     The answer is the first line that holds an item: blank lines and lines of punctuation alone
     before it are skipped (a model may write "are:" and answer on the next line). When that line
     is a list entry, the entries right after it belong to the answer too (a model may give k
     items as a list, one per line)."""
     lines = text.lstrip().split("\n")
-    start = next((i for i, line in enumerate(lines) if items(line)), None)
-    if start is None:
-        return [], False
-    end = start + 1
-    if _ENTRY.match(lines[start]):
+    start = next((i for i, line in enumerate(lines) if items(line)), len(lines))
+    end = min(start + 1, len(lines))
+    if start < len(lines) and _ENTRY.match(lines[start]):
         while end < len(lines) and _entry(lines[end]):
             end += 1
-    answer = [_ENTRY.sub("", line, count=1) for line in lines[start:end]]
-    return answer, end < len(lines)
+    return lines, start, end
+
+
+def _answer(text: str) -> Tuple[List[str], bool]:
+    """(the answer's lines, list markers removed; whether the text goes on past them)."""
+    lines, start, end = _span(text)
+    return [_ENTRY.sub("", line, count=1) for line in lines[start:end]], end < len(lines)
 
 
 def answer_line(text: str) -> str:
@@ -48,19 +53,13 @@ def answer_line(text: str) -> str:
 def answer_complete(text: str) -> bool:
     """True once the answer has ended: its line is followed by a newline, or, for a list, a line
     that is not an entry has begun after it. Decoding stops there (or at EOS)."""
-    answer, more = _answer(text)
-    if not answer or not more:
-        return False
-    lines = text.lstrip().split("\n")
-    rest = lines[len(lines) - 1] if lines else ""
-    start = next(i for i, line in enumerate(lines) if items(line))
-    if not _ENTRY.match(lines[start]):
-        return True
-    after = start + len(answer)  # the first line past the list
-    if after < len(lines) - 1:
-        return True  # a whole line that is not an entry (a blank one included)
-    # The line being written: still possibly an entry while it starts like one.
-    return rest.strip() != "" and not re.match(r"^\s*(?:[-*\u2022]|\d)", rest)
+    lines, start, end = _span(text)
+    if end == start or end == len(lines):
+        return False  # no answer yet, or its last line is still being written
+    if not _ENTRY.match(lines[start]) or end < len(lines) - 1:
+        return True  # one line, or a whole line that is not an entry (a blank one included)
+    # The line being written after the list: it may still become an entry.
+    return lines[-1].strip() != "" and not _MAY_BE_ENTRY.match(lines[-1])
 
 
 def items(line: str) -> List[str]:
