@@ -106,6 +106,10 @@ def parse_args(argv):
                     help="stop decoding a row once its first k answer items are complete "
                     "(the exact match reads nothing else; saves time on a slow machine). "
                     "Default: decode to the end of the line or EOS")
+    ap.add_argument("--redo-itemless", action="store_true",
+                    help="first drop from the CSV the rows whose stored answer holds no item "
+                    "(an answer \":\" stored by the first-line scoring before 2026-12-01), so "
+                    "that they are generated again and read whole")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--server", default=None, help="a running sidecar (default: start one from "
                     "$KVSIDECAR_BIN or --kvsidecar-bin)")
@@ -381,6 +385,9 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     store = scoring.ResultStore(os.path.join(args.out, "results.csv"))
+    if args.redo_itemless:
+        print(f"--redo-itemless: {store.drop(scoring.itemless)} rows to generate again",
+              flush=True)
     command = "python bench/quality/run.py " + " ".join(shlex.quote(a) for a in (
         argv if argv is not None else sys.argv[1:]))
     t0 = time.time()

@@ -231,6 +231,49 @@ def test_a_rerun_skips_done_cells_and_finishes_partial_ones(tmp_path, monkeypatc
     assert all(r["correct"] == "0" for r in final if r["policy"] != "omnikv")
 
 
+def test_redo_itemless_generates_again_the_rows_stored_without_an_item(tmp_path, monkeypatch):
+    # Rows of the first-line scoring hold ":" as their answer; --redo-itemless drops them (and
+    # only them) so that the next run generates exactly those samples again.
+    fake = _FakeEngine()
+    monkeypatch.setitem(sys.modules, "engine", fake)
+    tok = types.SimpleNamespace(decode=lambda ids, **kw: decode(ids))
+    args = types.SimpleNamespace(batch=2, stop_when_answered=False)
+    samples = tasks.make_samples("niah_single", 512, 4, 0, encode, TEMPLATE)
+    path = str(tmp_path / "results.csv")
+    cfgs = _cfgs()
+
+    def run():
+        fake.batch_rows = 2
+        harness.run_task(args, "toy", None, tok, None, scoring.ResultStore(path), cfgs,
+                         "niah_single", 512, samples, lambda toks: b"\n" in bytes(toks))
+
+    run()
+    rows = scoring.ResultStore(path).rows
+    for r in rows:
+        if r["method"] == "sidecar" and r["sample"] == "3":
+            r["answer"], r["correct"] = ":", "0"  # stored by the first-line scoring
+        if r["method"] == "kvpress" and r["sample"] == "0":
+            r["answer"], r["truncated"] = ":", "1"  # cut at max_new: generated in full
+        if r["method"] == "full" and r["sample"] == "1":
+            r["answer"] = "the number is 42"  # has items: kept
+    os.remove(path)
+    scoring.ResultStore(path).add(rows)
+    fidelity = dict(rows[0], task="fidelity", answer="", sample="0", kl="0.1")
+    scoring.ResultStore(path).add([fidelity])
+    store = scoring.ResultStore(path)
+    assert store.drop(scoring.itemless) == 1
+    assert len(scoring.ResultStore(path).rows) == 13  # the CSV itself was rewritten
+    assert not os.path.exists(path + ".tmp")
+    fake.prefills, fake.decoded = 0, []
+    run()
+    assert fake.prefills == 1 and fake.decoded == [("snapkv", 2)]  # samples 2 and 3, once
+    final = scoring.ResultStore(path).rows
+    assert len(final) == 14
+    redone = [r for r in final if r["method"] == "sidecar" and r["sample"] == "3"]
+    assert [r["answer"] for r in redone] == ["42."]
+    assert scoring.ResultStore(path).drop(scoring.itemless) == 0  # nothing else qualifies
+
+
 def test_word_pool_is_large_and_deterministic():
     pool = tasks.word_pool()
     assert len(pool) > 300 and len(set(pool)) == len(pool)
