@@ -187,20 +187,26 @@ def _cfgs():
             Cfg("kvpress", "snapkv", 0.25), Cfg("sidecar", "omnikv", 0.25, error="unsupported")]
 
 
-def test_a_rerun_skips_done_cells_and_finishes_partial_ones(tmp_path, monkeypatch):
+def _fake_harness(tmp_path, monkeypatch):
+    """(the fake engine, the CSV's path, run(store)): run_task over 4 niah_single samples in
+    batches of 2 and the configurations of _cfgs(), with the fake engine."""
     fake = _FakeEngine()
     monkeypatch.setitem(sys.modules, "engine", fake)
     tok = types.SimpleNamespace(decode=lambda ids, **kw: decode(ids))
     args = types.SimpleNamespace(batch=2, stop_when_answered=False)
     samples = tasks.make_samples("niah_single", 512, 4, 0, encode, TEMPLATE)
-    path = str(tmp_path / "results.csv")
     cfgs = _cfgs()
 
     def run(store):
         fake.batch_rows = 2
         harness.run_task(args, "toy", None, tok, None, store, cfgs, "niah_single", 512,
                          samples, lambda toks: b"\n" in bytes(toks))
+    return fake, str(tmp_path / "results.csv"), run
 
+
+def test_a_rerun_skips_done_cells_and_finishes_partial_ones(tmp_path, monkeypatch):
+    fake, path, run = _fake_harness(tmp_path, monkeypatch)
+    cfgs = _cfgs()
     run(scoring.ResultStore(path))
     assert fake.prefills == 2  # 4 samples in batches of 2
     assert sorted(set(fake.decoded)) == [("full", 2), ("snapkv", 2)]
@@ -234,20 +240,8 @@ def test_a_rerun_skips_done_cells_and_finishes_partial_ones(tmp_path, monkeypatc
 def test_redo_itemless_generates_again_the_rows_stored_without_an_item(tmp_path, monkeypatch):
     # Rows of the first-line scoring hold ":" as their answer; --redo-itemless drops them (and
     # only them) so that the next run generates exactly those samples again.
-    fake = _FakeEngine()
-    monkeypatch.setitem(sys.modules, "engine", fake)
-    tok = types.SimpleNamespace(decode=lambda ids, **kw: decode(ids))
-    args = types.SimpleNamespace(batch=2, stop_when_answered=False)
-    samples = tasks.make_samples("niah_single", 512, 4, 0, encode, TEMPLATE)
-    path = str(tmp_path / "results.csv")
-    cfgs = _cfgs()
-
-    def run():
-        fake.batch_rows = 2
-        harness.run_task(args, "toy", None, tok, None, scoring.ResultStore(path), cfgs,
-                         "niah_single", 512, samples, lambda toks: b"\n" in bytes(toks))
-
-    run()
+    fake, path, run = _fake_harness(tmp_path, monkeypatch)
+    run(scoring.ResultStore(path))
     rows = scoring.ResultStore(path).rows
     for r in rows:
         if r["method"] == "sidecar" and r["sample"] == "3":
@@ -265,7 +259,7 @@ def test_redo_itemless_generates_again_the_rows_stored_without_an_item(tmp_path,
     assert len(scoring.ResultStore(path).rows) == 13  # the CSV itself was rewritten
     assert not os.path.exists(path + ".tmp")
     fake.prefills, fake.decoded = 0, []
-    run()
+    run(scoring.ResultStore(path))
     assert fake.prefills == 1 and fake.decoded == [("snapkv", 2)]  # samples 2 and 3, once
     final = scoring.ResultStore(path).rows
     assert len(final) == 14
