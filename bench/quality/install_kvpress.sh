@@ -17,4 +17,4 @@ for req in requires("kvpress"):
     if "extra ==" not in req and not req.startswith("transformers"):
         print(req)
 PY
-"$py" -c "import kvpress, transformers; print('kvpress 0.5.5 with transformers', transformers.__version__)"
+"$py" -c "from importlib.metadata import version; print('kvpress', version('kvpress'), 'with transformers', version('transformers'))"

