@@ -257,12 +257,23 @@ class SidecarRunner:
 
 
 def kvpress_cache(model, pre: Prefill, press) -> Any:
-    """A DynamicCache of the prefill compressed by `press` layer by layer, as its hook does."""
-    cache = DynamicCache()
+    """A DynamicCache of the prefill compressed by `press` layer by layer, as its hook does.
+
+    On a model with sliding-window layers the press compresses the full-attention layers alone
+    and each sliding layer keeps its window (transformers' DynamicSlidingWindowLayer): kvpress's
+    own rule for Gemma 3 (BasePress.__call__ skips `self_attn.is_sliding` layers). kvpress 0.5.5
+    applies that rule to Gemma3ForConditionalGeneration only; on Gemma3ForCausalLM, the class
+    transformers builds from a GGUF, its hook compresses every layer and its generation raises
+    (bench/quality/README.md). The rule is applied here to every model with sliding layers."""
+    windows = layer_windows(model)
+    cache = DynamicCache(config=model.config) if any(windows) else DynamicCache()
     attns = _attentions(model)
     needs_attn = type(press).__name__ == "ObservedAttentionPress"
     for layer, module in enumerate(attns):
         k, v = _layer_kv(pre.cache, layer)
+        if windows[layer]:
+            cache.update(k, v, layer)
+            continue
         attentions = column_sums(pre, layer, module) if needs_attn else None
         kwargs = {"position_embeddings": pre.rope[layer]}
         with torch.no_grad():

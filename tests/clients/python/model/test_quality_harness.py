@@ -411,3 +411,57 @@ def test_a_gemma_tokenizer_built_as_unigram_is_refused():
                                unk_token="<unk>"))
     harness.check_tokenizer(GemmaTokenizer(tokenizer_object=bpe))
     harness.check_tokenizer(PreTrainedTokenizerFast(tokenizer_object=unigram()))
+
+
+def test_a_kvpress_press_on_a_model_with_sliding_layers_compresses_the_global_layers_alone():
+    """kvpress's rule for Gemma 3: its press compresses the full-attention layers and each
+    sliding layer keeps its window. On a tiny random Gemma 3 (window 16; layers sliding,
+    sliding, full) a press keeping the last half of the prompt leaves the sliding layers their
+    last 15 tokens and the global layer 24 of 48, and decoding from that cache gives the logits
+    of the full cache with the global layer masked to those 24 tokens (an explicit mask per
+    layer type, built here independently of the harness)."""
+    import torch
+    from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+
+    import engine
+
+    window, prompt, steps = 16, 48, 4
+    types_ = ["sliding_attention", "sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=window, layer_types=types_, max_position_embeddings=256,
+        initializer_range=0.2)).eval()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(1, 96, (2, prompt), generator=torch.Generator().manual_seed(1))
+    pre = engine.prefill(model, ids)
+
+    class LastHalf:
+        def compress(self, module, hidden, keys, values, attentions, kwargs):
+            return keys[:, :, prompt // 2:], values[:, :, prompt // 2:]
+
+    cache = engine.kvpress_cache(model, pre, LastHalf())
+    assert [lay.keys.shape[2] for lay in cache.layers] == [window - 1, window - 1, prompt // 2]
+    for layer in (0, 1):
+        torch.testing.assert_close(cache.layers[layer].keys,
+                                   pre.cache.layers[layer].keys[:, :, -(window - 1):])
+    runner = engine.DynamicRunner(model, cache, prompt, 2)
+
+    full = DynamicCache()
+    for layer in range(3):
+        full.update(*engine._layer_kv(pre.cache, layer), layer)
+    tokens = torch.randint(1, 96, (2, steps), generator=torch.Generator().manual_seed(2))
+    for step in range(steps):
+        got = runner.forward(tokens[:, step:step + 1])
+        position = prompt + step
+        index = torch.arange(position + 1)
+        masks = {"full_attention": (index >= prompt // 2),
+                 "sliding_attention": (index > position - window)}
+        masks = {k: m[None, None, None].expand(2, 1, 1, -1) for k, m in masks.items()}
+        with torch.no_grad():
+            want = model(input_ids=tokens[:, step:step + 1],
+                         position_ids=torch.full((2, 1), position), attention_mask=masks,
+                         use_cache=True, **{engine._cache_kwarg(model): full}).logits.float()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert runner.kept_fraction(prompt) == ((window - 1) * 2 + prompt // 2 + steps) / 3 / prompt
