@@ -798,20 +798,43 @@ absl::StatusOr<std::vector<int32_t>> Sequence::KeepFor(const Policy& policy, Pha
     ApplyWindows(counts, keep);
     return keep;
   }
+  // The budget is split over the global layers alone: a windowed layer holds its window
+  // whatever the budget, so a layer allocator that saw it would either hand its share to the
+  // global layers (CAKE, D2O: they would hold more than the budget) or lay its pyramid over layer
+  // indices the budget never reaches (PyramidKV: the top global layer would be starved).
+  std::vector<size_t> global;
+  for (size_t l = 0; l < counts.size(); ++l) {
+    if (Window(l) == 0) global.push_back(l);
+  }
+  if (global.empty()) {
+    ApplyWindows(counts, keep);
+    return keep;
+  }
+  std::vector<int32_t> global_counts;
+  std::vector<LayerPolicyState> global_states;
+  for (size_t l : global) {
+    global_counts.push_back(counts[l]);
+    global_states.push_back(std::move(states[l]));
+  }
   AllocationRequest request;
   request.phase = phase;
   request.budget = budget.tokens;
-  request.counts = counts;
-  request.states = states;
+  request.counts = global_counts;
+  request.states = absl::MakeSpan(global_states);
   request.block_tokens = layout_.block_tokens;
-  KVS_ASSIGN_OR_RETURN(Allocation allocation, policy.AllocateLayers(request));
-  if (allocation.keep.size() != keep.size()) {
+  absl::StatusOr<Allocation> allocation = policy.AllocateLayers(request);
+  // The allocator may have frozen budgets in the states: they go back whatever it returned.
+  for (size_t i = 0; i < global.size(); ++i) states[global[i]] = std::move(global_states[i]);
+  if (!allocation.ok()) return allocation.status();
+  if (allocation->keep.size() != global.size()) {
     return absl::InternalError(absl::StrCat("allocator of policy ", policy.config().name, " gave ",
-                                            allocation.keep.size(), " keeps for ", keep.size(),
+                                            allocation->keep.size(), " keeps for ", global.size(),
                                             " layers"));
   }
-  for (size_t l = 0; l < keep.size(); ++l) keep[l] = std::clamp(allocation.keep[l], 0, counts[l]);
-  *floor_applied = allocation.floor_applied_layers;
+  for (size_t i = 0; i < global.size(); ++i) {
+    keep[global[i]] = std::clamp(allocation->keep[i], 0, counts[global[i]]);
+  }
+  *floor_applied = allocation->floor_applied_layers;
   ApplyWindows(counts, keep);
   return keep;
 }

@@ -299,7 +299,8 @@ class Sequence {
   absl::StatusOr<StepAttention> ValidateAttention(const AttentionInput& input,
                                                   absl::Span<const int32_t> counts,
                                                   int64_t next_position, bool decode) const;
-  // The tokens each layer keeps under `budget` (counts unchanged when it has none).
+  // The tokens each layer keeps under `budget` (counts unchanged when it has none). A windowed
+  // layer keeps its window; the allocator splits the budget over the global layers alone.
   absl::StatusOr<std::vector<int32_t>> KeepFor(const Policy& policy, Phase phase,
                                                const StepBudget& budget,
                                                absl::Span<const int32_t> counts,
