@@ -801,38 +801,44 @@ absl::StatusOr<std::vector<int32_t>> Sequence::KeepFor(const Policy& policy, Pha
   // The budget is split over the global layers alone: a windowed layer holds its window
   // whatever the budget, so a layer allocator that saw it would either hand its share to the
   // global layers (CAKE, D2O: they would hold more than the budget) or lay its pyramid over layer
-  // indices the budget never reaches (PyramidKV: the top global layer would be starved).
-  std::vector<size_t> global;
-  for (size_t l = 0; l < counts.size(); ++l) {
-    if (Window(l) == 0) global.push_back(l);
-  }
-  if (global.empty()) {
-    ApplyWindows(counts, keep);
-    return keep;
-  }
+  // indices the budget never reaches (PyramidKV: the top global layer would be starved). Without
+  // windows every layer is global and the allocator reads the sequence's own spans, copying
+  // nothing on this per-step path.
+  const bool windowed = !windows_.empty();
+  std::vector<size_t> global;  // windowed: the global layers, in order
   std::vector<int32_t> global_counts;
   std::vector<LayerPolicyState> global_states;
-  for (size_t l : global) {
-    global_counts.push_back(counts[l]);
-    global_states.push_back(std::move(states[l]));
+  if (windowed) {
+    for (size_t l = 0; l < counts.size(); ++l) {
+      if (windows_[l] > 0) continue;
+      global.push_back(l);
+      global_counts.push_back(counts[l]);
+      global_states.push_back(std::move(states[l]));
+    }
+    if (global.empty()) {
+      ApplyWindows(counts, keep);
+      return keep;
+    }
   }
   AllocationRequest request;
   request.phase = phase;
   request.budget = budget.tokens;
-  request.counts = global_counts;
-  request.states = absl::MakeSpan(global_states);
+  request.counts = windowed ? absl::MakeConstSpan(global_counts) : counts;
+  request.states = windowed ? absl::MakeSpan(global_states) : states;
   request.block_tokens = layout_.block_tokens;
   absl::StatusOr<Allocation> allocation = policy.AllocateLayers(request);
   // The allocator may have frozen budgets in the states: they go back whatever it returned.
   for (size_t i = 0; i < global.size(); ++i) states[global[i]] = std::move(global_states[i]);
   if (!allocation.ok()) return allocation.status();
-  if (allocation->keep.size() != global.size()) {
+  const size_t allocated = request.counts.size();
+  if (allocation->keep.size() != allocated) {
     return absl::InternalError(absl::StrCat("allocator of policy ", policy.config().name, " gave ",
-                                            allocation->keep.size(), " keeps for ", global.size(),
+                                            allocation->keep.size(), " keeps for ", allocated,
                                             " layers"));
   }
-  for (size_t i = 0; i < global.size(); ++i) {
-    keep[global[i]] = std::clamp(allocation->keep[i], 0, counts[global[i]]);
+  for (size_t i = 0; i < allocated; ++i) {
+    const size_t l = windowed ? global[i] : i;
+    keep[l] = std::clamp(allocation->keep[i], 0, counts[l]);
   }
   *floor_applied = allocation->floor_applied_layers;
   ApplyWindows(counts, keep);

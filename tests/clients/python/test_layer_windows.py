@@ -120,7 +120,8 @@ def test_windows_survive_spill_and_restore(client, admin):
         s.restore(seq)
         assert [e.window for e in s.get_layout(seq).layers] == WINDOWS
         s.append(seq, random_kv("fp32", (L, 2, H, 3, D), seed=3))
-        assert [e.count for e in s.get_layout(seq).layers] == [PROMPT + 3, W, PROMPT + 3, PROMPT + 3]
+        assert [e.count for e in s.get_layout(seq).layers] == \
+            [PROMPT + 3, W, PROMPT + 3, PROMPT + 3]
         held, _ = _held(s, seq, 1)
         assert held == [list(range(PROMPT + 3 - W, PROMPT + 3))] * H
         s.release_sequence(seq)
