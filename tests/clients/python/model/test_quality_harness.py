@@ -465,3 +465,66 @@ def test_a_kvpress_press_on_a_model_with_sliding_layers_compresses_the_global_la
                          use_cache=True, **{engine._cache_kwarg(model): full}).logits.float()
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert runner.kept_fraction(prompt) == ((window - 1) * 2 + prompt // 2 + steps) / 3 / prompt
+
+
+def test_cake_splits_the_global_layers_budget_by_the_preferences_computed_here(server):
+    """inspect_layers.py's CAKE check on a tiny random Gemma 3 (window 16; layers sliding, full,
+    sliding, full) and a real sidecar: the budgets the sidecar's CAKE gives the two global layers
+    are the one-shot split of (C - W) x 2 by the preferences computed from the recorded prefill
+    (cake.md step 2, rounded by largest remainder), the layers hold them, and with the uniform
+    allocator both hold C. `needle_tokens` finds the prompt positions of an answer's text."""
+    import math
+
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    import engine
+    import inspect_layers
+    import kvsidecar as kvs
+    from kvsidecar.hf import blocks_for, layout_for
+
+    prompt, budget = 96, 0.5
+    types_ = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=16, layer_types=types_, max_position_embeddings=256,
+        initializer_range=0.2)).eval()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(1, 96, (1, prompt), generator=torch.Generator().manual_seed(1))
+    pre = engine.prefill(model, ids)
+    glob = [1, 3]
+    c = math.ceil(budget * prompt)
+    prefs, split = inspect_layers.cake_preferences(pre, glob, c)
+    assert all(p[2] > 0 for p in prefs) and abs(sum(split) - c * len(glob)) < 1e-6
+    # Largest remainder, as cake.md step 4 rounds the final budgets.
+    want = [math.floor(x) for x in split]
+    for i in sorted(range(len(split)), key=lambda i: -(split[i] - want[i]))[:c * 2 - sum(want)]:
+        want[i] += 1
+    assert want[0] != want[1]  # the preferences differ: a uniform split would not pass
+
+    args = inspect_layers.parse_args(["--policies", "cake", "--uniform", "cake", "--budgets",
+                                      str(budget)])
+    cfgs = inspect_layers.configs(args)
+    assert [cf.policy for cf in cfgs] == ["cake", "cake+uniform"]
+    got = {}
+    with kvs.Client(server.address, timeout=60) as client, \
+            client.attach(layout_for(model), num_blocks=2 * blocks_for(model, 128, 1)) as s:
+        for cf in cfgs:
+            runner = engine.make_runner(model, s, pre, cf)
+            try:
+                got[cf.policy] = inspect_layers.held(s, runner.cache.sequence_ids[0], glob,
+                                                     [prompt - 1])
+            finally:
+                runner.close()
+    assert [got["cake"][layer][:2] for layer in glob] == [(n, n) for n in want]
+    assert [got["cake+uniform"][layer][0] for layer in glob] == [c, c]
+    # The last prompt token is in CAKE's window: every global layer holds it.
+    assert all(v[2] == 1 for held in got.values() for v in held.values())
+
+    class Tok:
+        def decode(self, toks):
+            return "".join(chr(t) for t in toks)
+    text = "ab 12345 cd"
+    assert inspect_layers.needle_tokens(Tok(), [ord(ch) for ch in text], ["345"]) == [5, 6, 7]
