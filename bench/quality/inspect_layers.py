@@ -120,9 +120,10 @@ def held(session, seq: str, layers: List[int], needle: List[int]) -> Dict[int, t
     for e in session.get_layout(seq).layers:
         if e.layer not in layers:
             continue
-        heads = len(e.positions) // max(1, e.count)
+        heads = len(e.positions) // e.count if e.count else 0
         pos = [set(e.positions[h * e.count:(h + 1) * e.count]) for h in range(heads)]
-        out[e.layer] = (e.count, e.budget, sum(all(p in s for s in pos) for p in needle))
+        whole = sum(all(p in s for s in pos) for p in needle) if pos else 0
+        out[e.layer] = (e.count, e.budget, whole)
     return out
 
 
@@ -139,7 +140,8 @@ def main(argv=None) -> None:
     print(f"{args.model}: full-attention layers {glob}", flush=True)
     summary = collections.defaultdict(lambda: collections.defaultdict(list))
     correct = collections.Counter()
-    binary = os.environ.get("KVSIDECAR_BIN", "build/service/kvsidecar")
+    binary = os.environ.get("KVSIDECAR_BIN",
+                            os.path.join(run.REPO, "build", "service", "kvsidecar"))
     with LocalServer(binary, lease_ms=600000) as srv, \
             kvs.Client(srv.address, timeout=600) as client, \
             client.attach(layout_for(model, "fp32"),
