@@ -26,8 +26,30 @@ import scoring  # noqa: E402
 TASK_ORDER = ["niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe"]
 
 
-def _load(path: str) -> List[Dict[str, str]]:
-    return scoring.ResultStore(path).rows
+def load_dir(out_dir: str) -> List[Dict[str, str]]:
+    """Every row of every CSV directly in out_dir (results.csv and the per-run files kept beside
+    it; not subfolders, where rows set aside are kept), one row per cell and sample.
+
+    Runs are often kept one file per task and context, and a later run may repeat a sample an
+    earlier file holds (the full cache of a task measured again with new tasks, say): such a
+    repeat must agree with the first, since the harness is deterministic; a disagreement is an
+    error, not a silent choice of one file."""
+    rows: List[Dict[str, str]] = []
+    seen: Dict[Tuple, Tuple[str, Tuple[str, ...]]] = {}
+    names = sorted(n for n in os.listdir(out_dir) if n.endswith(".csv")) \
+        if os.path.isdir(out_dir) else []
+    for name in names:
+        for r in scoring.ResultStore(os.path.join(out_dir, name)).rows:
+            key = scoring.cell_key(r) + (r["sample"],)
+            value = (r["correct"], r["kl"], r["top1"], r["error"])
+            if key in seen:
+                if seen[key][1] != value:
+                    raise ValueError(f"{name} and {seen[key][0]} disagree on {key}: "
+                                     f"{value} vs {seen[key][1]}")
+                continue
+            seen[key] = (name, value)
+            rows.append(r)
+    return rows
 
 
 def _label(r) -> str:
@@ -80,8 +102,7 @@ def _with_full(cells, model, task, context, protocol):
 
 
 def write(out_dir: str, command: str = "", elapsed: float = 0.0, plots: bool = True) -> str:
-    rows = _load(os.path.join(out_dir, "results.csv"))
-    cells = aggregate(rows)
+    cells = aggregate(load_dir(out_dir))
     models = sorted({k[0] for k in cells})
     lines = ["# KV-cache compression quality: sidecar policies and kvpress", ""]
     if command:
@@ -218,18 +239,12 @@ SHARED = [("streaming_llm", ["streaming_llm"]), ("keydiff", ["keydiff"]), ("knor
           ("observed_attention", ["h2o", "h2o_plain", "h2o_observed"])]
 
 
-def never_worse(cells) -> List[str]:
-    """For every policy both have, per budget (protocol `prefill`, the only one kvpress runs):
-    the sidecar's best setting against kvpress's press on the same prompts, on fidelity (mean
-    KL over the texts, lower is better) and on each task's accuracy; the paired bootstrap CI of
-    the difference says whether the sidecar is worse beyond the noise."""
-    out = ["## Never worse than kvpress (same model, prompts, budget, protocol `prefill`)", "",
-           "Sidecar: its best setting of the policy in that cell. d: sidecar minus kvpress "
-           "(KL: negative is better; accuracy: positive is better), paired over the same texts "
-           "or prompts, 95 % bootstrap CI. Verdict: `ok` when the sidecar is better or the CI "
-           "contains 0, `WORSE` when the CI excludes 0 on the wrong side.", "",
-           "| model | measure | context | policy | budget | kvpress | sidecar best | d [95 % CI] "
-           "| verdict |", "|---|---|---:|---|---:|---:|---|---|---|"]
+def matched(cells) -> List[Dict]:
+    """For every policy both have, per model, measure, context and budget (protocol `prefill`,
+    the only one kvpress runs): the sidecar's best setting of it against kvpress's press on the
+    same prompts or texts, with the paired bootstrap CI of the difference and whether the sidecar
+    is worse beyond the noise (the CI excludes 0 on the wrong side)."""
+    out = []
     keys = sorted({(k[0], k[1], k[2], k[5]) for k in cells if k[3] == "prefill"})
     for model, task, ctx, b in keys:
         metric = "kl" if task == "fidelity" else "correct"
@@ -248,20 +263,114 @@ def never_worse(cells) -> List[str]:
                     continue
                 mean = sum(sc[metric][i] for i in common) / len(common)
                 if best is None or sign * mean > sign * best[0]:
-                    best = (mean, side, common, sc)
+                    best = (mean, side, common)
             if best is None:
                 continue
-            mean, side, common, sc = best
+            mean, side, common = best
             kv = sum(kc[metric][i] for i in common) / len(common)
+            sc = cells[(model, task, ctx, "prefill", side, b)]
             d, lo, hi = scoring.paired_bootstrap_diff([sc[metric][i] for i in common],
                                                       [kc[metric][i] for i in common])
-            worse = lo > 0 if metric == "kl" else hi < 0
-            measure = "KL" if metric == "kl" else f"{task} acc"
-            out.append(f"| {model} | {measure} | {ctx} | {press} | {b:.0%} | {kv:.4f} | {side} "
-                       f"{mean:.4f} | {d:+.4f} [{lo:+.4f}, {hi:+.4f}] (n={len(common)}) | "
-                       f"{'WORSE' if worse else 'ok'} |")
+            out.append({"model": model, "task": task, "context": ctx, "press": press,
+                        "budget": b, "kvpress": kv, "side": side, "sidecar": mean, "d": d,
+                        "lo": lo, "hi": hi, "n": len(common), "metric": metric,
+                        "same": all(sc[metric][i] == kc[metric][i] for i in common),
+                        "worse": lo > 0 if metric == "kl" else hi < 0})
+    return out
+
+
+def never_worse(cells) -> List[str]:
+    """matched() as a table."""
+    out = ["## Never worse than kvpress (same model, prompts, budget, protocol `prefill`)", "",
+           "Sidecar: its best setting of the policy in that cell. d: sidecar minus kvpress "
+           "(KL: negative is better; accuracy: positive is better), paired over the same texts "
+           "or prompts, 95 % bootstrap CI. Verdict: `ok` when the sidecar is better or the CI "
+           "contains 0, `WORSE` when the CI excludes 0 on the wrong side.", "",
+           "| model | measure | context | policy | budget | kvpress | sidecar best | d [95 % CI] "
+           "| verdict |", "|---|---|---:|---|---:|---:|---|---|---|"]
+    for m in matched(cells):
+        measure = "KL" if m["metric"] == "kl" else f"{m['task']} acc"
+        out.append(f"| {m['model']} | {measure} | {m['context']} | {m['press']} | "
+                   f"{m['budget']:.0%} | {m['kvpress']:.4f} | {m['side']} {m['sidecar']:.4f} | "
+                   f"{m['d']:+.4f} [{m['lo']:+.4f}, {m['hi']:+.4f}] (n={m['n']}) | "
+                   f"{'WORSE' if m['worse'] else 'ok'} |")
     out.append("")
     return out
+
+
+# Configurations that hold every token and bound only what is attended to (OmniKV): shown apart
+# from the evicting ones in the headline, since their budget does not bound memory.
+NON_EVICTING = {"omnikv"}
+
+
+def _best(means: Dict[str, float]) -> str:
+    """'name 0.94', or the tied names (two at most, then how many more) with their score."""
+    if not means:
+        return "–"
+    top = max(means.values())
+    if top == 0:
+        return "all 0.00"
+    names = sorted(lab.replace("kvpress:", "") for lab, v in means.items() if v == top)
+    shown = ", ".join(names[:2]) + (f" +{len(names) - 2}" if len(names) > 2 else "")
+    return f"{shown} {top:.2f}"
+
+
+def headline(cells, min_full: float = 0.1) -> List[str]:
+    """The README's table (protocol `prefill`): per model, task and context where the full cache
+    answers at least min_full, the best evicting sidecar configuration and the best kvpress press
+    at each budget, how many of each were run there, and OmniKV apart. Tasks the full cache
+    cannot do are named below the table: no policy can be told from another on them."""
+    budgets = sorted({k[5] for k in cells if k[3] == "prefill" and k[4] != "full"})
+    head = (["model", "task", "tokens", "full cache"]
+            + [f"{b:.0%}: best sidecar / best kvpress" for b in budgets]
+            + ["OmniKV " + " / ".join(f"{b:.0%}" for b in budgets), "run (sidecar / kvpress)"])
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|" + "---|" * (len(head) - 4)]
+    hopeless, ns = [], []
+    rows = sorted({(k[0], k[1], k[2]) for k in cells if k[1] != "fidelity"},
+                  key=lambda x: (x[0], TASK_ORDER.index(x[1]) if x[1] in TASK_ORDER else 99,
+                                 x[2]))
+    for model, task, ctx in rows:
+        full = cells.get((model, task, ctx, "prefill", "full", 1.0))
+        if not full or not full["correct"]:
+            continue
+        fm = sum(full["correct"].values()) / len(full["correct"])
+        if fm < min_full:
+            hopeless.append(f"{model} {task} {ctx} ({fm:.2f}, n={len(full['correct'])})")
+            continue
+        cols = [model, task, str(ctx), f"{fm:.2f}"]
+        run_side, run_press, omni = set(), set(), []
+        for b in budgets:
+            side, press = {}, {}
+            for (m, t, c, p, lab, bb), cell in cells.items():
+                if (m, t, c, p, bb) != (model, task, ctx, "prefill", b) or cell["error"] \
+                        or not cell["correct"] or lab == "full":
+                    continue
+                mean = sum(cell["correct"].values()) / len(cell["correct"])
+                ns.append(len(cell["correct"]))
+                if lab in NON_EVICTING:
+                    continue
+                (press if lab.startswith("kvpress:") else side)[lab] = mean
+            run_side |= set(side)
+            run_press |= set(press)
+            cols.append(f"{_best(side)} / {_best(press)}")
+            o = cells.get((model, task, ctx, "decode", "omnikv", b)) or \
+                cells.get((model, task, ctx, "prefill", "omnikv", b))
+            omni.append(f"{sum(o['correct'].values()) / len(o['correct']):.2f}"
+                        if o and o["correct"] and not o["error"] else "–")
+        cols += [" / ".join(omni), f"{len(run_side)} / {len(run_press)}"]
+        lines.append("| " + " | ".join(cols) + " |")
+    m = matched(cells)
+    tasks_m = [x for x in m if x["metric"] == "correct"]
+    lines += ["", f"Samples per cell: {min(ns) if ns else 0} or more. Matched policies "
+              f"(the sidecar's best setting of a policy against kvpress's press, same prompts): "
+              f"{len(tasks_m)} task cells, {sum(x['same'] for x in tasks_m)} with the same "
+              f"answer on every prompt, {sum(x['worse'] for x in tasks_m)} worse beyond the "
+              f"95 % CI; fidelity: {len(m) - len(tasks_m)} cells, "
+              f"{sum(x['worse'] for x in m if x['metric'] == 'kl')} worse beyond the CI."]
+    if hopeless:
+        lines += ["", "The full cache answers (almost) none, so no policy can be told apart: "
+                  + "; ".join(hopeless) + "."]
+    return lines
 
 
 MARKERS = "osD^v<>ph*XP8d1234+x|_"
@@ -281,11 +390,16 @@ def plot(cells, out_dir: str) -> None:
         contexts = sorted({k[2] for k in cells if k[0] == model and k[1] != "fidelity"})
         protos = sorted({k[3] for k in cells if k[0] == model and k[4] != "full"})
         for context in contexts:
-            tasks = [t for t in TASK_ORDER if (model, t, context) in
-                     {(k[0], k[1], k[2]) for k in cells}]
             fid = sorted({k[2] for k in cells if k[0] == model and k[1] == "fidelity"})
-            panels = [(t, "accuracy") for t in tasks] + [("fidelity", "KL (nats)")] * bool(fid)
             for proto in protos:
+                # A panel per task that some configuration ran in this protocol (a task the
+                # full cache alone ran on says nothing here: the headline names it).
+                tasks = [t for t in TASK_ORDER if any(
+                    k[:4] == (model, t, context, proto) and k[4] != "full" for k in cells)]
+                if not tasks:
+                    continue
+                panels = [(t, "accuracy") for t in tasks] + \
+                    [("fidelity", "KL (nats)")] * bool(fid)
                 n = len(panels)
                 cols = min(3, n)
                 rows = (n + cols - 1) // cols
@@ -294,7 +408,7 @@ def plot(cells, out_dir: str) -> None:
                 labels = sorted({k[4] for k in cells if k[0] == model and k[3] == proto
                                  and k[4] != "full"}, key=lambda x: (x.startswith("kvpress"), x))
                 for ax, (t, ylabel) in zip(axes.flat, panels):
-                    ctx = fid[0] if t == "fidelity" else context
+                    ctx = fid[-1] if t == "fidelity" else context
                     for i, lab in enumerate(labels):
                         pts = []
                         for (m, tt, cc, p, l2, b), c in cells.items():
@@ -306,8 +420,10 @@ def plot(cells, out_dir: str) -> None:
                         if not pts:
                             continue
                         pts.sort()
+                        # The colour and marker are the label's own in every panel (the
+                        # axes' colour cycle would shift where a label has no points).
                         ax.plot([100 * b for b, _ in pts], [v for _, v in pts],
-                                marker=MARKERS[i % len(MARKERS)],
+                                marker=MARKERS[i % len(MARKERS)], color=f"C{i % 10}",
                                 linestyle=STYLES["kvpress" if lab.startswith("kvpress")
                                                  else "sidecar"],
                                 label=lab, markersize=6, linewidth=1.3)
@@ -323,7 +439,11 @@ def plot(cells, out_dir: str) -> None:
                     ax.grid(alpha=0.3)
                 for ax in list(axes.flat)[n:]:
                     ax.axis("off")
-                handles, names = axes.flat[0].get_legend_handles_labels()
+                legend = {}
+                for ax in axes.flat:
+                    for h, name in zip(*ax.get_legend_handles_labels()):
+                        legend.setdefault(name, h)
+                handles, names = list(legend.values()), list(legend)
                 fig.legend(handles, names, loc="lower center", ncol=6, fontsize=8,
                            bbox_to_anchor=(0.5, -0.02))
                 fig.suptitle(f"{model}, protocol {proto}, {context}-token prompts")
@@ -337,7 +457,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--headline", action="store_true",
+                    help="print the README's headline table of every CSV in --out and exit")
     args = ap.parse_args()
+    if args.headline:
+        print("\n".join(headline(aggregate(load_dir(args.out)))))
+        return
     write(args.out, plots=not args.no_plots)
 
 

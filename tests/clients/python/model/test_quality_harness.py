@@ -14,6 +14,7 @@ import pytest
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "bench", "quality"))
 
+import report  # noqa: E402
 import run as harness  # noqa: E402
 import scoring  # noqa: E402
 import tasks  # noqa: E402
@@ -235,6 +236,48 @@ def test_a_rerun_skips_done_cells_and_finishes_partial_ones(tmp_path, monkeypatc
     assert len(final) == 13
     assert sorted(int(r["sample"]) for r in final if r["method"] == "kvpress") == [0, 1, 2, 3]
     assert all(r["correct"] == "0" for r in final if r["policy"] != "omnikv")
+
+
+def _rows(model, task, policy, budget, correct, method="sidecar"):
+    return [dict(model=model, task=task, context=1024, protocol="prefill", method=method,
+                 policy=policy, budget=budget, params="", sample=i, correct=c)
+            for i, c in enumerate(correct)]
+
+
+def test_the_report_reads_every_csv_of_the_folder_and_its_headline_ranks_per_budget(tmp_path):
+    # Two runs kept in two files, the full cache measured in both (the same rows: deduplicated),
+    # and a folder below that must not be read (rows set aside).
+    scoring.ResultStore(str(tmp_path / "a.csv")).add(
+        _rows("m", "niah_single", "full", 1, [1, 1, 1, 1])
+        + _rows("m", "niah_single", "snapkv", 0.25, [1, 1, 0, 0])
+        + _rows("m", "niah_single", "snapkv", 0.25, [1, 0, 0, 0], method="kvpress")
+        + _rows("m", "cwe", "full", 1, [0, 0, 0, 0]))
+    scoring.ResultStore(str(tmp_path / "results.csv")).add(
+        _rows("m", "niah_single", "full", 1, [1, 1, 1, 1])
+        + _rows("m", "niah_single", "keydiff", 0.25, [1, 1, 1, 0])
+        + _rows("m", "niah_single", "omnikv", 0.25, [0, 0, 0, 0]))
+    (tmp_path / "old").mkdir()
+    scoring.ResultStore(str(tmp_path / "old" / "x.csv")).add(
+        _rows("m", "niah_single", "h2o", 0.25, [1, 1, 1, 1]))
+    cells = report.aggregate(report.load_dir(str(tmp_path)))
+    assert len(cells[("m", "niah_single", 1024, "prefill", "full", 1.0)]["correct"]) == 4
+    assert ("m", "niah_single", 1024, "prefill", "h2o", 0.25) not in cells
+    lines = report.headline(cells)
+    row = next(line for line in lines if "niah_single" in line)
+    # Best evicting sidecar configuration (OmniKV apart), best kvpress press, what ran.
+    assert "| keydiff 0.75 / snapkv 0.25 | 0.00 | 2 / 1 |" in row, row
+    assert any("m cwe 1024 (0.00, n=4)" in line for line in lines)  # no task the model can't do
+    assert any("1 task cells, 0 with the same answer on every prompt, 0 worse" in line
+               for line in lines)
+    # A sample stored twice with different outcomes is an error, not a silent pick.
+    scoring.ResultStore(str(tmp_path / "b.csv")).add(
+        _rows("m", "niah_single", "keydiff", 0.25, [1, 1, 1, 1]))
+    with pytest.raises(ValueError, match="disagree"):
+        report.load_dir(str(tmp_path))
+    # results.md and its tables come from every file too.
+    os.remove(tmp_path / "b.csv")
+    text = report.write(str(tmp_path), plots=False)
+    assert "| keydiff | 25% | 0.75" in text and "| full | 100% | 1.00" in text
 
 
 def test_redo_itemless_generates_again_the_rows_stored_without_an_item(tmp_path, monkeypatch):
