@@ -325,7 +325,7 @@ def headline(cells, min_full: float = 0.1) -> List[str]:
             + [f"{b:.0%}: best sidecar / best kvpress" for b in budgets]
             + ["OmniKV " + " / ".join(f"{b:.0%}" for b in budgets), "run (sidecar / kvpress)"])
     lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|" + "---|" * (len(head) - 4)]
-    hopeless, ns = [], []
+    hopeless, alone, ns = [], [], []
     rows = sorted({(k[0], k[1], k[2]) for k in cells if k[1] != "fidelity"},
                   key=lambda x: (x[0], TASK_ORDER.index(x[1]) if x[1] in TASK_ORDER else 99,
                                  x[2]))
@@ -357,6 +357,9 @@ def headline(cells, min_full: float = 0.1) -> List[str]:
                 cells.get((model, task, ctx, "prefill", "omnikv", b))
             omni.append(f"{sum(o['correct'].values()) / len(o['correct']):.2f}"
                         if o and o["correct"] and not o["error"] else "–")
+        if not run_side and not run_press and all(o == "–" for o in omni):
+            alone.append(f"{model} {task} {ctx} ({fm:.2f})")
+            continue
         cols += [" / ".join(omni), f"{len(run_side)} / {len(run_press)}"]
         lines.append("| " + " | ".join(cols) + " |")
     m = matched(cells)
@@ -367,13 +370,18 @@ def headline(cells, min_full: float = 0.1) -> List[str]:
               f"answer on every prompt, {sum(x['worse'] for x in tasks_m)} worse beyond the "
               f"95 % CI; fidelity: {len(m) - len(tasks_m)} cells, "
               f"{sum(x['worse'] for x in m if x['metric'] == 'kl')} worse beyond the CI."]
+    if alone:
+        lines += ["", "Measured for the full cache alone so far: " + "; ".join(alone) + "."]
     if hopeless:
         lines += ["", "The full cache answers (almost) none, so no policy can be told apart: "
                   + "; ".join(hopeless) + "."]
     return lines
 
 
-MARKERS = "osD^v<>ph*XP8d1234+x|_"
+# 21 markers that look unlike one another (no '8' beside 'o', no 'h' beside 'p') against 10
+# colours: 21 and 10 share no factor, so labels up to the 210th differ in marker or colour.
+MARKERS = ["o", "s", "D", "^", "v", "<", ">", "p", "*", "X", "P", "d", "1", "2", "3", "4", "+",
+           "x", "|", "_", "$\\clubsuit$"]
 STYLES = {"sidecar": "-", "kvpress": "--"}
 
 
@@ -444,10 +452,12 @@ def plot(cells, out_dir: str) -> None:
                     for h, name in zip(*ax.get_legend_handles_labels()):
                         legend.setdefault(name, h)
                 handles, names = list(legend.values()), list(legend)
-                fig.legend(handles, names, loc="lower center", ncol=6, fontsize=8,
-                           bbox_to_anchor=(0.5, -0.02))
+                # Below the figure, outside its axes whatever its height (savefig's tight
+                # bounding box takes the legend in), so that no legend row hides a panel.
+                fig.legend(handles, names, loc="upper center", ncol=6, fontsize=8,
+                           bbox_to_anchor=(0.5, 0.0))
                 fig.suptitle(f"{model}, protocol {proto}, {context}-token prompts")
-                fig.tight_layout(rect=(0, 0.08, 1, 1))
+                fig.tight_layout()
                 fig.savefig(os.path.join(out_dir, f"{model}_{proto}_{context}.png"), dpi=90,
                             bbox_inches="tight")
                 plt.close(fig)

@@ -251,7 +251,8 @@ def test_the_report_reads_every_csv_of_the_folder_and_its_headline_ranks_per_bud
         _rows("m", "niah_single", "full", 1, [1, 1, 1, 1])
         + _rows("m", "niah_single", "snapkv", 0.25, [1, 1, 0, 0])
         + _rows("m", "niah_single", "snapkv", 0.25, [1, 0, 0, 0], method="kvpress")
-        + _rows("m", "cwe", "full", 1, [0, 0, 0, 0]))
+        + _rows("m", "cwe", "full", 1, [0, 0, 0, 0])
+        + _rows("m", "vt", "full", 1, [1, 0, 0, 1]))
     scoring.ResultStore(str(tmp_path / "results.csv")).add(
         _rows("m", "niah_single", "full", 1, [1, 1, 1, 1])
         + _rows("m", "niah_single", "keydiff", 0.25, [1, 1, 1, 0])
@@ -267,6 +268,8 @@ def test_the_report_reads_every_csv_of_the_folder_and_its_headline_ranks_per_bud
     # Best evicting sidecar configuration (OmniKV apart), best kvpress press, what ran.
     assert "| keydiff 0.75 / snapkv 0.25 | 0.00 | 2 / 1 |" in row, row
     assert any("m cwe 1024 (0.00, n=4)" in line for line in lines)  # no task the model can't do
+    assert not any(line.startswith("| m | vt") for line in lines)  # nor one with no policy run
+    assert any("full cache alone so far: m vt 1024 (0.50)" in line for line in lines)
     assert any("1 task cells, 0 with the same answer on every prompt, 0 worse" in line
                for line in lines)
     # A sample stored twice with different outcomes is an error, not a silent pick.
