@@ -112,8 +112,9 @@ def write(out_dir: str, command: str = "", elapsed: float = 0.0, plots: bool = T
         "Fidelity: teacher-forced continuation of each text after a compressed prompt, mean "
         "KL(full || compressed) in nats and top-1 agreement with the full cache (mean over the "
         "texts). kept: mean K/V held per layer at the end of decoding, as a fraction of the "
-        "prompt (the decoded tokens included; the full cache is above 1). Protocol `prefill`: compressed once "
-        "after the prefill, no eviction while decoding (kvpress's protocol); `decode`: the "
+        "prompt (the decoded tokens included; the full cache is above 1). Protocol "
+        "`prefill`: compressed once after the prefill, no eviction while decoding (kvpress's "
+        "protocol); `decode`: the "
         "budget is held at every decode step (the sidecar's DecodeStep). Never compare rows "
         "across protocols.", ""]
     params = {}

@@ -9,9 +9,10 @@
 
 Cells (model x task x context x protocol x method x policy x budget) already complete in
 --out/results.csv are skipped: stop it any time and run the same command again to continue.
-Writes results.csv (one row per sample), results.md (tables with 95 % bootstrap CIs, the
-summary of which policy wins at each budget, the configuration), and one PNG per model and
-context (report.py; `python bench/quality/report.py --out DIR` redraws them from the CSV).
+Writes results.csv (one row per sample), then results.md (tables with 95 % bootstrap CIs, the
+summary of which policy wins at each budget, the configuration) and one PNG per model and
+context, drawn from every CSV in --out (report.py; `python bench/quality/report.py --out DIR`
+redraws them, `--headline` prints the README's table).
 See README.md for the protocols and the matched parameters.
 """
 
