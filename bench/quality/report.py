@@ -368,7 +368,7 @@ def headline(cells, min_full: float = 0.1) -> List[str]:
     lines += ["", f"Samples per cell: {min(ns) if ns else 0} or more. Matched policies "
               f"(the sidecar's best setting of a policy against kvpress's press, same prompts): "
               f"{len(tasks_m)} task cells, {sum(x['same'] for x in tasks_m)} with the same "
-              f"answer on every prompt, {sum(x['worse'] for x in tasks_m)} worse beyond the "
+              f"outcome (right or wrong) on every prompt, {sum(x['worse'] for x in tasks_m)} worse beyond the "
               f"95 % CI; fidelity: {len(m) - len(tasks_m)} cells, "
               f"{sum(x['worse'] for x in m if x['metric'] == 'kl')} worse beyond the CI."]
     if alone:
