@@ -264,12 +264,11 @@ def matched(cells) -> List[Dict]:
                     continue
                 mean = sum(sc[metric][i] for i in common) / len(common)
                 if best is None or sign * mean > sign * best[0]:
-                    best = (mean, side, common)
+                    best = (mean, side, common, sc)
             if best is None:
                 continue
-            mean, side, common = best
+            mean, side, common, sc = best
             kv = sum(kc[metric][i] for i in common) / len(common)
-            sc = cells[(model, task, ctx, "prefill", side, b)]
             d, lo, hi = scoring.paired_bootstrap_diff([sc[metric][i] for i in common],
                                                       [kc[metric][i] for i in common])
             out.append({"model": model, "task": task, "context": ctx, "press": press,
@@ -304,6 +303,10 @@ def never_worse(cells) -> List[str]:
 NON_EVICTING = {"omnikv"}
 
 
+def _mean(values: Dict[int, float]) -> float:
+    return sum(values.values()) / len(values)
+
+
 def _best(means: Dict[str, float]) -> str:
     """'name 0.94', or the tied names (two at most, then how many more) with their score."""
     if not means:
@@ -327,6 +330,11 @@ def headline(cells, min_full: float = 0.1) -> List[str]:
             + ["OmniKV " + " / ".join(f"{b:.0%}" for b in budgets), "run (sidecar / kvpress)"])
     lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|" + "---|" * (len(head) - 4)]
     hopeless, alone, ns = [], [], []
+    ran = defaultdict(list)   # (model, task, context, budget) -> [(label, mean)], prefill
+    for (m, t, c, p, lab, b), cell in cells.items():
+        if p == "prefill" and lab != "full" and cell["correct"] and not cell["error"]:
+            ran[(m, t, c, b)].append((lab, _mean(cell["correct"])))
+            ns.append(len(cell["correct"]))
     rows = sorted({(k[0], k[1], k[2]) for k in cells if k[1] != "fidelity"},
                   key=lambda x: (x[0], TASK_ORDER.index(x[1]) if x[1] in TASK_ORDER else 99,
                                  x[2]))
@@ -334,7 +342,7 @@ def headline(cells, min_full: float = 0.1) -> List[str]:
         full = cells.get((model, task, ctx, "prefill", "full", 1.0))
         if not full or not full["correct"]:
             continue
-        fm = sum(full["correct"].values()) / len(full["correct"])
+        fm = _mean(full["correct"])
         if fm < min_full:
             hopeless.append(f"{model} {task} {ctx} ({fm:.2f}, n={len(full['correct'])})")
             continue
@@ -342,22 +350,16 @@ def headline(cells, min_full: float = 0.1) -> List[str]:
         run_side, run_press, omni = set(), set(), []
         for b in budgets:
             side, press = {}, {}
-            for (m, t, c, p, lab, bb), cell in cells.items():
-                if (m, t, c, p, bb) != (model, task, ctx, "prefill", b) or cell["error"] \
-                        or not cell["correct"] or lab == "full":
-                    continue
-                mean = sum(cell["correct"].values()) / len(cell["correct"])
-                ns.append(len(cell["correct"]))
-                if lab in NON_EVICTING:
-                    continue
-                (press if lab.startswith("kvpress:") else side)[lab] = mean
+            for lab, mean in ran[(model, task, ctx, b)]:
+                if lab not in NON_EVICTING:
+                    (press if lab.startswith("kvpress:") else side)[lab] = mean
             run_side |= set(side)
             run_press |= set(press)
             cols.append(f"{_best(side)} / {_best(press)}")
             o = cells.get((model, task, ctx, "decode", "omnikv", b)) or \
                 cells.get((model, task, ctx, "prefill", "omnikv", b))
-            omni.append(f"{sum(o['correct'].values()) / len(o['correct']):.2f}"
-                        if o and o["correct"] and not o["error"] else "–")
+            omni.append(f"{_mean(o['correct']):.2f}" if o and o["correct"] and not o["error"]
+                        else "–")
         if not run_side and not run_press and all(o == "–" for o in omni):
             alone.append(f"{model} {task} {ctx} ({fm:.2f})")
             continue
@@ -368,8 +370,8 @@ def headline(cells, min_full: float = 0.1) -> List[str]:
     lines += ["", f"Samples per cell: {min(ns) if ns else 0} or more. Matched policies "
               f"(the sidecar's best setting of a policy against kvpress's press, same prompts): "
               f"{len(tasks_m)} task cells, {sum(x['same'] for x in tasks_m)} with the same "
-              f"outcome (right or wrong) on every prompt, {sum(x['worse'] for x in tasks_m)} worse beyond the "
-              f"95 % CI; fidelity: {len(m) - len(tasks_m)} cells, "
+              f"outcome (right or wrong) on every prompt, {sum(x['worse'] for x in tasks_m)} "
+              f"worse beyond the 95 % CI; fidelity: {len(m) - len(tasks_m)} cells, "
               f"{sum(x['worse'] for x in m if x['metric'] == 'kl')} worse beyond the CI."]
     if alone:
         lines += ["", "Measured for the full cache alone so far: " + "; ".join(alone) + "."]

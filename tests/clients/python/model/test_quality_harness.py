@@ -270,8 +270,8 @@ def test_the_report_reads_every_csv_of_the_folder_and_its_headline_ranks_per_bud
     assert any("m cwe 1024 (0.00, n=4)" in line for line in lines)  # no task the model can't do
     assert not any(line.startswith("| m | vt") for line in lines)  # nor one with no policy run
     assert any("full cache alone so far: m vt 1024 (0.50)" in line for line in lines)
-    assert any("1 task cells, 0 with the same outcome (right or wrong) on every prompt, 0 worse" in line
-               for line in lines)
+    assert any("1 task cells, 0 with the same outcome (right or wrong) on every prompt, 0 "
+               "worse" in line for line in lines)
     # A sample stored twice with different outcomes is an error, not a silent pick.
     scoring.ResultStore(str(tmp_path / "b.csv")).add(
         _rows("m", "niah_single", "keydiff", 0.25, [1, 1, 1, 1]))
