@@ -15,6 +15,8 @@ packages+=(prometheus-cpp-dev)
 # The remote tier on Redis (storage/redis/): the hiredis client, and redis-server / redis-cli /
 # redis-benchmark for its tests and benchmark.
 packages+=(libhiredis-dev redis-server redis-tools)
+# libfaketime: tests/e2e/reclaim_test steps the system clock of a server and of a worker under it.
+packages+=(libfaketime)
 # tests/deploy: a venv for kubernetes-validate, and kubectl to render the Kubernetes manifests.
 # They need kubectl 1.22+ (kustomize `labels`). Debian's kubernetes-client (1.20) only when none
 # is installed (another kubectl package would conflict with it); the test then asks for a newer

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cache/clock.h"
 #include "cache/policy/policy.h"
 #include "cache/policy/registry.h"
 #include "gpu/base/status_macros.h"
@@ -288,7 +289,7 @@ grpc::ServerUnaryReactor* AdminService::ListSequences(grpc::CallbackServerContex
     for (const SessionInfo& session : pool_->ListSessions()) {
       block_bytes[session.session_id] = session.layout.block_bytes();
     }
-    const absl::Time now = absl::Now();
+    const absl::Time now = MonotonicNow();
     for (const SequenceInfo& info : pool_->ListSequences(request->session_id())) {
       if (!request->session_id().empty() && info.session_id != request->session_id()) continue;
       if (!request->tenant().empty() && info.tenant != request->tenant()) continue;
@@ -365,7 +366,7 @@ grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* co
     response->set_draining(sidecar_->draining());
     response->set_backend(info_.backend);
     response->set_backend_healthy(pool_->backend()->healthy());
-    response->set_uptime_ms(absl::ToInt64Milliseconds(absl::Now() - started_));
+    response->set_uptime_ms(absl::ToInt64Milliseconds(MonotonicNow() - started_));
     FillTenants("", response->mutable_tenants());
     return absl::OkStatus();
   });
@@ -401,7 +402,7 @@ grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* conte
       ("to", DrainTargetName(target))("grace_ms", absl::ToInt64Milliseconds(grace))(
           "peer", context->peer());
       const DrainReport report =
-          DrainSequences(*pool_, target, absl::Now() + grace, /*retry=*/true);
+          DrainSequences(*pool_, target, MonotonicNow() + grace, /*retry=*/true);
       LogDrainReport(report, target, "drained");
       for (const DrainedSequence& sequence : report.sequences) {
         v1::DrainedSequence* out = response->add_sequences();

@@ -16,6 +16,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cache/clock.h"
 #include "cache/pool.h"
 #include "grpcpp/grpcpp.h"
 #include "kvsidecar/v1/admin.grpc.pb.h"
@@ -89,7 +90,7 @@ class AdminService final : public ::kvsidecar::v1::Admin::CallbackService {
                    google::protobuf::RepeatedPtrField<::kvsidecar::v1::TenantQuota>* out) const;
 
   KvPool* const pool_;
-  const absl::Time started_ = absl::Now();
+  const absl::Time started_ = MonotonicNow();
   SidecarService* const sidecar_;
   const AdminInfo info_;
   const std::function<void()> on_drain_;

@@ -26,6 +26,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cache/clock.h"
 #include "service/log.h"
 
 namespace kvs {
@@ -223,7 +224,7 @@ ArenaFdServer::~ArenaFdServer() {
 
 std::string ArenaFdServer::IssueNonce(absl::string_view session_id) {
   std::string nonce = RandomNonce();
-  const absl::Time now = absl::Now();
+  const absl::Time now = MonotonicNow();
   absl::MutexLock lock(&mu_);
   absl::erase_if(nonces_, [now](const auto& entry) { return entry.second.expires <= now; });
   nonces_[nonce] = Nonce{std::string(session_id), now + options_.nonce_ttl};
@@ -287,9 +288,9 @@ void ArenaFdServer::Serve(int connection) {
   // One deadline for the whole request line, not one per read: a client trickling a byte at a
   // time must not hold one of the few connection slots (and with them every other worker's
   // arena hand-out) for longer than io_timeout.
-  const absl::Time deadline = absl::Now() + options_.io_timeout;
+  const absl::Time deadline = MonotonicNow() + options_.io_timeout;
   while (request.size() <= kMaxRequestBytes) {
-    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - MonotonicNow());
     if (left_ms <= 0) break;
     pollfd readable = {connection, POLLIN, 0};
     const int ready = poll(&readable, 1, static_cast<int>(std::min<int64_t>(left_ms, 1 << 30)));
@@ -345,7 +346,7 @@ std::string ArenaFdServer::Handle(absl::string_view request, const std::string& 
     nonce = std::move(it->second);
     nonces_.erase(it);
   }
-  if (nonce.expires <= absl::Now()) return refuse(session_id, "nonce expired; attach again");
+  if (nonce.expires <= MonotonicNow()) return refuse(session_id, "nonce expired; attach again");
   if (nonce.session_id != session_id) {
     return refuse(session_id, "nonce was issued for another session");
   }

@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "cache/clock.h"
 #include "service/log.h"
 
 namespace kvs {
@@ -42,7 +43,7 @@ std::string DrainTargetName(StorageTier tier) {
 }
 
 DrainReport DrainSequences(KvPool& pool, StorageTier target, absl::Time deadline, bool retry) {
-  const absl::Time start = absl::Now();
+  const absl::Time start = MonotonicNow();
   DrainReport report;
   using Key = std::pair<std::string, std::string>;  // (session, sequence)
   std::map<Key, DrainedSequence> results;
@@ -70,7 +71,7 @@ DrainReport DrainSequences(KvPool& pool, StorageTier target, absl::Time deadline
       out.moved = false;
       out.tier = info.tier;
       if (final_failure.contains(key)) continue;
-      if (absl::Now() >= deadline) {
+      if (MonotonicNow() >= deadline) {
         report.grace_expired = true;
         out.reason = absl::StrCat("not moved to the ", target_name,
                                   " tier: the grace period ended first",
@@ -106,7 +107,7 @@ DrainReport DrainSequences(KvPool& pool, StorageTier target, absl::Time deadline
         it = present.contains(it->first) ? std::next(it) : results.erase(it);
       }
     }
-    if (!retry || absl::Now() >= deadline) break;
+    if (!retry || MonotonicNow() >= deadline) break;
     // Another pass when a move may still succeed, or a call brought a moved sequence back.
     bool again = pending;
     if (!again) {
@@ -118,7 +119,7 @@ DrainReport DrainSequences(KvPool& pool, StorageTier target, absl::Time deadline
       }
     }
     if (!again) break;
-    absl::SleepFor(std::min(absl::Milliseconds(20), deadline - absl::Now()));
+    absl::SleepFor(std::min(absl::Milliseconds(20), deadline - MonotonicNow()));
   }
   for (auto& [key, out] : results) {
     if (!out.moved && out.reason.empty()) {
@@ -129,7 +130,7 @@ DrainReport DrainSequences(KvPool& pool, StorageTier target, absl::Time deadline
     (out.moved ? report.moved : report.not_moved)++;
     report.sequences.push_back(std::move(out));
   }
-  report.elapsed = absl::Now() - start;
+  report.elapsed = MonotonicNow() - start;
   return report;
 }
 

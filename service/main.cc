@@ -480,7 +480,7 @@ int main(int argc, char** argv) {
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);
   KVS_LOG(kInfo, "signal")("signal", signal_number == SIGINT ? "SIGINT" : "SIGTERM");
-  const absl::Time deadline = absl::Now() + absl::Milliseconds(config.drain_grace_ms);
+  const absl::Time deadline = kvs::MonotonicNow() + absl::Milliseconds(config.drain_grace_ms);
   const StatusOrTier target = kvs::ParseDrainTarget(config.drain_to, "--drain_to");
   if (target.ok() && *target != kvs::StorageTier::kArena) {
     // Workers hear KIND_DRAINING and get a moment to finish the calls in flight; then the

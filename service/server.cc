@@ -11,6 +11,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "grpc/health/v1/health.pb.h"
+#include "cache/clock.h"
 #include "service/log.h"
 #include "service/reflection_v1.h"
 #include "service/status_convert.h"
@@ -45,13 +46,13 @@ std::pair<std::string, std::string> SplitMethod(absl::string_view path) {
 class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
  public:
   RpcMetricsInterceptor(MetricsRegistry* metrics, absl::string_view method)
-      : metrics_(metrics), method_(SplitMethod(method)), start_(absl::Now()) {}
+      : metrics_(metrics), method_(SplitMethod(method)), start_(MonotonicNow()) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(
             grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
       const grpc::Status status = methods->GetSendStatus();
-      const double seconds = absl::ToDoubleSeconds(absl::Now() - start_);
+      const double seconds = absl::ToDoubleSeconds(MonotonicNow() - start_);
       const std::string code = absl::StatusCodeToString(FromGrpcStatus(status).code());
       const MetricLabels labels = {
           {"service", method_.first}, {"method", method_.second}, {"code", code}};
@@ -340,12 +341,7 @@ void SidecarServer::CollectPoolMetrics(std::vector<prometheus::MetricFamily>* ou
 }
 
 void SidecarServer::ReaperLoop(absl::Duration interval) {
-  while (true) {
-    {
-      absl::MutexLock lock(&mu_);
-      mu_.AwaitWithTimeout(absl::Condition(&stop_), interval);
-      if (stop_) return;
-    }
+  while (!reaper_stop_.WaitFor(interval)) {
     try {
       const int reaped = pool_->ReapExpired();
       if (reaped > 0) {
@@ -372,10 +368,7 @@ void SidecarServer::Shutdown(absl::Duration grace) {
   }
   // Watch streams never end on their own; end them first so the servers can drain.
   if (sidecar_ != nullptr) sidecar_->Shutdown();
-  {
-    absl::MutexLock lock(&mu_);
-    stop_ = true;
-  }
+  reaper_stop_.Stop();
   if (reaper_.joinable()) reaper_.join();
   const auto deadline = std::chrono::system_clock::now() + absl::ToChronoMilliseconds(grace);
   for (grpc::Server* server : {data_server_.get(), admin_server_.get()}) {

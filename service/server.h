@@ -22,10 +22,10 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "cache/pool.h"
 #include "grpcpp/grpcpp.h"
+#include "gpu/base/stop_signal.h"
 #include "service/admin_service.h"
 #include "service/auth.h"
 #include "service/metrics.h"
@@ -111,8 +111,7 @@ class SidecarServer {
   bool shut_down_ = false;
 
   std::thread reaper_;
-  absl::Mutex mu_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  StopSignal reaper_stop_;
 };
 
 }  // namespace kvs

@@ -437,17 +437,31 @@ void Session::HeartbeatLoop() {
   const int32_t lease_ms = attach_.lease_ms() > 0 ? attach_.lease_ms() : 10000;
   const absl::Duration interval =
       std::max(absl::Milliseconds(lease_ms) / 3, absl::Milliseconds(10));
-  absl::MutexLock lock(&mu_);
-  while (!mu_.AwaitWithTimeout(absl::Condition(&stopping_), interval)) {
-    mu_.Unlock();
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(heartbeat_mu_);
+      if (heartbeat_cv_.wait_for(lock, absl::ToChronoNanoseconds(interval),
+                                 [this] { return heartbeat_stop_; })) {
+        return;
+      }
+    }
     // A heartbeat that arrives after the lease is useless, so its deadline is the lease.
     v1::HeartbeatRequest request;
     request.set_session_id(session_id());
     auto response = Unary(stub_.get(), &v1::Sidecar::Stub::Heartbeat, request, options_,
                           std::min(options_.rpc_timeout, absl::Milliseconds(lease_ms)));
-    mu_.Lock();
+    absl::MutexLock lock(&mu_);
     if (!response.ok() && !stopping_) health_ = response.status();
   }
+}
+
+void Session::StopHeartbeats() {
+  {
+    std::lock_guard<std::mutex> lock(heartbeat_mu_);
+    heartbeat_stop_ = true;
+  }
+  heartbeat_cv_.notify_all();
+  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
 }
 
 void Session::StopBackground() {
@@ -455,7 +469,7 @@ void Session::StopBackground() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
-  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  StopHeartbeats();
   if (watch_context_) watch_context_->TryCancel();
   if (watch_thread_.joinable()) watch_thread_.join();
 }
@@ -494,7 +508,7 @@ absl::StatusOr<v1::DetachResponse> Session::Detach() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
-  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  StopHeartbeats();
   v1::DetachRequest request;
   request.set_session_id(session_id());
   auto response = Unary(stub_.get(), &v1::Sidecar::Stub::Detach, request, options_);

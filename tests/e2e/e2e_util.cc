@@ -18,7 +18,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "gpu/base/dtype.h"
@@ -93,7 +95,7 @@ std::string MakeTempDir(const std::string& prefix) {
 
 absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(
     const std::vector<std::string>& argv, const std::string& log_dir, const std::string& name,
-    int run_as_uid) {
+    int run_as_uid, const std::vector<std::string>& env) {
   if (argv.empty()) return absl::InvalidArgumentError("argv is empty");
   if (access(argv[0].c_str(), X_OK) != 0) {
     return absl::NotFoundError(
@@ -113,6 +115,18 @@ absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(
   std::vector<char*> args;
   for (const std::string& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
   args.push_back(nullptr);
+  // The inherited environment less the names `env` sets, then `env`.
+  std::vector<char*> environment;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const absl::string_view inherited(*entry);
+    const bool replaced = std::any_of(env.begin(), env.end(), [&](const std::string& set) {
+      const size_t equals = set.find('=');
+      return absl::StartsWith(inherited, set.substr(0, equals + 1));
+    });
+    if (!replaced) environment.push_back(*entry);
+  }
+  for (const std::string& entry : env) environment.push_back(const_cast<char*>(entry.c_str()));
+  environment.push_back(nullptr);
   const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid < 0) {
@@ -131,7 +145,7 @@ absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(
     if (getppid() != parent) _exit(127);
     dup2(out, STDOUT_FILENO);
     dup2(err, STDERR_FILENO);
-    execv(args[0], args.data());
+    execve(args[0], args.data(), environment.data());
     _exit(127);
   }
   close(out);
@@ -193,7 +207,8 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(const Option
       return absl::InternalError(absl::StrCat("chown ", server->dir_, ": ", std::strerror(errno)));
     }
   }
-  auto process = ChildProcess::Spawn(argv, server->dir_, "kvsidecar", options.run_as_uid);
+  auto process =
+      ChildProcess::Spawn(argv, server->dir_, "kvsidecar", options.run_as_uid, options.env);
   if (!process.ok()) return process.status();
   server->process_ = std::move(*process);
 

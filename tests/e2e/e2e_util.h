@@ -36,11 +36,11 @@ std::string MakeTempDir(const std::string& prefix);
 class ChildProcess {
  public:
   // `run_as_uid` >= 0 (only as root): the child drops to that uid and gid (and no supplementary
-  // groups) before exec.
-  static absl::StatusOr<std::unique_ptr<ChildProcess>> Spawn(const std::vector<std::string>& argv,
-                                                             const std::string& log_dir,
-                                                             const std::string& name,
-                                                             int run_as_uid = -1);
+  // groups) before exec. `env`: "NAME=value" entries set in the child on top of (replacing) the
+  // environment it inherits.
+  static absl::StatusOr<std::unique_ptr<ChildProcess>> Spawn(
+      const std::vector<std::string>& argv, const std::string& log_dir, const std::string& name,
+      int run_as_uid = -1, const std::vector<std::string>& env = {});
   ~ChildProcess();
 
   pid_t pid() const { return pid_; }
@@ -71,6 +71,8 @@ class ServerProcess {
     std::vector<std::string> extra_args;
     // >= 0 (only as root): run the server as this uid/gid; its directory is chowned to it.
     int run_as_uid = -1;
+    // "NAME=value" entries of the server's environment, on top of this process's.
+    std::vector<std::string> env;
   };
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(const Options& options);
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start() { return Start(Options()); }

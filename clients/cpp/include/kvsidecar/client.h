@@ -52,9 +52,11 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -329,6 +331,7 @@ class Session {
   absl::Status Start();
   void WatchLoop();
   void HeartbeatLoop();
+  void StopHeartbeats();  // wakes the heartbeat thread and joins it
   void StopBackground();
   void Unmap();
   void PrepareContext(grpc::ClientContext* context) const;
@@ -356,6 +359,12 @@ class Session {
   std::unique_ptr<grpc::ClientContext> watch_context_;  // created before the watch thread starts
   std::thread watch_thread_;
   std::thread heartbeat_thread_;
+  // The heartbeat thread sleeps on these: std::condition_variable waits on the monotonic clock,
+  // where absl::Mutex's timed waits take a system-clock deadline that a step of the clock back
+  // would push out, and heartbeats would stop until the lease lapsed.
+  std::mutex heartbeat_mu_;
+  std::condition_variable heartbeat_cv_;
+  bool heartbeat_stop_ = false;  // guarded by heartbeat_mu_
   absl::Mutex detach_mu_;  // serialises Detach() with itself and the destructor
 };
 
