@@ -408,7 +408,7 @@ TEST_F(ClockStepTest, AWorkersHeartbeatsGoOnAcrossAStepOfItsClock) {
   ASSERT_TRUE(SetOffset(worker_offset, "+0"));
   std::string ready;
   std::unique_ptr<ChildProcess> worker =
-      StartWorker(*server_, dir_, /*lease_ms=*/1500, FakeTimeEnv(worker_offset), &ready);
+      StartWorker(*server_, dir_, /*lease_ms=*/3000, FakeTimeEnv(worker_offset), &ready);
   ASSERT_TRUE(worker != nullptr && absl::StrContains(ready, "READY"));
   const std::string session_id = FieldOf(ready, "session");
   std::ifstream maps(absl::StrCat("/proc/", worker->pid(), "/maps"));
@@ -417,7 +417,7 @@ TEST_F(ClockStepTest, AWorkersHeartbeatsGoOnAcrossAStepOfItsClock) {
 
   // Stepped by an hour, the worker's heartbeat thread must keep its interval of lease / 3.
   ASSERT_TRUE(SetOffset(worker_offset, "+1h"));
-  absl::SleepFor(absl::Seconds(6));  // four leases
+  absl::SleepFor(absl::Seconds(10));  // over three leases
   EXPECT_TRUE(SessionListed(*admin_, session_id)) << server_->Logs();
   auto sequences = admin_->ListSequences(session_id);
   ASSERT_TRUE(sequences.ok()) << sequences.status();
