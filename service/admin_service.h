@@ -14,7 +14,6 @@
 #include <mutex>
 #include <string>
 
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cache/clock.h"
 #include "cache/pool.h"

@@ -24,7 +24,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cache/clock.h"
 #include "service/log.h"

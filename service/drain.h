@@ -52,7 +52,8 @@ struct DrainReport {
 };
 
 // Moves every sequence of `pool`'s attached sessions to `target` (kDisk or the remote tier)
-// until `deadline` (a Spill already running finishes). `retry`: sequences blocked by a pending
+// until `deadline`, a time on MonotonicNow()'s clock (cache/clock.h; a Spill already running
+// finishes). `retry`: sequences blocked by a pending
 // reservation, and sequences brought back into the arena by a call meanwhile, are tried again
 // until everything is moved or the deadline passes; without it each sequence is tried once.
 DrainReport DrainSequences(KvPool& pool, StorageTier target, absl::Time deadline, bool retry);

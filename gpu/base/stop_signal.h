@@ -1,5 +1,5 @@
-// StopSignal: the flag a background loop (the lease reaper, a client's heartbeats) sleeps on
-// between rounds, and that stops it at once when raised.
+// StopSignal: the flag a background loop (the server's lease reaper) sleeps on between rounds,
+// and that stops it at once when raised.
 //
 // Its waits run on the monotonic clock (std::condition_variable over steady_clock, which
 // libstdc++ waits on with CLOCK_MONOTONIC). absl::Mutex's timed waits turn the timeout into a
@@ -32,13 +32,8 @@ class StopSignal {
     cv_.notify_all();
   }
 
-  bool stopped() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return stopped_;
-  }
-
  private:
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::condition_variable cv_;
   bool stopped_ = false;
 };
