@@ -81,6 +81,10 @@ absl::Status OmniKvKind::CheckSelect(const Sequence& sequence, const SelectItem&
     return absl::InvalidArgumentError(
         "attention.attention_scores is not accepted by Select; send attention.inline_queries");
   }
+  if (attention.staging_offset.has_value()) {
+    return absl::InvalidArgumentError(
+        "attention.staging_offset is not accepted by Select yet; send attention.inline_queries");
+  }
   KVS_ASSIGN_OR_RETURN(Sequence::StepAttention resolved,
                        sequence.ValidateAttention(attention, sequence.counts(),
                                                   sequence.next_position_, /*decode=*/false));

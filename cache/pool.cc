@@ -240,7 +240,7 @@ absl::StatusOr<SessionView> KvPool::Attach(const AttachParams& params) {
   }
   auto session = std::make_shared<Session>(SessionTable::NewSessionId(), plan.params,
                                            *std::move(arena), plan.num_blocks, plan.charge,
-                                           plan.lease, clock_->Now());
+                                           plan.lease, clock_->Now(), plan.staging_offset);
   session->host_pin = mover_->HostPinFor(session->tenant, session->id);
   SessionView view = session->View();
   KVS_RETURN_IF_ERROR(sessions_->Insert(std::move(session)));
@@ -865,60 +865,80 @@ absl::Status CheckDecodeQuotas(const BatchSessions& batch, absl::Span<const Deco
 }
 
 // With the batch's sessions locked: every item's sequence (restored first when spilled) and its
-// step checked (Sequence::CheckDecode) into `sequences`; nothing changes.
+// step checked (Sequence::CheckDecode) into `tasks`, the rows workers wrote into reservations
+// checked in one backend call for the whole batch; nothing changes. The lowest failing item's
+// error.
 template <typename EnvFn>
 absl::Status CheckDecodeItemsLocked(const BatchSessions& batch, absl::Span<const DecodeItem> items,
                                     TierMover& mover, EnvFn&& env_of,
-                                    std::vector<Sequence*>& sequences) {
-  for (size_t i = 0; i < items.size(); ++i) {
+                                    std::vector<Sequence::DecodeTask>& tasks) {
+  std::vector<Sequence*> sequences(items.size(), nullptr);
+  PendingRowChecks checks;
+  size_t failed = items.size();
+  absl::Status failure;
+  for (size_t i = 0; i < items.size() && failed == items.size(); ++i) {
     Session& session = batch.of(i);
     session.mu.AssertHeld();
     absl::Status status =
         DistinctSequenceLocked(batch, items[i].sequence_id, i, mover, "stepped", sequences);
-    if (status.ok()) status = sequences[i]->CheckDecode(env_of(session), items[i]);
-    if (!status.ok()) return ItemError(i, status);
+    if (status.ok()) {
+      absl::StatusOr<Sequence::DecodePlan> plan =
+          sequences[i]->CheckDecode(env_of(session), items[i], &checks);
+      if (plan.ok()) {
+        tasks[i].plan = *std::move(plan);
+      } else {
+        status = plan.status();
+      }
+    }
+    tasks[i].sequence = sequences[i];
+    tasks[i].item = &items[i];
+    if (!status.ok()) {
+      failed = i;
+      failure = std::move(status);
+    }
   }
+  if (checks.groups() > 0) {
+    Session& first = batch.of(0);
+    first.mu.AssertHeld();
+    KVS_RETURN_IF_ERROR(checks.Run(env_of(first).backend));
+    for (size_t i = 0; i < failed; ++i) {
+      if (!tasks[i].plan.rows_group.has_value()) continue;
+      absl::Status rows =
+          tasks[i].sequence->PendingRowsResult(checks.first(*tasks[i].plan.rows_group));
+      if (!rows.ok()) return ItemError(i, rows);
+    }
+  }
+  if (failed < items.size()) return ItemError(failed, failure);
   return absl::OkStatus();
 }
 
-// With the batch's sessions locked and every item checked: the items' steps, side by side on
-// `pool`; results in item order, or the lowest failing item's error (the others have run).
+// With the batch's sessions locked and every item checked: the items' steps together
+// (Sequence::DecodeAll: each phase one backend call for every item's layers); results in item
+// order. A failure leaves every item as it was.
 template <typename EnvFn>
 absl::StatusOr<std::vector<DecodeResult>> RunDecodeItemsLocked(
     const BatchSessions& batch, absl::Span<const DecodeItem> items,
-    absl::Span<Sequence* const> sequences, EnvFn&& env_of, ThreadPool& pool, absl::Time now) {
-  // Items are distinct sequences, so they share nothing but their session's block allocator
-  // (thread-safe) and arena (disjoint blocks); reservation ids and last-use times are handed out
-  // here, in item order, so that they do not depend on the schedule.
+    std::vector<Sequence::DecodeTask>& tasks, EnvFn&& env_of, absl::Time now) {
+  // Items are distinct sequences, so they share nothing but their session's block allocator and
+  // arena (disjoint blocks); reservation ids and last-use times are handed out here, in item
+  // order.
   std::vector<SequenceEnv> envs;
   envs.reserve(batch.sessions().size());
   for (const std::shared_ptr<Session>& session : batch.sessions()) {
     session->mu.AssertHeld();
     envs.push_back(env_of(*session));
   }
-  std::vector<uint64_t> reservation_ids(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     Session& session = batch.of(i);
     session.mu.AssertHeld();
-    sequences[i]->Touch(now);
-    reservation_ids[i] = session.next_reservation_id;
+    tasks[i].sequence->Touch(now);
+    tasks[i].env = &envs[batch.index_of(i)];
+    tasks[i].reservation_id = session.next_reservation_id;
     if (!items[i].inline_kv.empty()) ++session.next_reservation_id;
   }
+  KVS_RETURN_IF_ERROR(Sequence::DecodeAll(absl::MakeSpan(tasks)));
   std::vector<DecodeResult> results(items.size());
-  std::vector<absl::Status> statuses(items.size());
-  pool.ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
-    absl::StatusOr<DecodeResult> result =
-        sequences[i]->Decode(envs[batch.index_of(i)], items[i], reservation_ids[i]);
-    if (result.ok()) {
-      results[i] = *std::move(result);
-    } else {
-      statuses[i] = std::move(result).status();
-    }
-  });
-  // The lowest failing item's error.
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (!statuses[i].ok()) return ItemError(i, statuses[i]);
-  }
+  for (size_t i = 0; i < items.size(); ++i) results[i] = std::move(tasks[i].result);
   return results;
 }
 
@@ -957,11 +977,10 @@ absl::StatusOr<std::vector<DecodeResult>> KvPool::DecodeStep(absl::Span<const De
   // Locked together so that every item is validated against exactly the state it then runs on.
   batch.LockAll();
   auto env_of = [this](Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return EnvOf(s); };
-  std::vector<Sequence*> sequences(items.size(), nullptr);
-  absl::Status checked = CheckDecodeItemsLocked(batch, items, *mover_, env_of, sequences);
+  std::vector<Sequence::DecodeTask> tasks(items.size());
+  absl::Status checked = CheckDecodeItemsLocked(batch, items, *mover_, env_of, tasks);
   absl::StatusOr<std::vector<DecodeResult>> results =
-      checked.ok() ? RunDecodeItemsLocked(batch, items, sequences, env_of, *decode_pool_,
-                                          clock_->Now())
+      checked.ok() ? RunDecodeItemsLocked(batch, items, tasks, env_of, clock_->Now())
                    : absl::StatusOr<std::vector<DecodeResult>>(checked);
   batch.UnlockAll();
   return results;

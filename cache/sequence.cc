@@ -11,7 +11,6 @@
 #include "cache/compaction.h"
 #include "cache/policy/registry.h"
 #include "gpu/base/checked_math.h"
-#include "gpu/base/finite.h"
 #include "gpu/base/status_macros.h"
 #include "gpu/cpu/thread_pool.h"
 
@@ -19,18 +18,8 @@ namespace kvs {
 namespace {
 
 constexpr int64_t kMaxPosition = std::numeric_limits<int32_t>::max();
-// Rows per Backend::CopyRows job of a compaction (see Evict).
-constexpr int64_t kCopyJobRows = 4096;
 // Queries of one attention input (AttentionInputs.num_queries).
 constexpr int32_t kMaxAttentionQueries = 4096;
-// Probabilities computed at once by Observe (a chunk of layers; one layer may exceed it).
-constexpr uint64_t kMaxProbsBytes = uint64_t{64} << 20;
-
-// DecodeItem.attention left at its defaults: the worker sent none.
-bool IsEmptyAttention(const AttentionInput& input) {
-  return input.layers.empty() && input.num_queries == 0 && input.query_positions.empty() &&
-         input.queries.empty() && input.scores.empty();
-}
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -314,6 +303,7 @@ absl::StatusOr<Reservation> Sequence::Reserve(const SequenceEnv& env, uint64_t r
   if (evict_first) {
     std::vector<int32_t> evict_keep = counts();
     for (int32_t layer : targets) evict_keep[layer] = keep[layer];
+    KVS_RETURN_IF_ERROR(LeaveDevice(env));  // the host path changes the tables
     KVS_ASSIGN_OR_RETURN(Eviction eviction, Evict(env, *policy_, Phase::kPrefill, evict_keep));
     for (int32_t evicted : eviction.evicted) {
       reservation.evicted_before = std::max(reservation.evicted_before, evicted);
@@ -673,9 +663,10 @@ absl::StatusOr<std::vector<int32_t>> QueryPositions(const AttentionInput& input,
   return input.query_positions;
 }
 
-// Inline queries [listed layers][Hq][w][D]: the scale, the size, every value finite.
-absl::Status CheckInlineQueries(const AttentionInput& input, const ModelLayout& layout,
-                                absl::Span<const int32_t> layers) {
+// Queries [listed layers][Hq][w][D] of `input`: the scale, the size (`queries`: inline ones, or
+// staged ones as read), every value finite.
+absl::Status CheckQueries(const AttentionInput& input, absl::Span<const float> queries,
+                          const ModelLayout& layout, absl::Span<const int32_t> layers) {
   const int32_t w = input.num_queries;
   const int64_t num_listed = static_cast<int64_t>(layers.size());
   const int64_t hq = layout.num_q_heads;
@@ -684,22 +675,22 @@ absl::Status CheckInlineQueries(const AttentionInput& input, const ModelLayout& 
         "attention.softmax_scale must be finite and > 0, got ", input.softmax_scale));
   }
   const std::optional<uint64_t> expected = CheckedProduct({num_listed, hq, w, layout.head_dim});
-  if (!expected || *expected != input.queries.size()) {
+  if (!expected || *expected != queries.size()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("attention.inline_queries has ", input.queries.size(), " values, expected ",
+        absl::StrCat("attention.inline_queries has ", queries.size(), " values, expected ",
                      expected ? absl::StrCat(*expected) : std::string("an overflowing count"),
                      " ([layers ", num_listed, "][num_q_heads ", hq, "][num_queries ", w,
                      "][head_dim ", layout.head_dim, "])"));
   }
-  for (size_t i = 0; i < input.queries.size(); ++i) {
-    if (!std::isfinite(input.queries[i])) {
+  const char* field = input.staging_offset.has_value() ? "staging_offset" : "inline_queries";
+  for (size_t i = 0; i < queries.size(); ++i) {
+    if (!std::isfinite(queries[i])) {
       // [listed layers][Hq][w][D]
       const int64_t dim = static_cast<int64_t>(i) % layout.head_dim;
       const int64_t row = static_cast<int64_t>(i) / layout.head_dim;
       return absl::InvalidArgumentError(absl::StrCat(
-          "attention.inline_queries: non-finite value at layer ", layers[row / w / hq],
-          " q head ", row / w % hq, " query ", row % w, " dim ", dim,
-          "; queries must be finite"));
+          "attention.", field, ": non-finite value at layer ", layers[row / w / hq], " q head ",
+          row / w % hq, " query ", row % w, " dim ", dim, "; queries must be finite"));
     }
   }
   return absl::OkStatus();
@@ -739,9 +730,36 @@ absl::StatusOr<std::vector<uint64_t>> ScoreOffsets(const AttentionInput& input,
 
 }  // namespace
 
+// Staged queries: where they lie in the session's staging area (4-byte aligned, inside it).
+absl::Status CheckStagedQueries(const AttentionInput& input, const ModelLayout& layout,
+                                size_t listed, const SequenceEnv* env) {
+  if (env == nullptr || env->staging_bytes == 0) {
+    return absl::InvalidArgumentError(
+        "attention.staging_offset: the session has no query staging area (Attach with "
+        "staging_bytes > 0), or send attention.inline_queries");
+  }
+  const uint64_t offset = *input.staging_offset;
+  const std::optional<uint64_t> bytes =
+      CheckedProduct({static_cast<int64_t>(listed), layout.num_q_heads, input.num_queries,
+                      layout.head_dim, int64_t{sizeof(float)}});
+  const std::optional<uint64_t> end = bytes ? CheckedAdd(offset, *bytes) : std::nullopt;
+  if (offset % sizeof(float) != 0 || !end || *end > env->staging_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention.staging_offset ", offset, ": ", bytes ? absl::StrCat(*bytes) : "too many",
+        " bytes of fp32 queries ([layers ", listed, "][num_q_heads ", layout.num_q_heads,
+        "][num_queries ", input.num_queries, "][head_dim ", layout.head_dim,
+        "]) must lie 4-byte aligned in the staging area of ", env->staging_bytes, " bytes"));
+  }
+  if (!std::isfinite(input.softmax_scale) || input.softmax_scale <= 0.0f) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention.softmax_scale must be finite and > 0, got ", input.softmax_scale));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Sequence::StepAttention> Sequence::ValidateAttention(
     const AttentionInput& input, absl::Span<const int32_t> counts, int64_t next_position,
-    bool decode) const {
+    bool decode, const SequenceEnv* env) const {
   StepAttention out;
   out.input = &input;
   absl::StatusOr<std::vector<int32_t>> layers = ResolveLayers(input.layers, layout_.num_layers);
@@ -763,20 +781,40 @@ absl::StatusOr<Sequence::StepAttention> Sequence::ValidateAttention(
   }
   KVS_ASSIGN_OR_RETURN(out.query_positions, QueryPositions(input, next_position));
 
-  const bool has_queries = !input.queries.empty();
+  const bool staged = input.staging_offset.has_value();
+  const bool has_queries = !input.queries.empty() || staged;
   const bool has_scores = !input.scores.empty();
-  if (has_queries == has_scores) {
+  if (has_queries == has_scores || (staged && !input.queries.empty())) {
     return absl::InvalidArgumentError(
-        absl::StrCat("attention must carry exactly one of attention.inline_queries and "
-                     "attention.attention_scores, got ",
-                     has_queries ? "both" : "neither"));
+        absl::StrCat("attention must carry exactly one of attention.inline_queries, "
+                     "attention.staging_offset and attention.attention_scores, got ",
+                     has_queries ? "more than one" : "none"));
   }
-  if (has_queries) {
-    KVS_RETURN_IF_ERROR(CheckInlineQueries(input, layout_, out.layers));
+  if (staged) {
+    KVS_RETURN_IF_ERROR(CheckStagedQueries(input, layout_, out.layers.size(), env));
+  } else if (has_queries) {
+    KVS_RETURN_IF_ERROR(CheckQueries(input, input.queries, layout_, out.layers));
   } else {
     KVS_ASSIGN_OR_RETURN(out.score_offsets, ScoreOffsets(input, layout_, out.layers, counts));
   }
   return out;
+}
+
+absl::Status Sequence::LoadStagedQueries(const SequenceEnv& env, StepAttention& step) const {
+  const AttentionInput& input = *step.input;
+  if (!input.staging_offset.has_value() || !step.staged.empty()) return absl::OkStatus();
+  const uint64_t values = static_cast<uint64_t>(step.layers.size()) * layout_.num_q_heads *
+                          input.num_queries * layout_.head_dim;
+  step.staged.resize(values);
+  KVS_RETURN_IF_ERROR(env.arena.Read(env.staging_offset + *input.staging_offset, step.staged.data(),
+                                     values * sizeof(float)));
+  return CheckLoadedQueries(step);
+}
+
+absl::Status Sequence::CheckLoadedQueries(StepAttention& step) const {
+  absl::Status checked = CheckQueries(*step.input, step.staged, layout_, step.layers);
+  if (!checked.ok()) step.staged.clear();
+  return checked;
 }
 
 absl::StatusOr<std::vector<int32_t>> Sequence::KeepFor(const Policy& policy, Phase phase,
@@ -916,210 +954,20 @@ absl::Status Sequence::CheckAttentionCoverage(const Policy& policy, Phase phase,
   return CoverageError(policy, phase, keep, counts, scratch, attention);
 }
 
-namespace {
-
-// A policy observes and selects each layer on its own (it reads that layer's step or selection
-// and writes only its state and outputs; see Policy::Observe and Policy::Select), so the layers
-// of a step run side by side on the host threads: checking, summing and scoring a layer's
-// probabilities is serial work per layer (TOVA's whole observation and its all-heads means,
-// 32 layers x 32 query heads x 8K slots, ran on the calling thread alone). run(layers) is the
-// policy's call on a span of layers; the first error in layer order is returned.
-template <typename Layer, typename Run>
-absl::Status EachLayerSideBySide(const SequenceEnv& env, absl::Span<const Layer> layers,
-                                 const Run& run) {
-  if (env.host_pool == nullptr || layers.size() < 2) return run(layers);
-  std::vector<absl::Status> statuses(layers.size());
-  env.host_pool->ParallelFor(static_cast<int64_t>(layers.size()),
-                             [&](int64_t k) { statuses[k] = run(layers.subspan(k, 1)); });
-  for (const absl::Status& status : statuses) KVS_RETURN_IF_ERROR(status);
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-absl::Status Sequence::Observe(const SequenceEnv& env, const Policy& policy, Phase phase,
-                               const StepAttention& attention,
-                               absl::Span<LayerPolicyState> states) const {
-  const int32_t w = attention.input->num_queries;
-  const AttentionRequirement requirement = policy.attention(phase);
-  // A policy that reads no attention (keydiff, streaming_llm) ignores what the worker sent:
-  // computing probabilities for it would only cost a pass over every key.
-  if (!requirement.needed && !policy.needs_accumulated()) return absl::OkStatus();
-  const int32_t rows =
-      requirement.trailing_queries > 0 ? std::min(requirement.trailing_queries, w) : w;
-  const int64_t hq = layout_.num_q_heads;
-  // The backend sums the rows as it computes them: one [Hq][count] row set per layer instead of
-  // `rows` of them (worker-supplied scores are used as sent).
-  const bool summed =
-      !attention.input->queries.empty() && requirement.column_sums && rows > 1;
-  const int64_t out_rows = summed ? 1 : rows;
-
-  // Layers with tokens go in chunks whose probabilities fit kMaxProbsBytes (a chunk has at
-  // least one layer), so a long prompt over many layers never holds every layer's at once.
-  std::vector<size_t> order;  // indices into attention.layers
-  for (size_t i = 0; i < attention.layers.size(); ++i) {
-    if (layers_[attention.layers[i]].count > 0) order.push_back(i);
-  }
-  size_t begin = 0;
-  while (begin < order.size()) {
-    size_t end = begin;
-    uint64_t bytes = 0;
-    while (end < order.size()) {
-      const uint64_t layer_bytes = sizeof(float) * static_cast<uint64_t>(hq) * out_rows *
-                                   layers_[attention.layers[order[end]]].count;
-      if (end > begin && bytes + layer_bytes > kMaxProbsBytes) break;
-      bytes += layer_bytes;
-      ++end;
-    }
-    KVS_RETURN_IF_ERROR(ObserveChunk(env, policy, phase, attention,
-                                     absl::MakeConstSpan(order).subspan(begin, end - begin), rows,
-                                     summed, states));
-    begin = end;
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Sequence::ObserveChunk(const SequenceEnv& env, const Policy& policy, Phase phase,
-                                    const StepAttention& attention,
-                                    absl::Span<const size_t> chunk, int32_t rows, bool summed,
-                                    absl::Span<LayerPolicyState> states) const {
-  const AttentionInput& input = *attention.input;
-  const int32_t w = input.num_queries;
-  const int32_t first_row = w - rows;
-  const int64_t hq = layout_.num_q_heads;
-  const int64_t dim = layout_.head_dim;
-  const absl::Span<const int32_t> query_positions =
-      absl::MakeConstSpan(attention.query_positions).subspan(first_row, rows);
-  const bool from_queries = !input.queries.empty();
-  const size_t n = chunk.size();
-  const int64_t out_rows = summed ? 1 : rows;
-  // Not zeroed: AttentionProbs or the copy below writes every value. One buffer per layer
-  // (tens of MiB at most) stays below glibc's mmap threshold, so its pages are reused from
-  // the heap instead of being faulted in afresh on every call.
-  std::vector<std::unique_ptr<float[]>> probs_buffers(n);
-  std::vector<absl::Span<float>> probs(n);
-  for (size_t k = 0; k < n; ++k) {
-    const size_t size =
-        static_cast<size_t>(hq) * out_rows * layers_[attention.layers[chunk[k]]].count;
-    probs_buffers[k].reset(new float[size]);
-    probs[k] = absl::MakeSpan(probs_buffers[k].get(), size);
-  }
-  std::vector<std::vector<int32_t>> positions(n);
-  std::vector<std::vector<float>> query_rows(n);
-  std::vector<AttentionJob> jobs;
-  std::vector<AttentionSumsJob> sums_jobs;
-  for (size_t k = 0; k < n; ++k) {
-    const size_t i = chunk[k];
-    const int32_t l = attention.layers[i];
-    const int64_t count = layers_[l].count;
-    positions[k] = FlatPositions(l);
-    if (!from_queries) {
-      const float* layer_scores = input.scores.data() + attention.score_offsets[i];
-      for (int64_t q = 0; q < hq; ++q) {
-        std::copy_n(layer_scores + (q * w + first_row) * count, rows * count,
-                    probs[k].data() + q * rows * count);
-      }
-      continue;
-    }
-    // [Hq][w][D] of this layer; only the trailing rows when the policy reads no others.
-    const float* layer_queries = input.queries.data() + i * hq * w * dim;
-    const float* job_queries = layer_queries;
-    if (rows < w) {
-      query_rows[k].resize(static_cast<size_t>(hq * rows * dim));
-      for (int64_t q = 0; q < hq; ++q) {
-        std::copy_n(layer_queries + (q * w + first_row) * dim, rows * dim,
-                    query_rows[k].data() + q * rows * dim);
-      }
-      job_queries = query_rows[k].data();
-    }
-    AttentionJob job;
-    job.keys = KeysView(env, l);
-    job.key_positions = positions[k].data();
-    job.queries = job_queries;
-    job.query_positions = query_positions.data();
-    job.num_q_heads = static_cast<int32_t>(hq);
-    job.num_queries = rows;
-    job.scale = input.softmax_scale;
-    if (summed) {
-      sums_jobs.push_back({.attention = job, .sums = probs[k].data()});
-    } else {
-      job.probs = probs[k].data();
-      jobs.push_back(job);
-    }
-  }
-  if (!jobs.empty()) {
-    KVS_RETURN_IF_ERROR(env.backend.AttentionProbs(jobs, nullptr));
-    KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
-  }
-  if (!sums_jobs.empty()) {
-    KVS_RETURN_IF_ERROR(env.backend.AttentionColumnSums(sums_jobs, nullptr));
-    KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
-  }
-  std::vector<LayerStep> steps(n);
-  for (size_t k = 0; k < n; ++k) {
-    const int32_t l = attention.layers[chunk[k]];
-    LayerStep& step = steps[k];
-    step.layer = l;
-    step.keys = KeysView(env, l);
-    step.positions = positions[k];
-    step.num_q_heads = static_cast<int32_t>(hq);
-    step.probs = probs[k];
-    step.num_queries = rows;
-    step.query_positions = query_positions;
-    step.step_queries = w;
-    step.summed_rows = summed ? rows : 0;
-    step.state = &states[l];
-  }
-  return EachLayerSideBySide<LayerStep>(env, steps, [&](absl::Span<const LayerStep> some) {
-    return policy.Observe(env.backend, phase, some);
-  });
-}
-
-absl::StatusOr<Sequence::Eviction> Sequence::RunStep(const SequenceEnv& env, const Policy& policy,
-                                                     Phase phase, const StepAttention* attention,
-                                                     const StepBudget& budget,
-                                                     int32_t* floor_applied) {
-  *floor_applied = 0;
-  if (attention != nullptr) {
-    KVS_RETURN_IF_ERROR(Observe(env, policy, phase, *attention, absl::MakeSpan(states_)));
-  }
-  const std::vector<int32_t> current = counts();
-  if (!budget.any() && windows_.empty()) {
-    Eviction none;
-    none.evicted.assign(layers_.size(), 0);
-    none.merged.assign(layers_.size(), 0);
-    none.evicted_positions.resize(layers_.size());
-    return none;
-  }
-  KVS_ASSIGN_OR_RETURN(
-      const std::vector<int32_t> keep,
-      KeepFor(policy, phase, budget, current, absl::MakeSpan(states_), floor_applied));
-  // Checked before anything changed already; an allocator that moved budgets after observing
-  // can still leave an unobserved layer to evict, which must not be chosen blind.
-  KVS_RETURN_IF_ERROR(CoverageError(policy, phase, keep, current, states_, attention));
-  // What GetLayout reports as a layer's budget: an allocation other than the uniform one.
-  for (size_t l = 0; l < keep.size(); ++l) {
-    // A window is not an allocation, and without a budget (windows only) nothing is allocated.
-    allocated_[l] =
-        budget.any() && Window(l) == 0 && keep[l] != std::min(budget.tokens, current[l])
-            ? keep[l]
-            : 0;
-  }
-  return Evict(env, policy, phase, keep);
-}
-
 absl::StatusOr<CommitResult> Sequence::Commit(const SequenceEnv& env, uint64_t reservation_id,
                                               bool compress_if_over_budget,
                                               const AttentionInput* attention,
                                               const absl::Status* rows_checked) {
   KVS_RETURN_IF_ERROR(CheckPending(reservation_id));
+  KVS_RETURN_IF_ERROR(LeaveDevice(env));  // the host path changes the tables
   // Everything is validated against the sequence as it will be after the commit, before
   // anything changes.
   const std::vector<int32_t> after = CountsAfterPending();
   const int64_t next_after = int64_t{pending_->positions.back()} + 1;
   std::optional<StepAttention> step;
   if (attention != nullptr) {
-    KVS_ASSIGN_OR_RETURN(step, ValidateAttention(*attention, after, next_after, false));
+    KVS_ASSIGN_OR_RETURN(step, ValidateAttention(*attention, after, next_after, false, &env));
+    KVS_RETURN_IF_ERROR(LoadStagedQueries(env, *step));
   }
   const StepBudget budget = SequenceBudget();
   // Strict budgets of policies that need attention evict here, since Reserve could not.
@@ -1164,6 +1012,7 @@ absl::StatusOr<CommitResult> Sequence::CommitChecked(const SequenceEnv& env,
 
 absl::StatusOr<CompressResult> Sequence::Compress(const SequenceEnv& env,
                                                   const CompressParams& params) {
+  KVS_RETURN_IF_ERROR(LeaveDevice(env));  // the host path changes the tables
   if (never_evicts()) {
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", id_,
@@ -1195,8 +1044,9 @@ absl::StatusOr<CompressResult> Sequence::Compress(const SequenceEnv& env,
   if (params.budget_tokens > 0) budget = StepBudget{params.budget_tokens, {}};
   std::optional<StepAttention> step;
   if (params.attention.has_value()) {
-    KVS_ASSIGN_OR_RETURN(step,
-                         ValidateAttention(*params.attention, counts(), next_position_, false));
+    KVS_ASSIGN_OR_RETURN(
+        step, ValidateAttention(*params.attention, counts(), next_position_, false, &env));
+    KVS_RETURN_IF_ERROR(LoadStagedQueries(env, *step));
   }
   const StepAttention* step_ptr = step.has_value() ? &*step : nullptr;
   KVS_RETURN_IF_ERROR(CheckAttentionCoverage(policy, Phase::kPrefill, budget, counts(), step_ptr));
@@ -1244,167 +1094,9 @@ absl::StatusOr<std::vector<int32_t>> Sequence::StrictFlushKeep() const {
                  &floor_applied);
 }
 
-absl::Status Sequence::CheckDecode(const SequenceEnv& env, const DecodeItem& item) {
-  const bool has_inline = !item.inline_kv.empty();
-  if (item.reservation_id != 0 && has_inline) {
-    return absl::InvalidArgumentError(
-        "reservation_id and inline_kv are exclusive: give one new token, not two");
-  }
-  std::vector<int32_t> after = counts();
-  int64_t next_after = next_position_;
-  if (item.reservation_id != 0) {
-    KVS_RETURN_IF_ERROR(CheckPending(item.reservation_id));
-    if (pending_->num_tokens != 1 ||
-        pending_->layers.size() != static_cast<size_t>(layout_.num_layers)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("reservation_id: reservation ", item.reservation_id, " holds ",
-                       pending_->num_tokens, " tokens in ", pending_->layers.size(),
-                       " layers; a decode step commits 1 token in all ", layout_.num_layers));
-    }
-    KVS_RETURN_IF_ERROR(CheckPendingFinite(env));
-    after = CountsAfterPending();
-    next_after = int64_t{pending_->positions.back()} + 1;
-  } else if (pending_.has_value()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("sequence ", id_, " has a pending reservation ", pending_->id,
-                     "; give it as reservation_id or cancel it before a decode step"));
-  }
-  if (has_inline) {
-    const std::optional<uint64_t> expected = CheckedProduct(
-        {layout_.num_layers, 2, layout_.num_kv_heads, layout_.head_dim, layout_.dtype_bytes()});
-    if (!expected || *expected != item.inline_kv.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("inline_kv has ", item.inline_kv.size(), " bytes, expected ",
-                       expected ? absl::StrCat(*expected) : std::string("an overflowing count"),
-                       " ([layers][2][num_kv_heads][1][head_dim] in the session dtype)"));
-    }
-    // [layer][2][H][1][D]: checked here, on the request's bytes, before anything is written.
-    const int64_t bad =
-        FirstNonFinite(item.inline_kv.data(),
-                       static_cast<int64_t>(item.inline_kv.size()) / layout_.dtype_bytes(),
-                       layout_.dtype);
-    if (bad >= 0) {
-      const int64_t dim = bad % layout_.head_dim;
-      const int64_t row = bad / layout_.head_dim;  // (layer * 2 + kv) * H + head
-      const int64_t head = row % layout_.num_kv_heads;
-      const int64_t kv = row / layout_.num_kv_heads % 2;
-      const int64_t layer = row / layout_.num_kv_heads / 2;
-      return absl::InvalidArgumentError(absl::StrCat(
-          "inline_kv: non-finite value (NaN or inf) in ", kv == 0 ? "K" : "V", " at layer ",
-          layer, " head ", head, " dim ", dim, "; K/V must be finite"));
-    }
-    if (next_position_ > kMaxPosition) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("inline_kv: sequence ", id_, " has no position left"));
-    }
-    // Under a strict budget the token goes in after the flush down to the budget (keydiff.md
-    // §9, as Reserve does), so the blocks are counted after it.
-    KVS_ASSIGN_OR_RETURN(const std::vector<int32_t> flushed, StrictFlushKeep());
-    const int64_t b = layout_.block_tokens;
-    int64_t needed = 0;
-    int64_t freed = 0;
-    for (int32_t l = 0; l < layout_.num_layers; ++l) {
-      freed += CeilDiv(layers_[l].count, b) - CeilDiv(flushed[l], b);
-      if (flushed[l] % b == 0) ++needed;
-      after[l] = flushed[l] + 1;
-    }
-    const int64_t available = env.allocator.free_blocks() + freed;
-    if (needed > available) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "arena of session ", absl::string_view(env.session_id.data(), env.session_id.size()),
-          " has ", available, " free blocks, the decode token needs ", needed));
-    }
-    next_after = next_position_ + 1;
-  }
-  std::optional<StepAttention> step;
-  if (!IsEmptyAttention(item.attention)) {
-    KVS_ASSIGN_OR_RETURN(step, ValidateAttention(item.attention, after, next_after, true));
-  }
-  return CheckAttentionCoverage(*policy_, Phase::kDecode, SequenceBudget(), after,
-                                step.has_value() ? &*step : nullptr);
-}
-
-absl::StatusOr<DecodeResult> Sequence::Decode(const SequenceEnv& env, const DecodeItem& item,
-                                              uint64_t reservation_id) {
-  KVS_RETURN_IF_ERROR(CheckDecode(env, item));
-  Checkpoint checkpoint = TakeCheckpoint();
-  absl::StatusOr<DecodeResult> result = DecodeChecked(env, item, reservation_id);
-  if (!result.ok()) RollbackIfUnmoved(env, std::move(checkpoint));
-  return result;
-}
-
-absl::StatusOr<DecodeResult> Sequence::DecodeChecked(const SequenceEnv& env,
-                                                     const DecodeItem& item,
-                                                     uint64_t reservation_id) {
-  DecodeResult result;
-  if (item.reservation_id != 0) {
-    CommitPending(env);  // position stays -1: the worker placed this token itself
-  } else if (!item.inline_kv.empty()) {
-    // One token in every layer: blocks where a layer's last block is full, the rows written
-    // through the same payload walk as WriteReserved, then published as a commit.
-    KVS_ASSIGN_OR_RETURN(const std::vector<int32_t> flushed, StrictFlushKeep());
-    if (flushed != counts()) {
-      KVS_RETURN_IF_ERROR(Evict(env, *policy_, Phase::kPrefill, flushed).status());
-    }
-    const int64_t b = layout_.block_tokens;
-    int32_t needed = 0;
-    for (const LayerState& state : layers_) needed += state.count % b == 0 ? 1 : 0;
-    std::vector<int32_t> new_blocks;
-    KVS_RETURN_IF_ERROR(env.allocator.Allocate(needed, &new_blocks));
-    size_t next_block = 0;
-    std::vector<PayloadSegment> segments;
-    segments.reserve(layers_.size());
-    Pending pending;
-    pending.id = reservation_id;
-    pending.num_tokens = 1;
-    for (int32_t l = 0; l < layout_.num_layers; ++l) {
-      LayerState& state = layers_[l];
-      if (state.count % b == 0) state.blocks.push_back(new_blocks[next_block++]);
-      segments.push_back(PayloadSegment{&state.blocks, state.count, 1});
-      pending.layers.push_back(l);
-    }
-    pending.positions = {static_cast<int32_t>(next_position_)};
-    pending.payload_bytes = item.inline_kv.size();
-    result.position = pending.positions[0];
-    pending_ = std::move(pending);
-    absl::Status written =
-        ForEachRun(layout_, segments, 0, item.inline_kv.size(),
-                   [&](uint64_t arena_offset, uint64_t from, uint64_t run) {
-                     return env.arena.Write(arena_offset, item.inline_kv.data() + from, run);
-                   });
-    // The token's bytes were checked before they reached the arena (CheckDecode); a policy that
-    // keeps key norms still takes them through the backend's check of the written rows, so they
-    // are the norms its pass over the keys would compute.
-    if (written.ok() && policy_->keeps_key_norms()) written = CheckPendingFinite(env);
-    if (!written.ok()) {
-      (void)Cancel(env, reservation_id);
-      return written;
-    }
-    CommitPending(env);
-  }
-  std::optional<StepAttention> step;
-  if (!IsEmptyAttention(item.attention)) {
-    KVS_ASSIGN_OR_RETURN(step, ValidateAttention(item.attention, counts(), next_position_, true));
-  }
-  int32_t floor_applied = 0;
-  absl::StatusOr<Eviction> eviction =
-      RunStep(env, *policy_, Phase::kDecode, step.has_value() ? &*step : nullptr, SequenceBudget(),
-              &floor_applied);
-  ClearStepScores();
-  if (!eviction.ok()) return eviction.status();
-  result.counts = counts();
-  const int32_t heads = layout_.num_kv_heads;
-  result.evicted_positions.assign(static_cast<size_t>(layout_.num_layers) * heads, -1);
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    const std::vector<int32_t>& lowest = eviction->evicted_positions[l];
-    for (size_t h = 0; h < lowest.size(); ++h) result.evicted_positions[l * heads + h] = lowest[h];
-    result.merged += eviction->merged[l];
-  }
-  return result;
-}
-
 absl::StatusOr<std::vector<LayerScores>> Sequence::Score(const SequenceEnv& env,
                                                          const ScoreParams& params) const {
+  KVS_RETURN_IF_ERROR(SyncHostTables(env));  // the dry run reads the policy state on the host
   if (never_evicts()) {
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", id_,
@@ -1441,8 +1133,9 @@ absl::StatusOr<std::vector<LayerScores>> Sequence::Score(const SequenceEnv& env,
   const std::vector<int32_t> current = counts();
   std::optional<StepAttention> step;
   if (params.attention.has_value()) {
-    KVS_ASSIGN_OR_RETURN(step,
-                         ValidateAttention(*params.attention, current, next_position_, false));
+    KVS_ASSIGN_OR_RETURN(
+        step, ValidateAttention(*params.attention, current, next_position_, false, &env));
+    KVS_RETURN_IF_ERROR(LoadStagedQueries(env, *step));
   }
   const StepAttention* step_ptr = step.has_value() ? &*step : nullptr;
   KVS_RETURN_IF_ERROR(CheckAttentionCoverage(policy, Phase::kPrefill, budget, current, step_ptr));
@@ -1485,192 +1178,8 @@ absl::StatusOr<std::vector<LayerScores>> Sequence::Score(const SequenceEnv& env,
     selection.writable_arena = nullptr;  // a dry run writes nothing
     selection.scores_out = out.scores.data();
   }
-  if (!selections.empty()) {
-    KVS_RETURN_IF_ERROR(EachLayerSideBySide<LayerSelection>(
-        env, selections, [&](absl::Span<const LayerSelection> some) {
-          return policy.Select(env.backend, Phase::kPrefill, some);
-        }));
-  }
+  if (!selections.empty()) KVS_RETURN_IF_ERROR(SelectDryRun(env, policy, selections));
   return result;
-}
-
-absl::Status Sequence::ChooseKept(const SequenceEnv& env, const Policy& policy, Phase phase,
-                                  absl::Span<const int32_t> victims,
-                                  absl::Span<const int32_t> keep, EvictChoice& choice) {
-  const int32_t heads = layout_.num_kv_heads;
-  choice.flat_positions.resize(victims.size());
-  choice.kept.resize(victims.size());
-  choice.scores.resize(retain_evicted_ ? victims.size() : 0);
-  choice.selections.reserve(victims.size());  // the policy's layers (windowed ones are not)
-  for (size_t i = 0; i < victims.size(); ++i) {
-    const int32_t l = victims[i];
-    choice.flat_positions[i] = FlatPositions(l);
-    choice.kept[i].resize(static_cast<size_t>(heads) * keep[l]);
-    if (Window(l) > 0) {
-      KeepNewest(l, keep[l], absl::MakeSpan(choice.kept[i]));
-      if (retain_evicted_) {
-        choice.scores[i].assign(static_cast<size_t>(heads) * layers_[l].count, 0.0f);
-      }
-      continue;
-    }
-    LayerSelection& selection = choice.selections.emplace_back();
-    selection.layer = l;
-    selection.keys = KeysView(env, l);
-    selection.positions = choice.flat_positions[i];
-    selection.keep = keep[l];
-    selection.kept = absl::MakeSpan(choice.kept[i]);
-    selection.num_q_heads = layout_.num_q_heads;
-    selection.state = &states_[l];
-    selection.writable_arena = env.arena.data();
-    if (retain_evicted_) {
-      choice.scores[i].resize(static_cast<size_t>(heads) * layers_[l].count);
-      selection.scores_out = choice.scores[i].data();
-    }
-  }
-  if (choice.selections.empty()) return absl::OkStatus();
-  return EachLayerSideBySide<LayerSelection>(
-      env, choice.selections, [&](absl::Span<const LayerSelection> some) {
-        return policy.Select(env.backend, phase, some);
-      });
-}
-
-absl::Status Sequence::PlanEvictions(const SequenceEnv& env, absl::Span<const int32_t> victims,
-                                     absl::Span<const int32_t> keep,
-                                     absl::Span<const std::vector<int32_t>> kept,
-                                     std::vector<CompactionPlan>& plans,
-                                     Eviction& eviction) const {
-  plans.resize(victims.size());
-  std::vector<absl::Status> statuses(victims.size());
-  // Layers are planned independently (reads of this sequence's tables, writes to their own
-  // plan and row of evicted_positions), so they run side by side on the host threads.
-  auto plan_layer = [&](int64_t i) {
-    const int32_t l = victims[i];
-    const LayerState& state = layers_[l];
-    absl::StatusOr<CompactionPlan> plan =
-        PlanCompaction(layout_, state.blocks, state.count, keep[l], kept[i], state.positions);
-    if (!plan.ok()) {
-      statuses[i] = plan.status();
-      return;
-    }
-    plans[i] = *std::move(plan);
-    LowestEvicted(state, keep[l], kept[i], eviction.evicted_positions[l]);
-  };
-  if (env.host_pool != nullptr) {
-    env.host_pool->ParallelFor(static_cast<int64_t>(victims.size()), plan_layer);
-  } else {
-    for (size_t i = 0; i < victims.size(); ++i) plan_layer(static_cast<int64_t>(i));
-  }
-  for (const absl::Status& status : statuses) KVS_RETURN_IF_ERROR(status);
-  return absl::OkStatus();
-}
-
-void Sequence::LowestEvicted(const LayerState& state, int32_t keep, absl::Span<const int32_t> kept,
-                             std::vector<int32_t>& lowest) const {
-  const int32_t heads = layout_.num_kv_heads;
-  lowest.assign(heads, -1);
-  // Kept slots are distinct, so a head evicts exactly when it keeps fewer than it holds.
-  if (keep >= state.count) return;
-  // The kept slots masked out by their positions' replacement with the largest value, then one
-  // min over the head: a straight loop the compiler vectorises, where a walk over the gaps
-  // between kept slots (a few slots each) was mostly branches.
-  thread_local std::vector<int32_t> masked;
-  masked.resize(state.count);
-  constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
-  for (int32_t h = 0; h < heads; ++h) {
-    const int32_t* positions = state.positions[h].data();
-    const int32_t* kept_slots = kept.data() + int64_t{h} * keep;
-    std::copy_n(positions, state.count, masked.data());
-    for (int32_t t = 0; t < keep; ++t) masked[kept_slots[t]] = kNone;
-    int32_t low = kNone;
-    for (int32_t s = 0; s < state.count; ++s) low = std::min(low, masked[s]);
-    lowest[h] = low;
-  }
-}
-
-absl::Status Sequence::ApplyCompaction(const SequenceEnv& env, absl::Span<const int32_t> victims,
-                                       absl::Span<const int32_t> keep,
-                                       std::vector<CompactionPlan>& plans, Eviction& eviction) {
-  const int32_t heads = layout_.num_kv_heads;
-  std::vector<RowCopyJob> jobs;
-  for (size_t i = 0; i < victims.size(); ++i) {
-    // Pieces of kCopyJobRows rows (1 MiB of 256-byte rows): enough of them for the backend to
-    // spread even a single layer's compaction over its threads.
-    plans[i].AppendJobs(env.arena.data(), layout_.row_bytes(), kCopyJobRows, jobs);
-  }
-  if (!jobs.empty()) {
-    KVS_RETURN_IF_ERROR(env.backend.CopyRows(jobs, nullptr));
-    KVS_RETURN_IF_ERROR(env.backend.Synchronize(nullptr));
-  }
-  std::vector<int32_t> to_free;
-  int64_t evicted_total = 0;
-  for (size_t i = 0; i < victims.size(); ++i) {
-    const int32_t l = victims[i];
-    LayerState& state = layers_[l];
-    const int32_t evicted = state.count - keep[l];
-    eviction.evicted[l] = evicted;
-    evicted_total += evicted;
-    states_[l].Compact(heads, state.count, plans[i].sources);
-    state.count = keep[l];
-    state.positions = std::move(plans[i].positions);
-    to_free.insert(to_free.end(), plans[i].freed_blocks.begin(), plans[i].freed_blocks.end());
-    state.blocks = std::move(plans[i].block_table);
-    eviction.bytes_copied += plans[i].bytes_copied;
-  }
-  eviction.blocks_freed = static_cast<int32_t>(to_free.size());
-  ++version_;
-  totals_.evicted += evicted_total;
-  if (env.tokens_evicted != nullptr) *env.tokens_evicted += evicted_total;
-  // The blocks were this sequence's, so a failure here is a bookkeeping bug.
-  return env.allocator.Free(to_free);
-}
-
-absl::StatusOr<Sequence::Eviction> Sequence::Evict(const SequenceEnv& env, const Policy& policy,
-                                                   Phase phase, absl::Span<const int32_t> keep) {
-  Eviction eviction;
-  eviction.evicted.assign(layers_.size(), 0);
-  eviction.merged.assign(layers_.size(), 0);
-  eviction.evicted_positions.resize(layers_.size());
-  std::vector<int32_t> victims;  // layers that lose tokens
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    if (keep[l] < layers_[l].count) victims.push_back(static_cast<int32_t>(l));
-  }
-  if (victims.empty()) return eviction;
-
-  // 1. Choose (no mutation).
-  EvictChoice choice;
-  KVS_RETURN_IF_ERROR(ChooseKept(env, policy, phase, victims, keep, choice));
-  // retain_evicted: the rows leave for the host tier before anything changes here. A retained
-  // chunk is not part of a Checkpoint, so from here on a failure is not rolled back.
-  if (retain_evicted_) {
-    // A failed RetainEvicted keeps nothing (its chunk is pinned last), so the step still rolls back.
-    KVS_RETURN_IF_ERROR(RetainEvicted(env, victims, keep, choice.kept, choice.scores));
-    rows_moved_ = true;
-  }
-
-  // 2. Plan the compaction (blocks nobody keeps leave the table, then hole filling; no
-  // mutation), and note what each head evicts.
-  std::vector<CompactionPlan> plans;
-  KVS_RETURN_IF_ERROR(PlanEvictions(env, victims, keep, choice.kept, plans, eviction));
-
-  // 3. Merge evicted rows into kept ones (D2O) while every row is still in place. From here on
-  // arena rows change: a failure can no longer be rolled back (gpu/backend.h errors only).
-  rows_moved_ = true;
-  std::vector<int32_t> merged(choice.selections.size(), 0);
-  if (!choice.selections.empty()) {
-    KVS_RETURN_IF_ERROR(
-        policy.Merge(env.backend, phase, choice.selections, absl::MakeSpan(merged)));
-  }
-  for (size_t i = 0; i < choice.selections.size(); ++i) {
-    eviction.merged[choice.selections[i].layer] = merged[i];
-    totals_.merged += merged[i];
-    // Merging rewrote kept keys in place: their norms are no longer known.
-    if (merged[i] > 0) choice.selections[i].state->key_norms.clear();
-  }
-
-  // 4. Move rows, then publish the new tables, permute the policy state the same way and give
-  // the tail blocks back.
-  KVS_RETURN_IF_ERROR(ApplyCompaction(env, victims, keep, plans, eviction));
-  return eviction;
 }
 
 absl::StatusOr<SequenceLayout> Sequence::GetLayout(const SequenceEnv& env,
@@ -1734,6 +1243,7 @@ absl::Status Sequence::ReadExport(const SequenceEnv& env, absl::Span<const int32
 }
 
 int32_t Sequence::Release(const SequenceEnv& env) {
+  device_.reset();
   std::vector<int32_t> to_free;
   for (LayerState& state : layers_) {
     to_free.insert(to_free.end(), state.blocks.begin(), state.blocks.end());

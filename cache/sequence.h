@@ -42,6 +42,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "cache/block_allocator.h"
+#include "cache/compaction.h"
 #include "cache/policy/policy.h"
 #include "cache/pool.h"
 #include "cache/sequence_kind.h"
@@ -53,8 +54,6 @@
 namespace kvs {
 
 class ThreadPool;  // gpu/cpu/thread_pool.h
-
-struct CompactionPlan;  // cache/compaction.h
 
 // Stores (data non-null) or drops (null) a sequence's pinned host-tier entry; the sequence gives
 // the key's sequence_id, the caller completes the key with tenant and session.
@@ -77,6 +76,10 @@ struct SequenceEnv {
   // Host threads for bookkeeping that touches no K/V (planning an eviction layer by layer); null
   // runs it on the calling thread. A loop started inside another loop of the pool runs inline.
   ThreadPool* host_pool = nullptr;
+  // The session's query staging area in the arena (AttentionInput::staging_offset is relative
+  // to its start); staging_bytes 0 = none.
+  uint64_t staging_offset = 0;
+  uint64_t staging_bytes = 0;
 };
 
 // `layers` as a request gives them: empty = all of [0, num_layers); else each in range and
@@ -93,6 +96,8 @@ class PendingRowChecks {
  public:
   // Starts the jobs of one more sequence; the index it returns names them in first().
   size_t AddGroup();
+  // Groups added so far (the index the next AddGroup returns).
+  size_t groups() const { return group_begin_.size(); }
   // One job of the current group: `rows` row offsets (filled in by the caller) of `row_elements`
   // values of `dtype` in `arena`.
   // With `norms` ([rows], kept alive until Run returns), the check writes each row's L2 norm there
@@ -170,13 +175,6 @@ class Sequence {
   void AddPendingRowChecks(const SequenceEnv& env, PendingRowChecks& checks);
   absl::Status PendingRowsResult(absl::Span<const int64_t> first) const;
   absl::StatusOr<CompressResult> Compress(const SequenceEnv& env, const CompressParams& params);
-  // DecodeStep of one item (KvPool::DecodeStep): CheckDecode validates without changing anything
-  // the sequence holds (a pending token's key norms are taken with its check);
-  // Decode (after a successful CheckDecode) appends/commits the token, observes, evicts to the
-  // budget. `reservation_id` is the id an inline token's internal reservation takes.
-  absl::Status CheckDecode(const SequenceEnv& env, const DecodeItem& item);
-  absl::StatusOr<DecodeResult> Decode(const SequenceEnv& env, const DecodeItem& item,
-                                      uint64_t reservation_id);
   // Dry run of Compress on copies of the policy state; changes nothing.
   absl::StatusOr<std::vector<LayerScores>> Score(const SequenceEnv& env,
                                                  const ScoreParams& params) const;
@@ -271,6 +269,16 @@ class Sequence {
     std::vector<uint64_t> score_offsets;   // per listed layer: first float in input->scores
     std::vector<int32_t> query_positions;  // [w], resolved (defaults filled in)
     std::vector<uint8_t> listed;           // per layer of the model
+    // Queries in the staging area, read to the host for a host step (LoadStagedQueries); a
+    // device step reads them where they are.
+    std::vector<float> staged;
+    bool has_queries() const {
+      return !input->queries.empty() || input->staging_offset.has_value();
+    }
+    // The queries on the host: inline, or staged once loaded.
+    const float* host_queries() const {
+      return input->staging_offset.has_value() ? staged.data() : input->queries.data();
+    }
   };
   // The budget of one step: explicit per-layer tokens win over `tokens` (the allocator's).
   struct StepBudget {
@@ -279,6 +287,39 @@ class Sequence {
     bool any() const { return tokens > 0 || !per_layer.empty(); }
   };
 
+ public:
+  // DecodeStep (KvPool::DecodeStep, cache/sequence_decode.cc). CheckDecode validates one item
+  // against the sequence as it will be after the step, changing nothing (a pending token's key
+  // norms are taken with its check), and returns what the step runs on: its attention resolved,
+  // and with `checks`, the group of `checks` that holds its reserved rows' finiteness check (the
+  // caller runs the checks of every item in one call and refuses the item whose rows fail;
+  // without, the check runs here). DecodeAll then steps every checked item of a call together:
+  // each new token committed (inline ones written in one backend call), then one policy step
+  // over all the items' layers. A failure fails every item and leaves each as it was.
+  struct DecodePlan {
+    std::optional<StepAttention> attention;
+    std::optional<size_t> rows_group;
+    // The reserved rows' finite check is left to the step (a backend that batches calls): the
+    // device path's kChoose reads those rows anyway, and the host path checks them in its one
+    // call for the new tokens (CommitNewTokens), so the step pays no wait of its own for them.
+    bool rows_deferred = false;
+  };
+  absl::StatusOr<DecodePlan> CheckDecode(const SequenceEnv& env, const DecodeItem& item,
+                                         PendingRowChecks* checks);
+  struct DecodeTask {
+    Sequence* sequence = nullptr;
+    const SequenceEnv* env = nullptr;
+    const DecodeItem* item = nullptr;
+    uint64_t reservation_id = 0;  // the id an inline token's internal reservation takes
+    DecodePlan plan;              // CheckDecode's
+    DecodeResult result;          // out
+  };
+  static absl::Status DecodeAll(absl::Span<DecodeTask> tasks);
+  // One item: CheckDecode, then DecodeAll of it alone.
+  absl::StatusOr<DecodeResult> Decode(const SequenceEnv& env, const DecodeItem& item,
+                                      uint64_t reservation_id);
+
+ private:
   // Reserve's steps. The positions of a reservation of `num_tokens` in `targets` (given ones
   // checked against each target layer's own positions, or the sequence's next ones).
   absl::StatusOr<std::vector<int32_t>> ReservePositions(int32_t num_tokens,
@@ -296,9 +337,20 @@ class Sequence {
                                 int32_t num_tokens, int64_t needed, Reservation& reservation);
   // Validates `input` against per-layer `counts` (as they will be when it is observed) and the
   // sequence's next position then; INVALID_ARGUMENT naming the attention.* field.
+  // Staged queries (AttentionInput::staging_offset) are checked for their place in the
+  // session's staging area (`env`; null = none) here, and for their values when read.
   absl::StatusOr<StepAttention> ValidateAttention(const AttentionInput& input,
                                                   absl::Span<const int32_t> counts,
-                                                  int64_t next_position, bool decode) const;
+                                                  int64_t next_position, bool decode,
+                                                  const SequenceEnv* env = nullptr) const;
+  // A host step's staged queries: read from the arena and checked finite (INVALID_ARGUMENT
+  // naming the first that is not). Nothing for inline ones.
+  absl::Status LoadStagedQueries(const SequenceEnv& env, StepAttention& step) const;
+  // The same for every host step of a DecodeStep: one backend call and one wait for all their
+  // reads (a read each was a wait each); errors name the item.
+  static absl::Status LoadStagedQueries(absl::Span<DecodeTask> tasks);
+  // LoadStagedQueries' check of the queries read into step.staged (cleared when they fail).
+  absl::Status CheckLoadedQueries(StepAttention& step) const;
   // The tokens each layer keeps under `budget` (counts unchanged when it has none). A windowed
   // layer keeps its window; the allocator splits the budget over the global layers alone.
   absl::StatusOr<std::vector<int32_t>> KeepFor(const Policy& policy, Phase phase,
@@ -328,13 +380,6 @@ class Sequence {
   // Observes `attention` on `states` (one per layer of the model).
   absl::Status Observe(const SequenceEnv& env, const Policy& policy, Phase phase,
                        const StepAttention& attention, absl::Span<LayerPolicyState> states) const;
-  // Observe of the listed layers attention.layers[chunk[k]] (each holding tokens): their
-  // probabilities (the trailing `rows` queries; with `summed`, their column sums only, as the
-  // backend computes them), then the policy's Observe over them.
-  absl::Status ObserveChunk(const SequenceEnv& env, const Policy& policy, Phase phase,
-                            const StepAttention& attention, absl::Span<const size_t> chunk,
-                            int32_t rows, bool summed,
-                            absl::Span<LayerPolicyState> states) const;
   // Observe -> allocate -> Select -> Merge -> compact on the real state. `budget` without
   // tokens only observes.
   absl::StatusOr<Eviction> RunStep(const SequenceEnv& env, const Policy& policy, Phase phase,
@@ -345,32 +390,85 @@ class Sequence {
   // entry per layer.
   absl::StatusOr<Eviction> Evict(const SequenceEnv& env, const Policy& policy, Phase phase,
                                  absl::Span<const int32_t> keep);
-  // Evict's steps. 1: the kept slots of every victim layer ([H][keep] each): newest positions
-  // in windowed layers, the policy's Select in the others (no mutation).
+
+  // The step over several sequences at once (cache/sequence_step.cc): each phase is one backend
+  // call for every item's layers, and the layers of items whose policies have equal
+  // configurations go to one policy call. A failed phase fails every item (each caller rolls its
+  // sequence back from its checkpoint); the items are distinct sequences.
+  //
+  // One sequence's observation: `attention` on `states` (one per layer of the model).
+  struct ObserveItem {
+    const Sequence* sequence = nullptr;
+    const SequenceEnv* env = nullptr;
+    const Policy* policy = nullptr;
+    Phase phase = Phase::kPrefill;
+    const StepAttention* attention = nullptr;  // null: nothing to observe
+    absl::Span<LayerPolicyState> states;
+  };
+  // One (item, listed layer) of an observation and the rows its policy reads.
+  struct ObserveEntry {
+    size_t item = 0;
+    size_t listed = 0;  // index into the item's attention.layers
+    int32_t rows = 0;
+    bool summed = false;
+    uint64_t bytes = 0;  // of its probabilities
+  };
+  static absl::Status ObserveAll(absl::Span<const ObserveItem> items);
+  // One chunk of entries: their probabilities in one backend call, then the policies' Observe.
+  static absl::Status ObserveEntries(absl::Span<const ObserveItem> items,
+                                     absl::Span<const ObserveEntry> entries);
+  // One sequence's whole step (RunStep's arguments and results).
+  struct StepItem {
+    Sequence* sequence = nullptr;
+    const SequenceEnv* env = nullptr;
+    const Policy* policy = nullptr;
+    Phase phase = Phase::kPrefill;
+    const StepAttention* attention = nullptr;
+    StepBudget budget;
+    int32_t floor_applied = 0;  // out
+    Eviction eviction;          // out
+  };
+  static absl::Status RunSteps(absl::Span<StepItem> items);
+  // The kept slots of every victim layer ([H][keep] each): newest positions in windowed layers,
+  // the policy's Select in the others (no mutation).
   struct EvictChoice {
     std::vector<std::vector<int32_t>> flat_positions;  // per victim, [H * count]
     std::vector<std::vector<int32_t>> kept;            // per victim, [H][keep] slots
     std::vector<std::vector<float>> scores;            // retain_evicted only, [H][count]
     std::vector<LayerSelection> selections;            // the policy's layers, into the above
   };
-  absl::Status ChooseKept(const SequenceEnv& env, const Policy& policy, Phase phase,
-                          absl::Span<const int32_t> victims, absl::Span<const int32_t> keep,
-                          EvictChoice& choice);
-  // 2: the compaction plan of every victim, and the lowest position each head evicts (no
-  // mutation).
-  absl::Status PlanEvictions(const SequenceEnv& env, absl::Span<const int32_t> victims,
-                             absl::Span<const int32_t> keep,
-                             absl::Span<const std::vector<int32_t>> kept,
-                             std::vector<CompactionPlan>& plans, Eviction& eviction) const;
+  // One sequence's eviction (Evict's arguments, its working data and its result).
+  struct EvictItem {
+    Sequence* sequence = nullptr;
+    const SequenceEnv* env = nullptr;
+    const Policy* policy = nullptr;
+    Phase phase = Phase::kPrefill;
+    std::vector<int32_t> keep;     // per layer
+    Eviction eviction;             // out
+    std::vector<int32_t> victims;  // layers that lose tokens
+    EvictChoice choice;
+    std::vector<CompactionPlan> plans;  // per victim
+  };
+  static absl::Status EvictAll(absl::Span<EvictItem> items);
+  // EvictAll's steps: 1. the choices (one Select per policy group);
+  static absl::Status ChooseAll(absl::Span<EvictItem> items);
+  void PrepareChoice(const SequenceEnv& env, absl::Span<const int32_t> victims,
+                     absl::Span<const int32_t> keep, EvictChoice& choice);
+  // 2. the compaction plans and the lowest position each head evicts (no mutation);
+  static absl::Status PlanAll(absl::Span<EvictItem> items);
+  // 3. the merges (D2O) while every row is in place;
+  static absl::Status MergeAll(absl::Span<EvictItem> items);
+  // 4. every item's rows moved in one call, then each sequence's new tables, positions and
+  // policy state published and the blocks past the new ends freed.
+  static absl::Status ApplyAll(absl::Span<EvictItem> items);
+  absl::Status PublishCompaction(const SequenceEnv& env, EvictItem& item);
   // The lowest position each head of `state` evicts when it keeps the slots `kept` ([H][keep]);
   // -1 for a head that evicts nothing.
   void LowestEvicted(const LayerState& state, int32_t keep, absl::Span<const int32_t> kept,
                      std::vector<int32_t>& lowest) const;
-  // 4: moves the rows, publishes the new tables and positions, compacts the policy state the
-  // same way and frees the blocks past the new ends.
-  absl::Status ApplyCompaction(const SequenceEnv& env, absl::Span<const int32_t> victims,
-                               absl::Span<const int32_t> keep, std::vector<CompactionPlan>& plans,
-                               Eviction& eviction);
+  // Score's Select on scratch states, layer by layer as a step runs it.
+  absl::Status SelectDryRun(const SequenceEnv& env, const Policy& policy,
+                            absl::Span<const LayerSelection> selections) const;
   // Clears the transient step scores of every layer.
   void ClearStepScores();
   // The keys of layer `l` as a backend view.
@@ -406,8 +504,89 @@ class Sequence {
   absl::StatusOr<CompressResult> CompressChecked(const SequenceEnv& env, const Policy& policy,
                                                  const StepAttention* step,
                                                  const StepBudget& budget, bool return_positions);
-  absl::StatusOr<DecodeResult> DecodeChecked(const SequenceEnv& env, const DecodeItem& item,
-                                             uint64_t reservation_id);
+  // DecodeAll's parts: the new tokens of every task, then the policy step; no rollback.
+  static absl::Status DecodeChecked(absl::Span<DecodeTask> tasks);
+  static absl::Status CommitNewTokens(absl::Span<DecodeTask> tasks);
+  // An inline token's checks (size, finite values, position, blocks): the counts after it.
+  absl::StatusOr<std::vector<int32_t>> CheckInlineDecode(const SequenceEnv& env,
+                                                         const DecodeItem& item) const;
+  // The rows of an inline token: arena offset and offset in the request of each of its
+  // [layer][2][H] rows.
+  struct InlineRows {
+    std::vector<uint64_t> arena_offsets;
+    std::vector<uint64_t> host_offsets;
+  };
+  // Takes the token's slots (after a strict budget's flush) as a pending reservation of one token
+  // in every layer, and the rows to write into them.
+  absl::Status StageInlineToken(const SequenceEnv& env, const DecodeItem& item,
+                                uint64_t reservation_id, InlineRows& rows);
+  // ---- The device path of a decode step (cache/sequence_device.cc) ----
+  // The device copies of the slot tables the device step reads and updates in place: per layer
+  // its positions [H][stride] and, for a policy scoring by accumulated attention, that attention
+  // [Hq][stride], in one buffer (layer l at l * layer_bytes). Host positions are kept equal by
+  // every step; host accumulated attention is brought back on demand (SyncHostTables).
+  struct DeviceTables {
+    std::unique_ptr<DeviceBuffer> buffer;
+    int32_t stride = 0;
+    bool accumulated = false;
+    uint64_t layer_bytes = 0;
+    uint64_t accumulated_offset = 0;  // within a layer's bytes
+    // The device's accumulated attention is newer than states_' (a device step changed it).
+    bool host_stale = false;
+    int32_t* positions(int32_t l) const {
+      return reinterpret_cast<int32_t*>(buffer->data() + l * layer_bytes);
+    }
+    float* accumulated_of(int32_t l) const {
+      return reinterpret_cast<float*>(buffer->data() + l * layer_bytes + accumulated_offset);
+    }
+  };
+  // One task's device step, planned on the host before anything changes.
+  struct DeviceStep {
+    std::vector<int32_t> keep;            // per layer, after the token joins
+    std::vector<DeviceDecodeRule> rules;  // per layer
+    bool accumulated = false;             // a layer scores by accumulated attention
+    int32_t new_position = 0;
+    std::vector<int32_t> taken_blocks;  // layers given a block for an inline token
+    InlineRows rows;                    // an inline token's rows
+  };
+  // The jobs of one call's device step and what they read and write.
+  struct DeviceCall {
+    std::vector<DecodeEvictJob> jobs;  // per (task, layer)
+    std::vector<AttentionJob> attention;
+    std::vector<KeyDiffScoreJob> keydiff;
+    std::unique_ptr<DeviceBuffer> scratch;  // the probabilities and KeyDiff scores
+    std::vector<int32_t> evicted;           // per job [H]
+    std::vector<size_t> evicted_begin;      // per task: its first entry of `evicted`
+  };
+  // The step of every task on the device; false (nothing changed) when a task cannot take it or
+  // the device found its input wrong, so that the host path runs (and reports it).
+  static absl::StatusOr<bool> DecodeOnDevice(absl::Span<DecodeTask> tasks);
+  bool PlanDeviceStep(const SequenceEnv& env, const DecodeTask& task, DeviceStep& step);
+  static absl::StatusOr<bool> ChooseOnDevice(absl::Span<DecodeTask> tasks,
+                                             absl::Span<DeviceStep> steps, DeviceCall& call);
+  static absl::Status BuildDeviceJobs(absl::Span<DecodeTask> tasks, absl::Span<DeviceStep> steps,
+                                      DeviceCall& call);
+  bool NeedsDeviceProbs(const DecodeTask& task, const DeviceDecodeRule& rule, int32_t l) const;
+  // Listed layer `listed`'s queries [Hq][1][D] where the device reads them: inline ones (on the
+  // host, staged with the call), or staged ones in the arena.
+  const float* DeviceQueries(const DecodeTask& task, const StepAttention& attention,
+                             size_t listed) const;
+  void AddDeviceJobs(const DecodeTask& task, const DeviceStep& step, DeviceCall& call,
+                     uint64_t& scratch_at, size_t& evicted_at) const;
+  // An inline token's slots: a block where a layer's last one is full; its rows.
+  absl::Status TakeTokenSlots(const SequenceEnv& env, DeviceStep& step);
+  void UndoDeviceStep(const SequenceEnv& env, DeviceStep& step);
+  // The host tables after the device's step: the token joined, each evicted slot refilled from
+  // the last one, the emptied tail blocks freed.
+  void PublishDeviceStep(const SequenceEnv& env, DecodeTask& task, const DeviceStep& step,
+                         absl::Span<const int32_t> evicted);
+  // The device tables, made (and filled from the host's) unless they hold the step's slots.
+  absl::Status EnsureDeviceTables(const SequenceEnv& env, bool accumulated);
+  // The host's accumulated attention brought up to date with the device's (logically const).
+  absl::Status SyncHostTables(const SequenceEnv& env) const;
+  // Before the host changes the tables: brought up to date, then the device copies dropped.
+  absl::Status LeaveDevice(const SequenceEnv& env);
+
   // The sequence's budget: its token budget, else (none given) the policy's budget_fraction of
   // the prompt, FloorFraction(fraction, P) tokens per layer (at least 1) with P the longest
   // layer's count, fixed at the first allocation that freezes the layers' budgets (D2O).
@@ -444,6 +623,9 @@ class Sequence {
   std::unique_ptr<SequenceKind> kind_;
   bool retain_evicted_ = false;
   std::vector<int32_t> windows_;  // per layer, or empty (no windows)
+  // The device path's copies of the slot tables (null until a device step made them, dropped when
+  // the host changes the tables; cache/sequence_device.cc).
+  std::unique_ptr<DeviceTables> device_;
   // Set when an eviction starts changing what cannot be restored from a Checkpoint (arena rows,
   // retained chunks); cleared by TakeCheckpoint.
   bool rows_moved_ = false;

@@ -410,6 +410,7 @@ absl::StatusOr<SequenceSnapshot> DecodeSnapshot(std::string_view bytes) {
 }
 
 absl::StatusOr<SpilledSequence> Sequence::Spill(const SequenceEnv& env) const {
+  KVS_RETURN_IF_ERROR(SyncHostTables(env));  // the snapshot holds the policy state
   if (pending_.has_value()) {
     return absl::FailedPreconditionError(absl::StrCat("sequence ", id_,
                                                       " has a pending reservation (", pending_->id,

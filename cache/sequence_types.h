@@ -70,6 +70,9 @@ struct AttentionInput {
   std::vector<int32_t> query_positions;
   float softmax_scale = 0.0f;  // > 0, finite
   std::vector<float> queries;  // [layers][Hq][w][D] fp32, or empty
+  // Instead of `queries`: the same fp32 array in the session's query staging area, from this
+  // byte offset of the area (SequenceEnv::staging_offset), where the worker wrote it.
+  std::optional<uint64_t> staging_offset;
   std::vector<float> scores;   // [layers][Hq][w][count of the layer] fp32, or empty
 };
 

@@ -18,6 +18,10 @@ struct AttachParams {
   std::string worker_name;
   int32_t num_blocks = 0;                       // 0 = PoolOptions::default_session_bytes worth
   absl::Duration lease = absl::ZeroDuration();  // 0 = default
+  // Bytes of the query staging area after the blocks (0 = none): the worker writes a step's
+  // queries there through its own mapping and the call names them by offset
+  // (AttentionInput::staging_offset), so that no tensor travels in the request.
+  uint64_t staging_bytes = 0;
 };
 
 struct SessionView {
@@ -27,6 +31,8 @@ struct SessionView {
   ArenaHandle arena;
   int32_t num_blocks = 0;
   uint64_t block_bytes = 0;
+  uint64_t staging_offset = 0;  // the query staging area: arena bytes [offset, offset + bytes)
+  uint64_t staging_bytes = 0;
   absl::Duration lease;
   absl::Time lease_expires;
 };

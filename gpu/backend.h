@@ -27,6 +27,14 @@ namespace kvs {
 // to completion before returning.
 using Stream = void*;
 
+// The stream of a call whose outputs all stay where the backend computes (device buffers): a
+// device backend behind the staging layer queues the call on the calling thread's stream and
+// returns without waiting for it; the next call of that thread that waits (one with host
+// outputs, or Synchronize) waits for it too. Every host array the call reads has been read when
+// it returns. A backend that computes on host memory runs such a call to completion as any other.
+// A device path uses it to make a chain of calls one round trip (cache/sequence_device.cc).
+inline Stream QueuedStream() { return reinterpret_cast<Stream>(static_cast<uintptr_t>(1)); }
+
 // The keys of one (sequence, layer) in paged form: slot s of kv head h is the row
 //   arena + block_table[s / block_tokens] * block_bytes
 //         + ((0 * num_kv_heads + h) * block_tokens + s % block_tokens) * head_dim * dtype_bytes.
@@ -103,7 +111,10 @@ struct HostRowCopyJob {
 //   (causal). A row with every slot masked is all zeros. Logits and sums accumulate in fp32.
 struct AttentionJob {
   PagedLayerView keys;                       // kv_index 0
-  const int32_t* key_positions = nullptr;    // [num_kv_heads][keys.count]
+  const int32_t* key_positions = nullptr;    // [num_kv_heads][key_stride]
+  // Row length of key_positions; 0 = keys.count. A device path's positions live in rows with room
+  // to grow (cache/sequence_device.cc).
+  int32_t key_stride = 0;
   const float* queries = nullptr;            // [num_q_heads][num_queries][head_dim], fp32
   const int32_t* query_positions = nullptr;  // [num_queries]
   int32_t num_q_heads = 0;                   // a positive multiple of keys.num_kv_heads
@@ -111,6 +122,11 @@ struct AttentionJob {
   float scale = 0.0f;                        // softmax scale, finite and > 0
   float* probs = nullptr;                    // out: [num_q_heads][num_queries][keys.count]
 };
+
+// Where kv head h's key positions start in key_positions.
+inline int64_t KeyPositionsOffset(const AttentionJob& job, int64_t h) {
+  return h * (job.key_stride > 0 ? int64_t{job.key_stride} : int64_t{job.keys.count});
+}
 
 // The column sums of a window's attention probabilities (SnapKV's vote, shared/design/policies/
 // snapkv.md): sums[q][s] = sum over i in [0, num_queries) of probs[q][i][s], probs as
@@ -258,6 +274,61 @@ struct FiniteCheckJob {
   float* row_norms = nullptr;           // optional out: [count]
 };
 
+// Where a decode eviction's selection scores come from (DecodeEvictJob::scores).
+enum class DecodeScores {
+  kNone,         // every score 0: the protection alone decides (StreamingLLM)
+  kAccumulated,  // `accumulated` with this step's `sums` added, as a GQA mean per kv head
+  kRows,         // `rows` [rows_count][count]: a GQA mean per kv head when rows_count is
+                 // num_q_heads, used as they are when it is num_kv_heads
+};
+
+// The decode-time eviction of one (sequence, layer) where the layer lives: the device path of a
+// DecodeStep (cache/sequence_step.cc), whose per-layer state stays in device memory and whose
+// result is one slot per kv head. The step's new token is in slot count - 1 of every head. Two
+// stages, each a call over every job of a step:
+//   kChoose changes nothing below slot count - 1: it writes new_position into
+//   positions[h][count-1],
+//     checks that the new token's K and V rows and `queries` are finite and that the
+//     probabilities it reads (`sums`, and `rows` marked as probabilities) are finite and >= 0, as
+//     the host path's checks do, and writes into `evicted` the slot each head drops: among the
+//     slots that are not protected (each head's `sinks` lowest and `recent` highest positions),
+//     the lowest score key (TopKJob's order: NaN lowest, -0 as +0), of those the highest
+//     position. A job whose inputs fail a check writes kDecodeRowsNotFinite or
+//     kDecodeScoresInvalid into the `evicted` entry of at least one head (the caller then runs
+//     the step on the host, which reports it); one that does not evict writes -1 for every head.
+//   kApply (after kChoose, on its `evicted`): starts slot count - 1 of `accumulated` at 0 and
+//     adds `sums` into it, then per head moves slot count - 1 into the evicted slot: its K and V
+//     rows, its position and its `accumulated` rows (those of the head's query group). The layer
+//     then holds count - 1 tokens per head (count when it evicts nothing).
+// The result equals the host path of the same step bit for bit: ScoredPolicy::Select's ranking
+// (GqaMean's fp64 group means, TopK's order), MarkSinksAndRecent's protection and the hole-filling
+// compaction PlanCompaction plans for one token per head (block_tokens >= 2).
+enum class DecodeStage { kChoose, kApply };
+inline constexpr int32_t kDecodeRowsNotFinite = -2;
+inline constexpr int32_t kDecodeScoresInvalid = -3;
+
+struct DecodeEvictJob {
+  PagedLayerView keys;           // kv_index 0, count >= 1 (with the step's token); values too
+  int32_t stride = 0;            // row length of positions and the state arrays, >= count
+  int32_t* positions = nullptr;  // [H][stride], slot order
+  int32_t new_position = 0;
+  int32_t num_q_heads = 0;       // a positive multiple of keys.num_kv_heads
+  float* accumulated = nullptr;  // optional [num_q_heads][stride]
+  const float* sums = nullptr;   // optional [num_q_heads][count], added into `accumulated`
+  DecodeScores scores = DecodeScores::kNone;
+  const float* rows = nullptr;  // kRows: [rows_count][count]
+  int32_t rows_count = 0;
+  bool rows_are_probabilities = false;  // kRows: checked as attention probabilities
+  int32_t sinks = 0;                    // >= 0; sinks + recent <= count - 1 when evicting
+  int32_t recent = 0;
+  bool evict = false;          // false: the token joins, nothing leaves
+  int32_t* evicted = nullptr;  // [H]: written by kChoose, read by kApply
+  // Optional: `query_values` fp32 queries kChoose checks finite (a worker's staged queries, which
+  // no host check has read).
+  const float* queries = nullptr;
+  int64_t query_values = 0;
+};
+
 struct ArenaOptions {
   // CPU backend. false (default): an anonymous memfd, sealed against resizing, reachable only
   // through a descriptor the sidecar hands out. true: the legacy named file in shm_directory,
@@ -268,6 +339,16 @@ struct ArenaOptions {
                                            // the memfd's name, shown in /proc, otherwise
 };
 
+// Memory where a backend's jobs may point and which keeps its contents between calls: device
+// memory on a device backend, host memory on the CPU backend. A device path keeps a sequence's
+// slot tables and a step's intermediate arrays there, so that they never cross the bus.
+class DeviceBuffer {
+ public:
+  virtual ~DeviceBuffer() = default;
+  virtual uint8_t* data() const = 0;  // 256-byte aligned
+  virtual uint64_t size() const = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -275,6 +356,11 @@ class Backend {
   virtual std::string_view name() const = 0;  // "cpu" or "cuda"
   // False after a device error; the sidecar then refuses new work and reports it.
   virtual bool healthy() const = 0;
+  // True when every call is a round trip to a device the host waits for (a device backend behind
+  // the staging layer): the cache core then gives each call the work of a whole RPC, every
+  // sequence and layer of it, instead of splitting it across host threads. False for backends
+  // that compute on host memory, whose calls cost nothing to split.
+  virtual bool batches_calls() const { return false; }
 
   // RESOURCE_EXHAUSTED when the memory cannot be had, INTERNAL on other system errors.
   virtual absl::StatusOr<std::unique_ptr<Arena>> CreateArena(uint64_t bytes,
@@ -309,6 +395,22 @@ class Backend {
   // INVALID_ARGUMENT naming the job index and field for malformed jobs; nothing is written then.
   virtual absl::Status FindNonFinite(absl::Span<const FiniteCheckJob> jobs, Stream stream) = 0;
   virtual absl::Status Synchronize(Stream stream) = 0;
+
+  // DecodeEvictJob's `stage` for every job. INVALID_ARGUMENT naming the job index and field for
+  // malformed jobs; nothing is written then. The default computes on host memory
+  // (gpu/cpu/decode_evict_cpu.h): right for host backends; device backends override it.
+  virtual absl::Status DecodeEvict(absl::Span<const DecodeEvictJob> jobs, DecodeStage stage,
+                                   Stream stream);
+
+  // A buffer of at least `bytes` (> 0) bytes (its contents undefined), RESOURCE_EXHAUSTED when
+  // the memory cannot be had. The default is host memory: right for host backends.
+  virtual absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateBuffer(uint64_t bytes);
+  // Synchronous copies between host memory and [offset, offset + bytes) of `buffer`, ordered
+  // after the calling thread's queued work; OUT_OF_RANGE when the range leaves the buffer.
+  virtual absl::Status WriteBuffer(DeviceBuffer& buffer, uint64_t offset, const void* source,
+                                   uint64_t bytes);
+  virtual absl::Status ReadBuffer(const DeviceBuffer& buffer, uint64_t offset, void* destination,
+                                  uint64_t bytes);
 
   // Page-locks [p, p + bytes) of host memory so that copies between it and this backend's arenas
   // (Arena::Read/Write) run at the bus's speed and its kernels may reach it (CUDA:

@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "gpu/counting_backend.h"
 #include "gpu/sim/simulated_device.h"
 #include "gpu/staging_backend.h"
 
@@ -37,19 +38,29 @@ const CudaProbe& ProbeCuda() {
   return *probe;
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(BackendKind kind, int num_threads) {
+namespace {
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeUncounted(BackendKind kind, int num_threads) {
   if (kind == BackendKind::kCpu) return MakeCpuBackend(num_threads);
   if (kind == BackendKind::kDeviceSim) {
     SimulatedDevice device = MakeSimulatedDevice(num_threads);
     return MakeStagingBackend(std::move(device.backend), std::move(device.memory));
   }
 #ifdef KVS_WITH_CUDA
-  auto cuda = MakeCudaBackend(0);
+  auto cuda = MakeCudaBackend(0, /*trusted=*/true);  // the staging layer validates every job
   if (!cuda.ok()) return cuda.status();
   return MakeStagingBackend(*std::move(cuda), MakeCudaDeviceMemory(0));
 #else
   return absl::FailedPreconditionError("this build has no CUDA backend");
 #endif
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(BackendKind kind, int num_threads) {
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeUncounted(kind, num_threads);
+  if (!backend.ok()) return backend.status();
+  return MakeCountingBackend(*std::move(backend));
 }
 
 }  // namespace kvs

@@ -32,7 +32,8 @@ class DeviceMemory {
   // Device scratch of at least `bytes` (> 0) bytes, aligned to 256 bytes. RESOURCE_EXHAUSTED when
   // the device is out of memory. Implementations keep freed memory for reuse (the CUDA one in the
   // device's stream-ordered pool), so that the small allocations of every staged call do not
-  // reach the driver each time.
+  // reach the driver each time. Stream-ordered (CUDA): usable by the work the calling thread
+  // queues on its stream afterwards, without a wait.
   virtual absl::StatusOr<void*> Allocate(uint64_t bytes) = 0;
   // Returns memory from Allocate; nullptr is ignored. The buffer may be handed out again at once,
   // so the device work that uses it must have finished (the stream synchronised) before.
@@ -41,6 +42,14 @@ class DeviceMemory {
   // `bytes` from host memory to device memory (`dst` device-accessible), and back. Synchronous
   // (see above); INVALID_ARGUMENT when a range is not where it must be.
   virtual absl::Status CopyToDevice(void* dst, const void* host_src, uint64_t bytes, Stream s) = 0;
+  // The same copy ordered on `s` without waiting for it: `host_src` must be page-locked and stay
+  // unchanged until `s` is next waited for (the staging layer's input buffer, which the call's
+  // own wait covers). A call's inputs then cost no round trip of their own. By default the copy
+  // is CopyToDevice's, synchronous.
+  virtual absl::Status CopyToDeviceAsync(void* dst, const void* host_src, uint64_t bytes,
+                                         Stream s) {
+    return CopyToDevice(dst, host_src, bytes, s);
+  }
   virtual absl::Status CopyToHost(void* host_dst, const void* src, uint64_t bytes, Stream s) = 0;
 };
 

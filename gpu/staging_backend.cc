@@ -13,7 +13,9 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <typeinfo>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -26,13 +28,14 @@
 #include "absl/types/span.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/status_macros.h"
-#include "gpu/cpu/attention_cpu.h"  // ValidateAttentionJob
-#include "gpu/cpu/caote_cpu.h"      // ValidateCaoteJob
-#include "gpu/cpu/copy_cpu.h"       // ValidateRowCopyJob, ValidateHostRowCopyJob
-#include "gpu/cpu/keydiff_cpu.h"    // ValidateKeyDiffJob
-#include "gpu/cpu/merge_cpu.h"      // ValidateNearestKeyJob, ValidateRowMergeJob
-#include "gpu/cpu/pool_cpu.h"       // ValidatePoolJob
-#include "gpu/cpu/topk_cpu.h"       // ValidateTopKJob
+#include "gpu/cpu/attention_cpu.h"     // ValidateAttentionJob
+#include "gpu/cpu/caote_cpu.h"         // ValidateCaoteJob
+#include "gpu/cpu/copy_cpu.h"          // ValidateRowCopyJob, ValidateHostRowCopyJob
+#include "gpu/cpu/decode_evict_cpu.h"  // ValidateDecodeEvictJob
+#include "gpu/cpu/keydiff_cpu.h"       // ValidateKeyDiffJob
+#include "gpu/cpu/merge_cpu.h"         // ValidateNearestKeyJob, ValidateRowMergeJob
+#include "gpu/cpu/pool_cpu.h"          // ValidatePoolJob
+#include "gpu/cpu/topk_cpu.h"          // ValidateTopKJob
 #include "gpu/cpu/window_stats_cpu.h"  // ValidateWindowVarianceJob, ValidateWindowEntropyJob
 
 namespace kvs {
@@ -172,12 +175,45 @@ class HostBuffers {
 // back on destruction (the caller has synchronised the stream by then).
 class Stager {
  public:
-  Stager(DeviceMemory& memory, HostBuffers& host)
-      : memory_(memory), host_(host), created_(TraceNow()) {}
-  ~Stager() {
-    memory_.Free(device_);
-    host_.Give(in_host_);
-    host_.Give(out_host_);
+  // `stream` is the call's: QueuedStream() marks a call that may return without waiting (its
+  // work then runs on the calling thread's stream, nullptr).
+  Stager(DeviceMemory& memory, HostBuffers& host, Stream stream)
+      : memory_(memory),
+        host_(host),
+        created_(TraceNow()),
+        queued_(stream == QueuedStream()),
+        stream_(queued_ ? nullptr : stream) {}
+  ~Stager() { Release(Detach()); }
+
+  // The stream the call's device work and copies go on.
+  Stream stream() const { return stream_; }
+  bool queued() const { return queued_; }
+  void Unqueue() { queued_ = false; }
+  // A host buffer the call's device work reads or writes (a bounce buffer), given back with the
+  // stager's own.
+  void Adopt(HostBuffers::Buffer buffer) { adopted_.push_back(buffer); }
+
+  // What the call holds until its device work is done: the device staging buffer and the host
+  // buffers. Detach hands them over (the stager then holds nothing); Release gives them back.
+  struct Held {
+    void* device = nullptr;
+    std::vector<HostBuffers::Buffer> host;
+  };
+  Held Detach() {
+    Held held;
+    held.device = device_;
+    device_ = nullptr;
+    for (HostBuffers::Buffer* buffer : {&in_host_, &out_host_}) {
+      if (buffer->data != nullptr) held.host.push_back(*buffer);
+      *buffer = HostBuffers::Buffer();
+    }
+    for (const HostBuffers::Buffer& buffer : adopted_) held.host.push_back(buffer);
+    adopted_.clear();
+    return held;
+  }
+  void Release(const Held& held) {
+    memory_.Free(held.device);
+    for (const HostBuffers::Buffer& buffer : held.host) host_.Give(buffer);
   }
 
   uint64_t in_bytes() const { return in_bytes_; }
@@ -201,13 +237,28 @@ class Stager {
     return absl::OkStatus();
   }
 
+  // The same for a field the device only reads but whose type is not const (DecodeEvictJob's
+  // `evicted`, an output of one stage and an input of the next).
+  template <typename T>
+  absl::Status Input(T** field, const T* host, uint64_t elements) {
+    if (host == nullptr || elements == 0 || memory_.IsDeviceAccessible(host)) {
+      return absl::OkStatus();
+    }
+    KVS_ASSIGN_OR_RETURN(const uint64_t offset, Reserve(in_bytes_, elements, sizeof(T)));
+    inputs_.push_back(Piece{field, &SetPointer<T*>, offset, host, elements * sizeof(T)});
+    return absl::OkStatus();
+  }
+
   // `*field` will point at device space for `elements` T, copied back to `host` by Download.
   template <typename T>
   absl::Status Output(T** field, T* host, uint64_t elements) {
     if (host == nullptr || elements == 0 || memory_.IsDeviceAccessible(host)) {
       return absl::OkStatus();
     }
-    KVS_ASSIGN_OR_RETURN(const uint64_t offset, Reserve(out_bytes_, elements, sizeof(T)));
+    // Outputs are packed at their own alignment: the region comes back as one copy, and a call's
+    // outputs are often a few bytes a job (a decode step's evicted slots).
+    KVS_ASSIGN_OR_RETURN(const uint64_t offset,
+                         Reserve(out_bytes_, elements, sizeof(T), alignof(T)));
     outputs_.push_back(Piece{field, &SetPointer<T*>, offset, host, elements * sizeof(T)});
     return absl::OkStatus();
   }
@@ -229,7 +280,11 @@ class Stager {
       for (const Piece& piece : inputs_) {
         std::memcpy(in_host_.data + piece.offset, piece.host, piece.bytes);
       }
-      KVS_RETURN_IF_ERROR(memory_.CopyToDevice(device_, in_host_.data, in_bytes_, stream));
+      // From a page-locked buffer the copy is queued ahead of the call's work and covered by the
+      // call's one wait; from pageable memory the driver would bounce it anyway, so it waits.
+      KVS_RETURN_IF_ERROR(in_host_.pinned
+                              ? memory_.CopyToDeviceAsync(device_, in_host_.data, in_bytes_, stream)
+                              : memory_.CopyToDevice(device_, in_host_.data, in_bytes_, stream));
     }
     for (const Piece& piece : inputs_) piece.set(piece.field, device_ + piece.offset);
     for (const Piece& piece : outputs_) piece.set(piece.field, device_ + out_base_ + piece.offset);
@@ -257,9 +312,10 @@ class Stager {
     uint64_t bytes;
   };
 
-  static absl::StatusOr<uint64_t> Reserve(uint64_t& region, uint64_t elements, uint64_t size) {
+  static absl::StatusOr<uint64_t> Reserve(uint64_t& region, uint64_t elements, uint64_t size,
+                                          uint64_t alignment = kStagingAlignment) {
     const auto bytes = CheckedProduct({static_cast<int64_t>(elements), static_cast<int64_t>(size)});
-    const uint64_t offset = AlignUp(region);
+    const uint64_t offset = (region + alignment - 1) / alignment * alignment;
     const auto end = bytes ? CheckedAdd(offset, *bytes) : std::nullopt;
     if (static_cast<int64_t>(elements) < 0 || !end || offset < region) {
       return absl::ResourceExhaustedError("staging buffer size overflows");
@@ -274,7 +330,10 @@ class Stager {
   std::vector<Piece> inputs_, outputs_;
   uint64_t in_bytes_ = 0, out_bytes_ = 0, out_base_ = 0;
   const TraceClock::time_point created_;
+  bool queued_;
+  const Stream stream_;
   uint8_t* device_ = nullptr;
+  std::vector<HostBuffers::Buffer> adopted_;
 };
 
 class StagingBackend final : public Backend {
@@ -284,18 +343,28 @@ class StagingBackend final : public Backend {
 
   std::string_view name() const override { return device_->name(); }
   bool healthy() const override { return device_->healthy(); }
+  bool batches_calls() const override { return true; }
 
   absl::StatusOr<std::unique_ptr<Arena>> CreateArena(uint64_t bytes,
                                                      const ArenaOptions& options) override {
     return device_->CreateArena(bytes, options);
   }
 
-  absl::Status Synchronize(Stream stream) override { return device_->Synchronize(stream); }
+  // A staged call has waited for its own work before it returned unless it was queued
+  // (QueuedStream): only then is there anything to wait for, and one wait covers every call this
+  // thread queued. Otherwise a wait here would be a round trip per call for nothing.
+  absl::Status Synchronize(Stream) override {
+    if (!HoldsQueued()) return absl::OkStatus();
+    const absl::Status waited = device_->Synchronize(nullptr);
+    ReleaseHeld();
+    return waited;
+  }
   bool PinHostMemory(void* p, uint64_t bytes) override { return device_->PinHostMemory(p, bytes); }
   void UnpinHostMemory(void* p) override { device_->UnpinHostMemory(p); }
 
   absl::Status KeyDiffScores(absl::Span<const KeyDiffScoreJob> jobs, Stream stream) override {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<KeyDiffScoreJob> device_jobs;
     device_jobs.reserve(jobs.size());  // the stager holds pointers into it
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -319,7 +388,8 @@ class StagingBackend final : public Backend {
   }
 
   absl::Status TopK(absl::Span<const TopKJob> jobs, Stream stream) override {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<TopKJob> device_jobs;
     device_jobs.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -345,7 +415,8 @@ class StagingBackend final : public Backend {
   }
 
   absl::Status CopyRows(absl::Span<const RowCopyJob> jobs, Stream stream) override {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<RowCopyJob> device_jobs;
     device_jobs.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -368,7 +439,8 @@ class StagingBackend final : public Backend {
   }
 
   absl::Status PoolScores(absl::Span<const PoolJob> jobs, Stream stream) override {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<PoolJob> device_jobs;
     device_jobs.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -399,7 +471,8 @@ class StagingBackend final : public Backend {
 
   absl::Status WindowVarianceScores(absl::Span<const WindowVarianceJob> jobs,
                                     Stream stream) override {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<WindowVarianceJob> device_jobs;
     device_jobs.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -420,7 +493,8 @@ class StagingBackend final : public Backend {
   }
 
   absl::Status WindowEntropyShift(absl::Span<const WindowEntropyJob> jobs, Stream stream) override {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<WindowEntropyJob> device_jobs;
     device_jobs.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -444,7 +518,8 @@ class StagingBackend final : public Backend {
 
   absl::Status AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs,
                                    Stream stream) override {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<AttentionSumsJob> device_jobs;
     device_jobs.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -461,8 +536,9 @@ class StagingBackend final : public Backend {
       AttentionSumsJob& d = device_jobs.emplace_back(job);
       d.attention.probs = nullptr;
       const PagedLayerView& v = a.keys;
-      KVS_ASSIGN_OR_RETURN(const uint64_t key_positions,
-                           Elements({v.num_kv_heads, v.count}, context, "key_positions"));
+      KVS_ASSIGN_OR_RETURN(
+          const uint64_t key_positions,
+          Elements({v.num_kv_heads, KeyPositionsOffset(a, 1)}, context, "key_positions"));
       KVS_ASSIGN_OR_RETURN(
           const uint64_t queries,
           Elements({a.num_q_heads, a.num_queries, v.head_dim}, context, "queries"));
@@ -480,7 +556,90 @@ class StagingBackend final : public Backend {
   }
 
   absl::Status CopyHostRows(absl::Span<const HostRowCopyJob> jobs, Stream stream) override {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
+    std::vector<HostRowCopyJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    // Jobs whose host side is pageable go through one page-locked bounce buffer for the call:
+    // their rows packed into it before the device copies them into the arena, or unpacked from it
+    // after the device copied them out, so a call of thousands of scattered rows (every inline
+    // token of a decode step) is one transfer and one device call, not a copy per run of rows.
+    std::vector<Bounce> bounces;
+    std::vector<std::vector<uint64_t>> packed;  // per bounce: its rows' offsets in the buffer
+    packed.reserve(jobs.size());
+    uint64_t bounce_bytes = 0;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const HostRowCopyJob& job = jobs[i];
+      const std::string context = absl::StrCat("host row copy job ", i);
+      KVS_RETURN_IF_ERROR(ValidateHostRowCopyJob(job, i));
+      if (job.count == 0 || job.row_bytes == 0) continue;
+      KVS_RETURN_IF_ERROR(CheckArena(job.arena, context, "arena"));
+      HostRowCopyJob& d = device_jobs.emplace_back(job);
+      KVS_RETURN_IF_ERROR(stager.Input(&d.arena_offsets, job.arena_offsets, job.count));
+      if (memory_->IsDeviceAccessible(job.host)) {  // page-locked: the device copies directly
+        KVS_RETURN_IF_ERROR(stager.Input(&d.host_offsets, job.host_offsets, job.count));
+        continue;
+      }
+      std::vector<uint64_t> host_mirror;
+      KVS_ASSIGN_OR_RETURN(
+          const uint64_t* host_offsets,
+          HostReadable(job.host_offsets, job.count, host_mirror, context, "host_offsets", stream));
+      std::vector<uint64_t>& offsets = packed.emplace_back(static_cast<size_t>(job.count));
+      for (int64_t r = 0; r < job.count; ++r) {
+        if (!CheckedAdd(host_offsets[r], job.row_bytes)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(context, ": host_offsets[", r, "] + row_bytes overflows"));
+        }
+        offsets[r] = bounce_bytes + static_cast<uint64_t>(r) * job.row_bytes;
+      }
+      const auto bytes = CheckedProduct({job.count, static_cast<int64_t>(job.row_bytes)});
+      const auto end = bytes ? CheckedAdd(bounce_bytes, *bytes) : std::nullopt;
+      if (!end) return absl::InvalidArgumentError(absl::StrCat(context, ": rows overflow"));
+      bounces.push_back(Bounce{device_jobs.size() - 1, job.host, host_offsets, job.count,
+                               job.row_bytes, job.to_host, bounce_bytes, std::move(host_mirror)});
+      bounces.back().host_offsets =
+          bounces.back().mirror.empty() ? host_offsets : bounces.back().mirror.data();
+      bounce_bytes = *end;
+      d.host_offsets = offsets.data();
+      KVS_RETURN_IF_ERROR(stager.Input(&d.host_offsets, offsets.data(), job.count));
+    }
+    HostBuffers::Buffer buffer;
+    bool to_host = false;
+    if (bounce_bytes > 0) {
+      KVS_ASSIGN_OR_RETURN(buffer, host_buffers_.Take(bounce_bytes));
+      if (!buffer.pinned) {  // the device cannot reach it: copy run by run instead
+        host_buffers_.Give(buffer);
+        return CopyHostRowsByRuns(jobs, stager.queued() ? QueuedStream() : stream);
+      }
+      stager.Adopt(buffer);
+      for (const Bounce& bounce : bounces) {
+        device_jobs[bounce.job].host = buffer.data;
+        to_host = to_host || bounce.to_host;
+        if (bounce.to_host) continue;
+        for (int64_t r = 0; r < bounce.count; ++r) {
+          std::memcpy(buffer.data + bounce.offset + r * bounce.row_bytes,
+                      bounce.host + bounce.host_offsets[r], bounce.row_bytes);
+        }
+      }
+    }
+    // Rows that come back to pageable memory are unpacked after the wait, so such a call waits.
+    if (to_host) stager.Unqueue();
+    KVS_RETURN_IF_ERROR(Run(stager, device_jobs, stream, &Backend::CopyHostRows));
+    for (const Bounce& bounce : bounces) {
+      if (!bounce.to_host) continue;
+      for (int64_t r = 0; r < bounce.count; ++r) {
+        std::memcpy(bounce.host + bounce.host_offsets[r],
+                    buffer.data + bounce.offset + r * bounce.row_bytes, bounce.row_bytes);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // CopyHostRows where no page-locked buffer can be had: each run of rows whose arena and host
+  // offsets both advance by row_bytes is one DeviceMemory copy.
+  absl::Status CopyHostRowsByRuns(absl::Span<const HostRowCopyJob> jobs, Stream stream) {
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<HostRowCopyJob> device_jobs;
     device_jobs.reserve(jobs.size());
     std::vector<CopyRun> runs;  // of the jobs copied here, every job validated before any copy
@@ -519,7 +678,8 @@ class StagingBackend final : public Backend {
   }
 
   absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream stream) override {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<CaoteJob> device_jobs;
     device_jobs.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -544,7 +704,8 @@ class StagingBackend final : public Backend {
   }
 
   absl::Status NearestKeys(absl::Span<const NearestKeyJob> jobs, Stream stream) override {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<NearestKeyJob> device_jobs;
     device_jobs.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -582,7 +743,8 @@ class StagingBackend final : public Backend {
   }
 
   absl::Status MergeRows(absl::Span<const RowMergeJob> jobs, Stream stream) override {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<RowMergeJob> device_jobs;
     device_jobs.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -617,8 +779,81 @@ class StagingBackend final : public Backend {
     return Run(stager, device_jobs, stream, &Backend::MergeRows);
   }
 
+  absl::Status DecodeEvict(absl::Span<const DecodeEvictJob> jobs, DecodeStage stage,
+                           Stream stream) override {
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
+    std::vector<DecodeEvictJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const DecodeEvictJob& job = jobs[i];
+      const std::string context = absl::StrCat("decode evict job ", i);
+      DecodeEvictJob host = job;
+      std::vector<int32_t> table;
+      KVS_ASSIGN_OR_RETURN(host.keys.block_table,
+                           HostTable(job.keys, table, context, "keys", stream));
+      KVS_RETURN_IF_ERROR(ValidateDecodeEvictJob(host, i));
+      KVS_RETURN_IF_ERROR(CheckArena(job.keys.arena, context, "keys.arena"));
+      // The tables a job updates in place stay on the device between steps (a device path keeps
+      // them there); only what one step reads or returns is staged.
+      KVS_RETURN_IF_ERROR(CheckArena(job.positions, context, "positions"));
+      if (job.accumulated != nullptr) {
+        KVS_RETURN_IF_ERROR(CheckArena(job.accumulated, context, "accumulated"));
+      }
+      DecodeEvictJob& d = device_jobs.emplace_back(job);
+      const int64_t heads = job.keys.num_kv_heads;
+      const int64_t count = job.keys.count;
+      KVS_RETURN_IF_ERROR(
+          stager.Input(&d.keys.block_table, job.keys.block_table, TableEntries(job.keys)));
+      if (job.sums != nullptr) {
+        KVS_ASSIGN_OR_RETURN(const uint64_t sums,
+                             Elements({job.num_q_heads, count}, context, "sums"));
+        KVS_RETURN_IF_ERROR(stager.Input(&d.sums, job.sums, sums));
+      }
+      if (job.scores == DecodeScores::kRows) {
+        KVS_ASSIGN_OR_RETURN(const uint64_t rows,
+                             Elements({job.rows_count, count}, context, "rows"));
+        KVS_RETURN_IF_ERROR(stager.Input(&d.rows, job.rows, rows));
+      }
+      KVS_RETURN_IF_ERROR(stager.Input(&d.queries, job.queries, job.query_values));
+      if (stage == DecodeStage::kChoose) {
+        KVS_RETURN_IF_ERROR(stager.Output(&d.evicted, job.evicted, heads));
+      } else {
+        KVS_RETURN_IF_ERROR(stager.Input(&d.evicted, job.evicted, heads));
+      }
+    }
+    return Launch(stager, device_jobs, stream,
+                  [&](absl::Span<const DecodeEvictJob> some, Stream s) {
+                    return device_->DecodeEvict(some, stage, s);
+                  });
+  }
+
+  // Device memory from DeviceMemory, kept until the buffer is destroyed.
+  absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateBuffer(uint64_t bytes) override {
+    if (bytes == 0) return absl::InvalidArgumentError("AllocateBuffer of 0 bytes");
+    KVS_ASSIGN_OR_RETURN(void* p, memory_->Allocate(bytes));
+    return std::unique_ptr<DeviceBuffer>(
+        new StagedBuffer(*memory_, static_cast<uint8_t*>(p), bytes));
+  }
+  absl::Status WriteBuffer(DeviceBuffer& buffer, uint64_t offset, const void* source,
+                           uint64_t bytes) override {
+    KVS_RETURN_IF_ERROR(CheckBuffer(buffer, offset, bytes, source, "write"));
+    if (bytes == 0) return absl::OkStatus();
+    return memory_->CopyToDevice(buffer.data() + offset, source, bytes, nullptr);
+  }
+  absl::Status ReadBuffer(const DeviceBuffer& buffer, uint64_t offset, void* destination,
+                          uint64_t bytes) override {
+    KVS_RETURN_IF_ERROR(CheckBuffer(buffer, offset, bytes, destination, "read"));
+    if (bytes == 0) return absl::OkStatus();
+    const absl::Status read =
+        memory_->CopyToHost(destination, buffer.data() + offset, bytes, nullptr);
+    ReleaseHeld();  // the copy waited for this thread's queued calls
+    return read;
+  }
+
   absl::Status FindNonFinite(absl::Span<const FiniteCheckJob> jobs, Stream stream) override {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<FiniteCheckJob> device_jobs;
     device_jobs.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -640,6 +875,46 @@ class StagingBackend final : public Backend {
   }
 
  private:
+  // A DeviceBuffer in DeviceMemory.
+  class StagedBuffer final : public DeviceBuffer {
+   public:
+    StagedBuffer(DeviceMemory& memory, uint8_t* data, uint64_t size)
+        : memory_(memory), data_(data), size_(size) {}
+    ~StagedBuffer() override { memory_.Free(data_); }
+    uint8_t* data() const override { return data_; }
+    uint64_t size() const override { return size_; }
+
+   private:
+    DeviceMemory& memory_;
+    uint8_t* const data_;
+    const uint64_t size_;
+  };
+
+  static absl::Status CheckBuffer(const DeviceBuffer& buffer, uint64_t offset, uint64_t bytes,
+                                  const void* host, const char* op) {
+    if (offset > buffer.size() || bytes > buffer.size() - offset) {
+      return absl::OutOfRangeError(absl::StrCat("buffer ", op, " of ", bytes, " bytes at offset ",
+                                                offset, " leaves the buffer of ", buffer.size(),
+                                                " bytes"));
+    }
+    if (bytes > 0 && host == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("buffer ", op, ": null host pointer"));
+    }
+    return absl::OkStatus();
+  }
+
+  // A host row copy job whose pageable host rows go through the call's bounce buffer.
+  struct Bounce {
+    size_t job;                    // index into the device jobs
+    uint8_t* host;                 // the caller's buffer
+    const uint64_t* host_offsets;  // its rows (the caller's array, or `mirror`)
+    int64_t count;
+    uint64_t row_bytes;
+    bool to_host;
+    uint64_t offset;  // of its first row in the bounce buffer
+    std::vector<uint64_t> mirror;
+  };
+
   // One run of rows of a host row copy done here: `bytes` between `arena` and `host`.
   struct CopyRun {
     uint8_t* arena;
@@ -651,48 +926,69 @@ class StagingBackend final : public Backend {
   template <typename Job>
   using Method = absl::Status (Backend::*)(absl::Span<const Job>, Stream);
 
-  // Uploads, runs the device on `device_jobs`, synchronises and downloads. With no jobs the
-  // device is still asked (an unhealthy device refuses even an empty call) but nothing is staged.
+  // Uploads, runs the device on `device_jobs` and waits once: the download of the outputs (a
+  // synchronous copy, ordered after the call's work), or a synchronisation when the call has no
+  // outputs. With no jobs the device is still asked (an unhealthy device refuses even an empty
+  // call) but nothing is staged.
   // With the trace on (TraceOn) one line per staged call goes to stderr: the job type (its
   // mangled name), the job count, the bytes up and down, and the microseconds spent planning
-  // (validation included), uploading, launching, waiting for the device and downloading. It is
-  // how a device run tells the staging layer's cost from the kernels' (no profiler is needed).
+  // (validation included), uploading, launching, and waiting for the device and the download. It
+  // is how a device run tells the staging layer's cost from the kernels' (no profiler is needed).
   template <typename Job>
   absl::Status Run(Stager& stager, const std::vector<Job>& device_jobs, Stream stream,
                    Method<Job> method) {
-    if (device_jobs.empty()) return (device_.get()->*method)({}, stream);
+    return Launch(stager, device_jobs, stream, [&](absl::Span<const Job> jobs, Stream s) {
+      return (device_.get()->*method)(jobs, s);
+    });
+  }
+  template <typename Job, typename Call>
+  absl::Status Launch(Stager& stager, const std::vector<Job>& device_jobs, Stream stream,
+                      const Call& call) {
+    if (device_jobs.empty()) return call({}, stream);
     const TraceClock::time_point planned = TraceNow();
     KVS_RETURN_IF_ERROR(stager.Upload(stream));
     const TraceClock::time_point uploaded = TraceNow();
-    const absl::Status status = (device_.get()->*method)(device_jobs, stream);
+    const absl::Status status = call(device_jobs, stream);
     const TraceClock::time_point launched = TraceNow();
-    // Always wait before the staging buffer goes back to DeviceMemory's cache: a call that failed
-    // midway may have queued work reading it.
-    const absl::Status synced = device_->Synchronize(stream);
-    const TraceClock::time_point waited = TraceNow();
-    KVS_RETURN_IF_ERROR(status);
-    KVS_RETURN_IF_ERROR(synced);
-    const absl::Status downloaded = stager.Download(stream);
-    if (TraceOn()) {
-      const auto us = [](TraceClock::time_point a, TraceClock::time_point b) {
-        return static_cast<long long>(
-            std::chrono::duration_cast<std::chrono::microseconds>(b - a).count());
-      };
-      std::fprintf(stderr,
-                   "staging %s jobs=%zu up=%llu down=%llu plan_us=%lld upload_us=%lld "
-                   "launch_us=%lld device_us=%lld download_us=%lld\n",
-                   typeid(Job).name(), device_jobs.size(),
-                   static_cast<unsigned long long>(stager.in_bytes()),
-                   static_cast<unsigned long long>(stager.out_bytes()),
-                   us(stager.created(), planned), us(planned, uploaded), us(uploaded, launched),
-                   us(launched, waited), us(waited, TraceClock::now()));
+    if (status.ok() && stager.queued() && stager.out_bytes() == 0) {
+      // Nothing comes back: the buffers stay until this thread's next wait, which covers the call.
+      Trace<Job>(stager, device_jobs.size(), planned, uploaded, launched, /*queued=*/true);
+      Hold(stager.Detach());
+      return absl::OkStatus();
     }
-    return downloaded;
+    // Always wait before the staging buffers go back: a call that failed midway may have queued
+    // work reading them.
+    const absl::Status waited = status.ok() && stager.out_bytes() > 0
+                                    ? stager.Download(stream)
+                                    : device_->Synchronize(stream);
+    ReleaseHeld();  // this thread's queued calls ran before the wait
+    Trace<Job>(stager, device_jobs.size(), planned, uploaded, launched, /*queued=*/false);
+    KVS_RETURN_IF_ERROR(status);
+    return waited;
+  }
+
+  // One trace line for a staged call (TraceOn): a queued call's wait is a later call's.
+  template <typename Job>
+  static void Trace(const Stager& stager, size_t jobs, TraceClock::time_point planned,
+                    TraceClock::time_point uploaded, TraceClock::time_point launched, bool queued) {
+    if (!TraceOn()) return;
+    const auto us = [](TraceClock::time_point a, TraceClock::time_point b) {
+      return static_cast<long long>(
+          std::chrono::duration_cast<std::chrono::microseconds>(b - a).count());
+    };
+    std::fprintf(stderr,
+                 "staging %s jobs=%zu up=%llu down=%llu plan_us=%lld upload_us=%lld "
+                 "launch_us=%lld wait_download_us=%lld queued=%d\n",
+                 typeid(Job).name(), jobs, static_cast<unsigned long long>(stager.in_bytes()),
+                 static_cast<unsigned long long>(stager.out_bytes()), us(stager.created(), planned),
+                 us(planned, uploaded), us(uploaded, launched),
+                 queued ? 0LL : us(launched, TraceClock::now()), queued ? 1 : 0);
   }
 
   absl::Status Attention(absl::Span<const AttentionJob> jobs, Stream stream,
                          Method<AttentionJob> method) {
-    Stager stager(*memory_, host_buffers_);
+    Stager stager(*memory_, host_buffers_, stream);
+    stream = stager.stream();
     std::vector<AttentionJob> device_jobs;
     device_jobs.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -707,8 +1003,9 @@ class StagingBackend final : public Backend {
       KVS_RETURN_IF_ERROR(CheckArena(job.keys.arena, context, "keys.arena"));
       AttentionJob& d = device_jobs.emplace_back(job);
       const PagedLayerView& v = job.keys;
-      KVS_ASSIGN_OR_RETURN(const uint64_t key_positions,
-                           Elements({v.num_kv_heads, v.count}, context, "key_positions"));
+      KVS_ASSIGN_OR_RETURN(
+          const uint64_t key_positions,
+          Elements({v.num_kv_heads, KeyPositionsOffset(job, 1)}, context, "key_positions"));
       KVS_ASSIGN_OR_RETURN(
           const uint64_t queries,
           Elements({job.num_q_heads, job.num_queries, v.head_dim}, context, "queries"));
@@ -777,9 +1074,36 @@ class StagingBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  // The resources of this thread's queued calls, released after its next wait.
+  void Hold(Stager::Held held) {
+    absl::MutexLock lock(&held_mu_);
+    held_[std::this_thread::get_id()].push_back(std::move(held));
+  }
+  bool HoldsQueued() {
+    absl::MutexLock lock(&held_mu_);
+    const auto it = held_.find(std::this_thread::get_id());
+    return it != held_.end() && !it->second.empty();
+  }
+  void ReleaseHeld() {
+    std::vector<Stager::Held> held;
+    {
+      absl::MutexLock lock(&held_mu_);
+      const auto it = held_.find(std::this_thread::get_id());
+      if (it == held_.end()) return;
+      held = std::move(it->second);
+      held_.erase(it);
+    }
+    for (const Stager::Held& h : held) {
+      memory_->Free(h.device);
+      for (const HostBuffers::Buffer& buffer : h.host) host_buffers_.Give(buffer);
+    }
+  }
+
   const std::unique_ptr<Backend> device_;
   const std::unique_ptr<DeviceMemory> memory_;
   HostBuffers host_buffers_;  // after device_: unpinned before the device goes
+  absl::Mutex held_mu_;
+  std::unordered_map<std::thread::id, std::vector<Stager::Held>> held_ ABSL_GUARDED_BY(held_mu_);
 };
 
 }  // namespace

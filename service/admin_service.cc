@@ -10,6 +10,7 @@
 #include "cache/policy/policy.h"
 #include "cache/policy/registry.h"
 #include "gpu/base/status_macros.h"
+#include "gpu/device_counters.h"
 #include "service/convert.h"
 #include "service/drain.h"
 #include "service/log.h"
@@ -27,6 +28,26 @@ void QuotaToProto(const TenantQuota& quota, v1::Quota* out) {
   out->set_disk_bytes(quota.disk_bytes);
   out->set_sequences(quota.sequences);
   out->set_remote_bytes(quota.remote_bytes);
+}
+
+void FillDeviceCounters(const DeviceCounts& counts, v1::DeviceCounters& out) {
+  for (size_t i = 0; i < kNumBackendMethods; ++i) {
+    v1::DeviceCounters::Method* method = out.add_methods();
+    method->set_name(BackendMethodName(static_cast<BackendMethod>(i)));
+    method->set_calls(counts.calls[i]);
+    method->set_jobs(counts.jobs[i]);
+  }
+  out.set_calls(counts.total_calls());
+  out.set_syncs(counts.syncs);
+  out.set_uploads(counts.uploads);
+  out.set_downloads(counts.downloads);
+  out.set_up_bytes(counts.up_bytes);
+  out.set_down_bytes(counts.down_bytes);
+  out.set_arena_writes(counts.arena_writes);
+  out.set_arena_write_bytes(counts.arena_write_bytes);
+  out.set_arena_reads(counts.arena_reads);
+  out.set_arena_read_bytes(counts.arena_read_bytes);
+  out.set_launches(counts.launches);
 }
 
 void UsageToProto(const TenantUsage& usage, v1::TenantUsage* out) {
@@ -367,6 +388,7 @@ grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* co
     response->set_backend(info_.backend);
     response->set_backend_healthy(pool_->backend()->healthy());
     response->set_uptime_ms(absl::ToInt64Milliseconds(MonotonicNow() - started_));
+    FillDeviceCounters(DeviceCounters::Read(), *response->mutable_device());
     FillTenants("", response->mutable_tenants());
     return absl::OkStatus();
   });

@@ -46,10 +46,18 @@ absl::StatusOr<AttentionInput> AttentionFromProto(const v1::AttentionInputs& att
   }
   switch (attention.source_case()) {
     case v1::AttentionInputs::kStagingOffset:
-      return absl::UnimplementedError(
-          absl::StrCat(prefix,
-                       "staging_offset: the staging area is reserved for the CUDA backend; send "
-                       "inline_queries (or attention_scores)"));
+      // fp32 [layers][Hq][w][D] in the session's staging area, where the worker wrote them; the
+      // sequence checks the range against the area (Sequence::ValidateAttention).
+      if (dtype != DType::kFloat32 && attention.queries_dtype() != v1::DTYPE_UNSPECIFIED) {
+        return Invalid(prefix, "queries_dtype",
+                       "must be DTYPE_FLOAT32 (or unset) for queries in the staging area");
+      }
+      if (!attention.attention_scores().empty()) {
+        return Invalid(prefix, "attention_scores",
+                       "and staging_offset are exclusive: give the queries or the scores");
+      }
+      out.staging_offset = attention.staging_offset();
+      return out;
     case v1::AttentionInputs::kInlineQueries: {
       const std::string& bytes = attention.inline_queries();
       const int64_t layers =

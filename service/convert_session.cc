@@ -37,11 +37,7 @@ absl::StatusOr<AttachParams> AttachFromProto(const v1::AttachRequest& request,
     }
     out.lease = lease;
   }
-  if (request.staging_bytes() != 0) {
-    return absl::UnimplementedError(
-        "staging_bytes: the query staging area is reserved for the CUDA backend (this build "
-        "takes the queries inline); pass 0");
-  }
+  out.staging_bytes = request.staging_bytes();  // bounded by the session table (Plan)
   return out;
 }
 
@@ -67,9 +63,8 @@ void ArenaHandleToProto(const SessionView& session, v1::ArenaHandle* out) {
   out->set_generation(handle.generation);
   out->set_block_bytes(session.block_bytes);
   out->set_num_blocks(session.num_blocks);
-  // No staging area in this build: it starts right after the last block and is empty.
-  out->set_staging_offset(static_cast<uint64_t>(session.num_blocks) * session.block_bytes);
-  out->set_staging_bytes(0);
+  out->set_staging_offset(session.staging_offset);
+  out->set_staging_bytes(session.staging_bytes);
 }
 
 void SessionInfoToProto(const SessionInfo& info, v1::SessionInfo* out) {

@@ -6,11 +6,12 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "cache/clock.h"
+#include "gpu/device_counters.h"
+#include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/support/server_interceptor.h"
-#include "grpc/health/v1/health.pb.h"
-#include "cache/clock.h"
 #include "service/log.h"
 #include "service/reflection_v1.h"
 #include "service/status_convert.h"
@@ -335,6 +336,55 @@ void SidecarServer::CollectPoolMetrics(std::vector<prometheus::MetricFamily>* ou
        {&used, &capacity, &reserved, &tenant_used, &tenant_reserved, &tenant_sessions,
         &tenant_sequences, &sessions, &sequences, &reclaimed, &draining, &healthy, &appended,
         &evicted, &merged, &kept, &policy_sequences}) {
+    out->push_back(family->Build());
+  }
+  CollectDeviceMetrics(out);
+}
+
+// The compute seam's counters (gpu/device_counters.h): what a GPU's time goes to is mostly how
+// often the host waits for it and how many bytes cross the bus, which these show per second.
+void SidecarServer::CollectDeviceMetrics(std::vector<prometheus::MetricFamily>* out) {
+  using prometheus::MetricType;
+  const DeviceCounts counts = DeviceCounters::Read();
+  StateFamily calls("kvsidecar_backend_calls_total",
+                    "Compute backend calls the cache core made, by method.", MetricType::Counter);
+  StateFamily jobs("kvsidecar_backend_jobs_total", "Jobs those calls carried, by method.",
+                   MetricType::Counter);
+  for (size_t i = 0; i < kNumBackendMethods; ++i) {
+    const MetricLabels method = {{"method", BackendMethodName(static_cast<BackendMethod>(i))}};
+    calls.AddSample(method, counts.calls[i]);
+    jobs.AddSample(method, counts.jobs[i]);
+  }
+  StateFamily syncs("kvsidecar_device_synchronizations_total",
+                    "Times the host waited for the device (0 on the CPU backend).",
+                    MetricType::Counter);
+  syncs.AddSample({}, counts.syncs);
+  StateFamily transfers("kvsidecar_device_transfers_total",
+                        "Copies between host and device memory, by direction.",
+                        MetricType::Counter);
+  StateFamily transfer_bytes("kvsidecar_device_transfer_bytes_total",
+                             "Bytes copied between host and device memory, by direction.",
+                             MetricType::Counter);
+  transfers.AddSample({{"direction", "to_device"}}, counts.uploads);
+  transfers.AddSample({{"direction", "to_host"}}, counts.downloads);
+  transfer_bytes.AddSample({{"direction", "to_device"}}, counts.up_bytes);
+  transfer_bytes.AddSample({{"direction", "to_host"}}, counts.down_bytes);
+  StateFamily arena_copies("kvsidecar_arena_host_copies_total",
+                           "Host copies into (write) and out of (read) session arenas.",
+                           MetricType::Counter);
+  StateFamily arena_bytes("kvsidecar_arena_host_copy_bytes_total",
+                          "Bytes of host copies into and out of session arenas.",
+                          MetricType::Counter);
+  arena_copies.AddSample({{"direction", "write"}}, counts.arena_writes);
+  arena_copies.AddSample({{"direction", "read"}}, counts.arena_reads);
+  arena_bytes.AddSample({{"direction", "write"}}, counts.arena_write_bytes);
+  arena_bytes.AddSample({{"direction", "read"}}, counts.arena_read_bytes);
+  StateFamily launches("kvsidecar_device_kernel_launches_total",
+                       "Device kernels launched (CUDA backend; the simulated device's count).",
+                       MetricType::Counter);
+  launches.AddSample({}, counts.launches);
+  for (const StateFamily* family : {&calls, &jobs, &syncs, &transfers, &transfer_bytes,
+                                    &arena_copies, &arena_bytes, &launches}) {
     out->push_back(family->Build());
   }
 }

@@ -87,6 +87,9 @@ class SidecarServer {
   // Scrape-time families from the pool (bytes per tier, sessions, per-tenant usage, tokens per
   // policy, backend health).
   void CollectPoolMetrics(std::vector<prometheus::MetricFamily>* out);
+  // The compute seam's counters: backend calls and jobs by method, device synchronisations,
+  // transfers, arena host copies and kernel launches.
+  static void CollectDeviceMetrics(std::vector<prometheus::MetricFamily>* out);
 
   KvPool* const pool_;
   MetricsRegistry metrics_;

@@ -58,7 +58,8 @@ struct SpilledSequenceInfo {
 class Session {
  public:
   Session(std::string id, const AttachParams& params, std::unique_ptr<Arena> arena,
-          int32_t num_blocks, uint64_t charge, absl::Duration lease, absl::Time now)
+          int32_t num_blocks, uint64_t charge, absl::Duration lease, absl::Time now,
+          uint64_t staging_offset = 0)
       : id(std::move(id)),
         tenant(params.tenant),
         worker_name(params.worker_name),
@@ -66,6 +67,8 @@ class Session {
         arena(std::move(arena)),
         num_blocks(num_blocks),
         block_bytes(params.layout.block_bytes()),
+        staging_offset(staging_offset),
+        staging_bytes(params.staging_bytes),
         charge(charge),
         lease(lease),
         attached(now),
@@ -92,6 +95,8 @@ class Session {
     view.arena = arena->handle();
     view.num_blocks = num_blocks;
     view.block_bytes = block_bytes;
+    view.staging_offset = staging_offset;
+    view.staging_bytes = staging_bytes;
     view.lease = lease;
     view.lease_expires = lease_expires();
     return view;
@@ -103,9 +108,11 @@ class Session {
                   std::atomic<int64_t>* tokens_appended = nullptr,
                   std::atomic<int64_t>* tokens_evicted = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    return SequenceEnv{layout,          *arena,         allocator,
-                       backend,         id,             max_tokens_per_call,
-                       tokens_appended, tokens_evicted, &host_pin};
+    SequenceEnv env{layout,          *arena,         allocator, backend, id, max_tokens_per_call,
+                    tokens_appended, tokens_evicted, &host_pin};
+    env.staging_offset = staging_offset;
+    env.staging_bytes = staging_bytes;
+    return env;
   }
 
   const std::string id;
@@ -115,6 +122,8 @@ class Session {
   const std::unique_ptr<Arena> arena;
   const int32_t num_blocks;
   const uint64_t block_bytes;
+  const uint64_t staging_offset;  // the query staging area, after the blocks
+  const uint64_t staging_bytes;
   const uint64_t charge;
   const absl::Duration lease;
   const absl::Time attached;

@@ -76,11 +76,22 @@ absl::StatusOr<AttachPlan> SessionTable::Plan(const AttachParams& params) const 
         options_->default_session_bytes / block_bytes, std::numeric_limits<int32_t>::max()));
     num_blocks = std::max<int64_t>(num_blocks, 1);
   }
-  const std::optional<uint64_t> arena_bytes =
+  const std::optional<uint64_t> blocks_bytes =
       CheckedProduct({num_blocks, static_cast<int64_t>(block_bytes)});
-  if (!arena_bytes) {
+  if (!blocks_bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_blocks ", num_blocks, " * block_bytes ", block_bytes, " overflows"));
+  }
+  if (resolved.staging_bytes > kMaxStagingBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("staging_bytes must be <= ", kMaxStagingBytes,
+                                                   ", got ", resolved.staging_bytes));
+  }
+  // The staging area starts on a 256-byte boundary, where device kernels may read it.
+  plan.staging_offset = (*blocks_bytes + 255) / 256 * 256;
+  const std::optional<uint64_t> arena_bytes =
+      CheckedAdd(plan.staging_offset, resolved.staging_bytes);
+  if (!arena_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("num_blocks ", num_blocks, " is too large"));
   }
   plan.lease = resolved.lease;
   if (plan.lease == absl::ZeroDuration()) plan.lease = options_->default_lease;

@@ -29,11 +29,15 @@
 namespace kvs {
 
 // An Attach request resolved against the pool's options: the arena it gets and what it costs.
+// The largest query staging area a session may ask for.
+inline constexpr uint64_t kMaxStagingBytes = uint64_t{1} << 30;
+
 struct AttachPlan {
   AttachParams params;  // block_tokens and tenant defaulted
   int32_t num_blocks = 0;
-  uint64_t arena_bytes = 0;  // num_blocks * block_bytes
-  uint64_t charge = 0;       // arena_bytes rounded up to whole pages
+  uint64_t staging_offset = 0;  // num_blocks * block_bytes, rounded up to 256 bytes
+  uint64_t arena_bytes = 0;     // the blocks, then staging_bytes of query staging
+  uint64_t charge = 0;          // arena_bytes rounded up to whole pages
   absl::Duration lease;
 };
 

@@ -287,47 +287,47 @@ class CakeAllocator final : public LayerAllocator {
   }
 
   absl::Status Observe(Backend& backend, Phase phase, const LayerStep& layer) const override {
-    if (phase != Phase::kPrefill || layer.state == nullptr || layer.num_queries <= 0) {
-      return absl::OkStatus();
+    return ObserveLayers(backend, phase, {&layer, 1});
+  }
+
+  // Every measured layer in one WindowEntropyShift call.
+  absl::Status ObserveLayers(Backend& backend, Phase phase,
+                             absl::Span<const LayerStep> layers) const override {
+    if (phase != Phase::kPrefill) return absl::OkStatus();
+    std::vector<WindowEntropyJob> jobs;
+    std::vector<const LayerStep*> measured;
+    std::vector<CakeMeasure> measures(layers.size());
+    for (const LayerStep& layer : layers) {
+      if (layer.state == nullptr || layer.num_queries <= 0 || layer.keys.count <= 0) continue;
+      KVS_RETURN_IF_ERROR(CheckMeasured(layer));
+      // The observation window: the trailing min(W, queries) rows of every head.
+      const int32_t rows = std::min(std::max(window_, 1), layer.num_queries);
+      const int32_t first = layer.num_queries - rows;
+      CakeMeasure& measure = measures[measured.size()];
+      measured.push_back(&layer);
+      jobs.push_back(WindowEntropyJob{.probs = layer.probs.data(),
+                                      .key_positions = layer.positions.data(),
+                                      .num_q_heads = layer.num_q_heads,
+                                      .num_kv_heads = layer.keys.num_kv_heads,
+                                      .num_queries = layer.num_queries,
+                                      .window = rows,
+                                      .count = layer.keys.count,
+                                      .first_query_position = layer.query_positions[first],
+                                      .entropy = &measure.entropy,
+                                      .shift = &measure.shift});
     }
-    const int32_t count = layer.keys.count;
-    const int32_t num_kv_heads = layer.keys.num_kv_heads;
-    const int32_t num_q_heads = layer.num_q_heads;
-    if (count <= 0) return absl::OkStatus();
-    if (num_kv_heads <= 0 || num_q_heads <= 0 || num_q_heads % num_kv_heads != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("attention: layer ", layer.layer, " has ", num_q_heads,
-                       " query heads, not a positive multiple of its ", num_kv_heads, " kv heads"));
+    if (jobs.empty()) return absl::OkStatus();
+    KVS_RETURN_IF_ERROR(backend.WindowEntropyShift(jobs, nullptr));
+    for (size_t i = 0; i < measured.size(); ++i) {
+      if (!std::isfinite(measures[i].entropy) || !std::isfinite(measures[i].shift)) {
+        return absl::InvalidArgumentError(absl::StrCat("attention: the probabilities of layer ",
+                                                       measured[i]->layer, " are not finite"));
+      }
     }
-    const int64_t expected = int64_t{num_q_heads} * layer.num_queries * count;
-    if (static_cast<int64_t>(layer.probs.size()) != expected ||
-        static_cast<int64_t>(layer.query_positions.size()) != layer.num_queries ||
-        static_cast<int64_t>(layer.positions.size()) != int64_t{num_kv_heads} * count) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "attention: layer ", layer.layer, " carries ", layer.probs.size(), " probabilities for ",
-          num_q_heads, " query heads x ", layer.num_queries, " queries x ", count, " tokens"));
+    for (size_t i = 0; i < measured.size(); ++i) {
+      measured[i]->state->preference = CakeLogPreference(measures[i], cake_.tau1, cake_.tau2);
+      measured[i]->state->measured = true;
     }
-    // The observation window: the trailing min(W, queries) rows of every head.
-    const int32_t rows = std::min(std::max(window_, 1), layer.num_queries);
-    const int32_t first = layer.num_queries - rows;
-    CakeMeasure measure;
-    const WindowEntropyJob job{.probs = layer.probs.data(),
-                               .key_positions = layer.positions.data(),
-                               .num_q_heads = num_q_heads,
-                               .num_kv_heads = num_kv_heads,
-                               .num_queries = layer.num_queries,
-                               .window = rows,
-                               .count = count,
-                               .first_query_position = layer.query_positions[first],
-                               .entropy = &measure.entropy,
-                               .shift = &measure.shift};
-    KVS_RETURN_IF_ERROR(backend.WindowEntropyShift({&job, 1}, nullptr));
-    if (!std::isfinite(measure.entropy) || !std::isfinite(measure.shift)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("attention: the probabilities of layer ", layer.layer, " are not finite"));
-    }
-    layer.state->preference = CakeLogPreference(measure, cake_.tau1, cake_.tau2);
-    layer.state->measured = true;
     return absl::OkStatus();
   }
 
@@ -395,6 +395,27 @@ class CakeAllocator final : public LayerAllocator {
   }
 
  private:
+  // The shape of one layer's attention, as the measure reads it.
+  static absl::Status CheckMeasured(const LayerStep& layer) {
+    const int32_t count = layer.keys.count;
+    const int32_t num_kv_heads = layer.keys.num_kv_heads;
+    const int32_t num_q_heads = layer.num_q_heads;
+    if (num_kv_heads <= 0 || num_q_heads <= 0 || num_q_heads % num_kv_heads != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention: layer ", layer.layer, " has ", num_q_heads,
+                       " query heads, not a positive multiple of its ", num_kv_heads, " kv heads"));
+    }
+    const int64_t expected = int64_t{num_q_heads} * layer.num_queries * count;
+    if (static_cast<int64_t>(layer.probs.size()) != expected ||
+        static_cast<int64_t>(layer.query_positions.size()) != layer.num_queries ||
+        static_cast<int64_t>(layer.positions.size()) != int64_t{num_kv_heads} * count) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention: layer ", layer.layer, " carries ", layer.probs.size(), " probabilities for ",
+          num_q_heads, " query heads x ", layer.num_queries, " queries x ", count, " tokens"));
+    }
+    return absl::OkStatus();
+  }
+
   const AllocatorConfig config_;
   const CakeConfig cake_;
   const int32_t window_;

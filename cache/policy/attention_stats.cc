@@ -254,23 +254,29 @@ absl::Status PoolByPosition(Backend& backend, absl::Span<const float> in, int32_
                             int32_t num_kv_heads, int32_t count,
                             absl::Span<const int32_t> positions, absl::Span<const uint8_t> eligible,
                             int32_t kernel_size, Pooling pooling, absl::Span<float> out) {
+  PoolBatch batch;
+  batch.Add(in, rows, num_kv_heads, count, positions, eligible, kernel_size, pooling, out);
+  return batch.Run(backend);
+}
+
+void PoolBatch::Add(absl::Span<const float> in, int32_t rows, int32_t num_kv_heads, int32_t count,
+                    absl::Span<const int32_t> positions, absl::Span<const uint8_t> eligible,
+                    int32_t kernel_size, Pooling pooling, absl::Span<float> out) {
   const int64_t n = count;
   // The position order of each head's eligible slots: bookkeeping on positions, kept here; the
   // pooling of the values is the backend's (PoolJob).
-  thread_local std::vector<int32_t> orders;
-  thread_local std::vector<int32_t> lengths;
-  thread_local std::vector<int32_t> order;
-  thread_local std::vector<int32_t> by_offset;
-  orders.resize(static_cast<size_t>(std::max(num_kv_heads, 0) * n));
-  lengths.assign(static_cast<size_t>(std::max(num_kv_heads, 0)), 0);
+  std::vector<int32_t>& orders =
+      orders_.emplace_back(static_cast<size_t>(std::max(num_kv_heads, 0) * n));
+  std::vector<int32_t>& lengths =
+      lengths_.emplace_back(static_cast<size_t>(std::max(num_kv_heads, 0)), 0);
   for (int32_t h = 0; h < num_kv_heads; ++h) {
     SlotsByPosition(positions.data() + int64_t{h} * n, count,
-                    eligible.empty() ? nullptr : eligible.data() + int64_t{h} * n, by_offset,
-                    order);
-    std::copy(order.begin(), order.end(), orders.begin() + int64_t{h} * n);
-    lengths[h] = static_cast<int32_t>(order.size());
+                    eligible.empty() ? nullptr : eligible.data() + int64_t{h} * n, by_offset_,
+                    order_);
+    std::copy(order_.begin(), order_.end(), orders.begin() + int64_t{h} * n);
+    lengths[h] = static_cast<int32_t>(order_.size());
   }
-  PoolJob job;
+  PoolJob& job = jobs_.emplace_back();
   job.in = in.data();
   job.order = orders.data();
   job.lengths = lengths.data();
@@ -280,7 +286,11 @@ absl::Status PoolByPosition(Backend& backend, absl::Span<const float> in, int32_
   job.kernel_size = kernel_size;
   job.kind = pooling == Pooling::kMax ? PoolKind::kMax : PoolKind::kAvg;
   job.out = out.data();
-  KVS_RETURN_IF_ERROR(backend.PoolScores({&job, 1}, nullptr));
+}
+
+absl::Status PoolBatch::Run(Backend& backend) {
+  if (jobs_.empty()) return absl::OkStatus();
+  KVS_RETURN_IF_ERROR(backend.PoolScores(jobs_, nullptr));
   return backend.Synchronize(nullptr);
 }
 

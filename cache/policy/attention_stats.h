@@ -10,6 +10,7 @@
 #define KVSIDECAR_CACHE_POLICY_ATTENTION_STATS_H_
 
 #include <cstdint>
+#include <deque>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -72,6 +73,26 @@ absl::Status PoolByPosition(Backend& backend, absl::Span<const float> in, int32_
                             int32_t num_kv_heads, int32_t count,
                             absl::Span<const int32_t> positions, absl::Span<const uint8_t> eligible,
                             int32_t kernel_size, Pooling pooling, absl::Span<float> out);
+
+// PoolByPosition over many layers: each Add works out one layer's position order (reading
+// `positions` and `eligible` then), Run pools them all in one Backend::PoolScores call and one
+// wait. A step over 64 sequences x 32 layers pools in one call where it took 2048. `in` and `out`
+// of every Add must stay valid, and `in` hold its values, by the time Run is called.
+class PoolBatch {
+ public:
+  void Add(absl::Span<const float> in, int32_t rows, int32_t num_kv_heads, int32_t count,
+           absl::Span<const int32_t> positions, absl::Span<const uint8_t> eligible,
+           int32_t kernel_size, Pooling pooling, absl::Span<float> out);
+  // Nothing when no job was added.
+  absl::Status Run(Backend& backend);
+
+ private:
+  std::vector<PoolJob> jobs_;
+  std::deque<std::vector<int32_t>> orders_;  // per job; a deque keeps them where they are
+  std::deque<std::vector<int32_t>> lengths_;
+  std::vector<int32_t> order_;
+  std::vector<int32_t> by_offset_;
+};
 
 }  // namespace kvs
 

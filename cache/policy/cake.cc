@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <vector>
 
@@ -26,8 +27,18 @@ AttentionRequirement CakePolicy::ScorerAttention(Phase phase) const {
 
 absl::Status CakePolicy::ObserveLayers(Backend& backend, Phase phase,
                                        absl::Span<const LayerStep> layers) const {
-  std::vector<float> rows;
-  std::vector<float> pooled;
+  // Every layer's statistics in one backend call and every layer's pooling in one more: what a
+  // layer's call reads and writes is kept per layer until the calls have run.
+  struct Prefill {
+    const LayerStep* step;
+    std::vector<float> rows;
+    std::vector<float> pooled;
+    std::vector<uint8_t> eligible;
+  };
+  std::deque<Prefill> prefills;
+  std::deque<std::vector<float>> decode_rows;
+  std::vector<WindowVarianceJob> statistics;
+  PoolBatch pools;
   std::vector<uint8_t> eligible;
   std::vector<int32_t> scratch;
   std::vector<uint64_t> bitmap;
@@ -38,47 +49,41 @@ absl::Status CakePolicy::ObserveLayers(Backend& backend, Phase phase,
     const int32_t count = step.keys.count;
     const int32_t nq = step.num_queries;
     const int64_t n = count;
-    eligible.assign(static_cast<size_t>(heads) * n, 0);
     if (phase == Phase::kPrefill) {
       // Step 3 over the trailing window: mean + gamma * unbiased variance, fp64 per slot.
       const int32_t w = std::min(cake_.window, nq);
       const int32_t first_window_position = step.query_positions[nq - w];
-      // Every slot of both is written below (the indicator rows, then the pooling).
-      rows.resize(static_cast<size_t>(hq) * n);
-      pooled.resize(rows.size());
-      const WindowVarianceJob job{.probs = step.probs.data(),
-                                  .num_q_heads = hq,
-                                  .num_queries = nq,
-                                  .window = w,
-                                  .count = count,
-                                  .gamma = cake_.gamma,
-                                  .scores = rows.data()};
-      KVS_RETURN_IF_ERROR(backend.WindowVarianceScores({&job, 1}, nullptr));
+      // Every slot of both is written (the indicator rows, then the pooling).
+      Prefill& layer = prefills.emplace_back(Prefill{&step, {}, {}, {}});
+      layer.rows.resize(static_cast<size_t>(hq) * n);
+      layer.pooled.resize(layer.rows.size());
+      layer.eligible.assign(static_cast<size_t>(heads) * n, 0);
+      statistics.push_back(WindowVarianceJob{.probs = step.probs.data(),
+                                             .num_q_heads = hq,
+                                             .num_queries = nq,
+                                             .window = w,
+                                             .count = count,
+                                             .gamma = cake_.gamma,
+                                             .scores = layer.rows.data()});
       for (int64_t j = 0; j < heads * n; ++j) {
-        eligible[j] = step.positions[j] < first_window_position ? 1 : 0;
+        layer.eligible[j] = step.positions[j] < first_window_position ? 1 : 0;
       }
-      KVS_RETURN_IF_ERROR(PoolByPosition(backend, rows, hq, heads, count, step.positions, eligible,
-                                         cake_.kernel_size, Pooling::kAvg, absl::MakeSpan(pooled)));
-      std::vector<float>& indicator = step.state->indicator;
-      indicator.assign(static_cast<size_t>(heads) * n, 0.0f);
-      GqaMean(pooled, hq, heads, count, absl::MakeSpan(indicator));
-      // The window is always kept: stored as +inf (cake.md step 3, Omega).
-      for (int64_t j = 0; j < heads * n; ++j) {
-        if (eligible[j] == 0) indicator[j] = std::numeric_limits<float>::infinity();
-      }
+      pools.Add(layer.rows, hq, heads, count, step.positions, layer.eligible, cake_.kernel_size,
+                Pooling::kAvg, absl::MakeSpan(layer.pooled));
       continue;
     }
     // Decode (step 7): the last query's row, pooled over the candidates. With one query (the
     // decode step itself) the probabilities are those rows already.
     absl::Span<const float> last_rows = step.probs;
     if (nq > 1) {
-      rows.resize(static_cast<size_t>(hq) * n);
+      std::vector<float>& rows = decode_rows.emplace_back(static_cast<size_t>(hq) * n);
       for (int64_t q = 0; q < hq; ++q) {
         const float* row = step.probs.data() + (q * nq + (nq - 1)) * n;
         std::copy(row, row + n, rows.begin() + q * n);
       }
       last_rows = rows;
     }
+    eligible.assign(static_cast<size_t>(heads) * n, 0);
     for (int32_t h = 0; h < heads; ++h) {
       const int32_t* positions = step.positions.data() + int64_t{h} * n;
       const int32_t candidates = count - cake_.window;
@@ -88,12 +93,25 @@ absl::Status CakePolicy::ObserveLayers(Backend& backend, Phase phase,
       MarkSinksAndRecent(positions, count, 0, cake_.window, scratch, bitmap, mark);
       for (int64_t s = 0; s < n; ++s) mark[s] ^= 1;
     }
-    // Window slots keep the unpooled probabilities; PoolByPosition writes every slot.
+    // Window slots keep the unpooled probabilities; the pooling writes every slot.
     std::vector<float>& scores = step.state->step_scores;
     scores.resize(static_cast<size_t>(hq) * n);
-    KVS_RETURN_IF_ERROR(PoolByPosition(backend, last_rows, hq, heads, count, step.positions,
-                                       eligible, cake_.kernel_size, Pooling::kAvg,
-                                       absl::MakeSpan(scores)));
+    pools.Add(last_rows, hq, heads, count, step.positions, eligible, cake_.kernel_size,
+              Pooling::kAvg, absl::MakeSpan(scores));
+  }
+  if (!statistics.empty()) KVS_RETURN_IF_ERROR(backend.WindowVarianceScores(statistics, nullptr));
+  KVS_RETURN_IF_ERROR(pools.Run(backend));
+  for (Prefill& layer : prefills) {
+    const LayerStep& step = *layer.step;
+    const int64_t cells = int64_t{step.keys.num_kv_heads} * step.keys.count;
+    std::vector<float>& indicator = step.state->indicator;
+    indicator.assign(static_cast<size_t>(cells), 0.0f);
+    GqaMean(layer.pooled, step.num_q_heads, step.keys.num_kv_heads, step.keys.count,
+            absl::MakeSpan(indicator));
+    // The window is always kept: stored as +inf (cake.md step 3, Omega).
+    for (int64_t j = 0; j < cells; ++j) {
+      if (layer.eligible[j] == 0) indicator[j] = std::numeric_limits<float>::infinity();
+    }
   }
   return absl::OkStatus();
 }

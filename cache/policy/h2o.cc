@@ -110,6 +110,11 @@ std::vector<int32_t> ObserverCounts(absl::Span<const int32_t> runs,
   return counts;
 }
 
+std::optional<DeviceDecodeRule> H2oPolicy::DeviceScores() const {
+  if (params_.normalize_by_queries) return std::nullopt;
+  return DeviceDecodeRule{.scores = DecodeScores::kAccumulated};
+}
+
 ScoredPolicy::Protection H2oPolicy::Protect(Phase, const LayerSelection& layer) const {
   const int32_t sinks = std::clamp(params_.n_sink, 0, layer.keep);
   const int32_t recent = std::clamp(params_.n_recent, 0, layer.keep - sinks);

@@ -46,6 +46,8 @@ class H2oPolicy final : public AttentionScoredPolicy {
   absl::Status ObserveLayers(Backend& backend, Phase phase,
                              absl::Span<const LayerStep> layers) const override;
   Protection Protect(Phase phase, const LayerSelection& layer) const override;
+  // The device step scores by the accumulated attention (not when normalising by observers).
+  std::optional<DeviceDecodeRule> DeviceScores() const override;
 
  private:
   const H2oConfig params_;

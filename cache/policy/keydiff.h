@@ -28,6 +28,12 @@ class KeyDiffPolicy final : public ScoredPolicy {
   Protection Protect(Phase phase, const LayerSelection& layer) const override;
   absl::Status Score(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
                      absl::Span<float* const> scores) const override;
+  std::optional<DeviceDecodeRule> DeviceScores() const override {
+    return DeviceDecodeRule{.scores = DecodeScores::kRows,
+                            .rows = DeviceDecodeRule::Rows::kKeyDiff,
+                            .anchor = config().keydiff.anchor,
+                            .metric = config().keydiff.metric};
+  }
 };
 
 // Validates config.keydiff ("policy.keydiff.recent_fraction ...", anchor, metric).

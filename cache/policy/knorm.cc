@@ -27,6 +27,13 @@ class KnormPolicy final : public ScoredPolicy {
 
  protected:
   Protection Protect(Phase, const LayerSelection&) const override { return {}; }
+  // On the device the norms come from a pass over the keys (the KeyDiff job's anchorless
+  // metric), the values the kept norms hold: the device keeps no norms of its own.
+  std::optional<DeviceDecodeRule> DeviceScores() const override {
+    return DeviceDecodeRule{.scores = DecodeScores::kRows,
+                            .rows = DeviceDecodeRule::Rows::kKeyDiff,
+                            .metric = KeyDiffMetric::kNegativeNorm};
+  }
 
   // -||k||_2 per kv head and slot in fp32: from the norms kept with the keys where they are known,
   // else from the backend's KeyDiff job with the anchorless metric (one pass over the keys where

@@ -162,6 +162,12 @@ absl::Status LayerAllocator::Observe(Backend&, Phase, const LayerStep&) const {
   return absl::OkStatus();
 }
 
+absl::Status LayerAllocator::ObserveLayers(Backend& backend, Phase phase,
+                                           absl::Span<const LayerStep> layers) const {
+  for (const LayerStep& layer : layers) KVS_RETURN_IF_ERROR(Observe(backend, phase, layer));
+  return absl::OkStatus();
+}
+
 AttentionRequirement Policy::attention(Phase phase) const {
   const AttentionRequirement scorer = ScorerAttention(phase);
   const AttentionRequirement allocator = allocator_->attention(phase);
@@ -197,10 +203,7 @@ absl::Status Policy::Observe(Backend& backend, Phase phase,
     }
   }
   KVS_RETURN_IF_ERROR(ObserveLayers(backend, phase, layers));
-  for (const LayerStep& layer : layers) {
-    KVS_RETURN_IF_ERROR(allocator_->Observe(backend, phase, layer));
-  }
-  return absl::OkStatus();
+  return allocator_->ObserveLayers(backend, phase, layers);
 }
 
 absl::Status Policy::ObserveLayers(Backend&, Phase, absl::Span<const LayerStep>) const {
@@ -307,6 +310,22 @@ absl::Status ScoredPolicy::Select(Backend& backend, Phase phase,
     }
   }
   return absl::OkStatus();
+}
+
+std::optional<DeviceDecodeRule> ScoredPolicy::DeviceDecode(int32_t keep, int32_t count) const {
+  std::optional<DeviceDecodeRule> rule = DeviceScores();
+  if (!rule.has_value()) return std::nullopt;
+  // What Protect reads of a decode step's layer: its keep and count (SnapKV's step window, which
+  // has no device rule, would read the state).
+  LayerPolicyState state;
+  LayerSelection layer;
+  layer.keep = keep;
+  layer.keys.count = count;
+  layer.state = &state;
+  const Protection protection = Protect(Phase::kDecode, layer);
+  rule->sinks = protection.sinks;
+  rule->recent = protection.recent;
+  return rule;
 }
 
 absl::Status ScoredPolicy::KeepProtected(Phase phase, const LayerSelection& layer) const {

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -144,6 +145,22 @@ struct Allocation {
   int32_t floor_applied_layers = 0;  // layers raised to the floor
 };
 
+// How a policy's decode-time eviction of one layer runs where the layer lives
+// (Backend::DecodeEvict, the device path of a DecodeStep): what it scores by and what it
+// protects. A policy has one when its decode step is "score every slot from what the device
+// holds, keep the protected ones, drop the lowest"; the device step then equals its host step.
+struct DeviceDecodeRule {
+  DecodeScores scores = DecodeScores::kNone;
+  // kRows: this step's attention probabilities ([Hq][count], TOVA), or the KeyDiff job's scores
+  // over the layer's keys ([H][count]) with `anchor` and `metric`.
+  enum class Rows { kNone, kAttention, kKeyDiff };
+  Rows rows = Rows::kNone;
+  KeyDiffAnchor anchor = KeyDiffAnchor::kMeanNormalized;
+  KeyDiffMetric metric = KeyDiffMetric::kCosine;
+  int32_t sinks = 0;   // each head's lowest positions kept whatever the scores
+  int32_t recent = 0;  // and its highest
+};
+
 // Splits a sequence budget across layers (uniform, PyramidKV, D2O, CAKE): a real seam, chosen
 // per sequence independently of the scorer (cake.md §7, d2o.md §7). Immutable, thread-safe.
 class LayerAllocator {
@@ -154,6 +171,10 @@ class LayerAllocator {
   virtual bool needs_accumulated() const { return false; }
   // Measures a layer's preference from this step's attention (CAKE). Default: nothing.
   virtual absl::Status Observe(Backend& backend, Phase phase, const LayerStep& layer) const;
+  // The same for every layer of a step (a batched step's layers of many sequences), so that an
+  // allocator that measures on the backend does it in one call. Default: Observe of each.
+  virtual absl::Status ObserveLayers(Backend& backend, Phase phase,
+                                     absl::Span<const LayerStep> layers) const;
   virtual absl::StatusOr<Allocation> Allocate(const AllocationRequest& request) const = 0;
 };
 
@@ -202,6 +223,12 @@ class Policy {
   // layers[i], summed over heads. Default: nothing merged.
   virtual absl::Status Merge(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
                              absl::Span<int32_t> merged) const;
+  // The rule of this policy's decode step on the device for a layer keeping `keep` of its
+  // `count` tokens (keep >= count - 1); nullopt when the step needs the host (pooling by
+  // position, merges, scorers over other state). Default: none.
+  virtual std::optional<DeviceDecodeRule> DeviceDecode(int32_t keep, int32_t count) const {
+    return std::nullopt;
+  }
 
  protected:
   Policy(PolicyConfig config, std::unique_ptr<LayerAllocator> allocator)
@@ -224,6 +251,7 @@ class ScoredPolicy : public Policy {
  public:
   absl::Status Select(Backend& backend, Phase phase,
                       absl::Span<const LayerSelection> layers) const final;
+  std::optional<DeviceDecodeRule> DeviceDecode(int32_t keep, int32_t count) const final;
 
   // Positions every head keeps whatever the scores: its `sinks` lowest and `recent` highest.
   struct Protection {
@@ -241,6 +269,10 @@ class ScoredPolicy : public Policy {
   // zeroed on entry, so a position-only policy may leave them alone.
   virtual absl::Status Score(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
                              absl::Span<float* const> scores) const = 0;
+
+  // What the scores of a device decode step are (DeviceDecode fills in the protection from
+  // Protect); nullopt: the policy's decode step stays on the host. Default: none.
+  virtual std::optional<DeviceDecodeRule> DeviceScores() const { return std::nullopt; }
 
   // False for a policy whose protected tokens always fill the budget and whose Score writes
   // nothing (StreamingLLM): the selector then keeps the protected slots of a layer without

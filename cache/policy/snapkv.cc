@@ -1,6 +1,8 @@
 #include "cache/policy/snapkv.h"
 
 #include <algorithm>
+#include <deque>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "cache/policy/allocator.h"
@@ -16,7 +18,9 @@ SnapKvPolicy::SnapKvPolicy(const PolicyConfig& config, const SnapKvConfig& param
 
 absl::Status SnapKvPolicy::ObserveLayers(Backend& backend, Phase,
                                          absl::Span<const LayerStep> layers) const {
-  std::vector<float> sums;
+  // Every layer's pooling in one backend call: the window sums each pools are kept until then.
+  PoolBatch pools;
+  std::deque<std::vector<float>> sums;
   std::vector<uint8_t> eligible;
   std::vector<int32_t> scratch;
   std::vector<uint64_t> bitmap;
@@ -41,10 +45,11 @@ absl::Status SnapKvPolicy::ObserveLayers(Backend& backend, Phase,
                                               " query rows for a window of ", window));
     }
     if (layer.summed_rows == 0 && (window != 1 || layer.num_queries != 1)) {
-      sums.resize(static_cast<size_t>(size));  // SumQueryRows clears what it sums into
+      // SumQueryRows clears what it sums into.
+      std::vector<float>& layer_sums = sums.emplace_back(static_cast<size_t>(size));
       SumQueryRows(layer.probs, layer.num_q_heads, layer.num_queries, count, window,
-                   /*accumulate=*/false, absl::MakeSpan(sums));
-      window_sums = sums;
+                   /*accumulate=*/false, absl::MakeSpan(layer_sums));
+      window_sums = layer_sums;
     }
     // The window = each head's `window` newest positions; everything older is pooled.
     eligible.assign(static_cast<size_t>(int64_t{heads} * count), 1);
@@ -60,13 +65,12 @@ absl::Status SnapKvPolicy::ObserveLayers(Backend& backend, Phase,
       for (int32_t s = 0; s < count; ++s) mark[s] ^= 1;
     }
     std::vector<float>& scores = layer.state->step_scores;
-    scores.resize(static_cast<size_t>(size));  // PoolByPosition writes every slot
-    KVS_RETURN_IF_ERROR(PoolByPosition(backend, window_sums, layer.num_q_heads, heads, count,
-                                       layer.positions, eligible, params_.kernel_size,
-                                       params_.pooling, absl::MakeSpan(scores)));
+    scores.resize(static_cast<size_t>(size));  // the pooling writes every slot
+    pools.Add(window_sums, layer.num_q_heads, heads, count, layer.positions, eligible,
+              params_.kernel_size, params_.pooling, absl::MakeSpan(scores));
     layer.state->step_protected_recent = window;
   }
-  return absl::OkStatus();
+  return pools.Run(backend);
 }
 
 absl::StatusOr<AttentionScoredPolicy::RawRows> SnapKvPolicy::RawScores(Backend&, Phase,

@@ -27,6 +27,9 @@ class StreamingLlmPolicy final : public ScoredPolicy {
   absl::Status Score(Backend& backend, Phase phase, absl::Span<const LayerSelection> layers,
                      absl::Span<float* const> scores) const override;
   bool RanksTokens() const override { return false; }
+  std::optional<DeviceDecodeRule> DeviceScores() const override {
+    return DeviceDecodeRule{.scores = DecodeScores::kNone};
+  }
 };
 
 // Validates config.streaming_llm ("policy.streaming_llm.n_sink ...") and fills its defaults.

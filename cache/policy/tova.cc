@@ -116,6 +116,12 @@ absl::StatusOr<AttentionScoredPolicy::RawRows> TovaPolicy::RawScores(
   return RawRows{scores, static_cast<int32_t>(rows)};
 }
 
+std::optional<DeviceDecodeRule> TovaPolicy::DeviceScores() const {
+  if (params_.all_heads) return std::nullopt;
+  return DeviceDecodeRule{.scores = DecodeScores::kRows,
+                          .rows = DeviceDecodeRule::Rows::kAttention};
+}
+
 ScoredPolicy::Protection TovaPolicy::Protect(Phase, const LayerSelection& layer) const {
   // kvpress scores the last token max + 1, so it survives any budget of at least one token.
   return Protection{0, params_.keep_last_token ? std::min(1, layer.keep) : 0};

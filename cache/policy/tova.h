@@ -35,6 +35,9 @@ class TovaPolicy final : public AttentionScoredPolicy {
   absl::Status ObserveLayers(Backend& backend, Phase phase,
                              absl::Span<const LayerStep> layers) const override;
   Protection Protect(Phase phase, const LayerSelection& layer) const override;
+  // The device step scores by the last query's probabilities (per kv head group; the all-heads
+  // means by position stay on the host).
+  std::optional<DeviceDecodeRule> DeviceScores() const override;
 
  private:
   const TovaConfig params_;

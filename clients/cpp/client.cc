@@ -167,6 +167,18 @@ absl::StatusOr<int> FetchArenaFd(const std::string& socket_path, const std::stri
 // ---------------------------------------------------------------------------------------------
 // ArenaGeometry, Reservation, ExportResult
 
+absl::StatusOr<uint8_t*> ArenaGeometry::Staging(uint64_t offset, uint64_t bytes) const {
+  if (base == nullptr) return absl::FailedPreconditionError("the arena is not mapped");
+  const auto end = kvs::CheckedAdd(offset, bytes);
+  const auto area_end = kvs::CheckedAdd(staging_offset, staging_bytes);
+  if (!end || !area_end || *end > staging_bytes || *area_end > size_bytes) {
+    return absl::OutOfRangeError(absl::StrCat(bytes, " bytes at offset ", offset,
+                                              " leave the staging area of ", staging_bytes,
+                                              " bytes"));
+  }
+  return base + staging_offset + offset;
+}
+
 absl::StatusOr<uint8_t*> ArenaGeometry::Row(int64_t block, int kv, int head, int in_block) const {
   if (base == nullptr) return absl::FailedPreconditionError("the arena is not mapped");
   if (block < 0 || block >= num_blocks) {
@@ -340,6 +352,8 @@ absl::Status Session::Start() {
   geometry_.head_dim = layout.head_dim();
   geometry_.dtype_bytes = dtype_bytes;
   geometry_.generation = handle.generation();
+  geometry_.staging_offset = handle.staging_offset();
+  geometry_.staging_bytes = handle.staging_bytes();
   KVS_RETURN_IF_ERROR(handle.kind() == v1::ArenaHandle::KIND_CUDA_IPC ? MapCudaIpc()
                                                                       : MapSharedMemory());
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs what a GPU machine that has no build dependencies needs to run kvsidecar's CUDA checks
 # (deploy/gpu/check.sh) into one archive: a Release CUDA build for sm_80 and sm_90, stripped —
-# kvsidecar, kvs_demo, cuda_bench, service_bench, the CUDA test programs and every test program
+# kvsidecar, kvs_demo, cuda_bench, service_bench, rpc_counts, the CUDA test programs and every test program
 # with /cuda runs — the shared libraries they need from this machine (ldd; the system C/C++ runtime,
 # the CUDA driver and cuBLAS come from the device), manifest.json (the selected ctest entries with
 # this machine's paths replaced, for deploy/gpu/run_tests.py), and the Python client as a wheel with

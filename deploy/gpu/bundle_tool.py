@@ -44,6 +44,7 @@ PROGRAMS = {
     "cuda_bench": "bench/cuda_bench",
     "service_bench": "bench/service_bench",
     "storage_bench": "bench/storage_bench",
+    "rpc_counts": "bench/rpc_counts",
 }
 # Test programs selected besides the /cuda runs: --backend=auto and cuda selection.
 EXTRA_TESTS = ("e2e_backend_test",)

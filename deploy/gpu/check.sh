@@ -22,7 +22,8 @@
 #      (bench/gpu/torch_compress_bench.py), then one compress of four policies with the staging
 #      layer's per-call trace (KVS_STAGING_TRACE=1)
 #   6. DecodeStep, 64 sequences x 32 layers: p50/p99 on --backend=cuda and on --backend=cpu
-#      (service_bench BM_DecodeStep)
+#      (service_bench BM_DecodeStep), and the shape of every policy's decode step and compress on
+#      --backend=cuda: calls, synchronisations, transfers and launches per RPC (bench/rpc_counts)
 #   7. spill and restore of a 256 MiB sequence between the CUDA arena and the host tier, against
 #      cudaMemcpy from page-locked memory in the same run (storage_bench, KVS_BENCH_BACKEND=cuda)
 # $OUT gets at most 8 files: summary.md (step status + figures), env.txt, tests.log,
@@ -76,11 +77,11 @@ step() {
 # trace_summary FILE: the staging trace lines (KVS_STAGING_TRACE=1) of FILE summed per job type.
 trace_summary() {
   awk '/^staging /{t=$2; n[t]++; for(i=3;i<=NF;i++){split($i,kv,"="); s[t,kv[1]]+=kv[2]}}
-    END{printf "%-34s %6s %7s %9s %9s %9s %9s %9s %9s %9s\n","job type","calls","jobs",
-      "up MB","down MB","plan ms","upload ms","launch ms","device ms","down ms";
-    for(t in n) printf "%-34s %6d %7d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f\n",t,n[t],
+    END{printf "%-34s %6s %7s %9s %9s %9s %9s %9s %12s\n","job type","calls","jobs",
+      "up MB","down MB","plan ms","upload ms","launch ms","wait+down ms";
+    for(t in n) printf "%-34s %6d %7d %9.1f %9.1f %9.1f %9.1f %9.1f %12.1f\n",t,n[t],
       s[t,"jobs"],s[t,"up"]/1e6,s[t,"down"]/1e6,s[t,"plan_us"]/1e3,s[t,"upload_us"]/1e3,
-      s[t,"launch_us"]/1e3,s[t,"device_us"]/1e3,s[t,"download_us"]/1e3}' "$1"
+      s[t,"launch_us"]/1e3,s[t,"wait_download_us"]/1e3}' "$1"
 }
 export -f trace_summary
 
@@ -230,8 +231,15 @@ decode() {
   done
   return $rc
 }
-export -f decode
+# The shape of each policy's DecodeStep (1, 8, 64 sequences x 4, 32 layers) and Compress on the
+# GPU: one line per call (bench/rpc_counts.cc), read against the simulated device's in CI.
+counts() {
+  LD_LIBRARY_PATH=$ld_path KVS_SERVER_BINARY="$bin/service/kvsidecar" stdbuf -oL \
+    "$bin/bench/rpc_counts" --backend=cuda ${KVS_CHECK_COUNTS_POLICIES:+--policies="$KVS_CHECK_COUNTS_POLICIES"}
+}
+export -f decode counts
 want decode && step "DecodeStep 64x32" 70 "$out/decode.log" decode
+want decode && step "calls per RPC (rpc_counts)" 60 "$out/decode.log" counts
 if [ -f "$work/decode_trace.txt" ]; then  # also when the step ran out of time
   {
     echo "-- staging trace of the --backend=cuda run, summed per job type (every step, warm-up"

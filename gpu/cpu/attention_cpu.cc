@@ -77,7 +77,7 @@ void ScalarTask(const JobPlan& plan, const Records& records, int64_t head, int64
   const int64_t count = keys.count;
   const int64_t rows = plan.group_rows;
   const float* queries = job.queries + head * rows * dim;
-  const int32_t* key_positions = job.key_positions + head * count;
+  const int32_t* key_positions = job.key_positions + KeyPositionsOffset(job, head);
   std::vector<float> tile_keys(static_cast<size_t>(kTile) * dim);
   float logits[kTile];
   for (int64_t t = tile_begin; t < tile_end; ++t) {
@@ -440,11 +440,11 @@ __attribute__((always_inline)) inline void DecodeLoop(const JobPlan& plan, const
         for (int r = 0; r < strip; ++r) {
           const int64_t m = m0 + r;
           const int64_t row = head * rows + m;
-          Kernels::Softmax(logits + r * kLogitStride, job.key_positions + head * count + s0,
-                           job.query_positions[m % job.num_queries], job.scale, n,
-                           job.probs + row * count + s0,
-                           &running_max[(head - head_begin) * rows + m],
-                           &records.max[records.At(row, t)], &records.sum[records.At(row, t)]);
+          Kernels::Softmax(
+              logits + r * kLogitStride, job.key_positions + KeyPositionsOffset(job, head) + s0,
+              job.query_positions[m % job.num_queries], job.scale, n, job.probs + row * count + s0,
+              &running_max[(head - head_begin) * rows + m], &records.max[records.At(row, t)],
+              &records.sum[records.At(row, t)]);
         }
       }
     }
@@ -504,7 +504,7 @@ KVS_AVX2 void Avx2Task(const JobPlan& plan, const Records& records, int64_t head
   }
   const int64_t head = head_begin;  // the window kernel's tasks cover one head
   const float* queries = job.queries + head * rows * dim;
-  const int32_t* key_positions = job.key_positions + head * count;
+  const int32_t* key_positions = job.key_positions + KeyPositionsOffset(job, head);
   thread_local std::vector<float> tile_buffer;
   tile_buffer.resize(static_cast<size_t>(kTile) * dim);
   float* tile = tile_buffer.data();
@@ -689,7 +689,7 @@ KVS_AVX512 void Avx512Task(const JobPlan& plan, const Records& records, int64_t 
   running_max.assign(rows, kNegInf);
   const int64_t head = head_begin;
   const float* queries = job.queries + head * rows * dim;
-  const int32_t* key_positions = job.key_positions + head * count;
+  const int32_t* key_positions = job.key_positions + KeyPositionsOffset(job, head);
   // 64-byte aligned: each 48-float row of the tile is then exactly three cache lines.
   thread_local std::vector<float> tile_buffer;
   tile_buffer.resize(static_cast<size_t>(kTile) * dim + 16);
@@ -1027,6 +1027,9 @@ absl::Status ValidateAttentionJob(const AttentionJob& job, size_t index) {
   }
   if (v.count == 0) return absl::OkStatus();  // nothing is read or written
   if (job.key_positions == nullptr) return invalid("key_positions is null");
+  if (job.key_stride != 0 && job.key_stride < v.count) {
+    return invalid("key_stride ", job.key_stride, " is below keys.count ", v.count);
+  }
   if (job.queries == nullptr) return invalid("queries is null");
   if (job.query_positions == nullptr) return invalid("query_positions is null");
   if (job.probs == nullptr) return invalid("probs is null");
@@ -1294,7 +1297,7 @@ void ColumnSumsTask(const AttentionSumsJob& sums_job, int64_t head_begin, int64_
     sub.keys.num_kv_heads = static_cast<int32_t>(heads);
     sub.num_q_heads = static_cast<int32_t>(heads * group);
     sub.queries += head_begin * group * w * job.keys.head_dim;
-    sub.key_positions += head_begin * count;
+    sub.key_positions += KeyPositionsOffset(job, head_begin);
   }
   thread_local std::vector<float> exps;
   thread_local std::vector<float> buffer;
@@ -1420,7 +1423,7 @@ void LogitsChunkScalar(const AttentionJob& job, int64_t head, int64_t begin, int
   const int64_t dim = keys.head_dim;
   const int64_t group = job.num_q_heads / keys.num_kv_heads;
   const int64_t count = keys.count;
-  const int32_t* key_positions = job.key_positions + head * count;
+  const int32_t* key_positions = job.key_positions + KeyPositionsOffset(job, head);
   std::vector<float> row(dim);
   for (int64_t s = begin; s < end; ++s) {
     const uint8_t* key = PagedRow(keys, head, s);
@@ -1449,7 +1452,7 @@ KVS_AVX2 void LogitsChunkAvx2(const AttentionJob& job, int64_t head, int64_t beg
   const int64_t group = job.num_q_heads / keys.num_kv_heads;
   const int64_t rows = group * job.num_queries;  // contiguous query rows of this kv head
   const int64_t count = keys.count;
-  const int32_t* key_positions = job.key_positions + head * count;
+  const int32_t* key_positions = job.key_positions + KeyPositionsOffset(job, head);
   const float* queries = job.queries + head * rows * dim;
   float* out = job.probs + head * rows * count;
   const int64_t element_bytes = DTypeBytes(kType);

@@ -9,9 +9,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu/backend.h"
+#include "gpu/base/status_macros.h"
 #include "gpu/cpu/attention_cpu.h"
 #include "gpu/cpu/caote_cpu.h"
 #include "gpu/cpu/copy_cpu.h"
+#include "gpu/cpu/decode_evict_cpu.h"
 #include "gpu/cpu/keydiff_cpu.h"
 #include "gpu/cpu/merge_cpu.h"
 #include "gpu/cpu/pool_cpu.h"
@@ -207,6 +209,17 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status Synchronize(Stream) override { return absl::OkStatus(); }
+
+  absl::Status DecodeEvict(absl::Span<const DecodeEvictJob> jobs, DecodeStage stage,
+                           Stream) override {
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      KVS_RETURN_IF_ERROR(ValidateDecodeEvictJob(jobs[i], i));
+    }
+    // One task per (sequence, layer): a decode step has thousands of them.
+    pool_.ParallelFor(static_cast<int64_t>(jobs.size()),
+                      [&](int64_t j) { DecodeEvictCpu(jobs[j], stage); });
+    return absl::OkStatus();
+  }
 
  private:
   ThreadPool pool_;

@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "gpu/base/checked_math.h"
+#include "gpu/device_counters.h"
 
 namespace kvs {
 namespace {
@@ -95,12 +96,14 @@ class ShmArena final : public Arena {
 
   absl::Status Write(uint64_t offset, const void* source, uint64_t bytes) override {
     if (auto status = CheckRange(offset, bytes, source, "Write"); !status.ok()) return status;
+    DeviceCounters::ArenaWrite(bytes);
     CopyInPieces(base_ + offset, static_cast<const uint8_t*>(source), bytes);
     return absl::OkStatus();
   }
 
   absl::Status Read(uint64_t offset, void* destination, uint64_t bytes) const override {
     if (auto status = CheckRange(offset, bytes, destination, "Read"); !status.ok()) return status;
+    DeviceCounters::ArenaRead(bytes);
     CopyInPieces(static_cast<uint8_t*>(destination), base_ + offset, bytes);
     return absl::OkStatus();
   }

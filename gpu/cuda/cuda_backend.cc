@@ -33,6 +33,7 @@
 #include "gpu/cpu/window_stats_cpu.h"  // ValidateWindowVarianceJob, ValidateWindowEntropyJob
 #include "gpu/cuda/cuda_kernels.h"
 #include "gpu/cuda/cuda_status.h"
+#include "gpu/device_counters.h"
 
 namespace kvs {
 namespace {
@@ -99,6 +100,9 @@ class CudaArena final : public Arena {
     KVS_RETURN_IF_ERROR(CheckRange(offset, bytes, source, "Write"));
     if (bytes == 0) return absl::OkStatus();
     KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    DeviceCounters::ArenaWrite(bytes);
+    DeviceCounters::Upload(bytes);
+    DeviceCounters::Sync();
     KVS_CUDA_RETURN_IF_ERROR(cudaMemcpy(base_ + offset, source, bytes, cudaMemcpyDefault),
                              "arena Write (cudaMemcpy)");
     return CudaStatus(cudaStreamSynchronize(nullptr), "arena Write (cudaStreamSynchronize)");
@@ -108,6 +112,9 @@ class CudaArena final : public Arena {
     KVS_RETURN_IF_ERROR(CheckRange(offset, bytes, destination, "Read"));
     if (bytes == 0) return absl::OkStatus();
     KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    DeviceCounters::ArenaRead(bytes);
+    DeviceCounters::Download(bytes);
+    DeviceCounters::Sync();
     KVS_CUDA_RETURN_IF_ERROR(cudaMemcpy(destination, base_ + offset, bytes, cudaMemcpyDefault),
                              "arena Read (cudaMemcpy)");
     return CudaStatus(cudaStreamSynchronize(nullptr), "arena Read (cudaStreamSynchronize)");
@@ -136,6 +143,11 @@ class CudaArena final : public Arena {
     KVS_RETURN_IF_ERROR(CheckBlocks(offsets, block_bytes, host));
     if (offsets.empty() || block_bytes == 0) return absl::OkStatus();
     KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    if (to_host) {
+      DeviceCounters::ArenaRead(offsets.size() * block_bytes);
+    } else {
+      DeviceCounters::ArenaWrite(offsets.size() * block_bytes);
+    }
     constexpr size_t kFewRuns = 8;
     constexpr uint64_t kPieceBytes = uint64_t{64} << 20;
     const cudaStream_t stream = nullptr;  // this thread's default stream
@@ -165,9 +177,11 @@ class CudaArena final : public Arena {
         error = cuda::LaunchMoveRows(piece, nullptr, base_, d_offsets + first,
                                      static_cast<int64_t>(count), block_bytes, stream);
         if (error == cudaSuccess) {
+          DeviceCounters::Download(count * block_bytes);
           error = cudaMemcpyAsync(h, piece, count * block_bytes, cudaMemcpyDefault, stream);
         }
       } else {
+        DeviceCounters::Upload(count * block_bytes);
         error = cudaMemcpyAsync(piece, h, count * block_bytes, cudaMemcpyDefault, stream);
         if (error == cudaSuccess) {
           error = cuda::LaunchMoveRows(base_, d_offsets + first, piece, nullptr,
@@ -178,6 +192,7 @@ class CudaArena final : public Arena {
     // Freed behind the copies; the wait below covers them and every copy.
     if (device_offsets != nullptr) cudaFreeAsync(device_offsets, stream);
     cudaFreeAsync(scratch, stream);
+    DeviceCounters::Sync();
     const cudaError_t waited = cudaStreamSynchronize(stream);
     if (error == cudaSuccess) error = waited;
     return CudaStatus(error, to_host ? "arena ReadBlocks" : "arena WriteBlocks");
@@ -190,10 +205,16 @@ class CudaArena final : public Arena {
     for (const BlockRun& run : runs) {
       uint8_t* arena = base_ + offsets[run.first];
       uint8_t* h = host + run.first * block_bytes;
+      if (to_host) {
+        DeviceCounters::Download(run.count * block_bytes);
+      } else {
+        DeviceCounters::Upload(run.count * block_bytes);
+      }
       error = cudaMemcpyAsync(to_host ? h : arena, to_host ? arena : h, run.count * block_bytes,
                               cudaMemcpyDefault, nullptr);
       if (error != cudaSuccess) break;
     }
+    DeviceCounters::Sync();
     const cudaError_t waited = cudaStreamSynchronize(nullptr);
     return CudaStatus(error != cudaSuccess ? error : waited, "arena block copy");
   }
@@ -255,6 +276,8 @@ absl::StatusOr<std::vector<T>> Mirror(const T* p, int64_t n, absl::string_view c
   std::vector<T> out(static_cast<size_t>(n));
   if (n == 0 || p == nullptr) return out;
   KVS_RETURN_IF_ERROR(CheckDeviceAccessible(p, context, field));
+  DeviceCounters::Download(sizeof(T) * n);
+  DeviceCounters::Sync();  // a synchronous cudaMemcpy
   const cudaError_t error = cudaMemcpy(out.data(), p, sizeof(T) * n, cudaMemcpyDefault);
   if (error != cudaSuccess) {
     cudaGetLastError();
@@ -310,6 +333,7 @@ cuda::DevAttentionJob ToDev(const AttentionJob& job) {
   cuda::DevAttentionJob d;
   d.keys = ToDev(job.keys);
   d.key_positions = job.key_positions;
+  d.key_stride = job.key_stride;
   d.queries = job.queries;
   d.query_positions = job.query_positions;
   d.num_q_heads = job.num_q_heads;
@@ -322,7 +346,9 @@ cuda::DevAttentionJob ToDev(const AttentionJob& job) {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device) : device_(device) {}
+  // `trusted`: every job has been validated on the host by the caller (the staging layer) and
+  // points where the device can reach; the backend then launches without checking again.
+  CudaBackend(int device, bool trusted) : device_(device), trusted_(trusted) {}
 
   std::string_view name() const override { return "cuda"; }
   bool healthy() const override { return healthy_.load(std::memory_order_acquire); }
@@ -338,7 +364,8 @@ class CudaBackend final : public Backend {
 
   absl::Status KeyDiffScores(absl::Span<const KeyDiffScoreJob> jobs, Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    // Validated by the caller when trusted (the staging layer): no second pass, no mirrors.
+    for (size_t i = 0; !trusted_ && i < jobs.size(); ++i) {
       const std::string context = absl::StrCat("keydiff job ", i);
       std::vector<int32_t> table;
       KeyDiffScoreJob host = jobs[i];
@@ -347,6 +374,26 @@ class CudaBackend final : public Backend {
       if (jobs[i].keys.count == 0) continue;
       KVS_RETURN_IF_ERROR(CheckViewAccessible(jobs[i].keys, context, "keys"));
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(jobs[i].scores, context, "scores"));
+    }
+    // Many layers of a few thousand slots (a decode step's): one launch for all of them. Longer
+    // layers (a prompt's) take the tiled kernels, one job at a time.
+    constexpr int64_t kBatchedSlots = 4096;
+    std::vector<cuda::DevKeyDiffJob> table;
+    int64_t slots = 0;
+    int32_t max_heads = 1, max_dim = 1;
+    for (const KeyDiffScoreJob& job : jobs) {
+      if (job.keys.count == 0) continue;
+      table.push_back({ToDev(job.keys), static_cast<int>(job.anchor), static_cast<int>(job.metric),
+                       job.scores});
+      slots += job.keys.count;
+      max_heads = std::max(max_heads, job.keys.num_kv_heads);
+      max_dim = std::max(max_dim, job.keys.head_dim);
+    }
+    if (table.size() > 1 && slots <= kBatchedSlots * static_cast<int64_t>(table.size())) {
+      return LaunchTable(table, stream, "KeyDiffScores", [&](const cuda::DevKeyDiffJob* device) {
+        return cuda::LaunchKeyDiffBatch(device, static_cast<int32_t>(table.size()), max_heads,
+                                        max_dim, ToStream(stream));
+      });
     }
     for (const KeyDiffScoreJob& job : jobs) {
       KVS_RETURN_IF_ERROR(
@@ -359,7 +406,8 @@ class CudaBackend final : public Backend {
 
   absl::Status TopK(absl::Span<const TopKJob> jobs, Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    // Validated by the caller when trusted (the staging layer): no second pass, no mirrors.
+    for (size_t i = 0; !trusted_ && i < jobs.size(); ++i) {
       const TopKJob& job = jobs[i];
       const std::string context = absl::StrCat("top-k job ", i);
       TopKJob host = job;
@@ -389,7 +437,8 @@ class CudaBackend final : public Backend {
 
   absl::Status CopyRows(absl::Span<const RowCopyJob> jobs, Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    // Validated by the caller when trusted (the staging layer): no second pass, no mirrors.
+    for (size_t i = 0; !trusted_ && i < jobs.size(); ++i) {
       const RowCopyJob& job = jobs[i];
       KVS_RETURN_IF_ERROR(ValidateRowCopyJob(job, i));
       if (job.count == 0 || job.row_bytes == 0) continue;
@@ -408,7 +457,8 @@ class CudaBackend final : public Backend {
 
   absl::Status FindNonFinite(absl::Span<const FiniteCheckJob> jobs, Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    // Validated by the caller when trusted (the staging layer): no second pass, no mirrors.
+    for (size_t i = 0; !trusted_ && i < jobs.size(); ++i) {
       const FiniteCheckJob& job = jobs[i];
       KVS_RETURN_IF_ERROR(ValidateFiniteCheckJob(job, i));
       const std::string context = absl::StrCat("finite check job ", i);
@@ -437,13 +487,15 @@ class CudaBackend final : public Backend {
     std::vector<uint8_t*> device_host(jobs.size(), nullptr);
     for (size_t i = 0; i < jobs.size(); ++i) {
       const HostRowCopyJob& job = jobs[i];
-      KVS_RETURN_IF_ERROR(ValidateHostRowCopyJob(job, i));
+      if (!trusted_) KVS_RETURN_IF_ERROR(ValidateHostRowCopyJob(job, i));
       if (job.count == 0 || job.row_bytes == 0) continue;
       const std::string context = absl::StrCat("host row copy job ", i);
-      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena, context, "arena"));
-      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.host, context, "host"));
-      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena_offsets, context, "arena_offsets"));
-      KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.host_offsets, context, "host_offsets"));
+      if (!trusted_) {
+        KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena, context, "arena"));
+        KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.host, context, "host"));
+        KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.arena_offsets, context, "arena_offsets"));
+        KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.host_offsets, context, "host_offsets"));
+      }
       cudaPointerAttributes attributes{};
       KVS_RETURN_IF_ERROR(
           Launched(cudaPointerGetAttributes(&attributes, job.host), "cudaPointerGetAttributes"));
@@ -468,7 +520,8 @@ class CudaBackend final : public Backend {
   }
   absl::Status PoolScores(absl::Span<const PoolJob> jobs, Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    // Validated by the caller when trusted (the staging layer): no second pass, no mirrors.
+    for (size_t i = 0; !trusted_ && i < jobs.size(); ++i) {
       const PoolJob& job = jobs[i];
       const std::string context = absl::StrCat("pool job ", i);
       PoolJob host = job;
@@ -499,7 +552,8 @@ class CudaBackend final : public Backend {
   absl::Status WindowVarianceScores(absl::Span<const WindowVarianceJob> jobs,
                                     Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    // Validated by the caller when trusted (the staging layer): no second pass, no mirrors.
+    for (size_t i = 0; !trusted_ && i < jobs.size(); ++i) {
       const WindowVarianceJob& job = jobs[i];
       KVS_RETURN_IF_ERROR(ValidateWindowVarianceJob(job, i));
       if (job.count == 0) continue;
@@ -518,7 +572,8 @@ class CudaBackend final : public Backend {
 
   absl::Status WindowEntropyShift(absl::Span<const WindowEntropyJob> jobs, Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    // Validated by the caller when trusted (the staging layer): no second pass, no mirrors.
+    for (size_t i = 0; !trusted_ && i < jobs.size(); ++i) {
       const WindowEntropyJob& job = jobs[i];
       KVS_RETURN_IF_ERROR(ValidateWindowEntropyJob(job, i));
       const std::string context = absl::StrCat("window entropy job ", i);
@@ -541,7 +596,8 @@ class CudaBackend final : public Backend {
   absl::Status AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs,
                                    Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    // Validated by the caller when trusted (the staging layer): no second pass, no mirrors.
+    for (size_t i = 0; !trusted_ && i < jobs.size(); ++i) {
       const AttentionJob& job = jobs[i].attention;
       const std::string context = absl::StrCat("attention job ", i);
       std::vector<int32_t> table;
@@ -566,7 +622,8 @@ class CudaBackend final : public Backend {
 
   absl::Status CaoteScores(absl::Span<const CaoteJob> jobs, Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    // Validated by the caller when trusted (the staging layer): no second pass, no mirrors.
+    for (size_t i = 0; !trusted_ && i < jobs.size(); ++i) {
       const std::string context = absl::StrCat("caote job ", i);
       std::vector<int32_t> table;
       CaoteJob host = jobs[i];
@@ -588,7 +645,8 @@ class CudaBackend final : public Backend {
 
   absl::Status NearestKeys(absl::Span<const NearestKeyJob> jobs, Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    // Validated by the caller when trusted (the staging layer): no second pass, no mirrors.
+    for (size_t i = 0; !trusted_ && i < jobs.size(); ++i) {
       const NearestKeyJob& job = jobs[i];
       const std::string context = absl::StrCat("nearest key job ", i);
       std::vector<int32_t> table, queries, candidates;
@@ -624,7 +682,8 @@ class CudaBackend final : public Backend {
 
   absl::Status MergeRows(absl::Span<const RowMergeJob> jobs, Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    // Validated by the caller when trusted (the staging layer): no second pass, no mirrors.
+    for (size_t i = 0; !trusted_ && i < jobs.size(); ++i) {
       const RowMergeJob& job = jobs[i];
       const std::string context = absl::StrCat("row merge job ", i);
       RowMergeJob host = job;
@@ -668,8 +727,47 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  // Jobs validated on the host by the staging layer, which also put every array they read or
+  // write where the device computes: one kernel over every (job, kv head) of the call.
+  absl::Status DecodeEvict(absl::Span<const DecodeEvictJob> jobs, DecodeStage stage,
+                           Stream stream) override {
+    KVS_RETURN_IF_ERROR(Enter());
+    if (jobs.empty()) return absl::OkStatus();
+    std::vector<cuda::DevDecodeJob> device_jobs(jobs.size());
+    int32_t max_heads = 1;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const DecodeEvictJob& job = jobs[i];
+      cuda::DevDecodeJob& d = device_jobs[i];
+      d.keys = ToDev(job.keys);
+      d.stride = job.stride;
+      d.positions = job.positions;
+      d.new_position = job.new_position;
+      d.num_q_heads = job.num_q_heads;
+      d.accumulated = job.accumulated;
+      d.sums = job.sums;
+      d.scores = job.scores == DecodeScores::kAccumulated ? 1
+                 : job.scores == DecodeScores::kRows      ? 2
+                                                          : 0;
+      d.rows = job.rows;
+      d.rows_count = job.rows_count;
+      d.rows_are_probabilities = job.rows_are_probabilities;
+      d.sinks = job.sinks;
+      d.recent = job.recent;
+      d.evict = job.evict;
+      d.evicted = job.evicted;
+      d.queries = job.queries;
+      d.query_values = job.query_values;
+      max_heads = std::max(max_heads, job.keys.num_kv_heads);
+    }
+    return LaunchTable(device_jobs, stream, "DecodeEvict", [&](const cuda::DevDecodeJob* table) {
+      return cuda::LaunchDecodeEvict(table, static_cast<int32_t>(device_jobs.size()), max_heads,
+                                     stage == DecodeStage::kChoose ? 0 : 1, ToStream(stream));
+    });
+  }
+
   absl::Status Synchronize(Stream stream) override {
     KVS_RETURN_IF_ERROR(Enter());
+    DeviceCounters::Sync();
     return Launched(cudaStreamSynchronize(ToStream(stream)), "cudaStreamSynchronize");
   }
 
@@ -723,7 +821,8 @@ class CudaBackend final : public Backend {
 
   absl::Status Attention(absl::Span<const AttentionJob> jobs, bool logits_only, Stream stream) {
     KVS_RETURN_IF_ERROR(Enter());
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    // Validated by the caller when trusted (the staging layer): no second pass, no mirrors.
+    for (size_t i = 0; !trusted_ && i < jobs.size(); ++i) {
       const AttentionJob& job = jobs[i];
       const std::string context = absl::StrCat("attention job ", i);
       std::vector<int32_t> table;
@@ -737,16 +836,51 @@ class CudaBackend final : public Backend {
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.query_positions, context, "query_positions"));
       KVS_RETURN_IF_ERROR(CheckDeviceAccessible(job.probs, context, "probs"));
     }
+    std::vector<cuda::DevAttentionJob> device_jobs;
+    device_jobs.reserve(jobs.size());
+    bool batchable = !jobs.empty();
+    int64_t max_rows = 1;
+    int32_t max_dim = 1;
     for (const AttentionJob& job : jobs) {
-      cuda::DevAttentionJob d = ToDev(job);
+      if (job.keys.count == 0) continue;
+      cuda::DevAttentionJob& d = device_jobs.emplace_back(ToDev(job));
       d.out = job.probs;
-      KVS_RETURN_IF_ERROR(Launched(cuda::LaunchAttention(d, logits_only, ToStream(stream)),
-                                   logits_only ? "AttentionLogits" : "AttentionProbs"));
+      batchable = batchable && cuda::AttentionBatchable(d);
+      max_rows = std::max<int64_t>(max_rows, int64_t{job.num_q_heads} * job.num_queries);
+      max_dim = std::max(max_dim, job.keys.head_dim);
+    }
+    const char* what = logits_only ? "AttentionLogits" : "AttentionProbs";
+    // A decode step's jobs (one query each) in one launch; larger windows one launch each, on
+    // the kernel their shape calls for.
+    if (batchable && device_jobs.size() > 1) {
+      return LaunchTable(device_jobs, stream, what, [&](const cuda::DevAttentionJob* table) {
+        return cuda::LaunchAttentionBatch(table, static_cast<int32_t>(device_jobs.size()), max_rows,
+                                          max_dim, logits_only, ToStream(stream));
+      });
+    }
+    for (const cuda::DevAttentionJob& d : device_jobs) {
+      KVS_RETURN_IF_ERROR(Launched(cuda::LaunchAttention(d, logits_only, ToStream(stream)), what));
     }
     return absl::OkStatus();
   }
 
+  // Copies `table` (host job descriptors) to stream-ordered device memory, runs launch(device
+  // table) and frees it behind the launch.
+  template <typename T, typename Launch>
+  absl::Status LaunchTable(const std::vector<T>& table, Stream stream, const char* what,
+                           const Launch& launch) {
+    const cudaStream_t s = ToStream(stream);
+    const size_t bytes = table.size() * sizeof(T);
+    void* device = nullptr;
+    KVS_RETURN_IF_ERROR(Launched(cudaMallocAsync(&device, bytes, s), "cudaMallocAsync"));
+    cudaError_t error = cudaMemcpyAsync(device, table.data(), bytes, cudaMemcpyHostToDevice, s);
+    if (error == cudaSuccess) error = launch(static_cast<const T*>(device));
+    cudaFreeAsync(device, s);
+    return Launched(error, what);
+  }
+
   const int device_;
+  const bool trusted_;
   std::atomic<bool> healthy_{true};
   mutable absl::Mutex mu_;
   std::string first_error_ ABSL_GUARDED_BY(mu_);
@@ -779,7 +913,7 @@ std::string CudaDeviceDescription(int ordinal) {
                       props.totalGlobalMem >> 20, " MiB)");
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, bool trusted) {
   std::string why;
   const int count = CudaDeviceCount(&why);
   if (count == 0) return absl::FailedPreconditionError(absl::StrCat("no CUDA device: ", why));
@@ -811,7 +945,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
     cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);  // best effort
   }
   cudaGetLastError();
-  return std::unique_ptr<Backend>(new CudaBackend(device));
+  return std::unique_ptr<Backend>(new CudaBackend(device, trusted));
 }
 
 }  // namespace kvs

@@ -10,14 +10,14 @@
 // (gpu/staging_backend.h) with CudaDeviceMemory (gpu/cuda/cuda_device_memory.h), which moves the
 // host arrays to the device. tests/gpu/cuda/cuda_backend_test.cc exercises it bare.
 //
-// Validation uses the CPU backend's validators (same INVALID_ARGUMENT messages): the small index
-// arrays a
-// check must read (block tables, slot lists, forced flags, source offsets) are copied to the host
-// first, so a call that fails validation launches nothing. A pointer the device cannot access
-// (e.g. pageable host memory) is INVALID_ARGUMENT naming the field. Every CUDA error becomes a
-// status; a device error (anything but an out-of-memory or invalid-value answer) marks the
-// backend unhealthy: later calls fail with FAILED_PRECONDITION and healthy() is false. Nothing
-// aborts the process.
+// Untrusted (bare use), validation uses the CPU backend's validators (same INVALID_ARGUMENT
+// messages): the small index arrays a check must read (block tables, slot lists, forced flags,
+// source offsets) are copied to the host first, so a call that fails validation launches nothing.
+// Trusted (behind the staging layer, which validated every job), it launches at once. A pointer the
+// device cannot access (e.g. pageable host memory) is INVALID_ARGUMENT naming the field. Every CUDA
+// error becomes a status; a device error (anything but an out-of-memory or invalid-value answer)
+// marks the backend unhealthy: later calls fail with FAILED_PRECONDITION and healthy() is false.
+// Nothing aborts the process.
 //
 // Threading: a CudaBackend may be called from any thread (each call selects its device first).
 #ifndef KVSIDECAR_GPU_CUDA_CUDA_BACKEND_H_
@@ -37,8 +37,11 @@ int CudaDeviceCount(std::string* why);
 // "<name> (sm_XY, N MiB)" of device `ordinal`, or the CUDA error text.
 std::string CudaDeviceDescription(int ordinal);
 
-// FAILED_PRECONDITION when `device` does not exist or cannot be initialised.
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device = 0);
+// FAILED_PRECONDITION when `device` does not exist or cannot be initialised. `trusted`: the
+// caller validates every job on the host (the staging layer does, with the CPU backend's
+// validators), so the backend launches without a second pass: no pointer queries, no mirror
+// copies of index arrays, each of which was a synchronous round trip per job.
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device = 0, bool trusted = false);
 
 }  // namespace kvs
 

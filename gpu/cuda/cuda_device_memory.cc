@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "gpu/base/status_macros.h"
 #include "gpu/cuda/cuda_status.h"
+#include "gpu/device_counters.h"
 
 namespace kvs {
 namespace {
@@ -48,11 +49,8 @@ class CudaDeviceMemory final : public DeviceMemory {
       cudaGetLastError();
       return CudaStatus(error, absl::StrCat("cudaMallocAsync of ", bytes, " staging bytes"));
     }
-    // Usable on any stream once the allocation has reached this thread's stream.
-    if (cudaError_t error = cudaStreamSynchronize(cudaStreamPerThread); error != cudaSuccess) {
-      cudaFreeAsync(p, cudaStreamPerThread);
-      return CudaStatus(error, "staging allocation (cudaStreamSynchronize)");
-    }
+    // Stream-ordered on this thread's stream, which every staged call of this thread uses
+    // (CUDA_API_PER_THREAD_DEFAULT_STREAM): work queued after it may use the memory, with no wait.
     absl::MutexLock lock(&mu_);
     live_.insert(p);
     return p;
@@ -71,17 +69,38 @@ class CudaDeviceMemory final : public DeviceMemory {
   }
 
   absl::Status CopyToDevice(void* dst, const void* host_src, uint64_t bytes, Stream s) override {
-    return Copy(dst, host_src, bytes, s, "CopyToDevice");
+    return Copy(dst, host_src, bytes, s, /*to_device=*/true);
   }
   absl::Status CopyToHost(void* host_dst, const void* src, uint64_t bytes, Stream s) override {
-    return Copy(host_dst, src, bytes, s, "CopyToHost");
+    return Copy(host_dst, src, bytes, s, /*to_device=*/false);
+  }
+  absl::Status CopyToDeviceAsync(void* dst, const void* host_src, uint64_t bytes,
+                                 Stream s) override {
+    if (bytes == 0) return absl::OkStatus();
+    KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    DeviceCounters::Upload(bytes);
+    if (cudaError_t error = cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice,
+                                            static_cast<cudaStream_t>(s));
+        error != cudaSuccess) {
+      const absl::Status status = CudaStatus(error, "CopyToDeviceAsync (cudaMemcpyAsync)");
+      if (error == cudaErrorInvalidValue) cudaGetLastError();  // a bad range is not sticky
+      return error == cudaErrorInvalidValue ? absl::InvalidArgumentError(status.message()) : status;
+    }
+    return absl::OkStatus();
   }
 
  private:
-  absl::Status Copy(void* dst, const void* src, uint64_t bytes, Stream s, const char* what) {
+  absl::Status Copy(void* dst, const void* src, uint64_t bytes, Stream s, bool to_device) {
     if (bytes == 0) return absl::OkStatus();
+    const char* what = to_device ? "CopyToDevice" : "CopyToHost";
     KVS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     const cudaStream_t stream = static_cast<cudaStream_t>(s);
+    if (to_device) {
+      DeviceCounters::Upload(bytes);
+    } else {
+      DeviceCounters::Download(bytes);
+    }
+    DeviceCounters::Sync();
     if (cudaError_t error = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
         error != cudaSuccess) {
       const absl::Status status = CudaStatus(error, absl::StrCat(what, " (cudaMemcpyAsync)"));

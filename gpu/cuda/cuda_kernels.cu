@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "gpu/cuda/cuda_kernels.h"
+#include "gpu/device_counters.h"
 
 namespace kvs::cuda {
 namespace {
@@ -226,10 +227,11 @@ __host__ __device__ inline float KeyDiffNormFloor(int anchor_kind, int metric) {
   return 0.0f;
 }
 
-__global__ void KeyDiffKernel(DevPagedView v, int anchor_kind, int metric, float* scores) {
+// One block scores one head, in the scalar reference's order.
+__device__ void KeyDiffHead(const DevPagedView& v, int anchor_kind, int metric, float* scores,
+                            int64_t head) {
   extern __shared__ float anchor[];
   __shared__ float anchor_norm_shared;
-  const int64_t head = blockIdx.x;
   const int n = v.count;
   const int dim = v.head_dim;
   float* out = scores + head * n;
@@ -291,6 +293,17 @@ __global__ void KeyDiffKernel(DevPagedView v, int anchor_kind, int metric, float
     }
     out[s] = KeyDiffScore(metric, dot, squared, distance, anchor_norm);
   }
+}
+
+__global__ void KeyDiffKernel(DevPagedView v, int anchor_kind, int metric, float* scores) {
+  KeyDiffHead(v, anchor_kind, metric, scores, blockIdx.x);
+}
+
+// Every job of a call in one launch: block (x, y) scores head x of job y.
+__global__ void KeyDiffBatchKernel(const DevKeyDiffJob* jobs) {
+  const DevKeyDiffJob& job = jobs[blockIdx.y];
+  if (static_cast<int32_t>(blockIdx.x) >= job.keys.num_kv_heads || job.keys.count == 0) return;
+  KeyDiffHead(job.keys, job.anchor, job.metric, job.scores, blockIdx.x);
 }
 
 // The tiled KeyDiff for a mean anchor (every metric but the cosine median): the keys are read
@@ -603,7 +616,9 @@ __global__ void FindNonFiniteKernel(const uint8_t* arena, const uint64_t* row_of
 // ---------------------------------------------------------------------------------------------
 // Attention: one block per (query head, query) row: logits, then the row's max and sum.
 
-__global__ void AttentionKernel(DevAttentionJob job, bool logits_only) {
+// Rows first, first + step, ... of `job`, one block each.
+__device__ void AttentionRows(const DevAttentionJob& job, bool logits_only, int64_t first,
+                              int64_t step) {
   extern __shared__ float query[];
   __shared__ float scratch[kThreads];
   const DevPagedView& v = job.keys;
@@ -611,11 +626,12 @@ __global__ void AttentionKernel(DevAttentionJob job, bool logits_only) {
   const int dim = v.head_dim;
   const int64_t group = job.num_q_heads / v.num_kv_heads;
   const int64_t total_rows = static_cast<int64_t>(job.num_q_heads) * job.num_queries;
-  for (int64_t row = blockIdx.x; row < total_rows; row += gridDim.x) {
+  for (int64_t row = first; row < total_rows; row += step) {
     const int64_t q_head = row / job.num_queries;
     const int64_t head = q_head / group;
     const int32_t query_position = job.query_positions[row % job.num_queries];
-    const int32_t* key_positions = job.key_positions + head * count;
+    const int32_t* key_positions =
+        job.key_positions + head * (job.key_stride > 0 ? job.key_stride : count);
     float* out = job.out + row * count;
     __syncthreads();  // the previous row is done with `query`
     for (int d = threadIdx.x; d < dim; d += kThreads) query[d] = job.queries[row * dim + d];
@@ -648,6 +664,15 @@ __global__ void AttentionKernel(DevAttentionJob job, bool logits_only) {
     const float inv = 1.0f / BlockSum(local_sum, scratch);
     for (int64_t s = threadIdx.x; s < count; s += kThreads) out[s] *= inv;
   }
+}
+
+__global__ void AttentionKernel(DevAttentionJob job, bool logits_only) {
+  AttentionRows(job, logits_only, blockIdx.x, gridDim.x);
+}
+
+// Every job of a call in one launch: block (x, y) takes rows x, x + gridDim.x, ... of job y.
+__global__ void AttentionBatchKernel(const DevAttentionJob* jobs, bool logits_only) {
+  AttentionRows(jobs[blockIdx.y], logits_only, blockIdx.x, gridDim.x);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -763,7 +788,9 @@ __global__ void __launch_bounds__(kTileThreads)
     const int64_t key0 = tile * kTileKeys;
     for (int k = threadIdx.x; k < kTileKeys; k += kTileThreads) {
       const bool real = key0 + k < count;
-      key_position[k] = real ? job.key_positions[head * count + key0 + k] : 0;
+      key_position[k] =
+          real ? job.key_positions[head * (job.key_stride > 0 ? job.key_stride : count) + key0 + k]
+               : 0;
       key_row[k] = real ? PagedRow(v, head, key0 + k) : nullptr;
     }
     __syncthreads();
@@ -889,6 +916,7 @@ cudaError_t LaunchTiledAttention(const DevAttentionJob& job, bool logits_only,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
   if (error != cudaSuccess) return error;
   if (logits_only) {
+    kvs::DeviceCounters::Launch();
     TiledAttentionKernel<T, false><<<grid, kTileThreads, shared, stream>>>(job, rows, true,
                                                                           nullptr, nullptr);
     return cudaGetLastError();
@@ -903,10 +931,13 @@ cudaError_t LaunchTiledAttention(const DevAttentionJob& job, bool logits_only,
   if (error != cudaSuccess) return error;
   float2* partials = scratch;
   float2* row_stats = scratch + total_rows * groups;
+  kvs::DeviceCounters::Launch();
   TiledAttentionKernel<T, true><<<grid, kTileThreads, shared, stream>>>(job, rows, false, partials,
                                                                        nullptr);
+  kvs::DeviceCounters::Launch();
   CombineRowStatsKernel<<<GridFor((total_rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       partials, total_rows, static_cast<int32_t>(groups), row_stats);
+  kvs::DeviceCounters::Launch();
   TiledAttentionKernel<T, false><<<grid, kTileThreads, shared, stream>>>(job, rows, false, nullptr,
                                                                         row_stats);
   error = cudaGetLastError();
@@ -950,6 +981,7 @@ cudaError_t AttentionInto(const DevAttentionJob& job, bool logits_only, cudaStre
   if (tiled) return LaunchTiledAttention<__nv_bfloat16>(job, logits_only, stream);
   const int64_t rows = static_cast<int64_t>(job.num_q_heads) * job.num_queries;
   const size_t shared = static_cast<size_t>(v.head_dim) * sizeof(float);
+  kvs::DeviceCounters::Launch();
   AttentionKernel<<<GridFor(rows), kThreads, shared, stream>>>(job, logits_only);
   return cudaGetLastError();
 }
@@ -1348,6 +1380,205 @@ __global__ void MergeRowsKernel(DevMergeJob job) {
   }
 }
 
+// ---- DecodeEvict (gpu/backend.h): one block per (job, kv head) -------------------------------
+
+// ScoreKey (above) is TopKJob's order: NaN below every number, -0 as +0.
+
+__device__ inline bool Probability(float p) { return isfinite(p) && p >= 0.0f; }
+
+// The k-th smallest (k >= 1) of the n non-negative int32 values at `values` (row-strided by 1),
+// by a block-wide radix select on their bits, 8 at a time. Every thread gets the result.
+__device__ int32_t BlockSelect(const int32_t* values, int32_t n, int32_t k, uint32_t* histogram) {
+  uint32_t prefix = 0, prefix_mask = 0;
+  int32_t remaining = k;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += kThreads) histogram[i] = 0;
+    __syncthreads();
+    for (int32_t s = threadIdx.x; s < n; s += kThreads) {
+      const uint32_t v = static_cast<uint32_t>(values[s]);
+      if ((v & prefix_mask) == prefix) atomicAdd(&histogram[(v >> shift) & 0xffu], 1u);
+    }
+    __syncthreads();
+    __shared__ uint32_t digit_found, below_found;
+    if (threadIdx.x == 0) {
+      uint32_t below = 0, digit = 0;
+      for (; digit < 256; ++digit) {
+        if (below + histogram[digit] >= static_cast<uint32_t>(remaining)) break;
+        below += histogram[digit];
+      }
+      digit_found = digit;
+      below_found = below;
+    }
+    __syncthreads();
+    remaining -= static_cast<int32_t>(below_found);
+    prefix |= digit_found << shift;
+    prefix_mask |= 0xffu << shift;
+    __syncthreads();
+  }
+  return static_cast<int32_t>(prefix);
+}
+
+// Whether the job's inputs this head's block reads hold a non-finite row value (1), a query or
+// probability out of range (2), or neither (0): the new token's K and V rows of the head, its
+// query rows of the step's probabilities, and (head 0) the staged queries.
+__device__ int DecodeInputsBad(const DevDecodeJob& job, int32_t h) {
+  __shared__ int bad;
+  const int32_t heads = job.keys.num_kv_heads;
+  const int32_t n = job.keys.count;
+  const int32_t group = job.num_q_heads / heads;
+  if (threadIdx.x == 0) bad = 0;
+  __syncthreads();
+  DevPagedView v = job.keys;
+  for (int kv = 0; kv < 2; ++kv) {
+    v.kv_index = kv;
+    const uint8_t* row = PagedRow(v, h, n - 1);
+    for (int32_t d = threadIdx.x; d < v.head_dim; d += kThreads) {
+      if (!isfinite(LoadF(row, v.dtype, d))) bad = 1;
+    }
+  }
+  if (h == 0) {
+    for (int64_t i = threadIdx.x; i < job.query_values; i += kThreads) {
+      if (!isfinite(job.queries[i])) bad = 2;
+    }
+  }
+  for (int32_t r = h * group; job.sums != nullptr && r < (h + 1) * group; ++r) {
+    for (int32_t s = threadIdx.x; s < n; s += kThreads) {
+      if (!Probability(job.sums[static_cast<int64_t>(r) * n + s])) bad = 2;
+    }
+  }
+  if (job.rows != nullptr && job.rows_are_probabilities) {
+    const int32_t row_group = job.rows_count / heads;
+    for (int32_t r = h * row_group; r < (h + 1) * row_group; ++r) {
+      for (int32_t s = threadIdx.x; s < n; s += kThreads) {
+        if (!Probability(job.rows[static_cast<int64_t>(r) * n + s])) bad = 2;
+      }
+    }
+  }
+  __syncthreads();
+  return bad;
+}
+
+// The selection score of slot s of head h (ScoredPolicy::Select's: GQA means in fp64).
+__device__ float DecodeScore(const DevDecodeJob& job, int32_t h, int32_t s) {
+  const int32_t heads = job.keys.num_kv_heads;
+  const int32_t n = job.keys.count;
+  if (job.scores == 1) {  // kAccumulated: accumulated + this step's sums (the new slot from 0)
+    const int32_t group = job.num_q_heads / heads;
+    double sum = 0.0;
+    for (int32_t r = h * group; r < (h + 1) * group; ++r) {
+      float value = s < n - 1 ? job.accumulated[static_cast<int64_t>(r) * job.stride + s] : 0.0f;
+      if (job.sums != nullptr) value += job.sums[static_cast<int64_t>(r) * n + s];
+      sum += value;
+    }
+    return group == 1 ? static_cast<float>(sum) : static_cast<float>(sum / group);
+  }
+  if (job.scores == 2) {  // kRows
+    const int32_t row_group = job.rows_count / heads;
+    if (row_group == 1) return job.rows[static_cast<int64_t>(h) * n + s];
+    double sum = 0.0;
+    for (int32_t r = h * row_group; r < (h + 1) * row_group; ++r) {
+      sum += job.rows[static_cast<int64_t>(r) * n + s];
+    }
+    return static_cast<float>(sum / row_group);
+  }
+  return 0.0f;  // kNone
+}
+
+// kChoose for head h: the inputs checked, then the slot TopK would drop.
+__device__ void DecodeChoose(const DevDecodeJob& job, int32_t h) {
+  __shared__ uint32_t histogram[256];
+  __shared__ unsigned long long best[kThreads];
+  const int32_t n = job.keys.count;
+  int32_t* positions = job.positions + static_cast<int64_t>(h) * job.stride;
+  if (threadIdx.x == 0) positions[n - 1] = job.new_position;
+  const int bad = DecodeInputsBad(job, h);  // its barriers order the write above
+  if (bad != 0) {
+    if (threadIdx.x == 0) job.evicted[h] = bad == 1 ? -2 : -3;  // kDecode* of gpu/backend.h
+    return;
+  }
+  if (!job.evict) {
+    if (threadIdx.x == 0) job.evicted[h] = -1;
+    return;
+  }
+  // The protected positions' limits: the sinks-th lowest and the recent-th highest.
+  int64_t sink_limit = -1;
+  int64_t recent_limit = 0x7fffffffffffffffLL;
+  if (job.sinks > 0) sink_limit = BlockSelect(positions, n, job.sinks, histogram);
+  if (job.recent > 0) recent_limit = BlockSelect(positions, n, n - job.recent + 1, histogram);
+  // Each thread's worst candidate as one 64-bit key: the score key (lower drops first), then
+  // the position (higher drops first), so that the minimum is the slot TopK drops.
+  unsigned long long mine = ~0ull;
+  int32_t mine_slot = -1;
+  for (int32_t s = threadIdx.x; s < n; s += kThreads) {
+    const int32_t position = positions[s];
+    if (position <= sink_limit || position >= recent_limit) continue;
+    const unsigned long long key =
+        (static_cast<unsigned long long>(ScoreKey(DecodeScore(job, h, s))) << 32) |
+        static_cast<uint32_t>(0x7fffffff - position);
+    if (key < mine) {
+      mine = key;
+      mine_slot = s;
+    }
+  }
+  // The block's minimum; positions are distinct, so the key names one slot.
+  best[threadIdx.x] = mine;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride && best[threadIdx.x + stride] < best[threadIdx.x]) {
+      best[threadIdx.x] = best[threadIdx.x + stride];
+    }
+    __syncthreads();
+  }
+  if (mine_slot >= 0 && mine == best[0]) job.evicted[h] = mine_slot;
+}
+
+// kApply for head h: this step's sums into the head's group rows, then the last slot moved into
+// the evicted one (K and V rows, position, accumulated rows).
+__device__ void DecodeApply(const DevDecodeJob& job, int32_t h) {
+  const int32_t n = job.keys.count;
+  const int32_t last = n - 1;
+  const int32_t group = job.num_q_heads / job.keys.num_kv_heads;
+  for (int32_t r = h * group; job.accumulated != nullptr && r < (h + 1) * group; ++r) {
+    float* row = job.accumulated + static_cast<int64_t>(r) * job.stride;
+    for (int32_t s = threadIdx.x; s < n; s += kThreads) {
+      float value = s < last ? row[s] : 0.0f;
+      if (job.sums != nullptr) value += job.sums[static_cast<int64_t>(r) * n + s];
+      row[s] = value;
+    }
+  }
+  __syncthreads();
+  if (!job.evict) return;
+  const int32_t e = job.evicted[h];
+  if (e < 0 || e == last) return;
+  DevPagedView v = job.keys;
+  const int32_t row_bytes = v.head_dim * DTypeBytesOf(v.dtype);
+  for (int kv = 0; kv < 2; ++kv) {
+    v.kv_index = kv;
+    uint8_t* to = const_cast<uint8_t*>(PagedRow(v, h, e));
+    const uint8_t* from = PagedRow(v, h, last);
+    for (int32_t b = threadIdx.x; b < row_bytes; b += kThreads) to[b] = from[b];
+  }
+  int32_t* positions = job.positions + static_cast<int64_t>(h) * job.stride;
+  if (threadIdx.x == 0) positions[e] = positions[last];
+  for (int32_t r = h * group + static_cast<int32_t>(threadIdx.x);
+       job.accumulated != nullptr && r < (h + 1) * group; r += kThreads) {
+    float* row = job.accumulated + static_cast<int64_t>(r) * job.stride;
+    row[e] = row[last];
+  }
+}
+
+// One block per (kv head, job): stage 0 chooses, 1 applies.
+__global__ void DecodeEvictKernel(const DevDecodeJob* jobs, int32_t num_jobs, int stage) {
+  const int32_t j = blockIdx.y;
+  const int32_t h = blockIdx.x;
+  if (j >= num_jobs || h >= jobs[j].keys.num_kv_heads) return;
+  if (stage == 0) {
+    DecodeChoose(jobs[j], h);
+  } else {
+    DecodeApply(jobs[j], h);
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchKeyDiff(const DevPagedView& keys, int anchor, int metric, float* scores,
@@ -1357,6 +1588,7 @@ cudaError_t LaunchKeyDiff(const DevPagedView& keys, int anchor, int metric, floa
   if (median || keys.head_dim > 32 * kMaxDimsPerLane) {
     // One block per head: the median's radix selects, or a head too wide for a warp's registers.
     const size_t shared = static_cast<size_t>(keys.head_dim) * sizeof(float);
+    kvs::DeviceCounters::Launch();
     KeyDiffKernel<<<keys.num_kv_heads, kThreads, shared, stream>>>(keys, anchor, metric, scores);
     return cudaGetLastError();
   }
@@ -1380,10 +1612,13 @@ cudaError_t LaunchKeyDiff(const DevPagedView& keys, int anchor, int metric, floa
       return error;
     }
   } else {
+    kvs::DeviceCounters::Launch();
     KeyDiffPartialsKernel<<<grid, kThreads, 0, stream>>>(keys, eps, partials);
+    kvs::DeviceCounters::Launch();
     KeyDiffAnchorKernel<<<keys.num_kv_heads, kThreads, 0, stream>>>(
         partials, chunks, keys.head_dim, keys.count, metric, anchors);
   }
+  kvs::DeviceCounters::Launch();
   KeyDiffScoreKernel<<<grid, kThreads, 0, stream>>>(keys, metric, anchors, scores);
   error = cudaGetLastError();
   const cudaError_t freed = cudaFreeAsync(scratch, stream);
@@ -1393,6 +1628,7 @@ cudaError_t LaunchKeyDiff(const DevPagedView& keys, int anchor, int metric, floa
 cudaError_t LaunchTopK(const float* scores, const int32_t* positions, const uint8_t* forced,
                        int32_t rows, int32_t n, int32_t k, int32_t* kept, cudaStream_t stream) {
   if (rows == 0 || k == 0) return cudaSuccess;
+  kvs::DeviceCounters::Launch();
   TopKKernel<<<GridFor(rows), kThreads, 0, stream>>>(scores, positions, forced, rows, n, k, kept);
   return cudaGetLastError();
 }
@@ -1408,6 +1644,7 @@ cudaError_t LaunchCopyRows(uint8_t* arena, const uint64_t* src_offsets, const ui
   const uint64_t bytes = static_cast<uint64_t>(count) * row_bytes;
   if (cudaMallocAsync(reinterpret_cast<void**>(&scratch), bytes, stream) != cudaSuccess) {
     (void)cudaGetLastError();  // no scratch: the sequential copy needs none
+    kvs::DeviceCounters::Launch();
     CopyRowsKernel<<<1, kThreads, 0, stream>>>(arena, src_offsets, dst_offsets, count, row_bytes);
     return cudaGetLastError();
   }
@@ -1426,6 +1663,7 @@ cudaError_t LaunchMoveRows(uint8_t* dst, const uint64_t* dst_offsets, const uint
   if (count <= 0 || row_bytes == 0) return cudaSuccess;
   const uint64_t bytes = static_cast<uint64_t>(count) * row_bytes;
   const uint64_t units = row_bytes % 16 == 0 ? bytes / 16 : bytes;
+  kvs::DeviceCounters::Launch();
   MoveRowsKernel<<<GridFor(static_cast<int64_t>((units + kThreads - 1) / kThreads)), kThreads, 0,
                    stream>>>(dst, dst_offsets, src, src_offsets, count, row_bytes);
   return cudaGetLastError();
@@ -1435,6 +1673,7 @@ cudaError_t LaunchCopyHostRows(uint8_t* arena, uint8_t* host, const uint64_t* ar
                                const uint64_t* host_offsets, int64_t count, uint64_t row_bytes,
                                bool to_host, cudaStream_t stream) {
   if (count <= 0 || row_bytes == 0) return cudaSuccess;
+  kvs::DeviceCounters::Launch();
   CopyHostRowsKernel<<<GridFor(count), kThreads, 0, stream>>>(
       arena, host, arena_offsets, host_offsets, count, row_bytes, to_host);
   return cudaGetLastError();
@@ -1447,6 +1686,7 @@ cudaError_t LaunchFindNonFinite(const uint8_t* arena, const uint64_t* row_offset
   cudaError_t error = cudaMemsetAsync(first_non_finite, 0xff, sizeof(int64_t), stream);
   if (error != cudaSuccess) return error;
   if (count <= 0 || row_elements <= 0) return cudaSuccess;
+  kvs::DeviceCounters::Launch();
   FindNonFiniteKernel<<<GridFor(count), kThreads, 0, stream>>>(
       arena, row_offsets, count, row_elements, dtype,
       reinterpret_cast<unsigned long long*>(first_non_finite), row_norms);
@@ -1456,6 +1696,27 @@ cudaError_t LaunchFindNonFinite(const uint8_t* arena, const uint64_t* row_offset
 cudaError_t LaunchAttention(const DevAttentionJob& job, bool logits_only, cudaStream_t stream) {
   if (job.keys.count == 0) return cudaSuccess;
   return AttentionInto(job, logits_only, stream);
+}
+
+bool AttentionBatchable(const DevAttentionJob& job) {
+  const int64_t rows_per_head =
+      static_cast<int64_t>(job.num_q_heads / job.keys.num_kv_heads) * job.num_queries;
+  return rows_per_head < 16 && job.keys.count > 0;
+}
+
+cudaError_t LaunchAttentionBatch(const DevAttentionJob* device_jobs, int32_t num_jobs,
+                                 int64_t max_rows, int32_t max_head_dim, bool logits_only,
+                                 cudaStream_t stream) {
+  constexpr int32_t kMaxGridY = 65535;
+  const size_t shared = static_cast<size_t>(max_head_dim) * sizeof(float);
+  for (int32_t first = 0; first < num_jobs; first += kMaxGridY) {
+    const int32_t some = num_jobs - first < kMaxGridY ? num_jobs - first : kMaxGridY;
+    kvs::DeviceCounters::Launch();
+    AttentionBatchKernel<<<dim3(GridFor(max_rows), some), kThreads, shared, stream>>>(
+        device_jobs + first, logits_only);
+    if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t LaunchAttentionColumnSums(const DevAttentionJob& job, float* sums,
@@ -1472,6 +1733,7 @@ cudaError_t LaunchAttentionColumnSums(const DevAttentionJob& job, float* sums,
   error = AttentionInto(full, false, stream);
   if (error == cudaSuccess) {
     const int64_t outputs = static_cast<int64_t>(job.num_q_heads) * job.keys.count;
+    kvs::DeviceCounters::Launch();
     ColumnSumsKernel<<<GridFor((outputs + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
         probs, job.num_q_heads, job.num_queries, job.keys.count, sums);
     error = cudaGetLastError();
@@ -1488,6 +1750,7 @@ cudaError_t LaunchPool(const float* in, const int32_t* order, const int32_t* len
   cudaError_t error = cudaMemcpyAsync(out, in, static_cast<size_t>(total) * sizeof(float),
                                       cudaMemcpyDeviceToDevice, stream);
   if (error != cudaSuccess) return error;
+  kvs::DeviceCounters::Launch();
   PoolKernel<<<GridFor((total + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       in, order, lengths, rows, num_kv_heads, count, kernel_size, kind, out);
   return cudaGetLastError();
@@ -1498,6 +1761,7 @@ cudaError_t LaunchWindowVariance(const float* probs, int32_t num_q_heads, int32_
                                  cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   const int64_t total = static_cast<int64_t>(num_q_heads) * count;
+  kvs::DeviceCounters::Launch();
   WindowVarianceKernel<<<GridFor((total + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       probs, num_q_heads, num_queries, window, count, gamma, scores);
   return cudaGetLastError();
@@ -1515,11 +1779,13 @@ cudaError_t LaunchWindowEntropy(const float* probs, const int32_t* key_positions
   cudaError_t error = cudaMallocAsync(reinterpret_cast<void**>(&partials),
                                       static_cast<size_t>(blocks) * 2 * sizeof(double), stream);
   if (error != cudaSuccess) return error;
+  kvs::DeviceCounters::Launch();
   WindowEntropyPartialsKernel<<<blocks, kThreads, 0, stream>>>(
       probs, key_positions, num_q_heads, num_q_heads / num_kv_heads, num_queries, window, count,
       first_query_position, partials);
   error = cudaGetLastError();
   if (error == cudaSuccess) {
+    kvs::DeviceCounters::Launch();
     WindowEntropyFinishKernel<<<1, kThreads, 0, stream>>>(partials, blocks, entropy, shift);
     error = cudaGetLastError();
   }
@@ -1531,6 +1797,7 @@ cudaError_t LaunchCaote(const DevPagedView& values, const float* alpha, int32_t 
                         float eps, float* scores, cudaStream_t stream) {
   if (values.count == 0) return cudaSuccess;
   const size_t shared = static_cast<size_t>(values.head_dim) * sizeof(float);
+  kvs::DeviceCounters::Launch();
   CaoteKernel<<<GridFor(rows), kThreads, shared, stream>>>(values, alpha, rows, fast, eps, scores);
   return cudaGetLastError();
 }
@@ -1543,6 +1810,7 @@ cudaError_t LaunchNearestKeys(const DevPagedView& keys, int32_t head, const int3
   const int dim = keys.head_dim;
   if (num_queries < kNearestMinTiledQueries || dim > kNearestMaxTiledDim || dim % 4 != 0) {
     const size_t shared = static_cast<size_t>(dim) * sizeof(float);
+    kvs::DeviceCounters::Launch();
     NearestKeysKernel<<<GridFor(num_queries), kThreads, shared, stream>>>(
         keys, head, query_slots, num_queries, candidate_slots, candidate_positions, num_candidates,
         similarity, target);
@@ -1555,10 +1823,12 @@ cudaError_t LaunchNearestKeys(const DevPagedView& keys, int32_t head, const int3
   if (error != cudaSuccess) return error;
   float* candidate_units = units + static_cast<size_t>(num_queries) * dim;
   constexpr int kRowsPerBlock = kThreads / 32;
+  kvs::DeviceCounters::Launch();
   UnitRowsKernel<<<GridFor((num_queries + kRowsPerBlock - 1) / kRowsPerBlock), kThreads, 0,
                    stream>>>(keys, head, query_slots, num_queries, units);
   error = cudaGetLastError();
   if (error == cudaSuccess) {
+    kvs::DeviceCounters::Launch();
     UnitRowsKernel<<<GridFor((num_candidates + kRowsPerBlock - 1) / kRowsPerBlock), kThreads, 0,
                      stream>>>(keys, head, candidate_slots, num_candidates, candidate_units);
     error = cudaGetLastError();
@@ -1566,6 +1836,7 @@ cudaError_t LaunchNearestKeys(const DevPagedView& keys, int32_t head, const int3
   if (error == cudaSuccess) {
     const size_t shared = static_cast<size_t>(kNearestTileQueries + kNearestTileCandidates) *
                           static_cast<size_t>(dim + 4) * sizeof(float);
+    kvs::DeviceCounters::Launch();
     NearestTiledKernel<<<GridFor((num_queries + kNearestTileQueries - 1) / kNearestTileQueries),
                          kThreads, shared, stream>>>(units, num_queries, candidate_units,
                                                      num_candidates, dim, candidate_positions,
@@ -1578,8 +1849,34 @@ cudaError_t LaunchNearestKeys(const DevPagedView& keys, int32_t head, const int3
 
 cudaError_t LaunchMergeRows(const DevMergeJob& job, cudaStream_t stream) {
   if (job.rows == 0) return cudaSuccess;
+  kvs::DeviceCounters::Launch();
   MergeRowsKernel<<<GridFor(job.rows), kThreads, 0, stream>>>(job);
   return cudaGetLastError();
+}
+
+cudaError_t LaunchDecodeEvict(const DevDecodeJob* jobs, int32_t num_jobs, int32_t max_heads,
+                              int stage, cudaStream_t stream) {
+  constexpr int32_t kMaxGridY = 65535;
+  for (int32_t first = 0; first < num_jobs; first += kMaxGridY) {
+    const int32_t some = num_jobs - first < kMaxGridY ? num_jobs - first : kMaxGridY;
+    kvs::DeviceCounters::Launch();
+    DecodeEvictKernel<<<dim3(max_heads, some), kThreads, 0, stream>>>(jobs + first, some, stage);
+    if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t LaunchKeyDiffBatch(const DevKeyDiffJob* device_jobs, int32_t num_jobs,
+                               int32_t max_heads, int32_t max_head_dim, cudaStream_t stream) {
+  constexpr int32_t kMaxGridY = 65535;
+  const size_t shared = static_cast<size_t>(max_head_dim) * sizeof(float);
+  for (int32_t first = 0; first < num_jobs; first += kMaxGridY) {
+    const int32_t some = num_jobs - first < kMaxGridY ? num_jobs - first : kMaxGridY;
+    kvs::DeviceCounters::Launch();
+    KeyDiffBatchKernel<<<dim3(max_heads, some), kThreads, shared, stream>>>(device_jobs + first);
+    if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace kvs::cuda

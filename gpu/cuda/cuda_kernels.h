@@ -35,6 +35,16 @@ struct DevPagedView {
 // allocation; the median anchor one block per head.
 cudaError_t LaunchKeyDiff(const DevPagedView& keys, int anchor, int metric, float* scores,
                           cudaStream_t stream);
+// Many small jobs (a decode step's layers) in one launch, one block per (job, head) in the scalar
+// reference's order (as LaunchKeyDiff's median path). `device_jobs` is device memory.
+struct DevKeyDiffJob {
+  DevPagedView keys;
+  int anchor = 0;
+  int metric = 0;
+  float* scores = nullptr;
+};
+cudaError_t LaunchKeyDiffBatch(const DevKeyDiffJob* device_jobs, int32_t num_jobs,
+                               int32_t max_heads, int32_t max_head_dim, cudaStream_t stream);
 
 cudaError_t LaunchTopK(const float* scores, const int32_t* positions, const uint8_t* forced,
                        int32_t rows, int32_t n, int32_t k, int32_t* kept, cudaStream_t stream);
@@ -65,6 +75,7 @@ cudaError_t LaunchCopyHostRows(uint8_t* arena, uint8_t* host, const uint64_t* ar
 struct DevAttentionJob {
   DevPagedView keys;
   const int32_t* key_positions = nullptr;
+  int32_t key_stride = 0;  // row length of key_positions (0 = keys.count)
   const float* queries = nullptr;
   const int32_t* query_positions = nullptr;
   int32_t num_q_heads = 0;
@@ -77,6 +88,14 @@ struct DevAttentionJob {
 // run on the tensor cores (two passes over the keys and a stream-ordered scratch allocation for
 // the softmax statistics); the rest one block per (query head, query) row.
 cudaError_t LaunchAttention(const DevAttentionJob& job, bool logits_only, cudaStream_t stream);
+// Whether LaunchAttention would take one block per row for `job` (fewer than 16 query rows per
+// kv head, a decode step's): such jobs of a call go to the device in one launch.
+bool AttentionBatchable(const DevAttentionJob& job);
+// Jobs (device memory) that are all AttentionBatchable, in one launch: max_rows and
+// max_head_dim are the largest num_q_heads * num_queries and head_dim among them.
+cudaError_t LaunchAttentionBatch(const DevAttentionJob* device_jobs, int32_t num_jobs,
+                                 int64_t max_rows, int32_t max_head_dim, bool logits_only,
+                                 cudaStream_t stream);
 // sums[q][s] = the sum over the job's query rows i (ascending) of the probabilities
 // LaunchAttention writes; job.out is ignored. The probabilities go to a stream-ordered scratch
 // allocation freed on the same stream.
@@ -124,6 +143,31 @@ struct DevMergeJob {
 };
 // One thread block per merged row of `job` (RowMergeJob semantics, gpu/backend.h).
 cudaError_t LaunchMergeRows(const DevMergeJob& job, cudaStream_t stream);
+
+// DecodeEvictJob (gpu/backend.h) with device pointers; scores: 0 none, 1 accumulated, 2 rows.
+struct DevDecodeJob {
+  DevPagedView keys;
+  int32_t stride = 0;
+  int32_t* positions = nullptr;
+  int32_t new_position = 0;
+  int32_t num_q_heads = 0;
+  float* accumulated = nullptr;
+  const float* sums = nullptr;
+  int32_t scores = 0;
+  const float* rows = nullptr;
+  int32_t rows_count = 0;
+  bool rows_are_probabilities = false;
+  int32_t sinks = 0;
+  int32_t recent = 0;
+  bool evict = false;
+  int32_t* evicted = nullptr;
+  const float* queries = nullptr;  // checked finite (by head 0's block)
+  int64_t query_values = 0;
+};
+// One launch for every job of a call: a block per (job, kv head). `jobs` is device memory.
+// stage: 0 choose, 1 apply (DecodeStage).
+cudaError_t LaunchDecodeEvict(const DevDecodeJob* jobs, int32_t num_jobs, int32_t max_heads,
+                              int stage, cudaStream_t stream);
 
 }  // namespace kvs::cuda
 

@@ -5,12 +5,12 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <iterator>
-#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -27,6 +27,7 @@
 #include "absl/types/span.h"
 #include "gpu/base/checked_math.h"
 #include "gpu/base/status_macros.h"
+#include "gpu/device_counters.h"
 
 namespace kvs {
 namespace {
@@ -249,11 +250,15 @@ class SimMemory final : public DeviceMemory {
   absl::Status CopyToHost(void* host_dst, const void* src, uint64_t bytes, Stream) override {
     return Copy(host_dst, src, bytes, /*to_device=*/false);
   }
+  // Done at once, as every simulated copy is, but counted as CUDA's is: a transfer, no wait.
+  absl::Status CopyToDeviceAsync(void* dst, const void* host_src, uint64_t bytes, Stream) override {
+    return Copy(dst, host_src, bytes, /*to_device=*/true, /*waits=*/false);
+  }
 
  private:
   // Like cudaMemcpyDefault: either side may be simulated memory (translated) or host memory;
   // the device side must be simulated or page-locked.
-  absl::Status Copy(void* dst, const void* src, uint64_t bytes, bool to_device) {
+  absl::Status Copy(void* dst, const void* src, uint64_t bytes, bool to_device, bool waits = true) {
     if (bytes == 0) return absl::OkStatus();
     const char* op = to_device ? "CopyToDevice" : "CopyToHost";
     if (dst == nullptr || src == nullptr) {
@@ -281,6 +286,13 @@ class SimMemory final : public DeviceMemory {
     std::memmove(real_dst != nullptr ? real_dst : static_cast<uint8_t*>(dst),
                  real_src != nullptr ? real_src : static_cast<const uint8_t*>(src), bytes);
     state_->CountCopy(to_device, bytes);
+    // Counted as CUDA's copies: a synchronous one is cudaMemcpyAsync + cudaStreamSynchronize.
+    if (to_device) {
+      DeviceCounters::Upload(bytes);
+    } else {
+      DeviceCounters::Download(bytes);
+    }
+    if (waits) DeviceCounters::Sync();
     return absl::OkStatus();
   }
 
@@ -300,10 +312,16 @@ class SimArena final : public Arena {
   const uint8_t* data() const override { return fake_; }
   uint64_t size_bytes() const override { return inner_->size_bytes(); }
   const ArenaHandle& handle() const override { return inner_->handle(); }
+  // Counted as the CUDA arena's copies are: a transfer and a wait each (the inner shm arena
+  // counts the arena write or read itself).
   absl::Status Write(uint64_t offset, const void* source, uint64_t bytes) override {
+    DeviceCounters::Upload(bytes);
+    DeviceCounters::Sync();
     return inner_->Write(offset, source, bytes);
   }
   absl::Status Read(uint64_t offset, void* destination, uint64_t bytes) const override {
+    DeviceCounters::Download(bytes);
+    DeviceCounters::Sync();
     return inner_->Read(offset, destination, bytes);
   }
   // The worker maps the host arena behind the simulated device memory, as with the CPU backend.
@@ -403,6 +421,7 @@ class SimBackend final : public Backend {
       KVS_RETURN_IF_ERROR(t.View(j.keys, "keys"));
       KVS_RETURN_IF_ERROR(t(j.scores, Extent({j.keys.num_kv_heads, j.keys.count}, 4), "scores"));
     }
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->KeyDiffScores(real, stream);
   }
 
@@ -416,6 +435,7 @@ class SimBackend final : public Backend {
       KVS_RETURN_IF_ERROR(t(j.forced, Extent({j.rows, j.n}, 1), "forced"));
       KVS_RETURN_IF_ERROR(t(j.kept, Extent({j.rows, j.k}, 4), "kept"));
     }
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->TopK(real, stream);
   }
 
@@ -428,11 +448,13 @@ class SimBackend final : public Backend {
       KVS_RETURN_IF_ERROR(t(j.src_offsets, Extent({j.count}, 8), "src_offsets"));
       KVS_RETURN_IF_ERROR(t(j.dst_offsets, Extent({j.count}, 8), "dst_offsets"));
     }
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->CopyRows(real, stream);
   }
 
   absl::Status AttentionProbs(absl::Span<const AttentionJob> jobs, Stream stream) override {
     KVS_ASSIGN_OR_RETURN(std::vector<AttentionJob> real, TranslateAttention(jobs));
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->AttentionProbs(real, stream);
   }
   absl::Status PoolScores(absl::Span<const PoolJob> jobs, Stream stream) override {
@@ -445,6 +467,7 @@ class SimBackend final : public Backend {
       KVS_RETURN_IF_ERROR(t(j.lengths, Extent({j.num_kv_heads}, 4), "lengths"));
       KVS_RETURN_IF_ERROR(t(j.out, Extent({j.rows, j.count}, 4), "out"));
     }
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->PoolScores(real, stream);
   }
   absl::Status WindowVarianceScores(absl::Span<const WindowVarianceJob> jobs,
@@ -456,6 +479,7 @@ class SimBackend final : public Backend {
       KVS_RETURN_IF_ERROR(t(j.probs, Extent({j.num_q_heads, j.num_queries, j.count}, 4), "probs"));
       KVS_RETURN_IF_ERROR(t(j.scores, Extent({j.num_q_heads, j.count}, 4), "scores"));
     }
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->WindowVarianceScores(real, stream);
   }
   absl::Status WindowEntropyShift(absl::Span<const WindowEntropyJob> jobs, Stream stream) override {
@@ -469,6 +493,7 @@ class SimBackend final : public Backend {
       KVS_RETURN_IF_ERROR(t(j.entropy, Extent({1}, 8), "entropy"));
       KVS_RETURN_IF_ERROR(t(j.shift, Extent({1}, 8), "shift"));
     }
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->WindowEntropyShift(real, stream);
   }
   absl::Status AttentionColumnSums(absl::Span<const AttentionSumsJob> jobs,
@@ -478,8 +503,8 @@ class SimBackend final : public Backend {
       AttentionJob& a = real[i].attention;
       const PagedLayerView& v = a.keys;
       const Translator t(*state_, absl::StrCat("attention job ", i));
-      KVS_RETURN_IF_ERROR(
-          t(a.key_positions, Extent({v.num_kv_heads, v.count}, 4), "key_positions"));
+      KVS_RETURN_IF_ERROR(t(a.key_positions, Extent({v.num_kv_heads, KeyPositionsOffset(a, 1)}, 4),
+                            "key_positions"));
       KVS_RETURN_IF_ERROR(
           t(a.queries, Extent({a.num_q_heads, a.num_queries, v.head_dim}, 4), "queries"));
       KVS_RETURN_IF_ERROR(t(a.query_positions, Extent({a.num_queries}, 4), "query_positions"));
@@ -487,10 +512,12 @@ class SimBackend final : public Backend {
       KVS_RETURN_IF_ERROR(t.View(a.keys, "keys"));
       a.probs = nullptr;  // not used by the sums
     }
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->AttentionColumnSums(real, stream);
   }
   absl::Status AttentionLogits(absl::Span<const AttentionJob> jobs, Stream stream) override {
     KVS_ASSIGN_OR_RETURN(std::vector<AttentionJob> real, TranslateAttention(jobs));
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->AttentionLogits(real, stream);
   }
 
@@ -504,6 +531,7 @@ class SimBackend final : public Backend {
       KVS_RETURN_IF_ERROR(t(j.arena_offsets, Extent({j.count}, 8), "arena_offsets"));
       KVS_RETURN_IF_ERROR(t(j.host_offsets, Extent({j.count}, 8), "host_offsets"));
     }
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->CopyHostRows(real, stream);
   }
 
@@ -516,6 +544,7 @@ class SimBackend final : public Backend {
       KVS_RETURN_IF_ERROR(t(j.alpha, Extent({j.rows, j.values.count}, 4), "alpha"));
       KVS_RETURN_IF_ERROR(t(j.scores, Extent({j.rows, j.values.count}, 4), "scores"));
     }
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->CaoteScores(real, stream);
   }
 
@@ -532,6 +561,7 @@ class SimBackend final : public Backend {
       KVS_RETURN_IF_ERROR(t(j.similarity, Extent({j.num_queries}, 4), "similarity"));
       KVS_RETURN_IF_ERROR(t(j.target, Extent({j.num_queries}, 4), "target"));
     }
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->NearestKeys(real, stream);
   }
 
@@ -552,6 +582,7 @@ class SimBackend final : public Backend {
       KVS_RETURN_IF_ERROR(t(j.src_offsets, Extent({sources}, 8), "src_offsets"));
       KVS_RETURN_IF_ERROR(t(j.weights, Extent({sources}, 4), "weights"));
     }
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->MergeRows(real, stream);
   }
 
@@ -567,10 +598,33 @@ class SimBackend final : public Backend {
         KVS_RETURN_IF_ERROR(t(j.row_norms, Extent({j.count}, 4), "row_norms"));
       }
     }
+    DeviceCounters::Launch(real.size());  // one kernel per job, as CUDA launches
     return cpu_->FindNonFinite(real, stream);
   }
 
-  absl::Status Synchronize(Stream stream) override { return cpu_->Synchronize(stream); }
+  absl::Status DecodeEvict(absl::Span<const DecodeEvictJob> jobs, DecodeStage stage,
+                           Stream stream) override {
+    std::vector<DecodeEvictJob> real(jobs.begin(), jobs.end());
+    for (size_t i = 0; i < real.size(); ++i) {
+      DecodeEvictJob& j = real[i];
+      const Translator t(*state_, absl::StrCat("decode evict job ", i));
+      const int64_t heads = j.keys.num_kv_heads;
+      KVS_RETURN_IF_ERROR(t.View(j.keys, "keys"));
+      KVS_RETURN_IF_ERROR(t(j.positions, Extent({heads, j.stride}, 4), "positions"));
+      KVS_RETURN_IF_ERROR(t(j.accumulated, Extent({j.num_q_heads, j.stride}, 4), "accumulated"));
+      KVS_RETURN_IF_ERROR(t(j.sums, Extent({j.num_q_heads, j.keys.count}, 4), "sums"));
+      KVS_RETURN_IF_ERROR(t(j.rows, Extent({j.rows_count, j.keys.count}, 4), "rows"));
+      KVS_RETURN_IF_ERROR(t(j.evicted, Extent({heads}, 4), "evicted"));
+      KVS_RETURN_IF_ERROR(t(j.queries, Extent({j.query_values}, 4), "queries"));
+    }
+    DeviceCounters::Launch(1);  // one kernel per stage, over every job
+    return cpu_->DecodeEvict(real, stage, stream);
+  }
+
+  absl::Status Synchronize(Stream stream) override {
+    DeviceCounters::Sync();
+    return cpu_->Synchronize(stream);
+  }
 
  private:
   absl::StatusOr<std::vector<AttentionJob>> TranslateAttention(
@@ -580,8 +634,8 @@ class SimBackend final : public Backend {
       AttentionJob& j = real[i];
       const PagedLayerView& v = j.keys;
       const Translator t(*state_, absl::StrCat("attention job ", i));
-      KVS_RETURN_IF_ERROR(
-          t(j.key_positions, Extent({v.num_kv_heads, v.count}, 4), "key_positions"));
+      KVS_RETURN_IF_ERROR(t(j.key_positions, Extent({v.num_kv_heads, KeyPositionsOffset(j, 1)}, 4),
+                            "key_positions"));
       KVS_RETURN_IF_ERROR(
           t(j.queries, Extent({j.num_q_heads, j.num_queries, v.head_dim}, 4), "queries"));
       KVS_RETURN_IF_ERROR(t(j.query_positions, Extent({j.num_queries}, 4), "query_positions"));

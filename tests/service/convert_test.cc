@@ -729,9 +729,12 @@ TEST(ConvertRequestTest, Attach) {
                 "lease_ms must be in [100, 600000]");
   bad.set_lease_ms(600001);
   EXPECT_STATUS(AttachFromProto(bad, options).status(), kInvalidArgument, "lease_ms");
-  bad = request;
-  bad.set_staging_bytes(4096);
-  EXPECT_STATUS(AttachFromProto(bad, options).status(), kUnimplemented, "staging_bytes");
+  // A staging area is the session table's to bound (Plan); the conversion carries it.
+  v1::AttachRequest staged = request;
+  staged.set_staging_bytes(4096);
+  auto staged_params = AttachFromProto(staged, options);
+  ASSERT_TRUE(staged_params.ok()) << staged_params.status();
+  EXPECT_EQ(staged_params->staging_bytes, 4096u);
   bad = request;
   bad.set_tenant(std::string(300, 't'));
   EXPECT_STATUS(AttachFromProto(bad, options).status(), kInvalidArgument, "tenant");

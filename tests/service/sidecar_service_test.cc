@@ -455,8 +455,8 @@ TEST_F(SidecarServiceTest, AttachRefusesBadInput) {
   EXPECT_GRPC_ERROR(stub_->Attach(Context().get(), request, &response), INVALID_ARGUMENT,
                     "layout.head_dim");
   *request.mutable_layout() = SmallLayout();
-  request.set_staging_bytes(1024);
-  EXPECT_GRPC_ERROR(stub_->Attach(Context().get(), request, &response), UNIMPLEMENTED,
+  request.set_staging_bytes((uint64_t{1} << 30) + 1);  // above the largest staging area
+  EXPECT_GRPC_ERROR(stub_->Attach(Context().get(), request, &response), INVALID_ARGUMENT,
                     "staging_bytes");
   request.set_staging_bytes(0);
   request.set_num_blocks(INT32_MAX);
@@ -1373,9 +1373,9 @@ TEST_F(SidecarServiceTest, CompressStreamingLlmKeepsSinksAndRecent) {
   EXPECT_EQ(LayoutOf(session, "s").layers(0).count(), 16);
 
   request.mutable_attention()->set_num_queries(1);
-  request.mutable_attention()->set_staging_offset(64);
-  EXPECT_GRPC_ERROR(stub_->Compress(Context().get(), request, &response), UNIMPLEMENTED,
-                    "attention.staging_offset");
+  request.mutable_attention()->set_staging_offset(64);  // the session has no staging area
+  EXPECT_GRPC_ERROR(stub_->Compress(Context().get(), request, &response), INVALID_ARGUMENT,
+                    "attention.staging_offset: the session has no query staging area");
   request.mutable_attention()->clear_staging_offset();
   request.mutable_attention()->set_attention_scores("abc");
   EXPECT_GRPC_ERROR(stub_->Compress(Context().get(), request, &response), INVALID_ARGUMENT,
@@ -1601,8 +1601,8 @@ TEST_F(SidecarServiceTest, CommitConvertsAttentionBeforeCommitting) {
   // Refused before the pool sees them: the reservation stays pending.
   commit.mutable_attention()->set_num_queries(3);
   commit.mutable_attention()->set_staging_offset(0);
-  EXPECT_GRPC_ERROR(stub_->Commit(Context().get(), commit, &response), UNIMPLEMENTED,
-                    "attention.staging_offset: the staging area is reserved for the CUDA backend");
+  EXPECT_GRPC_ERROR(stub_->Commit(Context().get(), commit, &response), INVALID_ARGUMENT,
+                    "attention.staging_offset: the session has no query staging area");
   // SmallLayout: 2 layers, 4 q heads, head_dim 8, fp32 -> 2 * 4 * 3 * 8 * 4 = 768 bytes.
   commit.mutable_attention()->set_inline_queries(std::string(767, '\0'));
   EXPECT_GRPC_ERROR(stub_->Commit(Context().get(), commit, &response), INVALID_ARGUMENT,

@@ -28,7 +28,8 @@ from kvsidecar.arena import (Arena, CudaArena, bf16_to_float32, dtype_bytes, flo
                              fetch_arena_fd, open_arena, storage_dtype, to_float32, to_storage)
 from kvsidecar.client import (QUERY_AGNOSTIC_POLICIES, AppendSegment, Client, DecodeItem,
                               ExportResult, LayerKV, Reservation, ReserveItem, Session, Tier,
-                              attention, budget, model_layout, policy, prefix_key)
+                              attention, budget, model_layout, policy, prefix_key,
+                              staged_attention)
 from kvsidecar.credentials import tls_credentials
 from kvsidecar.errors import KvsError
 from kvsidecar.v1 import admin_pb2, common_pb2, sidecar_pb2
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Admin", "AppendSegment", "Arena", "Client", "CudaArena", "open_arena", "DecodeItem", "ExportResult", "KvsError",
     "LayerKV", "Reservation", "ReserveItem", "Session", "Tier", "admin_pb2", "attention",
+    "staged_attention",
     "bf16_to_float32", "budget", "common_pb2", "dtype_bytes", "errors", "float32_to_bf16",
     "model_layout", "policy", "sidecar_pb2", "storage_dtype", "tls_credentials", "to_float32",
     "to_storage", "fetch_arena_fd", "prefix_key", "QUERY_AGNOSTIC_POLICIES",

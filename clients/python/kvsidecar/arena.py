@@ -138,6 +138,8 @@ class _Geometry:
     block_bytes: int
     size_bytes: int
     generation: int
+    staging_offset: int  # the query staging area (0 bytes when the session asked for none)
+    staging_bytes: int
 
 
 def _set_geometry(arena: _Geometry, handle: "common_pb2.ArenaHandle",
@@ -155,6 +157,12 @@ def _set_geometry(arena: _Geometry, handle: "common_pb2.ArenaHandle",
     arena.block_bytes = handle.block_bytes
     arena.size_bytes = handle.size_bytes
     arena.generation = handle.generation
+    arena.staging_offset = handle.staging_offset
+    arena.staging_bytes = handle.staging_bytes
+    if handle.staging_bytes and handle.staging_offset + handle.staging_bytes > handle.size_bytes:
+        raise InvalidArgument(
+            f"arena staging area [{handle.staging_offset}, +{handle.staging_bytes}) leaves the "
+            f"arena of {handle.size_bytes} bytes")
     np_dtype = storage_dtype(layout.dtype)
     expected = 2 * layout.num_kv_heads * layout.block_tokens * layout.head_dim * np_dtype.itemsize
     if expected != handle.block_bytes:
@@ -214,6 +222,16 @@ class Arena(_Geometry):
     def storage_dtype(self) -> np.dtype:
         """The numpy dtype of the elements (bf16 -> uint16)."""
         return self.blocks.dtype
+
+    @property
+    def staging(self) -> np.ndarray:
+        """The query staging area as a float32 array over the shared memory (empty without one):
+        write a step's queries ``[layers][Hq][w][D]`` at some offset, then name the offset (in
+        bytes) in :func:`kvsidecar.client.staged_attention`."""
+        if self._mmap is None:
+            raise FailedPrecondition("the arena is closed")
+        return np.ndarray((self.staging_bytes // 4,), dtype=np.float32, buffer=self._mmap,
+                          offset=self.staging_offset)
 
     def block(self, block: int) -> np.ndarray:
         """Zero-copy view ``[2][H][B][D]`` of one block."""
@@ -554,6 +572,28 @@ class CudaArena(_Geometry):
             self._tensor = raw.view(_torch_dtype(torch, self.dtype)).view(
                 self.num_blocks, 2, self.num_kv_heads, self.block_tokens, self.head_dim)
         return self._tensor
+
+    @property
+    def staging(self) -> Any:
+        """torch float32 tensor over the query staging area (device memory; empty without one):
+        a model writes a step's queries ``[layers][Hq][w][D]`` there with its own kernels, then
+        names the byte offset in :func:`kvsidecar.client.staged_attention`. Needs torch with CUDA;
+        :meth:`write_staging` copies from the host without it."""
+        self._check_open()
+        import torch  # noqa: PLC0415 (optional dependency; blocks says why it is needed)
+        raw = torch.as_tensor(_ByteView(self.base + self.staging_offset, self.staging_bytes),
+                              device=f"cuda:{self.device}")
+        return raw.view(torch.float32)
+
+    def write_staging(self, offset: int, values: np.ndarray) -> None:
+        """Copies float32 ``values`` to byte ``offset`` of the staging area with one cudaMemcpy."""
+        mapping = self._check_open()
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if offset < 0 or offset % 4 or offset + values.nbytes > self.staging_bytes:
+            raise OutOfRange(f"{values.nbytes} bytes at offset {offset} leave the staging area of "
+                             f"{self.staging_bytes} bytes")
+        self._runtime.memcpy(mapping.device, self.base + self.staging_offset + offset,
+                             values.ctypes.data, values.nbytes, _MEMCPY_HOST_TO_DEVICE)
 
     def block(self, block: int) -> Any:
         """Zero-copy torch view ``[2][H][B][D]`` of one block (see :attr:`blocks`)."""

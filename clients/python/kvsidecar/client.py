@@ -195,6 +195,26 @@ def attention(queries: np.ndarray, query_positions: Optional[Sequence[int]] = No
         inline_queries=np.ascontiguousarray(q).astype(q.dtype.newbyteorder("<")).tobytes())
 
 
+def staged_attention(offset: int, num_queries: int,
+                     query_positions: Optional[Sequence[int]] = None,
+                     softmax_scale: Optional[float] = None, head_dim: Optional[int] = None,
+                     layers: Optional[Sequence[int]] = None) -> common_pb2.AttentionInputs:
+    """``AttentionInputs`` naming fp32 queries ``[layers][Hq][num_queries][D]`` the worker wrote at
+    byte ``offset`` of its session's query staging area (``attach(staging_bytes=...)``; write them
+    through ``arena.staging``): the request then carries no query bytes.
+
+    ``softmax_scale`` defaults to ``1 / sqrt(head_dim)``; give one of the two.
+    """
+    if softmax_scale is None:
+        if not head_dim:
+            raise InvalidArgument("staged_attention needs softmax_scale or head_dim")
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    return common_pb2.AttentionInputs(
+        layers=list(layers or []), num_queries=num_queries,
+        query_positions=list(query_positions or []), softmax_scale=softmax_scale,
+        queries_dtype=common_pb2.DTYPE_FLOAT32, staging_offset=offset)
+
+
 # --- Value types --------------------------------------------------------------------------------
 
 

@@ -467,7 +467,7 @@ TEST_F(CudaParityTest, AttentionProbsAndLogits) {
       for (bool logits : {false, true}) {
         std::vector<float> expected(out_n, -7.0f);
         AttentionJob job{
-            layer.view, key_positions.data(), q.data(), query_positions.data(), q_heads, queries,
+            layer.view, key_positions.data(), 0, q.data(), query_positions.data(), q_heads, queries,
             0.125f,     expected.data()};
         ASSERT_TRUE(
             (logits ? cpu_->AttentionLogits({job}, nullptr) : cpu_->AttentionProbs({job}, nullptr))
@@ -504,8 +504,8 @@ TEST_F(CudaParityTest, AttentionColumnSums) {
       std::vector<int32_t> query_positions = {-1, shape.count / 2, shape.count, 2 * shape.count,
                                               2 * shape.count + 1};
       ExpectColumnSumsMatch(
-          AttentionJob{layer.view, key_positions.data(), q.data(), query_positions.data(), q_heads,
-                       queries, 0.125f, nullptr},
+          AttentionJob{layer.view, key_positions.data(), 0, q.data(), query_positions.data(),
+                       q_heads, queries, 0.125f, nullptr},
           device, std::string(DTypeName(shape.dtype)) + " group " + std::to_string(group));
     }
   }
@@ -586,10 +586,15 @@ TEST_F(CudaParityTest, TiledAttentionAcrossTilesRowsAndQueryRanges) {
       for (bool logits : {true, false}) {
         if (large && !logits) continue;
         std::vector<float> expected(out_n, -7.0f);
-        AttentionJob job{layer.view,    key_positions.data(),
-                         scaled.data(), query_positions.data(),
-                         q_heads,       queries,
-                         0.125f,        expected.data()};
+        AttentionJob job{layer.view,
+                         key_positions.data(),
+                         0,
+                         scaled.data(),
+                         query_positions.data(),
+                         q_heads,
+                         queries,
+                         0.125f,
+                         expected.data()};
         ASSERT_TRUE(
             (logits ? cpu_->AttentionLogits({job}, nullptr) : cpu_->AttentionProbs({job}, nullptr))
                 .ok());
@@ -606,7 +611,7 @@ TEST_F(CudaParityTest, TiledAttentionAcrossTilesRowsAndQueryRanges) {
         }
       }
       if (large) continue;
-      ExpectColumnSumsMatch(AttentionJob{layer.view, key_positions.data(), scaled.data(),
+      ExpectColumnSumsMatch(AttentionJob{layer.view, key_positions.data(), 0, scaled.data(),
                                          query_positions.data(), q_heads, queries, 0.125f, nullptr},
                             device, what);
     }

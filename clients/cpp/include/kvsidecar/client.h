@@ -128,8 +128,13 @@ struct ArenaGeometry {
   int32_t block_tokens = 0;
   int32_t head_dim = 0;
   int32_t dtype_bytes = 0;
+  uint64_t staging_offset = 0;  // the query staging area (AttachRequest.staging_bytes)
+  uint64_t staging_bytes = 0;
 
   uint64_t row_bytes() const { return static_cast<uint64_t>(head_dim) * dtype_bytes; }
+  // Address of `bytes` at `offset` of the query staging area, where a step's queries go for
+  // AttentionInputs.staging_offset; OUT_OF_RANGE if they leave the area.
+  absl::StatusOr<uint8_t*> Staging(uint64_t offset, uint64_t bytes) const;
   bool on_device() const { return memory == Memory::kDevice; }
   // Address of the row (kv, head, in_block) of block `block`: block * block_bytes +
   // ((kv * H + head) * B + in_block) * D * dtype_bytes. OUT_OF_RANGE if any index is outside the
