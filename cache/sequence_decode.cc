@@ -322,6 +322,7 @@ absl::Status Sequence::LoadStagedQueries(absl::Span<DecodeTask> tasks) {
 }
 
 absl::Status Sequence::DecodeAll(absl::Span<DecodeTask> tasks) {
+  if (tasks.empty()) return absl::OkStatus();  // a DecodeStep of no items steps nothing
   // On a device backend the step runs where the tables are when every item can (the device
   // path); otherwise, or when the device found an input wrong, on the host.
   KVS_ASSIGN_OR_RETURN(const bool on_device, DecodeOnDevice(tasks));

@@ -134,7 +134,7 @@ TEST_F(BadInputTest, AttachRejectsBadLayoutsAndSizes) {
   v1::AttachRequest request;
   *request.mutable_layout() = layout_;
   request.set_staging_bytes(std::numeric_limits<uint64_t>::max());
-  EXPECT_CODE(client_->Attach(request).status(), kUnimplemented, "staging_bytes");
+  EXPECT_CODE(client_->Attach(request).status(), kInvalidArgument, "staging_bytes");
   request.set_staging_bytes(0);
   request.set_tenant(std::string(1, '\x01'));
   EXPECT_CODE(client_->Attach(request).status(), kInvalidArgument, "tenant");
@@ -374,7 +374,8 @@ TEST_F(BadInputTest, LayersOutOfRangeAndBadCompressArguments) {
   EXPECT_CODE(session_->Compress(attention).status(), kInvalidArgument, "attention.inline_queries");
   attention.mutable_attention()->clear_inline_queries();
   attention.mutable_attention()->set_staging_offset(0);
-  EXPECT_CODE(session_->Compress(attention).status(), kUnimplemented, "attention.staging_offset");
+  // This session reserved no staging area.
+  EXPECT_CODE(session_->Compress(attention).status(), kInvalidArgument, "attention.staging_offset");
   // A layer subset works and names only those layers.
   const std::vector<int32_t> some = {3, 1};
   auto layout = session_->GetLayout("target", some);

@@ -1007,8 +1007,10 @@ TEST(ConvertAttentionTest, BadFieldsAreNamed) {
                 "attention.query_positions has 2 entries but num_queries is 1");
   bad = attention;
   bad.set_staging_offset(0);
-  EXPECT_STATUS(AttentionFromProto(bad, Layout()).status(), kUnimplemented,
-                "attention.staging_offset: the staging area is reserved for the CUDA backend");
+  // Staged queries are fp32 (the worker writes them as the kernels read them).
+  EXPECT_STATUS(AttentionFromProto(bad, Layout()).status(), kInvalidArgument,
+                "attention.queries_dtype must be DTYPE_FLOAT32 (or unset) for queries in the "
+                "staging area");
   bad = attention;
   bad.set_attention_scores(std::string(6, '\0'));
   EXPECT_STATUS(AttentionFromProto(bad, Layout()).status(), kInvalidArgument,
