@@ -1,0 +1,64 @@
+"""Runs one vLLM engine (CPU backend) on a job and prints its results: the vLLM side of the
+connector's tests and benchmarks, in a process of its own (each engine is a separate process, as
+two replicas would be).
+
+    python tests/vllm/engine_job.py JOB.json OUT.json
+
+JOB: {"model": dir, "connector": extra_config or null, "max_model_len": n, "rounds": [[prompt,
+...], ...], "max_tokens": n, "reset_prefix_cache": bool, "prefix_tokens": n (optional),
+"block_size": n}. Each round is one ``generate`` call; with reset_prefix_cache vLLM's own prefix
+cache is emptied before each round, so that a hit can only come from the connector. OUT: per round
+and prompt the generated token ids, ``num_cached_tokens`` and the time to the first token.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    job = json.load(open(sys.argv[1]))
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", job.get("rpc_dir") or "/tmp")
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=job["model"], enforce_eager=True, dtype=job.get("dtype", "float32"),
+                  max_model_len=job.get("max_model_len", 2048), skip_tokenizer_init=True,
+                  enable_prefix_caching=True, block_size=job.get("block_size", 128),
+                  max_num_seqs=job.get("max_num_seqs", 8), seed=0)
+    # The CPU backend reserves a share of the machine's memory by default; a fixed, small KV
+    # cache lets several engines and the sidecar share one machine.
+    kwargs["kv_cache_memory_bytes"] = int(job.get("kv_cache_gib", 0.25) * (1 << 30))
+    if job.get("connector") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "SidecarConnector", "kv_connector_module_path": "kvsidecar.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": job["connector"]}
+    llm = LLM(**kwargs)
+    extra = {}
+    if job.get("prefix_tokens"):
+        extra = {"kv_transfer_params": {"kvsidecar": {"prefix_tokens": job["prefix_tokens"]}}}
+    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8),
+                            ignore_eos=True, extra_args=extra or None)
+    rounds = []
+    for prompts in job["rounds"]:
+        if job.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        rounds.append({"wall_s": wall, "outputs": [
+            {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
+             "ttft_s": _ttft(o)} for o in outs]})
+    json.dump({"rounds": rounds}, open(sys.argv[2], "w"))
+
+
+def _ttft(output):
+    m = getattr(output, "metrics", None)
+    if m is None:
+        return None
+    first = getattr(m, "first_token_latency", None)
+    return first
+
+
+if __name__ == "__main__":
+    main()
