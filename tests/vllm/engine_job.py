@@ -8,7 +8,7 @@ JOB: {"model": dir, "connector": extra_config or null, "max_model_len": n, "roun
 ...], ...], "max_tokens": n, "reset_prefix_cache": bool, "prefix_tokens": n (optional),
 "block_size": n}. Each round is one ``generate`` call; with reset_prefix_cache vLLM's own prefix
 cache is emptied before each round, so that a hit can only come from the connector. OUT: per round
-and prompt the generated token ids, ``num_cached_tokens`` and the time to the first token.
+and prompt the generated token ids and ``num_cached_tokens``, and each round's wall time.
 """
 
 import json
@@ -40,24 +40,24 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8),
                             ignore_eos=True, extra_args=extra or None)
     rounds = []
-    for prompts in job["rounds"]:
-        if job.get("reset_prefix_cache"):
+    for spec in job["rounds"]:
+        # A round is a list of prompts, or {"prompts": [...], "max_tokens": n, "reset": bool}.
+        if not isinstance(spec, dict):
+            spec = {"prompts": spec}
+        if spec.get("reset", job.get("reset_prefix_cache")):
             llm.reset_prefix_cache()
+        p = params
+        if "max_tokens" in spec:
+            p = params.clone()
+            p.max_tokens = spec["max_tokens"]
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": x} for x in spec["prompts"]], p,
+                            use_tqdm=False)
         wall = time.perf_counter() - start
         rounds.append({"wall_s": wall, "outputs": [
-            {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
-             "ttft_s": _ttft(o)} for o in outs]})
+            {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
+            for o in outs]})
     json.dump({"rounds": rounds}, open(sys.argv[2], "w"))
-
-
-def _ttft(output):
-    m = getattr(output, "metrics", None)
-    if m is None:
-        return None
-    first = getattr(m, "first_token_latency", None)
-    return first
 
 
 if __name__ == "__main__":

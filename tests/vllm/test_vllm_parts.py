@@ -114,7 +114,8 @@ def test_settings_are_checked():
     cfg = config.parse({"policy": "keydiff", "budget": "25%", "tier": "redis"})
     assert cfg.budget_for(256) == 64 and cfg.budget_for(3) == 1
     assert config.parse({"policy": "keydiff", "budget": 100}).budget_for(64) == 64
-    for bad, match in [({"policy": "snapkv", "budget": "10%"}, "query-agnostic"),
+    for bad, match in [({"policy": "h2o", "budget": "10%"}, "query-agnostic"),
+                       ({"policy": "keydiff", "budget": "10%", "window": 8}, "snapkv only"),
                        ({"policy": "keydiff"}, "budget is required"),
                        ({"budget": "10%"}, "needs a policy"),
                        ({"tier": "tape"}, "tier"),

@@ -8,8 +8,12 @@ token_file         file whose first line is the tenant's bearer token (sidecar w
                    ``--tenant_tokens_file``); none = an open data plane
 tenant             tenant named at Attach when the sidecar has no tokens (default: the sidecar's)
 policy             ``none`` (default): prefixes stored whole, block by block; or a query-agnostic
-                   policy (``keydiff``, ``streaming_llm``, ``knorm``): prefixes stored compressed
+                   policy (``keydiff``, ``streaming_llm``, ``knorm``), or ``snapkv`` with
+                   ``window``: prefixes stored compressed
 budget             with a policy: kept tokens per layer, ``"25%"`` of the prefix or a count
+window             snapkv only: its observation window W (default 32), the prefix's last W
+                   tokens, whose queries choose what is kept; part of the key, so a prefix
+                   compressed for one window of queries serves only prompts with the same ones
 tier               where copies go: ``host``, ``disk``, ``remote`` (``redis``), or empty for the
                    sidecar's default (remote when it has one, else disk)
 model_id           what names the model in the keys (default: vLLM's model name or path); engines
@@ -27,11 +31,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
 from kvsidecar.client import QUERY_AGNOSTIC_POLICIES
+from kvsidecar.v1 import common_pb2
 from kvsidecar.vllm.store import TIERS
 
 COMPRESSING_POLICIES = tuple(QUERY_AGNOSTIC_POLICIES) + ("knorm",)
-_KEYS = ("address", "token_file", "tenant", "policy", "budget", "tier", "model_id", "num_blocks",
-         "timeout", "load_delay_s")
+WINDOW_POLICIES = ("snapkv",)
+_KEYS = ("address", "token_file", "tenant", "policy", "budget", "window", "tier", "model_id",
+         "num_blocks", "timeout", "load_delay_s")
 
 
 @dataclass
@@ -42,6 +48,7 @@ class ConnectorConfig:
     policy: str = "none"
     budget_fraction: Optional[float] = None  # "25%"
     budget_tokens: Optional[int] = None      # 512
+    window: int = 0                          # snapkv's observation window
     tier: str = ""
     model_id: str = ""
     num_blocks: int = 0
@@ -65,7 +72,14 @@ class ConnectorConfig:
         """What distinguishes one compression of a prefix from another, for its key."""
         budget = (f"{self.budget_fraction!r}" if self.budget_fraction is not None
                   else f"{self.budget_tokens}")
-        return f"{self.policy}\0{budget}".encode()
+        return f"{self.policy}\0{budget}\0{self.window}".encode()
+
+    def policy_spec(self) -> "common_pb2.PolicySpec":
+        from kvsidecar.client import policy
+
+        if self.window:
+            return policy(self.policy, window=self.window)
+        return policy(self.policy)
 
 
 def parse(extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:
@@ -85,11 +99,19 @@ def parse(extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:
                              "has an empty first line")
     cfg.tenant = str(extra.get("tenant", ""))
     cfg.policy = str(extra.get("policy", "none")).lower()
-    if cfg.policy not in ("none",) + COMPRESSING_POLICIES:
+    if cfg.policy not in ("none",) + COMPRESSING_POLICIES + WINDOW_POLICIES:
         raise ValueError(
             f"kv_connector_extra_config.policy {cfg.policy!r}: this connector compresses with "
             f"the query-agnostic policies {', '.join(COMPRESSING_POLICIES)} (a stored prefix "
-            "serves any later question) or stores whole ('none')")
+            "serves any later question), with snapkv over a stated window, or stores whole "
+            "('none')")
+    if cfg.policy in WINDOW_POLICIES:
+        cfg.window = int(extra.get("window", 32))
+        if cfg.window < 1:
+            raise ValueError("kv_connector_extra_config.window must be >= 1")
+    elif "window" in extra:
+        raise ValueError(f"kv_connector_extra_config.window applies to "
+                         f"{', '.join(WINDOW_POLICIES)} only")
     _parse_budget(cfg, extra.get("budget"))
     cfg.tier = str(extra.get("tier", "")).lower()
     if cfg.tier not in TIERS:
@@ -127,4 +149,5 @@ def as_dict(cfg: ConnectorConfig) -> Dict[str, Any]:
     """For the start-up log line (the token left out)."""
     return {"address": cfg.address, "tenant": cfg.tenant or None, "token": bool(cfg.token),
             "policy": cfg.policy, "budget": cfg.method().split(b"\0")[1].decode(),
+            "window": cfg.window or None,
             "tier": cfg.tier or "default", "model_id": cfg.model_id or None}

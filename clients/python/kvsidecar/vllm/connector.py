@@ -85,6 +85,7 @@ class SaveItem:
     compressed_key: str = ""     # compressed: the prefix's key
     num_tokens: int = 0          # compressed: prefix tokens
     budget_tokens: int = 0
+    window_slots: List[int] = field(default_factory=list)  # snapkv: its window's cache slots
 
 
 @dataclass
@@ -325,28 +326,38 @@ class SidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
             progress[req_id] = computed
         for req_id, computed in progress.items():
-            plan = self._plans.get(req_id)
-            if plan is None or plan.saved or plan.rewritten:
+            pending = self._plans.get(req_id)
+            if pending is None or pending.saved or pending.rewritten:
                 continue
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            item = self._save_item(req_id, plan, done)
+            item = self._save_item(req_id, pending, computed, done)
             if item is not None:
                 meta.saves.append(item)
         return meta
 
-    def _save_item(self, req_id: str, plan: _Plan, done_tokens: int) -> Optional[SaveItem]:
+    def _save_item(self, req_id: str, plan: _Plan, computed_tokens: int,
+                   done_tokens: int) -> Optional[SaveItem]:
         b = self.block_tokens
         if self.cfg.compressed:
-            if plan.save_tokens <= 0:
+            n = plan.save_tokens
+            if n <= 0:
                 plan.saved = True
                 return None
-            if done_tokens < plan.save_tokens:
+            if done_tokens < n:
                 return None
             plan.saved = True
-            blocks = self._block_ids(req_id)[:-(-plan.save_tokens // b)]
-            return SaveItem(req_id, blocks, [], compressed_key=plan.compressed_key,
-                            num_tokens=plan.save_tokens,
-                            budget_tokens=self.cfg.budget_for(plan.save_tokens))
+            all_blocks = self._block_ids(req_id)
+            item = SaveItem(req_id, all_blocks[:-(-n // b)], [], compressed_key=plan.compressed_key,
+                            num_tokens=n, budget_tokens=self.cfg.budget_for(n))
+            if self.cfg.window:
+                w = min(self.cfg.window, n)
+                if computed_tokens > n - w:
+                    # The window's queries were computed in an earlier step (chunked prefill).
+                    logger.info("kvsidecar: request %s: snapkv's window of %d queries spans "
+                                "two steps; prefix not stored", req_id, w)
+                    return None
+                item.window_slots = [all_blocks[p // b] * b + p % b for p in range(n - w, n)]
+            return item
         if done_tokens < plan.save_blocks * b:
             return None
         plan.saved = True
@@ -385,6 +396,55 @@ class SidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                                self.layout.num_kv_heads, self.layout.head_dim)
         if self.disabled:
             logger.warning("kvsidecar: serving nothing: %s", self.disabled)
+        elif self.cfg.window:
+            self._wrap_attention()
+
+    # SnapKV needs the post-RoPE queries of its window, which vLLM keeps nowhere: each attention
+    # layer's forward is wrapped to copy the rows of the window's tokens (found by their cache
+    # slots) in the step that computes them.
+
+    def _wrap_attention(self) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        context = self._vllm_config.compilation_config.static_forward_context
+        self._capture_slots: Dict[int, Tuple[int, int]] = {}   # slot -> (save item, row)
+        self._captured: Dict[int, Dict[int, torch.Tensor]] = {}  # item -> layer -> [W][Hq][D]
+        for name, layer in context.items():
+            impl = getattr(layer, "impl", None)
+            if impl is None or not hasattr(layer, "kv_cache"):
+                continue
+            index = extract_layer_index(name)
+            forward = impl.forward
+
+            def wrapped(layer_: Any, query: torch.Tensor, *args: Any, _forward: Any = forward,
+                        _index: int = index, **kwargs: Any) -> Any:
+                if self._capture_slots and len(args) >= 4 and args[3] is not None:
+                    self._capture(_index, query, args[3])
+                return _forward(layer_, query, *args, **kwargs)
+
+            impl.forward = wrapped
+
+    def _capture(self, layer: int, query: torch.Tensor, attn_metadata: Any) -> None:
+        md = attn_metadata[next(iter(attn_metadata))] if isinstance(attn_metadata, dict) \
+            else attn_metadata
+        slots = md.slot_mapping[:query.shape[0]].tolist()
+        for row, slot in enumerate(slots):
+            hit = self._capture_slots.get(int(slot))
+            if hit is None:
+                continue
+            item, w = hit
+            per_layer = self._captured.setdefault(item, {})
+            if layer not in per_layer:
+                n = sum(1 for v in self._capture_slots.values() if v[0] == item)
+                per_layer[layer] = torch.zeros(n, query.shape[1], query.shape[2])
+            per_layer[layer][w] = query[row].to(torch.float32)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._role == KVConnectorRole.WORKER and self.cfg.window:
+            self._capture_slots = {slot: (i, w) for i, item in enumerate(connector_metadata.saves)
+                                   for w, slot in enumerate(item.window_slots)}
+            self._captured = {}
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -432,26 +492,44 @@ class SidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        for item in meta.saves:
+        for i, item in enumerate(meta.saves):
             store = self._session()
             if store is None:
                 return
             try:
-                self._save(store, item)
+                self._save(store, item, i)
             except Exception as e:  # noqa: BLE001
                 self._failed(f"request {item.req_id}: saving its prefix (not stored)", e)
+        if self.cfg.window:
+            self._capture_slots, self._captured = {}, {}
 
-    def _save(self, store: SidecarStore, item: SaveItem) -> None:
+    def _window_attention(self, item: SaveItem, index: int) -> Any:
+        """The window's post-RoPE queries as Commit takes them, or None when not every layer's
+        were seen."""
+        captured = self._captured.get(index, {})
+        if sorted(captured) != list(range(self.layout.num_layers)):
+            return None
+        q = torch.stack([captured[layer] for layer in range(self.layout.num_layers)])
+        w = len(item.window_slots)
+        return kvs.attention(q.permute(0, 2, 1, 3).contiguous().numpy(),
+                             query_positions=list(range(item.num_tokens - w, item.num_tokens)))
+
+    def _save(self, store: SidecarStore, item: SaveItem, index: int) -> None:
         def source(layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
             return paged.read_blocks(self.kv_caches[layer], item.block_ids)
 
         if item.compressed_key:
-            from kvsidecar.client import _policy
-
-            spec = _policy(self.cfg.policy)
-            assert spec is not None
-            stored = store.save_compressed(item.compressed_key, item.num_tokens, source, spec,
-                                           item.budget_tokens, self.tier)
+            attention = None
+            if item.window_slots:
+                attention = self._window_attention(item, index)
+                if attention is None:
+                    logger.warning("kvsidecar: request %s: the window's queries were not all "
+                                   "seen; prefix not stored", item.req_id)
+                    return
+            stored = store.save_compressed(item.compressed_key, item.num_tokens, source,
+                                           self.cfg.policy_spec(), item.budget_tokens, self.tier,
+                                           query_window=len(item.window_slots),
+                                           attention=attention)
             logger.info("kvsidecar: request %s: %d prefix tokens published compressed to %d "
                         "per layer (%d bytes)", item.req_id, item.num_tokens, item.budget_tokens,
                         stored)

@@ -15,7 +15,7 @@ not what this session expects); the connector turns that into "no hit" or "recom
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -72,7 +72,7 @@ class SidecarStore:
         self.client.close()
 
     def healthy(self) -> bool:
-        return self.session.health() is None and not self.session.detached
+        return self.session.health is None and not self.session.detached
 
     def lookup(self, keys: Sequence[str]) -> Dict[int, sidecar_pb2.LookupPrefixesResponse.Found]:
         return self.session.lookup_prefixes(keys) if keys else {}
@@ -123,10 +123,12 @@ class SidecarStore:
 
     def save_compressed(self, key: str, num_tokens: int, source: BlockSource,
                         policy: common_pb2.PolicySpec, budget_tokens: int,
-                        tier: common_pb2.Tier.ValueType, query_window: int = 0) -> int:
+                        tier: common_pb2.Tier.ValueType, query_window: int = 0,
+                        attention: Optional[common_pb2.AttentionInputs] = None) -> int:
         """Writes the first ``num_tokens`` tokens (``source(layer)``: K, V of the blocks that
         hold them), compresses them to ``budget_tokens`` per layer with ``policy`` and publishes
-        the result under ``key``; returns the bytes stored."""
+        the result under ``key``; returns the bytes stored. ``attention``: the queries a
+        query-aware policy scores with (snapkv: its window's), ``query_window`` their count."""
         session = self.session
         seq = session.create_sequence(policy=policy, budget=budget_tokens).sequence_id
         try:
@@ -140,7 +142,7 @@ class SidecarStore:
                     n = kview.shape[1]
                     _as_torch(kview, self.dtype).copy_(kk[:, first:first + n])
                     _as_torch(vview, self.dtype).copy_(vv[:, first:first + n])
-            session.commit(r, compress_if_over_budget=True)
+            session.commit(r, compress_if_over_budget=True, attention=attention)
             return session.publish(seq, key, query_window=query_window or None, tier=tier).bytes
         finally:
             session.release_sequence(seq)
@@ -168,6 +170,6 @@ class SidecarStore:
             session.release_sequence(seq)
 
 
-def _as_torch(array: "object", dtype: torch.dtype) -> torch.Tensor:
-    tensor = torch.from_numpy(array)  # type: ignore[arg-type]
+def _as_torch(array: Any, dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
     return tensor.view(dtype) if tensor.dtype != dtype else tensor
