@@ -21,7 +21,7 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv" >&2
 fi
 py="$venv/bin/python"
-client=("$root/clients/python[test,vllm]")
+client=("$root/clients/python[test,model,vllm]")
 if [ "${KVS_PY_EDITABLE:-0}" = 1 ]; then client=(-e "${client[@]}"); fi
 
 if ! "$py" -c "import vllm" 2>/dev/null; then

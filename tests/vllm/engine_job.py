@@ -26,6 +26,8 @@ def main() -> None:
                   max_model_len=job.get("max_model_len", 2048), skip_tokenizer_init=True,
                   enable_prefix_caching=True, block_size=job.get("block_size", 128),
                   max_num_seqs=job.get("max_num_seqs", 8), seed=0)
+    if job.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
     # The CPU backend reserves a share of the machine's memory by default; a fixed, small KV
     # cache lets several engines and the sidecar share one machine.
     kwargs["kv_cache_memory_bytes"] = int(job.get("kv_cache_gib", 0.25) * (1 << 30))
@@ -34,22 +36,20 @@ def main() -> None:
             "kv_connector": "SidecarConnector", "kv_connector_module_path": "kvsidecar.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": job["connector"]}
     llm = LLM(**kwargs)
-    extra = {}
-    if job.get("prefix_tokens"):
-        extra = {"kv_transfer_params": {"kvsidecar": {"prefix_tokens": job["prefix_tokens"]}}}
-    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8),
-                            ignore_eos=True, extra_args=extra or None)
     rounds = []
     for spec in job["rounds"]:
-        # A round is a list of prompts, or {"prompts": [...], "max_tokens": n, "reset": bool}.
+        # A round is a list of prompts, or {"prompts": [...], "max_tokens": n, "reset": bool,
+        # "prefix_tokens": n}.
         if not isinstance(spec, dict):
             spec = {"prompts": spec}
         if spec.get("reset", job.get("reset_prefix_cache")):
             llm.reset_prefix_cache()
-        p = params
-        if "max_tokens" in spec:
-            p = params.clone()
-            p.max_tokens = spec["max_tokens"]
+        prefix = spec.get("prefix_tokens", job.get("prefix_tokens"))
+        extra = {"kv_transfer_params": {"kvsidecar": {"prefix_tokens": prefix}}} if prefix \
+            else None
+        p = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens",
+                                                                  job.get("max_tokens", 8)),
+                           ignore_eos=job.get("ignore_eos", True), extra_args=extra)
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": x} for x in spec["prompts"]], p,
                             use_tqdm=False)
