@@ -70,7 +70,8 @@ def main():
     common = dict(max_model_len=args.doc + 256, max_tokens=1, max_num_seqs=args.batch,
                   kv_cache_gib=1.0, dtype="float32")
     os.makedirs(os.path.join(tmp, "sidecar"))
-    server = vu.sidecar(os.path.join(tmp, "sidecar"))
+    server = vu.sidecar(os.path.join(tmp, "sidecar"), extra=["--host_tier_bytes=4Gi"])
+    token = vu.token_file(tmp, "team-a")
     result = {"doc_tokens": args.doc, "model": "SmolLM2-135M-Instruct fp32"}
     gen = [words(tok, args.gen_prompt, 1000 + i) for i in range(args.batch * args.gen_rounds)]
     gen_round = lambda r: {"prompts": gen[r * args.batch:(r + 1) * args.batch],  # noqa: E731
@@ -81,7 +82,7 @@ def main():
         r_base = base.wait()
         result["ttft_miss_no_connector_s"] = _median(r_base)
         # Whole prefixes: a miss (computed, then published), then hits on the same document.
-        whole_cfg = vu.connector(server, None, tier="host")
+        whole_cfg = vu.connector(server, token, tier="host")
         rounds = [[doc + questions[0]]] + [[doc + q] for q in questions[1:]] + \
             [[d + questions[0]] for d in words_docs(tok, args)]
         whole = vu.Engine(tmp, model, rounds, whole_cfg, **common)
@@ -92,7 +93,7 @@ def main():
         result["ttft_miss_with_connector_s"] = _median(r_whole[1 + args.repeats:])
         result["bytes_whole_prefix"] = _bytes(whole.log(), "blocks published", args.doc)
         # Compressed prefixes (KeyDiff, 25 % of the document).
-        comp_cfg = vu.connector(server, None, tier="host", policy="keydiff", budget="25%")
+        comp_cfg = vu.connector(server, token, tier="host", policy="keydiff", budget="25%")
         comp = vu.Engine(tmp, model, [[doc + questions[0]]] + [[doc + q] for q in questions[1:]],
                          comp_cfg, prefix_tokens=args.doc, **common)
         r_comp = comp.wait()
@@ -104,7 +105,7 @@ def main():
         pairs = []
         for r in range(args.gen_rounds):
             a = vu.run(tmp, model, [gen_round(r)], None, **common)
-            b = vu.run(tmp, model, [gen_round(r)], vu.connector(server, None, tier="host"),
+            b = vu.run(tmp, model, [gen_round(r)], vu.connector(server, token, tier="host"),
                        **common)
             ta, tb = _tps(a[0]), _tps(b[0])
             pairs.append({"without_tok_s": ta, "with_tok_s": tb, "ratio": tb / ta})

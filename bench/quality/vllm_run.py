@@ -111,6 +111,7 @@ def _row(task, context, policy, budget, params):
 def run_cell(args, tok, model, server, samples, stores, policy, budget, tmp):
     import vllm_util as vu
 
+    token = vu.token_file(tmp, "team-a")
     params = ("vLLM, whole cache" if policy == "full" else
               f"vLLM from a compressed prefix (the document); window {args.window}"
               if policy == "snapkv" else "vLLM from a compressed prefix (the document)")
@@ -121,7 +122,7 @@ def run_cell(args, tok, model, server, samples, stores, policy, budget, tmp):
         return
     cfg = None
     if policy != "full":
-        cfg = vu.connector(server, None, tier="host", policy=policy, budget=f"{budget * 100:g}%")
+        cfg = vu.connector(server, token, tier="host", policy=policy, budget=f"{budget * 100:g}%")
         if policy == "snapkv":
             cfg["window"] = args.window
     t0 = time.time()

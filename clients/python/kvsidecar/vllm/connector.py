@@ -64,7 +64,8 @@ logger = init_logger("vllm.kvsidecar")
 
 # The token id of a compressed prefix's slots in a rewritten prompt (never fed to the model).
 PLACEHOLDER_TOKEN = 0
-RECONNECT_INTERVAL_S = 2.0
+# Between two attempts to attach to a sidecar that did not answer (each waits up to 1 s).
+RECONNECT_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -104,6 +105,8 @@ class _Plan:
     compressed_key: str = ""
     load: Optional[LoadItem] = None
     loaded_tokens: int = 0
+    # compressed: the prefix as loaded (kept for a reload after a preemption frees its blocks)
+    compressed_kv: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = None
     rewritten: bool = False        # compressed prefix loaded: the prompt holds placeholders
     saved: bool = False
 
@@ -269,7 +272,7 @@ class SidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         kept = int(k[0].shape[1])
         _rewrite_prompt(request, kept, lengths[index], keys[index])
         plan.rewritten, plan.loaded_tokens = True, kept
-        plan.load = LoadItem(request.request_id, [], keys_kv=k, values_kv=v)
+        plan.compressed_kv = (k, v)
         logger.info("kvsidecar: request %s starts from a compressed prefix: %d prompt tokens "
                     "kept as %d", request.request_id, lengths[index], kept)
         return kept
@@ -302,13 +305,17 @@ class SidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
-        if plan is None or plan.load is None or num_external_tokens <= 0:
+        if plan is None or num_external_tokens <= 0:
             return
         block_ids = list(blocks.get_block_ids()[0])
         b = self.block_tokens
-        if plan.load.keys_kv is not None:
-            plan.load.block_ids = block_ids[:-(-num_external_tokens // b)]
-        else:
+        if plan.compressed_kv is not None:
+            # Every allocation that counts the prefix as computed gets it (again, after a
+            # preemption).
+            k, v = plan.compressed_kv
+            plan.load = LoadItem(request.request_id, block_ids[:-(-num_external_tokens // b)],
+                                 keys_kv=k, values_kv=v)
+        elif plan.load is not None:
             # After vLLM's own hit (blocks 0..start-1): the blocks the keys name, in order.
             start = plan.chain.index(plan.load.keys[0])
             plan.load.block_ids = block_ids[start:start + num_external_tokens // b]

@@ -49,7 +49,7 @@ class SidecarStore:
                  worker_name: str) -> None:
         self.layout = layout
         self.dtype = dtype
-        self.client = kvs.Client(address, timeout=timeout, connect_timeout=min(timeout, 5.0),
+        self.client = kvs.Client(address, timeout=timeout, connect_timeout=min(timeout, 1.0),
                                  token=token, worker_name=worker_name)
         try:
             self.session = self.client.attach(layout, tenant=tenant, num_blocks=num_blocks)
