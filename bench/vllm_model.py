@@ -31,6 +31,9 @@ def convert(out_dir: str) -> str:
     src = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
     config = src.config
     config.torch_dtype = "float32"
+    # The weights are saved dequantised: no GGUF quantisation for vLLM to look for.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
     # A tied output layer has no weight of its own in either model.

@@ -69,8 +69,8 @@ def main():
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policies", default="full,streaming_llm,keydiff,knorm,snapkv")
-    ap.add_argument("--budgets", default="0.1,0.25,0.5")
+    ap.add_argument("--policies", default="full,keydiff,snapkv,streaming_llm,knorm")
+    ap.add_argument("--budgets", default="0.25,0.1,0.5")
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vllm"))
     args = ap.parse_args()
@@ -92,8 +92,10 @@ def main():
                for t in args.tasks.split(",")}
     stores = {t: scoring.ResultStore(os.path.join(
         args.out, f"smollm2_vllm_{t}_{args.context // 1024}k.csv")) for t in samples}
-    cells = [("full", 1.0)] + [(p, float(b)) for p in args.policies.split(",") if p != "full"
-                               for b in args.budgets.split(",")]
+    # Cells in the order they run (a run stopped early has the first ones): the full cache,
+    # then every policy at one budget before the next budget.
+    cells = [("full", 1.0)] + [(p, float(b)) for b in args.budgets.split(",")
+                               for p in args.policies.split(",") if p != "full"]
     try:
         for policy, budget in cells:
             if policy == "full" and "full" not in args.policies.split(","):
@@ -126,35 +128,37 @@ def run_cell(args, tok, model, server, samples, stores, policy, budget, tmp):
         if policy == "snapkv":
             cfg["window"] = args.window
     t0 = time.time()
+    template = chat_template(tok)
+    rounds, plan = [], []
     for task, batch in todo.items():
         if not batch:
             continue
-        max_new = task_gen.MAX_NEW_TOKENS[task]
-        rounds = []
-        for s in batch:
-            # One engine round per prompt: its document's length is the prefix to compress.
-            rounds.append({"prompts": [s.ids], "max_tokens": 1 if cfg else max_new,
-                           "reset": True, "prefix_tokens": document_tokens(tok, s, chat_template(
-                               tok))})
-            if cfg:
-                rounds.append({"prompts": [s.ids], "max_tokens": max_new, "reset": True,
-                               "prefix_tokens": rounds[-1]["prefix_tokens"]})
-        out = vu.run(tmp, model, rounds, cfg, max_model_len=args.context + 256,
-                     max_num_batched_tokens=args.context + 256, kv_cache_gib=1.0,
-                     ignore_eos=False)
-        scored = out[1::2] if cfg else out
+        docs = [document_tokens(tok, s, template) for s in batch]
+        prompts = [s.ids for s in batch]
+        # With the connector: every prompt once (its document published compressed), vLLM's
+        # cache emptied, then every prompt again from the compressed documents.
+        if cfg:
+            rounds.append({"prompts": prompts, "max_tokens": 1, "reset": True,
+                           "prefix_tokens": docs})
+        rounds.append({"prompts": prompts, "max_tokens": task_gen.MAX_NEW_TOKENS[task],
+                       "reset": True, "prefix_tokens": docs})
+        plan.append((task, batch, docs, len(rounds) - 1))
+    # One engine for the cell's tasks.
+    out = vu.run(tmp, model, rounds, cfg, max_model_len=args.context + 256,
+                 max_num_batched_tokens=args.context + 256, kv_cache_gib=1.0,
+                 ignore_eos=False, max_num_seqs=8)
+    for task, batch, docs, index in plan:
+        scored = out[index]
         rows = []
-        for s, r, spec in zip(batch, scored, rounds[::2] if cfg else rounds):
-            o = r["outputs"][0]
+        per_prompt = scored["wall_s"] / len(batch)
+        for s, o, doc in zip(batch, scored["outputs"], docs):
             text = tok.decode(o["tokens"], skip_special_tokens=True)
-            doc = spec["prefix_tokens"]
             kept = (o["num_cached_tokens"] / doc) if cfg else 1.0
             rows.append(dict(_row(task, args.context, policy, budget, params), sample=s.index,
                              correct=scoring.exact_match(text, s.answers),
                              kept_fraction=round(kept, 4), truncated=False,
                              answer=scoring.answer_line(text).strip()[:120],
-                             expected=" ".join(s.answers),
-                             seconds=round(r["wall_s"], 3)))
+                             expected=" ".join(s.answers), seconds=round(per_prompt, 3)))
         stores[task].add(rows)
         acc = sum(r["correct"] for r in rows) / max(1, len(rows))
         print(f"  vllm {task} {args.context} {policy:14s} {budget:<5} acc {acc:.2f} "

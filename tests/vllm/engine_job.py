@@ -44,14 +44,17 @@ def main() -> None:
             spec = {"prompts": spec}
         if spec.get("reset", job.get("reset_prefix_cache")):
             llm.reset_prefix_cache()
+        # prefix_tokens: one for the round, or one per prompt.
         prefix = spec.get("prefix_tokens", job.get("prefix_tokens"))
-        extra = {"kv_transfer_params": {"kvsidecar": {"prefix_tokens": prefix}}} if prefix \
-            else None
-        p = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens",
-                                                                  job.get("max_tokens", 8)),
-                           ignore_eos=job.get("ignore_eos", True), extra_args=extra)
+        prefixes = prefix if isinstance(prefix, list) else [prefix] * len(spec["prompts"])
+        params = []
+        for n in prefixes:
+            extra = {"kv_transfer_params": {"kvsidecar": {"prefix_tokens": n}}} if n else None
+            params.append(SamplingParams(
+                temperature=0.0, max_tokens=spec.get("max_tokens", job.get("max_tokens", 8)),
+                ignore_eos=job.get("ignore_eos", True), extra_args=extra))
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": x} for x in spec["prompts"]], p,
+        outs = llm.generate([{"prompt_token_ids": x} for x in spec["prompts"]], params,
                             use_tqdm=False)
         wall = time.perf_counter() - start
         rounds.append({"wall_s": wall, "outputs": [

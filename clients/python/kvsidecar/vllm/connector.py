@@ -162,7 +162,8 @@ class SidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._store is not None and self._store.healthy():
             return self._store
         if self._store is not None:
-            self._drop_store("the session ended")
+            health = self._store.session.health
+            self._drop_store(f"the session ended: {health}" if health else "the session ended")
         now = time.monotonic()
         if now < self._next_attempt:
             return None
@@ -180,12 +181,14 @@ class SidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._down_reason = reason
             return None
         if self._down_reason:
-            logger.info("kvsidecar: sidecar at %s answers again", self.cfg.address)
+            logger.info("kvsidecar: sidecar at %s answers again (after: %s)", self.cfg.address,
+                        self._down_reason)
         self._down_reason = ""
         return self._store
 
     def _drop_store(self, why: str) -> None:
         logger.warning("kvsidecar: dropping the sidecar session (%s)", why)
+        self._down_reason = why
         store, self._store = self._store, None
         if store is not None:
             try:
@@ -471,7 +474,8 @@ class SidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _load_whole(self, item: LoadItem) -> None:
         store = self._session()
         if store is None or len(item.keys) != len(item.block_ids):
-            why = self._down_reason or self.disabled or "block count mismatch"
+            why = ((self._down_reason or self.disabled or "no sidecar") if store is None
+                   else f"{len(item.keys)} keys for {len(item.block_ids)} blocks")
             logger.warning("kvsidecar: request %s: %d blocks not loaded (%s); vLLM recomputes "
                            "them", item.req_id, len(item.block_ids), why)
             self._invalid.update(item.block_ids)
