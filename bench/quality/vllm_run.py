@@ -17,7 +17,8 @@ SnapKV's window (``--window``, 32) is the document's last 32 tokens: their queri
 question's, choose what it keeps (the compressed copy serves any question after that document).
 
 Rows go to --out (bench/quality/results/vllm/, its own report: ``report.py --out`` on that
-folder), one CSV per task and context, resumable: done cells are skipped.
+folder), one CSV per task and context, resumable: done samples are skipped. Cells run --chunk
+samples at a time, every cell before the next chunk.
 """
 
 import argparse
@@ -72,6 +73,7 @@ def main():
     ap.add_argument("--policies", default="full,keydiff,snapkv,streaming_llm,knorm")
     ap.add_argument("--budgets", default="0.25,0.1,0.5")
     ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=10, help="samples per engine run")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vllm"))
     args = ap.parse_args()
     os.environ["KVSIDECAR_BIN"] = os.path.abspath(args.kvsidecar)
@@ -96,11 +98,15 @@ def main():
     # then every policy at one budget before the next budget.
     cells = [("full", 1.0)] + [(p, float(b)) for b in args.budgets.split(",")
                                for p in args.policies.split(",") if p != "full"]
+    if "full" not in args.policies.split(","):
+        cells = cells[1:]
     try:
-        for policy, budget in cells:
-            if policy == "full" and "full" not in args.policies.split(","):
-                continue
-            run_cell(args, tok, model, server, samples, stores, policy, budget, tmp)
+        # --chunk samples of every cell before the next ones: rows are stored as each engine
+        # finishes, so a run stopped early has every cell at the same number of samples.
+        for start in range(0, args.samples, args.chunk):
+            part = {t: ss[start:start + args.chunk] for t, ss in samples.items()}
+            for policy, budget in cells:
+                run_cell(args, tok, model, server, part, stores, policy, budget, tmp)
     finally:
         server.close()
 
