@@ -152,7 +152,7 @@ def run_cell(args, tok, model, server, samples, stores, policy, budget, tmp):
     # One engine for the cell's tasks.
     out = vu.run(tmp, model, rounds, cfg, max_model_len=args.context + 256,
                  max_num_batched_tokens=args.context + 256, kv_cache_gib=1.0,
-                 ignore_eos=False, max_num_seqs=8)
+                 ignore_eos=False, max_num_seqs=8, timeout=4 * 3600)
     for task, batch, docs, index in plan:
         scored = out[index]
         rows = []

@@ -138,6 +138,6 @@ class Engine:
         return rounds
 
 
-def run(tmp: str, model: str, rounds: List[List[List[int]]],
-        connector_cfg: Optional[Dict[str, Any]], **job: Any) -> List[Dict[str, Any]]:
-    return Engine(tmp, model, rounds, connector_cfg, **job).wait()
+def run(tmp: str, model: str, rounds: List[Any], connector_cfg: Optional[Dict[str, Any]],
+        timeout: float = 420, **job: Any) -> List[Dict[str, Any]]:
+    return Engine(tmp, model, rounds, connector_cfg, **job).wait(timeout)
