@@ -914,6 +914,13 @@ absl::StatusOr<v1::UnpublishResponse> Session::Unpublish(v1::UnpublishRequest re
   return Unary(stub_.get(), &v1::Sidecar::Stub::Unpublish, request, options_);
 }
 
+absl::StatusOr<v1::LookupPrefixesResponse> Session::LookupPrefixes(
+    v1::LookupPrefixesRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  request.set_session_id(session_id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::LookupPrefixes, request, options_);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Client
 

@@ -1022,16 +1022,26 @@ class Session:
         return self._call(self.stub.Spill, sidecar_pb2.SpillRequest(
             session_id=self.session_id, sequence_id=sequence_id, target=target))
 
-    def publish(self, sequence_id: str, key: str,
-                query_window: Optional[int] = None) -> sidecar_pb2.PublishResponse:
+    def publish(self, sequence_id: str, key: str, query_window: Optional[int] = None,
+                tier: common_pb2.Tier.ValueType = common_pb2.TIER_UNSPECIFIED
+                ) -> sidecar_pb2.PublishResponse:
         """Stores a copy of the sequence's (compressed) cache under ``key`` (from
         :func:`prefix_key`) for this tenant: in the remote tier when the sidecar has one (every
-        sidecar sharing it can use it), else on disk. The sequence stays live. Query-aware
+        sidecar sharing it can use it), else on disk; ``tier`` names one (``TIER_HOST``,
+        ``TIER_DISK``, ``TIER_REMOTE``). The sequence stays live. Query-aware
         policies (all but streaming_llm and keydiff) need ``query_window``, the trailing prefix
         tokens whose queries drove the compression, which must also be in the key."""
         return self._call(self.stub.Publish, sidecar_pb2.PublishRequest(
             session_id=self.session_id, sequence_id=sequence_id, prefix_key=key,
-            query_window=query_window or 0))
+            query_window=query_window or 0, tier=tier))
+
+    def lookup_prefixes(self, keys: Sequence[str]
+                        ) -> Dict[int, sidecar_pb2.LookupPrefixesResponse.Found]:
+        """Which of ``keys`` this tenant has published, without reading them: index into
+        ``keys`` -> where the copy is (tier) and its bytes. Keys not found are absent."""
+        response = self._call(self.stub.LookupPrefixes, sidecar_pb2.LookupPrefixesRequest(
+            session_id=self.session_id, prefix_keys=list(keys)))
+        return {found.index: found for found in response.found}
 
     def unpublish(self, key: str) -> sidecar_pb2.UnpublishResponse:
         """Deletes this tenant's prefix published under ``key`` (NotFound without one)."""

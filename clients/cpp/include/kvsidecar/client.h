@@ -324,6 +324,7 @@ class Session {
   absl::StatusOr<v1::RestoreResponse> Restore(v1::RestoreRequest request);
   absl::StatusOr<v1::PublishResponse> Publish(v1::PublishRequest request);
   absl::StatusOr<v1::UnpublishResponse> Unpublish(v1::UnpublishRequest request);
+  absl::StatusOr<v1::LookupPrefixesResponse> LookupPrefixes(v1::LookupPrefixesRequest request);
 
   v1::Sidecar::Stub* stub() const { return stub_.get(); }
 
