@@ -119,6 +119,7 @@ Not thread-safe: one cache is used by one thread at a time.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import sys
@@ -140,6 +141,7 @@ from kvsidecar.client import (CallFuture, DecodeItem, ReserveItem, Session, atte
                               model_layout)
 from kvsidecar.client import budget as make_budget
 from kvsidecar.client import policy as make_policy
+from kvsidecar.hf_mirror import SlotMirror
 from kvsidecar.v1 import common_pb2, sidecar_pb2
 
 __all__ = ["SidecarCache", "UnsupportedModelError", "layout_for", "blocks_for", "layer_windows"]
@@ -393,6 +395,8 @@ class _Step:
         self.real: Optional[Any] = None              # [B][T] bool: not padding (None = all)
         # per row, per sliding layer: the position of each held slot (chunked prefill only)
         self.slot_positions: List[Dict[int, Any]] = []
+        # per stale row of the mirror, per layer: positions [H][count] to read it back with
+        self.refill: Dict[int, Dict[int, np.ndarray]] = {}
         self.next_layer = 0                          # layer whose update() comes next
         self.attended = -1                           # last layer whose attention ran
 
@@ -566,11 +570,15 @@ class SidecarCache(Cache):
             OmniKV evicts nothing: there the budget is the prompt tokens each filter layer
             selects per decode step (int: k; fraction: of the prompt; >= 1.0: all of them).
         overlap: send each DecodeStep without waiting for its answer (applied at the next use).
+        mirror: decode steps attend over a copy of the held K/V in slot order, kept exact from
+            each DecodeStep's answer (kvsidecar.hf_mirror), instead of gathering every layer out
+            of the arena at every step; False holds no copy in the worker (slower decoding).
     """
 
     def __init__(self, session: Session, model: Any, policy: Union[str, common_pb2.PolicySpec,
                                                                    None] = "streaming_llm",
-                 budget: Union[int, float, None] = 0, overlap: bool = True) -> None:
+                 budget: Union[int, float, None] = 0, overlap: bool = True,
+                 mirror: bool = True) -> None:
         check_supported(model)
         lay = session.layout
         want = layout_for(model)
@@ -602,6 +610,9 @@ class SidecarCache(Cache):
         self.policy = spec
         self.budget = budget
         self.overlap = overlap
+        self.use_mirror = mirror
+        self._mirror: Optional[SlotMirror] = None  # made at the first decode step
+        self._sender: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.num_layers = lay.num_layers
         self.num_kv_heads = lay.num_kv_heads
         self.head_dim = lay.head_dim
@@ -716,7 +727,10 @@ class SidecarCache(Cache):
             self._omni.stage(step, layer_idx)
         new_k = self._store(layer_idx, key_states, 0)
         new_v = self._store(layer_idx, value_states, 1)
-        keys, values = self._assemble(layer_idx, new_k, new_v)
+        if self._mirrors(step, layer_idx):
+            keys, values = self._attend_mirror(layer_idx, new_k, new_v)
+        else:
+            keys, values = self._assemble(layer_idx, new_k, new_v)
         _pending.call = (self, layer_idx, keys)
         return keys, values
 
@@ -777,26 +791,7 @@ class SidecarCache(Cache):
         self._input_mask = None
         answered, self._next_layouts = self._next_layouts, None
         if self._seen > 0:
-            # A block after held tokens masks a sliding layer's held slots by position.
-            positions_needed = not step.decode and any(self.windows)
-            if answered is not None and not positions_needed:
-                # The last DecodeStep answered with every row's layout (return_layout).
-                layouts = answered
-            else:
-                # Asked for together: one round trip for the batch, not one per row.
-                pending = [self.session.get_layout_future(seq,
-                                                          omit_positions=not positions_needed)
-                           for seq in self.sequence_ids]
-                layouts = [future.result().layers for future in pending]
-            for layers in layouts:
-                by_layer = sorted(layers, key=lambda e: e.layer)
-                step.held.append([e.count for e in by_layer])
-                step.tables.append([e.block_table for e in by_layer])
-                if positions_needed:
-                    # Every head of a sliding layer holds the same tokens: head 0's positions.
-                    step.slot_positions.append({
-                        e.layer: torch.as_tensor(list(e.positions[:e.count]))
-                        for e in by_layer if self.windows[e.layer] > 0})
+            self._read_layouts(step, answered)
         else:
             step.held = [[0] * self.num_layers for _ in self.sequence_ids]
             step.tables = [[()] * self.num_layers for _ in self.sequence_ids]
@@ -820,6 +815,54 @@ class SidecarCache(Cache):
             for row, res in zip(rows, self.session.batch_reserve(items)):
                 step.reservations[row] = res
         self._step = step
+
+    def _read_layouts(self, step: _Step, answered: Optional[List[List[Any]]]) -> None:
+        """Every row's held counts and block tables for the step: from the last DecodeStep's
+        answer (return_layout) where it has them, else asked with GetLayout for the batch at once
+        (one round trip, not one per row). Positions are asked for where they are needed: a
+        block after held tokens masks a sliding layer's held slots by position, and a row whose
+        mirror is stale is read back with its positions."""
+        positions_needed = not step.decode and any(self.windows)
+        mirror = self._mirror
+        mirrored = step.decode and self.use_mirror
+        if mirrored and mirror is not None and answered is not None:
+            for row, layers in enumerate(answered):
+                counts = np.asarray([e.count for e in sorted(layers, key=lambda e: e.layer)])
+                mirror.clean[:, row] &= mirror.count[:, row] == counts
+        stale = set(range(len(self.sequence_ids))) if mirrored else set()
+        if mirrored and mirror is not None:
+            stale = {row for row in stale if mirror.stale_layers(row).size}
+        with_positions = set(range(len(self.sequence_ids))) if positions_needed else stale
+        ask = [row for row in range(len(self.sequence_ids))
+               if answered is None or row in with_positions]
+        pending = {row: self.session.get_layout_future(
+            self.sequence_ids[row], omit_positions=row not in with_positions) for row in ask}
+        for row in range(len(self.sequence_ids)):
+            layers = pending[row].result().layers if row in pending else answered[row]
+            by_layer = sorted(layers, key=lambda e: e.layer)
+            step.held.append([e.count for e in by_layer])
+            step.tables.append([e.block_table for e in by_layer])
+            if positions_needed:
+                # Every head of a sliding layer holds the same tokens: head 0's positions.
+                step.slot_positions.append({
+                    e.layer: torch.as_tensor(list(e.positions[:e.count]))
+                    for e in by_layer if self.windows[e.layer] > 0})
+            if row in stale:
+                # What a stale layer of the mirror is read back with (per head, slot order).
+                step.refill[row] = {
+                    e.layer: np.asarray(e.positions, np.int32).reshape(self.num_kv_heads,
+                                                                       e.count)
+                    for e in by_layer}
+        if mirrored and mirror is not None and answered is None:
+            # Without the answer's layouts the counts are checked once they arrive: a clean
+            # layer holding another count than the sidecar's is read back (its positions asked).
+            for row in range(len(self.sequence_ids)):
+                mirror.clean[:, row] &= mirror.count[:, row] == np.asarray(step.held[row])
+                if row not in step.refill and mirror.stale_layers(row).size:
+                    layout = self.session.get_layout(self.sequence_ids[row])
+                    step.refill[row] = {
+                        e.layer: np.asarray(e.positions, np.int32).reshape(
+                            self.num_kv_heads, e.count) for e in layout.layers}
 
     def _real_tokens(self, batch: int, tokens: int) -> Any:
         """[B][T] bool of the new block's real (unpadded) tokens from the call's 2D
@@ -877,6 +920,46 @@ class SidecarCache(Cache):
                 view = _as_torch(kview if kv == 0 else vview, self.dtype)  # arena, no copy
                 view.copy_(src[:, first:first + view.shape[1]])
         return stored.to(states.dtype)
+
+    def _mirrors(self, step: _Step, layer: int) -> bool:
+        """Whether the layer's attention reads the slot mirror at this step (decode steps;
+        OmniKV's sparse layers read their staging views from the arena)."""
+        return step.decode and self.use_mirror and (
+            self._omni is None or self._omni.roles[layer] != "sparse")
+
+    def _attend_mirror(self, layer: int, new_k: Any, new_v: Any) -> Tuple[Any, Any]:
+        """[B][H][held_max + 1][D] views of the mirror: each row's held K/V in slot order with
+        the decode token in slot held (rows holding fewer: masked slots after it). Stale rows
+        of the layer are read from the arena first."""
+        step = self._step
+        assert step is not None, "no forward pass in progress"
+        mirror = self._mirror
+        if mirror is None:
+            roles = self._omni.roles if self._omni is not None else []
+            mirror = self._mirror = SlotMirror(
+                self.num_layers, len(self.sequence_ids), self.num_kv_heads, self.head_dim,
+                new_k.dtype, new_k.device,
+                [not roles or roles[i] != "sparse" for i in range(self.num_layers)])
+        for row, positions in step.refill.items():
+            if not mirror.clean[layer, row]:
+                table, n = step.tables[row][layer], step.held[row][layer]
+                mirror.fill(layer, row, self._held_kv(table, n, new_k), positions[layer])
+        if not mirror.clean[layer].all():
+            raise RuntimeError(f"layer {layer}: the slot mirror of rows "
+                               f"{np.flatnonzero(~mirror.clean[layer]).tolist()} was not read")
+        return mirror.append(layer, new_k, new_v, [row[layer] for row in step.held])
+
+    def _held_kv(self, table: Sequence[int], n: int, like: Any) -> Any:
+        """[2][H][n][D]: one row's held K/V of a layer, read from the arena by block table, in
+        the dtype and on the device of `like`."""
+        arena = self._arena()
+        bt = self.session.arena.block_tokens
+        nb = -(-n // bt)
+        index = torch.as_tensor(np.asarray(table[:nb], np.int64), device=arena.device)
+        blocks = arena.index_select(0, index)  # [nb][2][H][bt][D]
+        kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, self.num_kv_heads, nb * bt,
+                                                   self.head_dim)[:, :, :n]
+        return kv.to(like.device, like.dtype)
 
     def _assemble(self, layer: int, new_k: Any, new_v: Any) -> Tuple[Any, Any]:
         """[B][H][held_max + T][D]: each row's held K/V in slot order (rows holding fewer are
@@ -951,6 +1034,12 @@ class SidecarCache(Cache):
         window = self.windows[layer]
         if layer == 0 and given is not None and not self._padded:
             self._check_no_padding(given, t, layer)
+        if self._mirrors(step, layer):
+            if min(counts) == width:
+                return None  # one query over equal rows sees every slot
+            # The decode token sits in slot held of each row: a row sees slots [0, held].
+            visible = (torch.arange(width + 1)[None, :] <= torch.as_tensor(counts)[:, None])
+            return self._as_mask(visible[:, None, None], query, original)
         if step.real is None and min(counts) == width and (
                 t == 1 or (width == 0 and original == "sdpa" and (window == 0 or t <= window))):
             # One query over equal rows sees everything (a sliding layer holds W - 1 tokens);
@@ -979,7 +1068,13 @@ class SidecarCache(Cache):
                 visible[row, :, :len(pos)] &= inside
         # Built on the CPU (small; the held counts and positions live there); attention runs where
         # the query is.
-        visible = visible[:, None].to(query.device)  # [B][1][T][S]
+        return self._as_mask(visible[:, None], query, original)  # [B][1][T][S]
+
+    @staticmethod
+    def _as_mask(visible: Any, query: Any, original: str) -> Any:
+        """A [B][1][T][S] visibility mask as the attention implementation takes it: bool for
+        sdpa, additive for eager."""
+        visible = visible.to(query.device)
         if original == "sdpa":
             return visible
         neg = torch.finfo(query.dtype).min
@@ -1066,7 +1161,7 @@ class SidecarCache(Cache):
             self.last_attention = attns
             items = [DecodeItem(seq, attention=attn, inline_kv=buf.tobytes(), return_layout=True)
                      for seq, attn, buf in zip(self.sequence_ids, attns, step.inline)]
-            future = self.session.decode_step_future(items)
+            future = self._send(items)
             self._inflight = (future, items, step.positions)
             self._seen += t
             if not self.overlap:
@@ -1075,6 +1170,8 @@ class SidecarCache(Cache):
         if self._arena().is_cuda:
             torch.cuda.synchronize()  # the K/V writes land before the Commit that publishes them
         compress = self.budget_tokens > 0
+        if self._mirror is not None:
+            self._mirror.invalidate()  # the Commit may compact every layer
         rows = [row for row, res in enumerate(step.reservations) if res is not None]
         if len(rows) * self._query_bytes(step) <= self.max_message_bytes:
             attns = [self._attention_of(step, row, every) for row in range(rows_total)]
@@ -1086,6 +1183,16 @@ class SidecarCache(Cache):
             for row in rows:
                 self._observe_in_chunks(step, row, compress)
         self._seen += t
+
+    def _send(self, items: List[DecodeItem]) -> Any:
+        """Sends the step's DecodeStep from the cache's sender thread; returns its future. gRPC
+        writes a request in the thread that starts the call, and a step's request (every layer's
+        K/V and query: 115 KB for SmolLM2) took 2-7 ms of the model's thread to write on a loaded
+        machine; the sender thread writes it while the model computes its logits."""
+        if self._sender is None:
+            self._sender = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="kvsidecar-decode-step")
+        return self._sender.submit(self.session.decode_step, items)
 
     def _commit(self, step: _Step, rows: List[int], compress: bool,
                 attns: List[Optional[common_pb2.AttentionInputs]]) -> None:
@@ -1133,6 +1240,15 @@ class SidecarCache(Cache):
                     f"sequence {items[row].sequence_id}: the sidecar appended the token at "
                     f"position {out.position}, the model computed {int(positions[0])}")
             self._counts[row] = list(out.counts)
+        if self._mirror is not None:
+            b, evicted = len(resp.items), [list(out.evicted_positions) for out in resp.items]
+            if all(len(e) == self.num_layers * self.num_kv_heads for e in evicted):
+                self._mirror.apply(int(positions[0]), np.asarray(self._counts),
+                                   np.asarray(evicted, np.int64).reshape(
+                                       b, self.num_layers, self.num_kv_heads),
+                                   np.asarray([out.merged for out in resp.items]))
+            else:
+                self._mirror.invalidate()
         # What the next step reads the held K/V by, unless a server that predates return_layout
         # left them out (then the next step asks with GetLayout).
         if all(len(out.layers) == self.num_layers for out in resp.items):
@@ -1205,6 +1321,7 @@ class SidecarCache(Cache):
                 self._abandon(step)
             ids, self.sequence_ids = self.sequence_ids, []
             self._counts = None
+            self._mirror = None
             self._next_layouts = None
             self._seen = 0
             self._padded = False
