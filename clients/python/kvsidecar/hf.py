@@ -5,13 +5,15 @@
 
     with kvs.Client(address) as client, client.attach(layout_for(model, "fp32"),
                                                       num_blocks=...) as session:
-        cache = SidecarCache(session, model, policy="snapkv", budget=0.25)
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+        cache = SidecarCache(session, model, policy="snapkv", budget=0.25)  # keeps 25 %
+        out = model.generate(**inputs, cache=cache, max_new_tokens=32)
         cache.release()
 
 `SidecarCache` is a `transformers.Cache`: `generate` and a plain forward loop
-(``model(input_ids, past_key_values=cache, use_cache=True)``) use it as they use `DynamicCache`.
-Every row of the batch is one sidecar sequence with the cache's policy and budget.
+(``model(input_ids, cache=cache, use_cache=True)``; ``past_key_values=`` before transformers
+5.24) use it as they use `DynamicCache`. Every row of the batch is one sidecar sequence with the
+cache's policy and budget. The budget is what each layer keeps: a fraction of the prompt in
+(0, 1] (kvpress's compression_ratio = 1 - budget) or tokens per layer; None keeps everything.
 
 What happens in one forward of B rows and T new tokens:
 
@@ -26,10 +28,13 @@ What happens in one forward of B rows and T new tokens:
                    mapped arena (``torch.from_numpy`` over the shared memory: zero copy); a
                    one-token decode step goes into a small [L][2][H][1][D] buffer sent inline.
                    ``update`` returns what the layer's attention reads: the K/V the sidecar
-                   holds for the layer, gathered from the arena by block table in the sidecar's
-                   slot order, followed by the new block (rounded through the session dtype, as
-                   stored). The worker keeps no copy of the cache: the gathered K/V of one layer
-                   live until that layer's attention is done.
+                   holds for the layer in the sidecar's slot order, followed by the new block
+                   (rounded through the session dtype, as stored). A decode step reads them from
+                   the slot mirror (kvsidecar.hf_mirror: a copy of what the sidecar keeps, read
+                   from the arena once after a prefill block and then kept exact from each
+                   DecodeStep's answer, with the token written into slot count); a prefill block
+                   after held tokens, OmniKV's sparse layers and a cache made with mirror=False
+                   gather them from the arena by block table, for that layer only.
   attention        the model's attention call goes through a wrapper of its own implementation
                    (sdpa or eager), installed on the model by the constructor: it takes the
                    post-RoPE queries (the window the policy reads, see below), builds the mask of
@@ -163,6 +168,40 @@ _WRAPPED_PREFIX = "kvsidecar:"
 
 class UnsupportedModelError(ValueError):
     """The model, its config or the way it is called cannot be served by SidecarCache."""
+
+
+def check_budget(budget: Union[int, float, None]) -> None:
+    """Refuses a budget SidecarCache cannot mean: the budget is what is KEPT, a fraction of the
+    prompt in (0, 1] (float) or tokens per layer >= 1 (int); None keeps everything. kvpress's
+    compression_ratio is the share evicted: budget = 1 - compression_ratio."""
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"budget must be a fraction kept (float in (0, 1]), tokens per layer "
+                        f"(int >= 1) or None, got {budget!r}")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        ratio = 1.0 - budget
+        raise ValueError(
+            f"budget={budget!r} is not a fraction kept in (0, 1]: the budget is the share of the "
+            f"prompt each layer keeps (kvpress's compression_ratio = 1 - budget = {ratio:g} is "
+            "the share it evicts: compression_ratio=0.75 is budget=0.25); tokens per layer are "
+            "an int, and None (or 1.0) keeps the whole cache")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(
+            f"budget={budget} keeps no token: the budget is what each layer keeps, tokens per "
+            "layer (int >= 1) or a fraction of the prompt in (0, 1] (kvpress's "
+            "compression_ratio = 1 - budget); None (or 1.0, compression_ratio=0) keeps the "
+            "whole cache")
+
+
+def _check_tokens_budget(budget: Union[int, float, None], prompt: int) -> None:
+    """An int budget above the first block (the prompt) would evict nothing from it."""
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > prompt:
+        raise ValueError(
+            f"budget={budget} tokens per layer is more than the {prompt}-token prompt: nothing "
+            f"would be evicted from it (kvpress's compression_ratio would be 1 - {budget}/"
+            f"{prompt} = {1 - budget / prompt:.3g} < 0); give at most {prompt} tokens, a "
+            "fraction kept in (0, 1], or None (or 1.0) for the whole cache")
 
 
 def _text_config(model_or_config: Any) -> Any:
@@ -404,8 +443,8 @@ class _Step:
 def _omnikv_spec(spec: common_pb2.PolicySpec, budget: Union[int, float, None]
                  ) -> common_pb2.PolicySpec:
     """The omnikv PolicySpec with the cache's budget as its selection: an int is k
-    (selected_tokens), a float in (0, 1) the fraction of the prompt (selected_fraction), 1.0 or
-    more every prompt token; 0 or None leaves the spec's own (the sidecar's default: 6.7 %)."""
+    (selected_tokens), a float in (0, 1] the fraction of the prompt (selected_fraction, 1.0:
+    every prompt token); None leaves the spec's own (the sidecar's default: 6.7 %)."""
     out = common_pb2.PolicySpec()
     out.CopyFrom(spec)
     out.omnikv.SetInParent()
@@ -418,7 +457,7 @@ def _omnikv_spec(spec: common_pb2.PolicySpec, budget: Union[int, float, None]
             f"{params.selected_tokens} / selected_fraction={params.selected_fraction} both set "
             "how many prompt tokens Select picks; give one")
     if isinstance(budget, float):
-        params.selected_fraction = min(budget, 1.0)
+        params.selected_fraction = budget
     else:
         params.selected_tokens = int(budget)
     return out
@@ -565,10 +604,13 @@ class SidecarCache(Cache):
         model: the transformers model that will use the cache; its attention is routed through
             the kvsidecar wrapper (queries for the policy, the mask of the compacted cache).
         policy: a policy name ("snapkv", "h2o", ...) or a `PolicySpec` (`kvsidecar.policy`).
-        budget: tokens per layer (int > 0); or a fraction in (0, 1) of the first block's length
-            (the prompt), resolved when it arrives; 0, None or >= 1.0: no budget (the full cache).
-            OmniKV evicts nothing: there the budget is the prompt tokens each filter layer
-            selects per decode step (int: k; fraction: of the prompt; >= 1.0: all of them).
+        budget: what each layer KEEPS: a fraction in (0, 1] of the first block's length (the
+            prompt), resolved when it arrives (kvpress's compression_ratio = 1 - budget: 0.25
+            keeps what compression_ratio=0.75 keeps), or tokens per layer (int, 1 to the prompt
+            length); None or 1.0: no budget, the full cache. Anything else (0, a fraction
+            outside (0, 1], more tokens than the prompt) raises ValueError naming the kvpress
+            equivalent. OmniKV evicts nothing: there the budget is the prompt tokens each filter
+            layer selects per decode step (int: k; fraction: of the prompt; 1.0: all of them).
         overlap: send each DecodeStep without waiting for its answer (applied at the next use).
         mirror: decode steps attend over a copy of the held K/V in slot order, kept exact from
             each DecodeStep's answer (kvsidecar.hf_mirror), instead of gathering every layer out
@@ -577,7 +619,7 @@ class SidecarCache(Cache):
 
     def __init__(self, session: Session, model: Any, policy: Union[str, common_pb2.PolicySpec,
                                                                    None] = "streaming_llm",
-                 budget: Union[int, float, None] = 0, overlap: bool = True,
+                 budget: Union[int, float, None] = None, overlap: bool = True,
                  mirror: bool = True) -> None:
         check_supported(model)
         lay = session.layout
@@ -589,16 +631,14 @@ class SidecarCache(Cache):
                 f"not match the model's L={want.num_layers} H={want.num_kv_heads} "
                 f"D={want.head_dim} (attach with kvsidecar.hf.layout_for(model))")
         spec = make_policy(policy) if isinstance(policy, str) else policy
-        if budget is not None and not isinstance(budget, (int, float)):
-            raise TypeError(f"budget must be an int (tokens) or a float fraction, got {budget!r}")
-        if budget is not None and budget < 0:
-            raise ValueError(f"budget must be >= 0, got {budget}")
+        check_budget(budget)
         # OmniKV never evicts: the budget is how many prompt tokens Select picks per step.
         self._omni: Optional[_OmniKv] = None
+        self._omni_budget: Union[int, float, None] = None
         if spec is not None and spec.name == "omnikv":
             spec = _omnikv_spec(spec, budget)
             self._omni = _OmniKv()
-            budget = None
+            self._omni_budget, budget = budget, None
         self._attn_original = install(model)
         if not getattr(model, "_kvsidecar_mask_hook", False):
             model.register_forward_pre_hook(_capture_mask, with_kwargs=True)
@@ -746,6 +786,9 @@ class SidecarCache(Cache):
                 common_pb2.DTYPE_BFLOAT16: torch.bfloat16}[self.dtype]
 
     def _create_sequences(self, batch: int, tokens: int) -> None:
+        _check_tokens_budget(self.budget, tokens)
+        if self._omni is not None:
+            _check_tokens_budget(self._omni_budget, tokens)
         budget = self.budget or 0
         if isinstance(budget, float):
             budget = 0 if budget >= 1.0 else max(1, math.ceil(budget * tokens))
@@ -1278,8 +1321,9 @@ class SidecarCache(Cache):
         created = session.create_sequence(from_prefix=key)
         try:
             layout = session.get_layout(created.sequence_id, omit_positions=True)
-            cache = cls(session, model, policy=created.policy,
-                        budget=int(created.budget.tokens_per_layer), overlap=overlap)
+            tokens = int(created.budget.tokens_per_layer)
+            cache = cls(session, model, policy=created.policy, budget=tokens or None,
+                        overlap=overlap)
         except Exception:
             session.release_sequence(created.sequence_id)
             raise
