@@ -8,6 +8,7 @@ budget: what the model's attention reads is, slot for slot, what GetLayout and t
 and the kept set is the one the sidecar's Score dry run picks."""
 
 import inspect
+import warnings
 
 import numpy as np
 import pytest
@@ -598,3 +599,24 @@ def test_the_budget_is_the_fraction_kept(session, budget, kept):
         model(prompts(1), **{CACHE: cache}, use_cache=True)
     assert cache.counts == [[kept] * 3]
     cache.release()
+
+
+def test_cache_and_past_key_values_name_the_same_cache(session):
+    """transformers 5.24 renamed the argument `cache=`; 5.25 deprecates `past_key_values=` (6.0
+    removes it). SidecarCache works under both names, with the same tokens."""
+    model = make_model()
+    ids = prompts(2)
+    out = {}
+    for name in ("cache", "past_key_values"):
+        cache = SidecarCache(session, model, policy="snapkv", budget=0.5)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[name] = model.generate(ids, attention_mask=torch.ones_like(ids), **{name: cache},
+                                       max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                       pad_token_id=0)
+        assert cache.get_seq_length() == PROMPT + 5, name  # the cache given was the one used
+        cache.release()
+        deprecated = [w for w in caught if "past_key_values" in str(w.message)]
+        if name == "cache":
+            assert not deprecated, [str(w.message) for w in deprecated]
+    assert torch.equal(out["cache"], out["past_key_values"])
