@@ -881,7 +881,11 @@ class SidecarCache(Cache):
         pending = {row: self.session.get_layout_future(
             self.sequence_ids[row], omit_positions=row not in with_positions) for row in ask}
         for row in range(len(self.sequence_ids)):
-            layers = pending[row].result().layers if row in pending else answered[row]
+            if row in pending:
+                layers = pending[row].result().layers
+            else:
+                assert answered is not None
+                layers = answered[row]
             by_layer = sorted(layers, key=lambda e: e.layer)
             step.held.append([e.count for e in by_layer])
             step.tables.append([e.block_table for e in by_layer])
@@ -990,7 +994,8 @@ class SidecarCache(Cache):
         if not mirror.clean[layer].all():
             raise RuntimeError(f"layer {layer}: the slot mirror of rows "
                                f"{np.flatnonzero(~mirror.clean[layer]).tolist()} was not read")
-        return mirror.append(layer, new_k, new_v, [row[layer] for row in step.held])
+        keys, values = mirror.append(layer, new_k, new_v, [row[layer] for row in step.held])
+        return keys, values
 
     def _held_kv(self, table: Sequence[int], n: int, like: Any) -> Any:
         """[2][H][n][D]: one row's held K/V of a layer, read from the arena by block table, in

@@ -26,7 +26,7 @@ the mirror against it slot for slot after every step.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -88,7 +88,8 @@ class SlotMirror:
         self.clean[layer, row] = True
         self.refills += 1
 
-    def append(self, layer: int, new_k: Any, new_v: Any, counts: Sequence[int]) -> Any:
+    def append(self, layer: int, new_k: Any, new_v: Any, counts: Sequence[int]
+               ) -> Tuple[Any, Any]:
         """Writes the decode token of every row ([B][H][1][D]) into slot counts[row] (what the
         rows hold of the layer, as the sidecar answered); returns the K and V views
         [B][H][max count + 1][D] the layer attends over. The token's position is recorded by
