@@ -25,6 +25,8 @@ then backward), so each repeat's full-cache run sits beside the others; each rat
 configuration's tokens/s over the full cache's of the SAME repeat, and the figures are the median
 and range over the repeats (the machine is shared: absolute figures move, ratios less).
 
+`--report FILE...` prints the markdown tables of bench/README.md from the JSON lines of runs.
+
 --breakdown also times, for one sidecar configuration per (model, context, batch), where a
 decode step's time goes (in the cache's update, waiting for the DecodeStep answer, the masks,
 the rest of the model) against the full cache's step.
@@ -89,13 +91,17 @@ def rows(tok, batch, length):
     return torch.tensor([ids[i * step:i * step + length] for i in range(batch)])
 
 
-def configs(budgets, policies, kvpress_presses):
+def configs(budgets, policies, kvpress_presses, gather=True):
     import engine
     out = [engine.Config("full", "full", 1.0, "prefill", "DynamicCache, whole prompt"),
            engine.Config("sidecar", "sidecar_100", 1.0, "decode", "SidecarCache, no budget",
                          lambda n: engine.make_policy("snapkv"))]
     wanted = set(policies)
     out += [c for c in engine.sidecar_configs(budgets, ["decode"]) if c.policy in wanted]
+    # The same SnapKV reading every layer out of the arena at every step (mirror=False): the
+    # decode path before the slot mirror, in the same run.
+    out += [engine.Config("sidecar", "snapkv_gather", b, "decode", "SnapKV, mirror=False",
+                          lambda n: engine.make_policy("snapkv")) for b in budgets if gather]
     if kvpress_presses:
         out += [c for c in engine.kvpress_configs(budgets) if c.policy in kvpress_presses]
     return out
@@ -131,7 +137,10 @@ def _runner(model, session, pre, cfg):
         cache._step.queries = {}
         cache._end_step()
         return runner
-    return engine.make_runner(model, session, pre, cfg)
+    runner = engine.make_runner(model, session, pre, cfg)
+    if cfg.policy.endswith("_gather"):
+        runner.cache.use_mirror = False  # before the first decode step makes the mirror
+    return runner
 
 
 def decode(runner, pre, steps):
@@ -297,7 +306,57 @@ def rss_child(args):
                       "rss_anon_end": end["RssAnon"], "rss_shmem_end": end["RssShmem"]}))
 
 
+def report(paths):
+    """Markdown tables of the JSON lines these runs printed: per model, context and batch, each
+    configuration's decode tokens/s over the full cache's, median (range) over the repeats."""
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.startswith("{")]
+    out = []
+    keys = sorted({(r["model"], r["context"], r["batch"]) for r in rows if "config" in r},
+                  key=lambda k: (k[0], k[2], k[1]))
+    for model, context, batch in keys:
+        cell = {r["config"]: r for r in rows if "config" in r and
+                (r["model"], r["context"], r["batch"]) == (model, context, batch)}
+        full = cell.get("full")
+        out.append(f"\n{model}, {context}-token prompts, batch {batch}: DynamicCache "
+                   f"{full['tok_s_median']} tok/s ({full['tok_s_range'][0]}-"
+                   f"{full['tok_s_range'][1]}), {full['repeats']} repeats\n")
+        budgets = sorted({r["budget"] for r in cell.values() if r["budget"] < 1})
+        out.append("| configuration | " + " | ".join(f"{100 * b:g} %" for b in budgets) + " |")
+        out.append("|---|" + "---:|" * len(budgets))
+        names = []
+        for key in cell:
+            name = key.split("@")[0]
+            if "@" in key and name not in names:
+                names.append(name)
+        names.sort(key=lambda n: (n.startswith("kvpress"), n))
+        if "sidecar_100" in cell:
+            r = cell["sidecar_100"]
+            out.append(f"| SidecarCache, no budget | {r['ratio_median']:.2f} "
+                       f"({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})"
+                       + " |" * len(budgets))
+        for name in names:
+            vals = []
+            for b in budgets:
+                r = cell.get(f"{name}@{b:g}")
+                vals.append("–" if r is None else f"{r['ratio_median']:.2f} "
+                            f"({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})")
+            out.append(f"| {name} | " + " | ".join(vals) + " |")
+        for r in rows:
+            if r.get("breakdown") and (r["model"], r["context"], r["batch"]) == (model, context,
+                                                                                  batch):
+                parts = ", ".join(f"{k} {v}" for k, v in r.items() if k not in (
+                    "model", "context", "batch", "breakdown"))
+                out.append(f"\nper step, {r['breakdown']}: {parts}")
+    return "\n".join(out)
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--report":
+        print(report(sys.argv[2:]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2", help="smollm2,gemma3")
     ap.add_argument("--server", default=None, help="a running sidecar (default: start one "
