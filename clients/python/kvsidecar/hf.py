@@ -612,6 +612,11 @@ class SidecarCache(Cache):
             equivalent. OmniKV evicts nothing: there the budget is the prompt tokens each filter
             layer selects per decode step (int: k; fraction: of the prompt; 1.0: all of them).
         overlap: send each DecodeStep without waiting for its answer (applied at the next use).
+        hold_budget: True: every decode step evicts back to the budget (the sidecar scores the
+            new token with the policy at each step); False: the prompt is compressed to the
+            budget once, after its block, and the decoded tokens are all kept (kvpress's
+            protocol: its presses compress during the prefill only). Decode steps that cannot
+            evict send no query: they cost the sidecar an append.
         mirror: decode steps attend over a copy of the held K/V in slot order, kept exact from
             each DecodeStep's answer (kvsidecar.hf_mirror), instead of gathering every layer out
             of the arena at every step; False holds no copy in the worker (slower decoding).
@@ -620,7 +625,7 @@ class SidecarCache(Cache):
     def __init__(self, session: Session, model: Any, policy: Union[str, common_pb2.PolicySpec,
                                                                    None] = "streaming_llm",
                  budget: Union[int, float, None] = None, overlap: bool = True,
-                 mirror: bool = True) -> None:
+                 mirror: bool = True, hold_budget: bool = True) -> None:
         check_supported(model)
         lay = session.layout
         want = layout_for(model)
@@ -651,6 +656,7 @@ class SidecarCache(Cache):
         self.budget = budget
         self.overlap = overlap
         self.use_mirror = mirror
+        self.hold_budget = hold_budget
         self._mirror: Optional[SlotMirror] = None  # made at the first decode step
         self._sender: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.num_layers = lay.num_layers
@@ -798,7 +804,8 @@ class SidecarCache(Cache):
             for _ in range(batch):
                 resp = self.session.create_sequence(
                     policy=self.policy,
-                    budget=make_budget(self.budget_tokens) if self.budget_tokens > 0 else None,
+                    budget=make_budget(self.budget_tokens)
+                    if self.budget_tokens > 0 and self.hold_budget else None,
                     layer_windows=self.sidecar_windows if any(self.sidecar_windows) else None)
                 made.append(resp.sequence_id)
                 if self._omni is not None and len(made) == 1:
@@ -1151,11 +1158,23 @@ class SidecarCache(Cache):
                 "2D attention_mask (padding is read from it: call the model the SidecarCache "
                 "was built with, passing attention_mask); custom masks are not supported")
 
+    def _decode_evicts(self) -> bool:
+        """Whether a decode step can evict (and so needs its query): a budget held while
+        decoding, or D2O's fraction budget (rho) on a sequence without a token budget. Without
+        one the DecodeStep only appends, and the query would cost the sidecar its attention over
+        every held key for nothing (the policy's state then lacks the decoded tokens' queries:
+        a later block's compression scores them as the prefill left them)."""
+        if self.budget_tokens > 0:
+            return self.hold_budget
+        return self._name == "d2o" and self.policy is not None and self.policy.d2o.rho > 0
+
     def _take_queries(self, layer: int, query: Any, scale: Optional[float]) -> None:
         if self._query_window == 0:
             return
         step = self._step
         assert step is not None, "no forward pass in progress"
+        if step.decode and not self._decode_evicts():
+            return
         w = 1 if step.decode else self._query_window
         if scale is not None:
             step.scale = float(scale)
@@ -1224,7 +1243,10 @@ class SidecarCache(Cache):
         if len(rows) * self._query_bytes(step) <= self.max_message_bytes:
             attns = [self._attention_of(step, row, every) for row in range(rows_total)]
             self.last_attention = attns
-            self._commit(step, rows, compress, attns)
+            if compress and not self.hold_budget:
+                self._commit_then_compress(step, rows, attns)
+            else:
+                self._commit(step, rows, compress, attns)
         else:
             self.last_attention = []
             self._commit(step, rows, False, [None] * rows_total)
@@ -1241,6 +1263,29 @@ class SidecarCache(Cache):
             self._sender = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="kvsidecar-decode-step")
         return self._sender.submit(self.session.decode_step, items)
+
+    def _commit_then_compress(self, step: _Step, rows: List[int],
+                              attns: List[Optional[common_pb2.AttentionInputs]]) -> None:
+        """hold_budget=False (kvpress's protocol): the sequences have no budget; the block is
+        committed, then each row compressed to budget_tokens in one BatchCompress. A policy that
+        reads every query folds them in at the Commit and evicts from that state; a window
+        policy's Compress carries its window (SnapKV, TOVA and CAKE remember nothing between
+        calls)."""
+        every = self._query_window is None
+        self._commit(step, rows, False, attns if every else [None] * len(attns))
+        if not rows:
+            return
+        items = []
+        for row in rows:
+            item: Dict[str, Any] = {"sequence_id": self.sequence_ids[row],
+                                    "budget_tokens": self.budget_tokens}
+            if not every and attns[row] is not None:
+                item["attention"] = attns[row]
+            items.append(item)
+        resp = self.session.batch_compress(items)
+        for row, out in zip(rows, resp.responses):
+            self._counts[row] = [entry.kept for entry in sorted(out.layers,
+                                                                key=lambda e: e.layer)]
 
     def _commit(self, step: _Step, rows: List[int], compress: bool,
                 attns: List[Optional[common_pb2.AttentionInputs]]) -> None:
@@ -1271,7 +1316,8 @@ class SidecarCache(Cache):
                 return  # a row of padding only: nothing to observe, nothing to evict
             self.session.compress(seq, budget_tokens=OBSERVE_ONLY_BUDGET, attention=attn)
         if compress:
-            resp = self.session.compress(seq)
+            resp = self.session.compress(
+                seq, budget_tokens=None if self.hold_budget else self.budget_tokens)
             self._counts[row] = [entry.kept for entry in sorted(resp.layers,
                                                                 key=lambda e: e.layer)]
 

@@ -122,3 +122,32 @@ def test_padded_rows_with_and_without_the_mirror(session):
     assert torch.equal(a.argmax(-1), b.argmax(-1))
     with_mirror.release()
     without.release()
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "keydiff", "cake", "d2o"])
+def test_hold_budget_false_compresses_the_prompt_once_as_kvpress_does(session, name):
+    """hold_budget=False keeps what hold_budget=True keeps of the prompt, then every decoded
+    token (kvpress's protocol); its decode steps send no query, so the sidecar only appends."""
+    model = make_model()
+    ids = prompts(2)
+    held, kept = {}, {}
+    for hold in (True, False):
+        cache = SidecarCache(session, model, policy=name, budget=0.25, hold_budget=hold)
+        with torch.no_grad():
+            logits = model(ids, **{CACHE: cache}, use_cache=True).logits
+        cache.sync()
+        kept[hold] = [[sorted(session.read_layer(session.get_layout(seq), layer).positions[0])
+                       for layer in range(3)] for seq in cache.sequence_ids]
+        _decode(model, cache, logits[:, -1:].argmax(-1), 4, each=lambda: check_mirror(session,
+                                                                                      cache))
+        held[hold] = cache.counts
+        if not hold:
+            assert all(a is None for a in cache.last_attention)
+            assert all(session.get_layout(seq).budget.tokens_per_layer == 0
+                       for seq in cache.sequence_ids)
+        cache.release()
+    assert kept[True] == kept[False]
+    budget = int(np.ceil(0.25 * len(ids[0])))
+    if name not in ("cake", "d2o"):  # their allocators split the budget unevenly
+        assert held[True] == [[budget] * 3] * 2
+        assert held[False] == [[budget + 5] * 3] * 2  # 4 steps + the one that ended the prefill
