@@ -15,9 +15,13 @@ that prefill through the model's own forward, one token per call, as `generate` 
   full              DynamicCache holding the whole prompt (the limit every ratio is taken to);
   kvpress:<press>   kvpress's press applied to the recorded prefill (its `compress`, as its hook
                     calls it), then DynamicCache with what it kept (kvpress's own decoding);
-  <policy>          SidecarCache with the policy and budget (budget = the fraction kept, held
-                    while decoding: every DecodeStep evicts back to it), through its own prefill
-                    path fed with the recorded tensors; sidecar_100 = SidecarCache, no budget.
+  <policy>          SidecarCache with the policy and budget (the fraction kept), the prompt
+                    compressed once as kvpress does (hold_budget=False: the same Commit and
+                    Compress calls), through its own prefill path fed with the recorded tensors;
+                    sidecar_100 = SidecarCache, no budget;
+  <policy>/hold     the budget held while decoding (hold_budget=True, the default: every
+                    DecodeStep scores the new token and evicts back to the budget; SnapKV);
+  snapkv_gather     the same with mirror=False (each layer gathered from the arena per step).
 
 Timed: the decode steps only (from the first forward after the prefill to the last), tokens/s =
 rows x steps / that time. The order of the configurations alternates between repeats (forward,
@@ -91,15 +95,18 @@ def rows(tok, batch, length):
     return torch.tensor([ids[i * step:i * step + length] for i in range(batch)])
 
 
-def configs(budgets, policies, kvpress_presses, gather=True):
+def configs(budgets, policies, kvpress_presses, gather=True, hold=("snapkv",)):
     import engine
     out = [engine.Config("full", "full", 1.0, "prefill", "DynamicCache, whole prompt"),
            engine.Config("sidecar", "sidecar_100", 1.0, "decode", "SidecarCache, no budget",
                          lambda n: engine.make_policy("snapkv"))]
     wanted = set(policies)
-    out += [c for c in engine.sidecar_configs(budgets, ["decode"]) if c.policy in wanted]
-    # The same SnapKV reading every layer out of the arena at every step (mirror=False): the
-    # decode path before the slot mirror, in the same run.
+    # kvpress's protocol (SidecarCache(hold_budget=False)): the prompt compressed once.
+    out += [c for c in engine.sidecar_configs(budgets, ["prefill"]) if c.policy in wanted]
+    # The budget held while decoding (hold_budget=True, the default): the sidecar scores every
+    # new token; and the same reading every layer out of the arena at every step (mirror=False),
+    # the decode path before the slot mirror.
+    out += [c for c in engine.sidecar_configs(budgets, ["decode"]) if c.policy in hold]
     out += [engine.Config("sidecar", "snapkv_gather", b, "decode", "SnapKV, mirror=False",
                           lambda n: engine.make_policy("snapkv")) for b in budgets if gather]
     if kvpress_presses:
@@ -110,7 +117,8 @@ def configs(budgets, policies, kvpress_presses, gather=True):
 def label(cfg):
     if cfg.policy in ("full", "sidecar_100"):
         return cfg.policy
-    return f"{cfg.name}@{cfg.budget:g}"
+    held = "/hold" if cfg.method == "sidecar" and cfg.protocol == "decode" else ""
+    return f"{cfg.name}{held}@{cfg.budget:g}"
 
 
 def _runner(model, session, pre, cfg):
@@ -251,7 +259,7 @@ def breakdown(args, model, session, pre, cfgs, name, context, batch):
     steps = args.new_tokens
     full = next(c for c in cfgs if c.method == "full")
     target = next((c for c in cfgs if c.method == "sidecar" and c.policy == args.breakdown
-                   and abs(c.budget - 0.25) < 1e-9), None)
+                   and c.protocol == "prefill" and abs(c.budget - 0.25) < 1e-9), None)
     if target is None:
         return {"breakdown": f"no {args.breakdown}@0.25 configuration"}
     runner = _runner(model, session, pre, full)
