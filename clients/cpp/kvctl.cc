@@ -938,8 +938,9 @@ int PrintHelp(CLI::App& app, const std::vector<std::string>& topic) {
   }
   // The formatter, not App::help(): that prints the help of the command just parsed, which is
   // `help` itself.
-  std::cout << app.get_formatter()->make_help(at, at == &app ? "kvctl" : at->get_name(),
-                                              CLI::AppFormatMode::Normal);
+  const std::string name =
+      topic.empty() ? "kvctl" : absl::StrCat("kvctl ", absl::StrJoin(topic, " "));
+  std::cout << app.get_formatter()->make_help(at, name, CLI::AppFormatMode::Normal);
   return kExitOk;
 }
 
