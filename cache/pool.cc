@@ -1326,20 +1326,40 @@ absl::StatusOr<SpillResult> KvPool::Restore(const absl::StatusOr<SessionRef>& se
 absl::StatusOr<SpillResult> KvPool::Publish(std::string_view session_id,
                                             std::string_view sequence_id,
                                             std::string_view prefix_key, int32_t query_window) {
-  return Publish(FindSession(session_id), sequence_id, prefix_key, query_window);
+  return Publish(FindSession(session_id), sequence_id, prefix_key, query_window, std::nullopt);
 }
 
 absl::StatusOr<SpillResult> KvPool::Publish(const absl::StatusOr<SessionRef>& session,
                                             std::string_view sequence_id,
-                                            std::string_view prefix_key, int32_t query_window) {
+                                            std::string_view prefix_key, int32_t query_window,
+                                            std::optional<StorageTier> target) {
   if (!mover_->has_tiers()) return TierMover::NoTiers();
   KVS_RETURN_IF_ERROR(ValidatePrefixKey(prefix_key, "prefix_key"));
   if (query_window < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("query_window must be >= 0 (0 = none stated), got ", query_window));
   }
+  if (target && *target == StorageTier::kArena) {
+    return absl::InvalidArgumentError(
+        "tier: a prefix is published to TIER_HOST, TIER_DISK or TIER_REMOTE, not TIER_ARENA");
+  }
   KVS_RETURN_IF_ERROR(session.status());
-  return mover_->Publish(Of(*session), sequence_id, prefix_key, query_window);
+  return mover_->Publish(Of(*session), sequence_id, prefix_key, query_window, target);
+}
+
+absl::StatusOr<std::vector<std::optional<SpilledInfo>>> KvPool::LookupPrefixes(
+    const absl::StatusOr<SessionRef>& session, const std::vector<std::string>& keys) const {
+  if (!mover_->has_tiers()) return TierMover::NoTiers();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    KVS_RETURN_IF_ERROR(ValidatePrefixKey(keys[i], absl::StrCat("prefix_keys[", i, "]")));
+  }
+  KVS_RETURN_IF_ERROR(session.status());
+  Session& live = Of(*session);
+  KVS_RETURN_IF_ERROR(CheckNotEnded(live));
+  std::vector<std::optional<SpilledInfo>> found;
+  found.reserve(keys.size());
+  for (const std::string& key : keys) found.push_back(mover_->FindPrefix(live, key));
+  return found;
 }
 
 absl::Status KvPool::Unpublish(std::string_view session_id, std::string_view prefix_key) {

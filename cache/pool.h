@@ -281,9 +281,15 @@ class KvPool {
   absl::StatusOr<SpillResult> Restore(const absl::StatusOr<SessionRef>& session,
                                       std::string_view sequence_id,
                                       std::string_view from_session_id = {});
+  // `target`: PublishRequest.tier (nullopt = unspecified: the remote tier, else disk).
   absl::StatusOr<SpillResult> Publish(const absl::StatusOr<SessionRef>& session,
                                       std::string_view sequence_id, std::string_view prefix_key,
-                                      int32_t query_window);
+                                      int32_t query_window,
+                                      std::optional<StorageTier> target = std::nullopt);
+  // sidecar.proto LookupPrefixesRequest: for each key, where the session's tenant has a prefix
+  // under it (nullopt: none). INVALID_ARGUMENT naming prefix_keys[i] for a malformed key.
+  absl::StatusOr<std::vector<std::optional<SpilledInfo>>> LookupPrefixes(
+      const absl::StatusOr<SessionRef>& session, const std::vector<std::string>& keys) const;
   absl::Status Unpublish(const absl::StatusOr<SessionRef>& session, std::string_view prefix_key);
   // Every spilled copy the tiers hold (those of ended sessions and earlier runs included, lost
   // ones with their error), ordered by key. Empty without tiers.

@@ -6,7 +6,8 @@
 # the full-cache run. Extra arguments go to the worker, e.g.
 #   deploy/worker_demo.sh --policy h2o --budget 10%
 # Each stage is announced on stderr with the time spent so far (a fresh machine takes minutes:
-# Debian packages, the C++ build, the Python packages, a 93 MB model download with pip's progress).
+# Debian packages, the C++ build, the Python packages, a 93 MB model download with pip's progress);
+# the build reports N of M steps and the time left every 10 s (deploy/build_progress.sh).
 #   KVS_DEMO_DRY_RUN=1 deploy/worker_demo.sh   # print the stages and their commands, run nothing
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -43,8 +44,16 @@ if [ "$dry_run" != 1 ]; then
   mkdir -p "$build"
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     >"$build/configure.log" 2>&1 || { cat "$build/configure.log"; exit 1; }
-  cmake --build "$build" -j "$(nproc)" --target kvsidecar >"$build/build.log" 2>&1 ||
-    { tail -50 "$build/build.log"; exit 1; }
+  # The build's output goes to its log; its progress (N of M steps, an ETA) to stderr.
+  cmake --build "$build" -j "$(nproc)" --target kvsidecar >"$build/build.log" 2>&1 &
+  build_pid=$!
+  "$root/deploy/build_progress.sh" "$build/build.log" "$build_pid" 10 "worker_demo:   build" &
+  progress_pid=$!
+  built=0
+  wait "$build_pid" || built=$?
+  kill "$progress_pid" 2>/dev/null || true
+  wait "$progress_pid" 2>/dev/null || true
+  [ "$built" = 0 ] || { tail -50 "$build/build.log"; exit 1; }
 else
   run cmake --build "$build" --target kvsidecar
 fi

@@ -141,9 +141,16 @@ grpc::ServerUnaryReactor* AdminService::SetDefaults(grpc::CallbackServerContext*
   return RunUnary(context, "Admin.SetDefaults", [&]() -> absl::Status {
     KVS_RETURN_IF_ERROR(CheckAdmin(*context));
     if (!request->has_default_policy() && !request->has_default_budget() &&
-        request->rebudget_tenant().empty()) {
+        request->rebudget_tenant().empty() && !request->unbounded_budget()) {
       return absl::InvalidArgumentError(
-          "set default_policy, default_budget or rebudget_tenant: the request changes nothing");
+          "set default_policy, default_budget, unbounded_budget or rebudget_tenant: the request "
+          "changes nothing");
+    }
+    if (request->unbounded_budget() &&
+        (request->has_default_budget() || !request->rebudget_tenant().empty())) {
+      return absl::InvalidArgumentError(
+          "unbounded_budget: not with default_budget or rebudget_tenant (an unbounded default "
+          "has nothing to compress to)");
     }
     std::optional<PolicyConfig> policy;
     if (request->has_default_policy()) {
@@ -171,9 +178,10 @@ grpc::ServerUnaryReactor* AdminService::SetDefaults(grpc::CallbackServerContext*
     if (request->has_default_budget()) {
       const v1::Budget& b = request->default_budget();
       if (b.tokens_per_layer() <= 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("default_budget.tokens_per_layer must be >= 1, got ", b.tokens_per_layer(),
-                         " (a default budget of 0 would make new sequences unbounded)"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "default_budget.tokens_per_layer must be >= 1, got ", b.tokens_per_layer(),
+            " (a budget is the tokens each layer keeps; to make new sequences unbounded set "
+            "unbounded_budget instead: kvctl set budget none)"));
       }
       if (b.per_layer_tokens_size() > 0) {
         return absl::InvalidArgumentError(
@@ -193,6 +201,7 @@ grpc::ServerUnaryReactor* AdminService::SetDefaults(grpc::CallbackServerContext*
             "rebudget_tenant needs a bounded default budget: set default_budget.tokens_per_layer");
       }
     }
+    if (request->unbounded_budget()) budget = BudgetConfig{};  // tokens_per_layer 0: unbounded
     pool_->SetDefaults(policy, budget);
     if (!request->rebudget_tenant().empty()) {
       const RebudgetResult result = pool_->RebudgetTenant(request->rebudget_tenant(),

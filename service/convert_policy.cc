@@ -619,7 +619,10 @@ absl::StatusOr<BudgetConfig> BudgetFromProto(const v1::Budget& budget, int32_t m
   if (budget.tokens_per_layer() <= 0 || budget.tokens_per_layer() > kMaxBudgetTokens) {
     return Invalid(
         prefix, "tokens_per_layer",
-        absl::StrCat("must be in [1, ", kMaxBudgetTokens, "], got ", budget.tokens_per_layer()));
+        absl::StrCat("must be in [1, ", kMaxBudgetTokens, "], got ", budget.tokens_per_layer(),
+                     budget.tokens_per_layer() == 0
+                         ? " (a budget is the tokens each layer keeps; leave it unset for none)"
+                         : ""));
   }
   const int n = budget.per_layer_tokens_size();
   if (n > 0 && num_layers >= 0 && n != num_layers) {

@@ -18,7 +18,7 @@ absl::StatusOr<CompressParams> CompressParamsFromProto(const v1::CompressRequest
   if (request.budget_tokens() < 0 || request.budget_tokens() > kMaxBudgetTokens) {
     return Invalid(prefix, "budget_tokens",
                    absl::StrCat("must be in [0, ", kMaxBudgetTokens,
-                                "] (0 = the sequence budget), got ", request.budget_tokens()));
+                                "] (unset = the sequence's budget), got ", request.budget_tokens()));
   }
   CompressParams out;
   out.budget_tokens = request.budget_tokens();
@@ -39,7 +39,7 @@ absl::StatusOr<ScoreParams> ScoreParamsFromProto(const v1::ScoreRequest& request
   if (request.budget_tokens() < 0 || request.budget_tokens() > kMaxBudgetTokens) {
     return absl::InvalidArgumentError(
         absl::StrCat("budget_tokens must be in [0, ", kMaxBudgetTokens,
-                     "] (0 = the sequence budget), got ", request.budget_tokens()));
+                     "] (unset = the sequence's budget), got ", request.budget_tokens()));
   }
   KVS_RETURN_IF_ERROR(ValidateLayers(request.layers(), layout.num_layers, "layers"));
   ScoreParams out;

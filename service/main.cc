@@ -466,6 +466,10 @@ int main(int argc, char** argv) {
   for (const auto& [tenant, quota] : config.quotas) pool.SetTenantQuota(tenant, quota);
   server_options.admin_info.backend = std::string(backend->name());
   server_options.admin_info.backend_reason = backend_choice->reason;
+  server_options.build_info = {{"version", KVS_VERSION},
+                               {"revision", KVS_GIT_REVISION},
+                               {"build_type", KVS_BUILD_TYPE},
+                               {"backend", std::string(backend->name())}};
   auto server = kvs::SidecarServer::Start(&pool, server_options);
   if (!server.ok()) {
     // Unreadable certificate files are configuration errors.

@@ -13,6 +13,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "service/log.h"
+#include "service/process_metrics.h"
 #include "service/reflection_v1.h"
 #include "service/status_convert.h"
 
@@ -172,6 +173,10 @@ absl::StatusOr<std::unique_ptr<SidecarServer>> SidecarServer::Start(KvPool* pool
       std::make_unique<TenantLabeler>(options.metrics_tenants, options.metrics_max_tenants);
   server->metrics_.AddCollector(
       [raw](std::vector<prometheus::MetricFamily>* out) { raw->CollectPoolMetrics(out); });
+  server->metrics_.AddCollector([build_info = options.build_info](
+                                    std::vector<prometheus::MetricFamily>* out) {
+    CollectProcessMetrics(build_info, out);
+  });
   // A histogram of the budgets sequences are created with: observed once per sequence, so that
   // it only counts up (a distribution over the live sequences would fall as they end).
   server->sidecar_->set_budget_observer([raw](const std::string& policy, int32_t tokens) {

@@ -47,6 +47,9 @@ struct ServerOptions {
   // at most metrics_max_tenants others get theirs, the rest share tenant="_other".
   std::set<std::string> metrics_tenants;
   int32_t metrics_max_tenants = 100;
+  // The labels of kvsidecar_build_info (version, revision, build_type, backend); empty = no
+  // such series. The process_* series are always on the metrics endpoint.
+  MetricLabels build_info;
   // Unix socket that hands memfd arenas to their workers (service/arena_fd_server.h); "" = none
   // (then an Attach whose arena is a memfd fails: only named or device arenas can be served).
   std::string arena_socket;

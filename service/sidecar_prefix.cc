@@ -1,4 +1,4 @@
-// SidecarService, compressed prefix reuse: Publish and Unpublish.
+// SidecarService, compressed prefix reuse: Publish, Unpublish and LookupPrefixes.
 #include <algorithm>
 #include <deque>
 #include <optional>
@@ -25,6 +25,29 @@ namespace v1 = ::kvsidecar::v1;
 
 using service_internal::SessionLookups;
 
+namespace {
+
+// LookupPrefixesRequest's bound on the keys of one call.
+constexpr int kMaxLookupKeys = 4096;
+
+// PublishRequest.tier: nullopt for TIER_UNSPECIFIED (the default target).
+absl::StatusOr<std::optional<StorageTier>> PublishTarget(v1::Tier tier) {
+  switch (tier) {
+    case v1::TIER_UNSPECIFIED:
+      return std::nullopt;
+    case v1::TIER_HOST:
+    case v1::TIER_DISK:
+    case v1::TIER_REMOTE:
+      return static_cast<StorageTier>(tier);  // values match v1::Tier
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tier must be TIER_UNSPECIFIED, TIER_HOST, TIER_DISK or TIER_REMOTE, got ",
+          v1::Tier_Name(tier).empty() ? absl::StrCat(static_cast<int>(tier)) : v1::Tier_Name(tier)));
+  }
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* SidecarService::Publish(grpc::CallbackServerContext* context,
                                                   const v1::PublishRequest* request,
                                                   v1::PublishResponse* response) {
@@ -33,12 +56,13 @@ grpc::ServerUnaryReactor* SidecarService::Publish(grpc::CallbackServerContext* c
     KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
     KVS_RETURN_IF_ERROR(ValidateName(request->sequence_id(), "sequence_id", /*required=*/true));
+    KVS_ASSIGN_OR_RETURN(std::optional<StorageTier> target, PublishTarget(request->tier()));
     // The pool answers the lookup's error after checking the prefix key and the window, as by
     // id.
     KVS_ASSIGN_OR_RETURN(
         SpillResult result,
         pool_->Publish(sessions.Find(request->session_id()), request->sequence_id(),
-                       request->prefix_key(), request->query_window()));
+                       request->prefix_key(), request->query_window(), target));
     response->set_tier(static_cast<v1::Tier>(result.tier));
     response->set_bytes(result.bytes);
     return absl::OkStatus();
@@ -55,6 +79,33 @@ grpc::ServerUnaryReactor* SidecarService::Unpublish(grpc::CallbackServerContext*
     KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
     // The pool answers the lookup's error after checking the prefix key, as by id.
     return pool_->Unpublish(sessions.Find(request->session_id()), request->prefix_key());
+  });
+}
+
+grpc::ServerUnaryReactor* SidecarService::LookupPrefixes(
+    grpc::CallbackServerContext* context, const v1::LookupPrefixesRequest* request,
+    v1::LookupPrefixesResponse* response) {
+  return RunUnary(context, "LookupPrefixes", [&]() -> absl::Status {
+    SessionLookups sessions(*pool_);
+    KVS_RETURN_IF_ERROR(Authorize(*context, *request, sessions));
+    KVS_RETURN_IF_ERROR(ValidateName(request->session_id(), "session_id", /*required=*/true));
+    if (request->prefix_keys_size() > kMaxLookupKeys) {
+      return absl::InvalidArgumentError(absl::StrCat("prefix_keys: at most ", kMaxLookupKeys,
+                                                     " keys per call, got ",
+                                                     request->prefix_keys_size()));
+    }
+    const std::vector<std::string> keys(request->prefix_keys().begin(),
+                                        request->prefix_keys().end());
+    KVS_ASSIGN_OR_RETURN(std::vector<std::optional<SpilledInfo>> found,
+                         pool_->LookupPrefixes(sessions.Find(request->session_id()), keys));
+    for (size_t i = 0; i < found.size(); ++i) {
+      if (!found[i]) continue;
+      v1::LookupPrefixesResponse::Found* entry = response->add_found();
+      entry->set_index(static_cast<int32_t>(i));
+      entry->set_tier(static_cast<v1::Tier>(found[i]->tier));
+      entry->set_bytes(found[i]->bytes);
+    }
+    return absl::OkStatus();
   });
 }
 

@@ -170,6 +170,9 @@ class SidecarService final : public ::kvsidecar::v1::Sidecar::CallbackService {
   grpc::ServerUnaryReactor* Unpublish(grpc::CallbackServerContext* context,
                                       const ::kvsidecar::v1::UnpublishRequest* request,
                                       ::kvsidecar::v1::UnpublishResponse* response) override;
+  grpc::ServerUnaryReactor* LookupPrefixes(
+      grpc::CallbackServerContext* context, const ::kvsidecar::v1::LookupPrefixesRequest* request,
+      ::kvsidecar::v1::LookupPrefixesResponse* response) override;
 
   // Bearer-token checks (service/auth.h); null or no tenant tokens = the data plane is open.
   // Set once before serving.

@@ -383,87 +383,10 @@ def headline(cells, min_full: float = 0.1) -> List[str]:
 
 # 21 markers that look unlike one another (no '8' beside 'o', no 'h' beside 'p') against 10
 # colours: 21 and 10 share no factor, so labels up to the 210th differ in marker or colour.
-MARKERS = ["o", "s", "D", "^", "v", "<", ">", "p", "*", "X", "P", "d", "1", "2", "3", "4", "+",
-           "x", "|", "_", "$\\clubsuit$"]
-STYLES = {"sidecar": "-", "kvpress": "--"}
-
-
 def plot(cells, out_dir: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots", file=sys.stderr)
-        return
-    models = sorted({k[0] for k in cells})
-    for model in models:
-        contexts = sorted({k[2] for k in cells if k[0] == model and k[1] != "fidelity"})
-        protos = sorted({k[3] for k in cells if k[0] == model and k[4] != "full"})
-        for context in contexts:
-            fid = sorted({k[2] for k in cells if k[0] == model and k[1] == "fidelity"})
-            for proto in protos:
-                # A panel per task that some configuration ran in this protocol (a task the
-                # full cache alone ran on says nothing here: the headline names it).
-                tasks = [t for t in TASK_ORDER if any(
-                    k[:4] == (model, t, context, proto) and k[4] != "full" for k in cells)]
-                if not tasks:
-                    continue
-                panels = [(t, "accuracy") for t in tasks] + \
-                    [("fidelity", "KL (nats)")] * bool(fid)
-                n = len(panels)
-                cols = min(3, n)
-                rows = (n + cols - 1) // cols
-                fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4 * rows),
-                                         squeeze=False)
-                labels = sorted({k[4] for k in cells if k[0] == model and k[3] == proto
-                                 and k[4] != "full"}, key=lambda x: (x.startswith("kvpress"), x))
-                for ax, (t, ylabel) in zip(axes.flat, panels):
-                    ctx = fid[-1] if t == "fidelity" else context
-                    for i, lab in enumerate(labels):
-                        pts = []
-                        for (m, tt, cc, p, l2, b), c in cells.items():
-                            if (m, tt, cc, p, l2) == (model, t, ctx, proto, lab) and \
-                                    not c["error"]:
-                                vals = c["kl"] if t == "fidelity" else c["correct"]
-                                if vals:
-                                    pts.append((b, sum(vals.values()) / len(vals)))
-                        if not pts:
-                            continue
-                        pts.sort()
-                        # The colour and marker are the label's own in every panel (the
-                        # axes' colour cycle would shift where a label has no points).
-                        ax.plot([100 * b for b, _ in pts], [v for _, v in pts],
-                                marker=MARKERS[i % len(MARKERS)], color=f"C{i % 10}",
-                                linestyle=STYLES["kvpress" if lab.startswith("kvpress")
-                                                 else "sidecar"],
-                                label=lab, markersize=6, linewidth=1.3)
-                    full = cells.get((model, t, ctx, "prefill", "full", 1.0))
-                    if full and t != "fidelity" and full["correct"]:
-                        ax.axhline(sum(full["correct"].values()) / len(full["correct"]),
-                                   color="black", linestyle=":", label="full cache")
-                    ax.set_title(t if t != "fidelity" else f"fidelity ({ctx}-token prompts)")
-                    ax.set_xlabel("budget (% of the prompt)")
-                    ax.set_ylabel(ylabel)
-                    if t == "fidelity":
-                        ax.set_yscale("log")
-                    ax.grid(alpha=0.3)
-                for ax in list(axes.flat)[n:]:
-                    ax.axis("off")
-                legend = {}
-                for ax in axes.flat:
-                    for h, name in zip(*ax.get_legend_handles_labels()):
-                        legend.setdefault(name, h)
-                handles, names = list(legend.values()), list(legend)
-                # Below the figure, outside its axes whatever its height (savefig's tight
-                # bounding box takes the legend in), so that no legend row hides a panel.
-                fig.legend(handles, names, loc="upper center", ncol=6, fontsize=8,
-                           bbox_to_anchor=(0.5, 0.0))
-                fig.suptitle(f"{model}, protocol {proto}, {context}-token prompts")
-                fig.tight_layout()
-                fig.savefig(os.path.join(out_dir, f"{model}_{proto}_{context}.png"), dpi=90,
-                            bbox_inches="tight")
-                plt.close(fig)
+    """The small-multiple plots (plots.py)."""
+    import plots
+    plots.plot(cells, out_dir)
 
 
 def main():

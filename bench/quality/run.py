@@ -195,25 +195,67 @@ def run_model(args, model_name, store, session_factory):
     limit = max_context(model)
     contexts = [int(c) for c in args.contexts.split(",")]
     task_list = [t for t in args.tasks.split(",") if t]
+    plan = []
+    for context in contexts:
+        need = context + max(task_gen.MAX_NEW_TOKENS.values())
+        if need > limit:
+            print(f"[{model_name}] context {context}: over the model's {limit} positions; "
+                  "skipped", flush=True)
+            continue
+        for task in task_list:
+            if task != "fidelity":
+                plan.append((task, context, task_gen.make_samples(
+                    task, context, args.samples, args.seed, encode, template)))
+    total = sum(_units(store, model_name, task, context, cfgs, samples, args.batch)
+                for task, context, samples in plan)
+    if "fidelity" in task_list:
+        total += len(_pending(store, model_name, "fidelity", args.fidelity_prompt, cfgs,
+                              list(range(len(FIDELITY_TEXTS)))))
+    progress = Progress(total)
+    print(f"[{model_name}] {total} configuration runs to do", flush=True)
     with session_factory(model, max(contexts + [args.fidelity_prompt
                                                  + args.fidelity_continuation])) as session:
-        for context in contexts:
-            need = context + max(task_gen.MAX_NEW_TOKENS.values())
-            if need > limit:
-                print(f"[{model_name}] context {context}: over the model's {limit} positions; "
-                      "skipped", flush=True)
-                continue
-            for task in task_list:
-                if task == "fidelity":
-                    continue
-                samples = task_gen.make_samples(task, context, args.samples, args.seed, encode,
-                                                template)
-                run_task(args, model_name, model, tok, session, store, cfgs, task, context,
-                         samples, line_done)
+        for task, context, samples in plan:
+            run_task(args, model_name, model, tok, session, store, cfgs, task, context,
+                     samples, line_done, progress)
         if "fidelity" in task_list:
-            run_fidelity(args, model_name, model, tok, session, store, cfgs, encode)
+            run_fidelity(args, model_name, model, tok, session, store, cfgs, encode, progress)
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+class Progress:
+    """N of M configuration runs done, the time so far and the time left at the rate so far: the
+    prefix of every line the harness prints about a configuration."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0 = total, 0, time.time()
+
+    @staticmethod
+    def clock(seconds: float) -> str:
+        s = int(round(seconds))
+        return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else \
+            f"{s // 60}:{s % 60:02d}"
+
+    def step(self) -> str:
+        """Counts one run done; returns "[N/M, T elapsed, ETA E]"."""
+        self.done += 1
+        spent = time.time() - self.t0
+        left = spent / self.done * max(0, self.total - self.done)
+        return f"[{self.done}/{self.total}, {self.clock(spent)} elapsed, ETA {self.clock(left)}]"
+
+
+def _units(store, model_name, task, context, cfgs, samples, batch):
+    """The configuration runs a task and context still needs: one per runnable configuration
+    and batch of prompts with samples to do, and one per cell of a configuration that cannot run
+    (its single error row)."""
+    units, failing = 0, set()
+    for i in range(0, len(samples), batch):
+        todo = _pending(store, model_name, task, context, cfgs,
+                        [s.index for s in samples[i:i + batch]])
+        failing |= {c for c in todo if cfgs[c].error}
+        units += sum(1 for c in todo if not cfgs[c].error)
+    return units + len(failing)
 
 
 def _pending(store, model_name, task, context, cfgs, indices):
@@ -231,7 +273,7 @@ def _pending(store, model_name, task, context, cfgs, indices):
 
 
 def run_task(args, model_name, model, tok, session, store, cfgs, task, context, samples,
-             line_done):
+             line_done, progress):
     import torch
 
     import engine
@@ -245,6 +287,8 @@ def run_task(args, model_name, model, tok, session, store, cfgs, task, context, 
             if cfgs[i].error:
                 store.add([dict(row_base(model_name, task, context, cfgs[i]), sample=0,
                                 error=cfgs[i].error)])
+                print(f"  {progress.step()} not run: {cfgs[i].name} {cfgs[i].budget}: "
+                      f"{cfgs[i].error}", flush=True)
                 del pending[i]
         if not pending:
             continue
@@ -275,7 +319,8 @@ def run_task(args, model_name, model, tok, session, store, cfgs, task, context, 
             except Exception as e:  # a configuration failing is a result, not a crash
                 store.add([dict(row_base(model_name, task, context, cfg), sample=s,
                                 error=f"{type(e).__name__}: {e}"[:300]) for s in todo])
-                print(f"  ERROR {cfg.name} {cfg.protocol} {cfg.budget}: {e}", flush=True)
+                print(f"  {progress.step()} ERROR {cfg.name} {cfg.protocol} {cfg.budget}: {e}",
+                      flush=True)
                 continue
             dt = (time.time() - t1) / len(batch)
             for s, o in zip(batch, outs):
@@ -289,7 +334,8 @@ def run_task(args, model_name, model, tok, session, store, cfgs, task, context, 
                                  expected=" ".join(s.answers), seconds=dt))
             store.add(rows)
             acc = sum(r["correct"] for r in rows) / max(1, len(rows))
-            print(f"  {model_name} {task} {context} [{start}:{start + len(batch)}] "
+            print(f"  {progress.step()} {model_name} {task} {context} "
+                  f"[{start}:{start + len(batch)}] "
                   f"{cfg.protocol:7s} {cfg.name:28s} {cfg.budget:<5} acc {acc:.2f} "
                   f"({time.time() - t1:.1f} s)", flush=True)
         print(f"[{model_name}] {task} {context} samples {start}..{start + len(batch) - 1}: "
@@ -308,7 +354,7 @@ def fidelity_ids(tok, prompt, cont):
     return torch.tensor(out)
 
 
-def run_fidelity(args, model_name, model, tok, session, store, cfgs, encode):
+def run_fidelity(args, model_name, model, tok, session, store, cfgs, encode, progress):
     import engine
     p, c = args.fidelity_prompt, args.fidelity_continuation
     ids = fidelity_ids(tok, p, c)
@@ -328,6 +374,7 @@ def run_fidelity(args, model_name, model, tok, session, store, cfgs, encode):
         base = row_base(model_name, "fidelity", p, cfg)
         if cfg.error:
             store.add([dict(base, sample=0, error=cfg.error)])
+            print(f"  {progress.step()} not run: {cfg.name} {cfg.budget}: {cfg.error}", flush=True)
             continue
         t1 = time.time()
         try:
@@ -347,7 +394,8 @@ def run_fidelity(args, model_name, model, tok, session, store, cfgs, encode):
         except Exception as e:
             store.add([dict(base, sample=s, error=f"{type(e).__name__}: {e}"[:300])
                        for s in todo])
-            print(f"  ERROR {cfg.name} {cfg.protocol} {cfg.budget}: {e}", flush=True)
+            print(f"  {progress.step()} ERROR {cfg.name} {cfg.protocol} {cfg.budget}: {e}",
+                  flush=True)
             continue
         # Position j's logits predict token j+1 of the continuation; the last one has no target
         # but is still a next-token distribution to compare.
@@ -356,7 +404,8 @@ def run_fidelity(args, model_name, model, tok, session, store, cfgs, encode):
                      kept_fraction=kept, seconds=(time.time() - t1) / len(indices))
                 for s in todo]
         store.add(rows)
-        print(f"  {model_name} fidelity {p}+{c} {cfg.protocol:7s} {cfg.name:28s} "
+        print(f"  {progress.step()} {model_name} fidelity {p}+{c} {cfg.protocol:7s} "
+              f"{cfg.name:28s} "
               f"{cfg.budget:<5} KL {kl.mean():.4f} top1 {top1.mean():.3f} "
               f"({time.time() - t1:.1f} s)", flush=True)
 

@@ -344,7 +344,8 @@ absl::StatusOr<SpillResult> TierMover::Restore(Session& session, std::string_vie
 
 absl::StatusOr<SpillResult> TierMover::Publish(Session& session, std::string_view sequence_id,
                                                std::string_view prefix_key,
-                                               int32_t query_window) {
+                                               int32_t query_window,
+                                               std::optional<StorageTier> target) {
   absl::MutexLock lock(&session.mu);
   if (session.dead) return SessionGone(session.id);
   auto it = session.sequences.find(Sv(sequence_id));
@@ -371,12 +372,26 @@ absl::StatusOr<SpillResult> TierMover::Publish(Session& session, std::string_vie
   const SequenceEnv env = session.Env(*backend_, options_->max_tokens_per_call);
   KVS_ASSIGN_OR_RETURN(SpilledSequence data, sequence.Spill(env));
   const uint64_t bytes = data.bytes();
-  const StorageTier target =
-      options_->tiers->has_remote() ? StorageTier::kRemote : StorageTier::kDisk;
-  KVS_RETURN_IF_ERROR(ledger_->CheckTier(session.tenant, target, bytes));
+  const StorageTier tier = target.value_or(options_->tiers->has_remote() ? StorageTier::kRemote
+                                                                          : StorageTier::kDisk);
+  if (tier == StorageTier::kRemote && !options_->tiers->has_remote()) {
+    return absl::FailedPreconditionError(
+        "tier: TIER_REMOTE asked, but this sidecar has no remote tier (--remote_tier)");
+  }
+  KVS_RETURN_IF_ERROR(ledger_->CheckTier(session.tenant, tier, bytes));
   KVS_RETURN_IF_ERROR(
-      options_->tiers->Put(target, PrefixSpillKey(session.tenant, prefix_key), std::move(data)));
-  return SpillResult{target, bytes};
+      options_->tiers->Put(tier, PrefixSpillKey(session.tenant, prefix_key), std::move(data)));
+  return SpillResult{tier, bytes};
+}
+
+std::optional<SpilledInfo> TierMover::FindPrefix(const Session& session,
+                                                 std::string_view prefix_key) const {
+  // Under the caller's tenant only: another tenant's prefixes are never reported.
+  std::optional<SpilledInfo> info =
+      options_->tiers->Find(PrefixSpillKey(session.tenant, prefix_key));
+  // A disk record that failed its checksum is no prefix to start from.
+  if (info && !info->lost.empty()) return std::nullopt;
+  return info;
 }
 
 absl::Status TierMover::Unpublish(const Session& session, std::string_view prefix_key) {

@@ -66,9 +66,13 @@ class TierMover {
                                     StorageTier target);
   absl::StatusOr<SpillResult> Restore(Session& session, std::string_view sequence_id,
                                       std::string_view from_session_id);
+  // Publish's `target`: nullopt = the remote tier when there is one, else disk.
   absl::StatusOr<SpillResult> Publish(Session& session, std::string_view sequence_id,
-                                      std::string_view prefix_key, int32_t query_window);
+                                      std::string_view prefix_key, int32_t query_window,
+                                      std::optional<StorageTier> target);
   absl::Status Unpublish(const Session& session, std::string_view prefix_key);
+  // Where the session's tenant has a prefix under `prefix_key`, if it has one (reads nothing).
+  std::optional<SpilledInfo> FindPrefix(const Session& session, std::string_view prefix_key) const;
   // The copy published under params.from_prefix by the session's tenant, checked against the
   // session's layout and the request's policy and budget (what a sequence started from it gets).
   absl::StatusOr<std::shared_ptr<const SpilledSequence>> ReadPrefix(

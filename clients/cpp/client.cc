@@ -780,9 +780,14 @@ absl::StatusOr<v1::GetLayoutResponse> Session::GetLayout(const std::string& sequ
 
 absl::StatusOr<v1::CompressResponse> Session::Compress(const std::string& sequence_id,
                                                        const CompressOptions& options) {
+  if (options.budget_tokens == 0) {
+    return absl::InvalidArgumentError(
+        "budget_tokens=0 keeps no token: a budget is the tokens each layer keeps (>= 1); leave "
+        "it unset (nullopt) for the sequence's budget");
+  }
   v1::CompressRequest request;
   request.set_sequence_id(sequence_id);
-  request.set_budget_tokens(options.budget_tokens);
+  request.set_budget_tokens(options.budget_tokens.value_or(0));
   if (options.policy.has_value()) *request.mutable_policy() = *options.policy;
   request.set_return_positions(options.return_positions);
   return Compress(std::move(request));
@@ -912,6 +917,13 @@ absl::StatusOr<v1::UnpublishResponse> Session::Unpublish(v1::UnpublishRequest re
   KVS_RETURN_IF_ERROR(CheckAttached());
   request.set_session_id(session_id());
   return Unary(stub_.get(), &v1::Sidecar::Stub::Unpublish, request, options_);
+}
+
+absl::StatusOr<v1::LookupPrefixesResponse> Session::LookupPrefixes(
+    v1::LookupPrefixesRequest request) {
+  KVS_RETURN_IF_ERROR(CheckAttached());
+  request.set_session_id(session_id());
+  return Unary(stub_.get(), &v1::Sidecar::Stub::LookupPrefixes, request, options_);
 }
 
 // ---------------------------------------------------------------------------------------------

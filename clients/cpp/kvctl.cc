@@ -19,6 +19,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -30,6 +31,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -80,8 +82,10 @@ constexpr char kFooter[] = R"(Commands:
   show sequence ID [--session=S]  one sequence (--session when the id is used in several sessions)
   show config                     as `config`
   set budget N [--strict] [--prefill-block=N] [--per-layer=N1,N2,...] [--rebudget-tenant=T]
-                                  default token budget (tokens per layer) of new sequences;
+                                  default budget of new sequences: the tokens each layer keeps
+                                  (N >= 1; kvpress's compression_ratio = 1 - N / prompt);
                                   --rebudget-tenant also compresses that tenant's sequences to it
+  set budget none                 new sequences are unbounded again (the start-up default)
   set policy NAME [--spec=JSON] [--rebudget-tenant=T]
                                   default policy of new sequences (streaming_llm, keydiff, h2o,
                                   tova, snapkv, cake, d2o, caote); --spec is a PolicySpec in proto
@@ -100,7 +104,7 @@ constexpr char kFooter[] = R"(Commands:
   release sequence ID --session=S force-release one sequence
   config                          the effective configuration (YAML; secrets redacted)
   health [--service=NAME]         gRPC health check (grpc.health.v1) of --admin; exit 0 if SERVING
-  help                            this text (COMMAND --help: that command's flags)
+  help [COMMAND...]               this text, or that command's flags (as COMMAND --help)
 
 SIZE is a Kubernetes quantity, the same as in the sidecar's flags and YAML file: plain bytes, or
 Ki Mi Gi Ti Pi Ei (powers of 1024) or k M G T P E (powers of 1000); fractions that come to whole
@@ -681,10 +685,25 @@ struct BudgetArgs {
 
 Output SetBudget(Admin& admin, const BudgetArgs& args) {
   v1::SetDefaultsRequest request;
+  if (args.tokens == "none") {
+    if (args.strict || args.prefill_block.has_value() || !args.per_layer.empty() ||
+        !args.rebudget_tenant.empty()) {
+      throw UsageError(
+          "set budget none takes no --strict, --prefill-block, --per-layer or --rebudget-tenant");
+    }
+    request.set_unbounded_budget(true);
+    return DefaultsOutput(Unwrap(admin.client().SetDefaults(request)), "");
+  }
   v1::Budget* budget = request.mutable_default_budget();
-  // Any whole number goes to the server, which refuses zero and negative budgets naming the field
+  const int32_t tokens = ParseInt32(args.tokens, "the budget N (tokens per layer)");
+  if (tokens == 0) {
+    throw UsageError(
+        "set budget 0: a budget is the tokens each layer keeps (N >= 1); `kvctl set budget "
+        "none` makes new sequences unbounded");
+  }
+  // Any other whole number goes to the server, which refuses negative budgets naming the field
   // and the value (INVALID_ARGUMENT, exit 1).
-  budget->set_tokens_per_layer(ParseInt32(args.tokens, "the budget N (tokens per layer)"));
+  budget->set_tokens_per_layer(tokens);
   budget->set_strict(args.strict);
   if (args.prefill_block.has_value()) budget->set_prefill_block_tokens(*args.prefill_block);
   if (!args.per_layer.empty()) {
@@ -863,6 +882,96 @@ Output Health(Admin& admin, const std::string& service) {
 // ---------------------------------------------------------------------------------------------
 // Command line
 
+// The deepest command the line selected ("" for kvctl itself) and that command.
+std::pair<std::string, CLI::App*> Selected(CLI::App& app) {
+  std::string path;
+  CLI::App* at = &app;
+  while (!at->get_subcommands().empty()) {
+    at = at->get_subcommands().front();
+    absl::StrAppend(&path, path.empty() ? "" : " ", at->get_name());
+  }
+  return {path, at};
+}
+
+std::string CommandNames(const CLI::App& app) {
+  std::vector<std::string> names;
+  for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
+  return absl::StrJoin(names, ", ");
+}
+
+// CLI11's words for a parse error, except where they mislead: a word that names no command is
+// "unknown command", not "A subcommand is required".
+std::string UsageText(CLI::App& app, const CLI::ParseError& error) {
+  const bool missing_command = dynamic_cast<const CLI::RequiredError*>(&error) != nullptr ||
+                               dynamic_cast<const CLI::ExtrasError*>(&error) != nullptr;
+  auto [path, at] = Selected(app);
+  const std::string shown = path.empty() ? "kvctl" : absl::StrCat("kvctl ", path);
+  if (missing_command && !at->get_subcommands({}).empty() && at->get_subcommands().empty()) {
+    std::vector<std::string> rest = at->remaining();
+    if (rest.empty() && at != &app) rest = app.remaining();
+    for (const std::string& word : rest) {
+      if (!word.empty() && word[0] != '-') {
+        return absl::StrCat("unknown command '", path.empty() ? "" : path + " ", word, "' (",
+                            shown, " takes: ", CommandNames(*at), ")");
+      }
+    }
+    return absl::StrCat(shown, " needs a command: ", CommandNames(*at));
+  }
+  return error.what();
+}
+
+// `kvctl help [COMMAND...]`: the whole text, or one command's (as `COMMAND --help`).
+int PrintHelp(CLI::App& app, const std::vector<std::string>& topic) {
+  CLI::App* at = &app;
+  for (const std::string& word : topic) {
+    CLI::App* sub = nullptr;
+    for (CLI::App* candidate : at->get_subcommands({})) {
+      if (candidate->get_name() == word) sub = candidate;
+    }
+    if (sub == nullptr) {
+      std::cerr << "kvctl: help: unknown command '" << absl::StrJoin(topic, " ") << "' ("
+                << (at == &app ? "kvctl" : at->get_name()) << " takes: " << CommandNames(*at)
+                << ")\n";
+      return kExitUsage;
+    }
+    at = sub;
+  }
+  // The formatter, not App::help(): that prints the help of the command just parsed, which is
+  // `help` itself.
+  const std::string name =
+      topic.empty() ? "kvctl" : absl::StrCat("kvctl ", absl::StrJoin(topic, " "));
+  std::cout << app.get_formatter()->make_help(at, name, CLI::AppFormatMode::Normal);
+  return kExitOk;
+}
+
+// Numbers checked with messages that say what is wanted (CLI::PositiveNumber's names a range up to
+// the largest double: "Value abc not in range 0 to 1.79769e+308").
+CLI::Validator SecondsCheck(bool zero_allowed) {
+  return CLI::Validator(
+      [zero_allowed](std::string& text) -> std::string {
+        double value = 0;
+        if (!absl::SimpleAtod(text, &value) || std::isnan(value) || std::isinf(value) ||
+            value < 0 || (value == 0 && !zero_allowed)) {
+          return absl::StrCat("must be a ", zero_allowed ? "non-negative" : "positive",
+                              " number of seconds (e.g. 30 or 0.5), got '", text, "'");
+        }
+        return "";
+      },
+      "SECONDS");
+}
+
+CLI::Validator CountCheck(int32_t least) {
+  return CLI::Validator(
+      [least](std::string& text) -> std::string {
+        int32_t value = 0;
+        if (!absl::SimpleAtoi(text, &value) || value < least) {
+          return absl::StrCat("must be a whole number >= ", least, ", got '", text, "'");
+        }
+        return "";
+      },
+      "N");
+}
+
 int Run(int argc, char** argv) {
   CLI::App app(kDescription, "kvctl");
   app.set_version_flag("--version", VersionText(), "Print the version, git revision and build type");
@@ -876,10 +985,10 @@ int Run(int argc, char** argv) {
   app.add_flag("--json", flags.json,
                "Machine-readable output: one JSON document on stdout with stable keys");
   app.add_option("--timeout", flags.timeout, "Deadline of each call, seconds (default 30)")
-      ->check(CLI::PositiveNumber);
+      ->check(SecondsCheck(false));
   app.add_option("--connect-timeout", flags.connect_timeout,
                  "How long to wait for the connection, seconds (default 5)")
-      ->check(CLI::PositiveNumber);
+      ->check(SecondsCheck(false));
   CLI::Option* token =
       app.add_option("--token", flags.token, "Admin bearer token (authorization: Bearer TOKEN)");
   app.add_option("--token-file", flags.token_file,
@@ -941,12 +1050,13 @@ int Run(int argc, char** argv) {
   set->require_subcommand(1, 1);
   BudgetArgs budget;
   CLI::App* set_budget = set->add_subcommand("budget", "Default budget (tokens per layer)");
-  set_budget->add_option("N", budget.tokens, "Tokens per layer of new sequences (>= 1)")
+  set_budget->add_option("N", budget.tokens,
+                         "Tokens each layer of new sequences keeps (>= 1), or none: unbounded")
       ->required();
   set_budget->add_flag("--strict", budget.strict, "Strict budget (evicts during prefill)");
   set_budget->add_option("--prefill-block", budget.prefill_block,
                          "Strict budget: prefill block in tokens")
-      ->check(CLI::PositiveNumber);
+      ->check(CountCheck(1));
   set_budget->add_option("--per-layer", budget.per_layer, "N1,N2,...: tokens of each layer");
   set_budget->add_option("--rebudget-tenant", budget.rebudget_tenant,
                          "Also compress this tenant's sequences to the new budget");
@@ -965,12 +1075,12 @@ int Run(int argc, char** argv) {
   set_quota->add_option("--host", quota.host, "Host-tier bytes (SIZE; 0 = unlimited)");
   set_quota->add_option("--disk", quota.disk, "Disk-tier bytes (SIZE; 0 = unlimited)");
   set_quota->add_option("--sequences", quota.sequences, "Sequences (0 = unlimited)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CountCheck(0));
   CLI::Option* rebudget = set_quota->add_flag(
       "--rebudget", quota.rebudget, "Allow a quota below current use by compressing sequences");
   set_quota->add_option("--rebudget-tokens", quota.rebudget_tokens,
                         "Tokens per layer to compress to (default: the default budget)")
-      ->check(CLI::PositiveNumber)
+      ->check(CountCheck(1))
       ->needs(rebudget);
   set_quota->callback([&] { action = [&](Admin& a) { return SetQuota(a, quota); }; });
 
@@ -979,7 +1089,7 @@ int Run(int argc, char** argv) {
   CLI::App* drain = app.add_subcommand("drain", "Stop accepting attaches");
   drain->add_flag("--wait", wait, "Poll until no session is left");
   drain->add_option("--wait-timeout", wait_timeout, "Give up after SECONDS (default 300)")
-      ->check(CLI::PositiveNumber);
+      ->check(SecondsCheck(false));
   std::string drain_to = "none";
   double drain_grace = 0;
   drain->add_option("--to", drain_to,
@@ -987,7 +1097,7 @@ int Run(int argc, char** argv) {
       ->check(CLI::IsMember({"disk", "remote", "none"}));
   drain->add_option("--grace", drain_grace,
                     "SECONDS the moves may take (default: the sidecar's --drain_grace)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(SecondsCheck(true));
   drain->callback([&] {
     action = [&](Admin& a) { return Drain(a, wait, wait_timeout, drain_to, drain_grace); };
   });
@@ -1009,7 +1119,10 @@ int Run(int argc, char** argv) {
   health->add_option("--service", service, "Service name (default: the server)");
   health->callback([&] { action = [&](Admin& a) { return Health(a, service); }; });
   bool help_command = false;
-  app.add_subcommand("help", "This text")->callback([&] { help_command = true; });
+  std::vector<std::string> help_topic;
+  CLI::App* help = app.add_subcommand("help", "Print this text, or the flags of COMMAND");
+  help->add_option("COMMAND", help_topic, "A command (e.g. `set budget`)");
+  help->callback([&] { help_command = true; });
   // After the subcommands: they copy their parent's footer when made, and `COMMAND --help` shows
   // only that command.
   app.footer(kFooter);
@@ -1019,13 +1132,10 @@ int Run(int argc, char** argv) {
   } catch (const CLI::Success& success) {  // --help, --version
     return app.exit(success);
   } catch (const CLI::ParseError& error) {
-    std::cerr << "kvctl: " << error.what() << "\n(kvctl --help for usage)\n";
+    std::cerr << "kvctl: " << UsageText(app, error) << "\n(kvctl --help for usage)\n";
     return kExitUsage;
   }
-  if (help_command) {
-    std::cout << app.help();
-    return kExitOk;
-  }
+  if (help_command) return PrintHelp(app, help_topic);
   try {
     Admin admin(flags);
     const Output output = action(admin);

@@ -95,8 +95,17 @@ def _scratch_dir() -> str:
     return scratch
 
 
+def _platform_options() -> dict:
+    """A package that carries the server (kvsidecar/_server, deploy/server_wheel.sh) holds native
+    code: its wheel is tagged for this platform (py3-none-linux_x86_64), not py3-none-any."""
+    if not (HERE / "kvsidecar" / "_server" / "kvsidecar").is_file():
+        return {}
+    import sysconfig
+    return {"bdist_wheel": {"plat_name": sysconfig.get_platform().replace("-", "_")}}
+
+
 _SCRATCH = _scratch_dir()
 # Options given to setup() are defaults: the command line (pip's PEP 517 calls) still wins.
 setup(cmdclass={"build_py": BuildPyWithStubs},
       options={"build": {"build_base": os.path.join(_SCRATCH, "build")},
-               "egg_info": {"egg_base": _SCRATCH}})
+               "egg_info": {"egg_base": _SCRATCH}, **_platform_options()})

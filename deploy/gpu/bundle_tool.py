@@ -15,6 +15,10 @@
       With an environment of only LD_LIBRARY_PATH=STAGE_DIR/lib, every program and library in the
       bundle resolves each library it needs inside STAGE_DIR/lib, or it is one of the system C/C++
       runtime libraries, or one the device provides (the CUDA driver, cuBLAS). Exit 1 otherwise.
+  bundle_tool.py server BINARY DEST_DIR
+      The server alone, as the Python wheel carries it (deploy/server_wheel.sh): BINARY copied to
+      DEST_DIR/kvsidecar, the same shared-library closure into DEST_DIR/lib, both stripped, and
+      checked as `verify` checks a bundle (DEST_DIR/kvsidecar instead of STAGE_DIR/build).
 
 The libraries left out are the system C/C++ runtime (present on any glibc Linux, and newer on the
 device than here) and the CUDA libraries the device image brings with its driver and toolkit:
@@ -139,6 +143,39 @@ def _replace_paths(value: str, build: Path, source: Path) -> str:
     return value.replace(str(source), "@SOURCE@")
 
 
+def copy_closure(programs, lib: Path):
+    """Copies the shared-library closure of `programs` (ldd lists it transitively) into `lib`,
+    by the name the loader asks for, leaving out the system C/C++ runtime and the device's
+    libraries; returns the sonames copied."""
+    libs, missing = {}, set()
+    for program in programs:
+        for soname, resolved in _ldd(program):
+            if SYSTEM_LIBS.match(soname) or DEVICE_LIBS.match(soname):
+                continue
+            if resolved is None:
+                missing.add(f"{soname} (needed by {program.name})")
+            else:
+                libs[soname] = resolved
+    if missing:
+        raise SystemExit("bundle_tool: unresolved libraries here: " + ", ".join(sorted(missing)))
+    lib.mkdir(parents=True, exist_ok=True)
+    for soname, resolved in sorted(libs.items()):
+        shutil.copy2(os.path.realpath(resolved), lib / soname)
+    return sorted(libs)
+
+
+def cmd_server(binary: Path, dest: Path) -> int:
+    dest.mkdir(parents=True, exist_ok=True)
+    target = dest / "kvsidecar"
+    shutil.copy2(binary, target)
+    libs = copy_closure([binary], dest / "lib")
+    for path in [target] + list((dest / "lib").iterdir()):
+        os.chmod(path, 0o755)
+        _strip(path)
+    print(f"bundle_tool: kvsidecar and {len(libs)} libraries in {dest}")
+    return check_resolved(dest, [target])
+
+
 def cmd_stage(build: Path, source: Path, stage: Path) -> int:
     build, source = build.resolve(), source.resolve()
     (stage / "build").mkdir(parents=True, exist_ok=True)
@@ -197,21 +234,7 @@ def cmd_stage(build: Path, source: Path, stage: Path) -> int:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(build / rel, target)
 
-    # The shared-library closure (ldd lists it transitively), by the name the loader asks for.
-    libs, missing = {}, set()
-    for rel in programs:
-        for soname, resolved in _ldd(build / rel):
-            if SYSTEM_LIBS.match(soname) or DEVICE_LIBS.match(soname):
-                continue
-            if resolved is None:
-                missing.add(f"{soname} (needed by {rel})")
-            else:
-                libs[soname] = resolved
-    if missing:
-        raise SystemExit("bundle_tool: unresolved libraries here: " + ", ".join(sorted(missing)))
-    for soname, resolved in sorted(libs.items()):
-        shutil.copy2(os.path.realpath(resolved), stage / "lib" / soname)
-
+    libs = copy_closure([build / rel for rel in programs], stage / "lib")
     for path in list((stage / "build").rglob("*")) + list((stage / "lib").iterdir()):
         if path.is_file() and _is_elf(path):
             os.chmod(path, 0o755)
@@ -246,11 +269,17 @@ def cmd_stage(build: Path, source: Path, stage: Path) -> int:
 
 def cmd_verify(stage: Path) -> int:
     stage = stage.resolve()
+    return check_resolved(stage, sorted((stage / "build").rglob("*")))
+
+
+def check_resolved(stage: Path, programs) -> int:
+    """Every ELF file of `programs` and of stage/lib resolves its libraries in stage/lib (or is
+    the system's or the device's): 0, else 1, each problem printed."""
+    stage = stage.resolve()
     lib = stage / "lib"
     env = {"LD_LIBRARY_PATH": str(lib)}
     problems, device_needed = [], set()
-    files = [p for p in sorted((stage / "build").rglob("*")) + sorted(lib.iterdir())
-             if p.is_file() and _is_elf(p)]
+    files = [p for p in list(programs) + sorted(lib.iterdir()) if p.is_file() and _is_elf(p)]
     for path in files:
         for soname, resolved in _ldd(path, env=env):
             if SYSTEM_LIBS.match(soname):
@@ -277,6 +306,8 @@ def main(argv):
         return cmd_stage(Path(argv[2]), Path(argv[3]), Path(argv[4]))
     if len(argv) >= 3 and argv[1] == "verify":
         return cmd_verify(Path(argv[2]))
+    if len(argv) >= 4 and argv[1] == "server":
+        return cmd_server(Path(argv[2]), Path(argv[3]))
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -72,6 +72,23 @@ TEST_F(AdminE2eTest, SetDefaultsAppliesToNewSequencesAtOnce) {
   auto old_layout = (*session)->GetLayout(before->sequence_id());
   ASSERT_TRUE(old_layout.ok()) << old_layout.status();
   EXPECT_EQ(old_layout->budget().tokens_per_layer(), 0);
+
+  // unbounded_budget puts the start-up default back: new sequences are unbounded again.
+  v1::SetDefaultsRequest both;
+  both.set_unbounded_budget(true);
+  both.mutable_default_budget()->set_tokens_per_layer(8);
+  auto refused = admin_->SetDefaults(both);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(MessageOf(refused.status()), HasSubstr("unbounded_budget"));
+  v1::SetDefaultsRequest unbounded;
+  unbounded.set_unbounded_budget(true);
+  set = admin_->SetDefaults(unbounded);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->default_budget().tokens_per_layer(), 0);
+  EXPECT_EQ(set->default_policy().name(), "streaming_llm");  // unchanged
+  auto unbounded_seq = (*session)->CreateSequence(v1::CreateSequenceRequest());
+  ASSERT_TRUE(unbounded_seq.ok()) << unbounded_seq.status();
+  EXPECT_EQ(unbounded_seq->budget().tokens_per_layer(), 0);
 }
 
 TEST_F(AdminE2eTest, RefusedDefaultChangesNameTheReasonAndChangeNothing) {
@@ -80,6 +97,7 @@ TEST_F(AdminE2eTest, RefusedDefaultChangesNameTheReasonAndChangeNothing) {
   auto refused = admin_->SetDefaults(zero);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(MessageOf(refused.status()), HasSubstr("default_budget.tokens_per_layer"));
+  EXPECT_THAT(MessageOf(refused.status()), HasSubstr("kvctl set budget none"));
 
   v1::SetDefaultsRequest unknown;
   unknown.mutable_default_policy()->set_name("no_such_policy");

@@ -361,7 +361,10 @@ TEST_F(BadInputTest, LayersOutOfRangeAndBadCompressArguments) {
   EXPECT_CODE(session_->Compress("target", options).status(), kInvalidArgument, "budget_tokens");
   options.budget_tokens = std::numeric_limits<int32_t>::max();
   EXPECT_CODE(session_->Compress("target", options).status(), kInvalidArgument, "budget_tokens");
-  options.budget_tokens = 0;
+  options.budget_tokens = 0;  // refused by the client, as in every client
+  EXPECT_CODE(session_->Compress("target", options).status(), kInvalidArgument,
+              "budget_tokens=0 keeps no token");
+  options.budget_tokens.reset();
   v1::PolicySpec bogus;
   bogus.set_name("bogus");
   options.policy = bogus;

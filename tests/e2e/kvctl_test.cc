@@ -414,15 +414,33 @@ TEST_F(KvctlTest, SetBudgetAppliesToNewSequencesAndRebudgetsATenant) {
   ASSERT_EQ(run.exit_code, 0) << run;
   EXPECT_THAT(run.out, HasSubstr("budget 32"));
 
-  // Refused by the server (exit 1 with its code) or by kvctl (exit 2).
-  run = Kvctl({"set", "budget", "0"});
+  // Refused by the server (exit 1 with its code) or by kvctl (exit 2): 0 keeps no token, and
+  // kvctl says what makes new sequences unbounded.
+  run = Kvctl({"set", "budget", "-3"});
   EXPECT_EQ(run.exit_code, 1) << run;
   EXPECT_THAT(run.err, HasSubstr("INVALID_ARGUMENT"));
+  run = Kvctl({"set", "budget", "0"});
+  EXPECT_EQ(run.exit_code, 2) << run;
+  EXPECT_THAT(run.err, HasSubstr("`kvctl set budget none` makes new sequences unbounded"));
   run = Kvctl({"set", "budget", "lots"});
+  EXPECT_EQ(run.exit_code, 2) << run;
+  run = Kvctl({"set", "budget", "none", "--strict"});
   EXPECT_EQ(run.exit_code, 2) << run;
   config = admin_->GetConfig();
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->default_budget().tokens_per_layer(), 32);
+
+  // `none` puts the start-up default back: new sequences are unbounded.
+  run = Kvctl({"set", "budget", "none"});
+  ASSERT_EQ(run.exit_code, 0) << run;
+  EXPECT_THAT(run.out, HasSubstr("budget unbounded"));
+  config = admin_->GetConfig();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->default_budget().tokens_per_layer(), 0);
+  EXPECT_TRUE(acme->CreateSequence(KeyDiffPolicy(), std::nullopt, "a2").ok());
+  auto fresh = acme->GetLayout("a2");
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_EQ(fresh->budget().tokens_per_layer(), 0);
 }
 
 TEST_F(KvctlTest, SetPolicyChangesTheDefault) {
@@ -806,7 +824,43 @@ TEST(KvctlUsageTest, HelpDocumentsCommandsAndExitCodes) {
                            "--token", "--ca", "Exit codes", "3  cannot connect"}) {
     EXPECT_THAT(run.out, HasSubstr(text));
   }
-  EXPECT_EQ(RunKvctl({"help"}).exit_code, 0);
+  // `help` prints the same text (it printed its own one-line description, "This text"), and
+  // `help COMMAND` that command's flags.
+  const KvctlRun help = RunKvctl({"help"});
+  EXPECT_EQ(help.exit_code, 0) << help;
+  EXPECT_EQ(help.out, run.out);
+  const KvctlRun budget = RunKvctl({"help", "set", "budget"});
+  EXPECT_EQ(budget.exit_code, 0) << budget;
+  EXPECT_THAT(budget.out, HasSubstr("--strict"));
+  EXPECT_THAT(budget.out, HasSubstr("none: unbounded"));
+  const KvctlRun unknown = RunKvctl({"help", "frobnicate"});
+  EXPECT_EQ(unknown.exit_code, 2) << unknown;
+  EXPECT_THAT(unknown.err, HasSubstr("unknown command 'frobnicate'"));
+}
+
+TEST(KvctlUsageTest, UsageErrorsSayWhatIsWrong) {
+  const std::string nowhere = absl::StrCat("--admin=127.0.0.1:", ClosedPort());
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"frobnicate"}, "unknown command 'frobnicate' (kvctl takes: status, list, show, set"},
+      {{"list", "things"}, "unknown command 'list things' (kvctl list takes: sessions"},
+      {{"set", "colour", "red"}, "unknown command 'set colour'"},
+      {{}, "kvctl needs a command: status, list"},
+      {{"--timeout=abc", "status"}, "must be a positive number of seconds (e.g. 30 or 0.5), got "
+                                    "'abc'"},
+      {{"--connect-timeout=0", "status"}, "positive number of seconds"},
+      {{"drain", "--grace=-1"}, "non-negative number of seconds"},
+      {{"set", "quota", "acme", "--sequences=-1"}, "must be a whole number >= 0, got '-1'"},
+  };
+  for (const auto& [args, expected] : cases) {
+    std::vector<std::string> line = {nowhere, "--connect-timeout=1"};
+    line.insert(line.end(), args.begin(), args.end());
+    const KvctlRun run = RunKvctl(line);
+    EXPECT_EQ(run.exit_code, 2) << ::testing::PrintToString(args) << "\n" << run;
+    EXPECT_THAT(run.err, HasSubstr(expected)) << ::testing::PrintToString(args);
+    EXPECT_THAT(run.err, Not(HasSubstr("1.79769e+308"))) << ::testing::PrintToString(args);
+    EXPECT_THAT(run.err, Not(HasSubstr("A subcommand is required")))
+        << ::testing::PrintToString(args);
+  }
 }
 
 TEST(KvctlUsageTest, VersionNamesTheRevisionAndBuildType) {

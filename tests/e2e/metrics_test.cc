@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -16,8 +17,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "gpu/base/build_info.h"
 #include "httplib.h"
 #include "kvsidecar/client.h"
 #include "kvsidecar/v1/sidecar.grpc.pb.h"
@@ -390,6 +394,64 @@ TEST(MetricsE2eTest, BackendHealthyFollowsTheBackend) {
   stats = (*admin)->GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_TRUE(stats->backend_healthy());
+}
+
+// kvsidecar_build_info says what runs, and the process_* series are the process's own numbers
+// (read here from /proc/<pid> as well: the test runs the server as its own child).
+TEST(MetricsE2eTest, BuildInfoAndProcessSeries) {
+  auto server = StartWithMetrics();
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::string text;
+  auto m = Scrape((*server)->metrics_target(), &text);
+  EXPECT_THAT(text, HasSubstr("# TYPE kvsidecar_build_info gauge"));
+  EXPECT_EQ(m[absl::StrCat("kvsidecar_build_info{backend=\"cpu\",build_type=\"", KVS_BUILD_TYPE,
+                           "\",revision=\"", KVS_GIT_REVISION, "\",version=\"", KVS_VERSION,
+                           "\"}")],
+            1)
+      << text;
+  EXPECT_THAT(text, HasSubstr("# TYPE process_cpu_seconds_total counter"));
+  for (const char* name : {"process_resident_memory_bytes", "process_virtual_memory_bytes",
+                           "process_open_fds", "process_max_fds", "process_start_time_seconds"}) {
+    EXPECT_THAT(text, HasSubstr(absl::StrCat("# TYPE ", name, " gauge"))) << name;
+  }
+  const pid_t pid = (*server)->process().pid();
+  // Started by this test a moment ago.
+  const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  EXPECT_GT(m["process_start_time_seconds"], now - 120);
+  EXPECT_LE(m["process_start_time_seconds"], now + 1);
+  // RSS within 10 % of what /proc/<pid>/status says (the scrape itself allocates a little).
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  double rss_kib = 0;
+  while (std::getline(status, line)) {
+    if (absl::StartsWith(line, "VmRSS:")) {
+      std::vector<std::string> parts = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      ASSERT_TRUE(absl::SimpleAtod(parts[1], &rss_kib)) << line;
+    }
+  }
+  ASSERT_GT(rss_kib, 0);
+  EXPECT_NEAR(m["process_resident_memory_bytes"], rss_kib * 1024, 0.1 * rss_kib * 1024);
+  EXPECT_GT(m["process_virtual_memory_bytes"], m["process_resident_memory_bytes"]);
+  EXPECT_GT(m["process_open_fds"], 3);
+  EXPECT_GT(m["process_max_fds"], m["process_open_fds"]);
+  // Descriptors: this test may read the sidecar's fd directory where it runs as root.
+  std::error_code error;
+  double fds = 0;
+  for (std::filesystem::directory_iterator it(absl::StrCat("/proc/", pid, "/fd"), error), end;
+       !error && it != end; it.increment(error)) {
+    ++fds;
+  }
+  if (!error) {
+    EXPECT_NEAR(m["process_open_fds"], fds, 4);
+  }
+  // CPU time only goes up, and work adds to it.
+  const double cpu = m["process_cpu_seconds_total"];
+  EXPECT_GT(cpu, 0);
+  auto client = (*server)->Connect();
+  ASSERT_TRUE(client.ok()) << client.status();
+  // Refused calls (no layout) are work enough.
+  for (int i = 0; i < 200; ++i) EXPECT_FALSE((*client)->Attach(v1::AttachRequest()).ok());
+  EXPECT_GE(Scrape((*server)->metrics_target())["process_cpu_seconds_total"], cpu);
 }
 
 }  // namespace

@@ -4,8 +4,9 @@
 // sessions, bit-identical (K/V, positions, next position, policy, budget), as many times as
 // asked; the stored layout and budget are checked (naming the field), another tenant never sees
 // a prefix, a query-aware policy publishes only with a stated query window, the tenant's quota
-// holds, Unpublish deletes; and with a remote tier a second sidecar starts from a prefix the
-// first one published.
+// holds, Unpublish deletes; LookupPrefixes reports which keys the tenant holds (tier, bytes)
+// without taking them, Publish's tier puts the copy where it is named; and with a remote tier a
+// second sidecar starts from a prefix the first one published.
 #include <memory>
 #include <string>
 #include <vector>
@@ -227,6 +228,113 @@ TEST_F(PrefixTest, AnotherTenantNeverSeesOrDeletesAPrefix) {
   auto created = FromPrefix(*again, kKey, "mine");
   ASSERT_TRUE(created.ok()) << created.status();
   EXPECT_TRUE(VerifySequence(*again, "mine", 33).ok());
+}
+
+absl::StatusOr<v1::LookupPrefixesResponse> Lookup(kvsidecar::Session& session,
+                                                  const std::vector<std::string>& keys) {
+  v1::LookupPrefixesRequest request;
+  for (const std::string& key : keys) request.add_prefix_keys(key);
+  return session.LookupPrefixes(request);
+}
+
+TEST_F(PrefixTest, LookupPrefixesFindsTheTenantsKeysWithoutReadingThem) {
+  auto client = server_->Connect();
+  ASSERT_TRUE(client.ok());
+  auto owner = Attach(**client, "t-lookup");
+  ASSERT_NE(owner, nullptr);
+  MakeCompressed(*owner, "doc", 200, 100, 35);
+  auto published = Publish(*owner, "doc", kKey);
+  ASSERT_TRUE(published.ok()) << published.status();
+  const std::string third = std::string(62, 'd') + "ef";
+
+  // Found by any session of the tenant, in key order, with the tier and bytes Publish reported.
+  auto other = Attach(**client, "t-lookup");
+  ASSERT_NE(other, nullptr);
+  auto found = Lookup(*other, {kOtherKey, kKey, third});
+  ASSERT_TRUE(found.ok()) << found.status();
+  ASSERT_EQ(found->found_size(), 1);
+  EXPECT_EQ(found->found(0).index(), 1);
+  EXPECT_EQ(found->found(0).tier(), v1::TIER_DISK);
+  EXPECT_EQ(found->found(0).bytes(), published->bytes());
+  // Looking up takes nothing: the prefix still starts sequences, and lookups repeat.
+  ASSERT_TRUE(FromPrefix(*other, kKey, "q").ok());
+  auto again = Lookup(*other, {kKey});
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->found_size(), 1);
+  auto none = Lookup(*other, {});
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->found_size(), 0);
+
+  // Another tenant finds nothing under the same key.
+  auto stranger = Attach(**client, "t-lookup-stranger");
+  ASSERT_NE(stranger, nullptr);
+  auto foreign = Lookup(*stranger, {kKey});
+  ASSERT_TRUE(foreign.ok()) << foreign.status();
+  EXPECT_EQ(foreign->found_size(), 0);
+
+  // Bad keys and too many keys name the field; an unknown session is NOT_FOUND.
+  auto bad = Lookup(*other, {kKey, "not-a-key"});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(MessageOf(bad.status()), HasSubstr("prefix_keys[1]"));
+  auto many = Lookup(*other, std::vector<std::string>(4097, kKey));
+  EXPECT_EQ(many.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(MessageOf(many.status()), HasSubstr("prefix_keys: at most 4096"));
+  v1::LookupPrefixesRequest unknown;
+  unknown.set_session_id("no-such-session");
+  unknown.add_prefix_keys(kKey);
+  grpc::ClientContext context;
+  v1::LookupPrefixesResponse response;
+  EXPECT_EQ(other->stub()->LookupPrefixes(&context, unknown, &response).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(PrefixTest, PublishGoesToTheTierNamed) {
+  auto client = server_->Connect();
+  ASSERT_TRUE(client.ok());
+  auto a = Attach(**client, "t-tier");
+  ASSERT_NE(a, nullptr);
+  MakeCompressed(*a, "doc", 200, 100, 36);
+  v1::PublishRequest request;
+  request.set_sequence_id("doc");
+  request.set_prefix_key(kKey);
+  request.set_tier(v1::TIER_HOST);
+  auto host = a->Publish(request);
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_EQ(host->tier(), v1::TIER_HOST);
+  auto found = Lookup(*a, {kKey});
+  ASSERT_TRUE(found.ok());
+  ASSERT_EQ(found->found_size(), 1);
+  EXPECT_EQ(found->found(0).tier(), v1::TIER_HOST);
+  auto b = Attach(**client, "t-tier");
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(FromPrefix(*b, kKey, "from-host").ok());
+  EXPECT_TRUE(VerifySequence(*b, "from-host", 36).ok());
+  // Publishing again to disk moves the copy there.
+  request.set_tier(v1::TIER_DISK);
+  auto disk = a->Publish(request);
+  ASSERT_TRUE(disk.ok()) << disk.status();
+  EXPECT_EQ(disk->tier(), v1::TIER_DISK);
+  found = Lookup(*a, {kKey});
+  ASSERT_TRUE(found.ok());
+  ASSERT_EQ(found->found_size(), 1);
+  EXPECT_EQ(found->found(0).tier(), v1::TIER_DISK);
+
+  // No remote tier here; the arena and unknown values are not tiers to publish to.
+  request.set_prefix_key(kOtherKey);
+  request.set_tier(v1::TIER_REMOTE);
+  auto remote = a->Publish(request);
+  EXPECT_EQ(remote.status().code(), absl::StatusCode::kFailedPrecondition) << remote.status();
+  EXPECT_THAT(MessageOf(remote.status()), HasSubstr("no remote tier"));
+  for (int tier : {static_cast<int>(v1::TIER_ARENA), 99}) {
+    request.set_tier(static_cast<v1::Tier>(tier));
+    auto refused = a->Publish(request);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << tier;
+    EXPECT_THAT(MessageOf(refused.status()), HasSubstr("tier"));
+  }
+  // None of the refused calls stored anything.
+  auto after = Lookup(*a, {kOtherKey});
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->found_size(), 0);
 }
 
 TEST_F(PrefixTest, QueryAwarePolicyPublishesOnlyWithAQueryWindow) {

@@ -1568,7 +1568,7 @@ TEST_F(SidecarServiceTest, LaterCallsAreUnimplemented) {
 TEST_F(SidecarServiceTest, AdminRefusesEmptyChanges) {
   v1::SetDefaultsResponse defaults;
   EXPECT_GRPC_ERROR(admin_->SetDefaults(Context().get(), {}, &defaults), INVALID_ARGUMENT,
-                    "default_policy, default_budget or rebudget_tenant");
+                    "default_policy, default_budget, unbounded_budget or rebudget_tenant");
   v1::SetQuotaResponse quota;
   EXPECT_GRPC_ERROR(admin_->SetQuota(Context().get(), {}, &quota), INVALID_ARGUMENT, "tenant");
 }

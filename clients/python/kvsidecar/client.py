@@ -119,12 +119,36 @@ def budget(tokens_per_layer: int, strict: bool = False, prefill_block_tokens: in
                              per_layer_tokens=list(per_layer_tokens or []))
 
 
+# Every budget of the client is what is kept (never what is evicted): tokens per layer here,
+# the fraction of the prompt in kvsidecar.hf. 0 keeps nothing and is refused everywhere; None
+# (unset) means the default: no budget for a new sequence (unless an operator set a default
+# budget), the sequence's own budget for compress and score.
+NO_ZERO_BUDGET = ("keeps no token: a budget is what is kept (tokens per layer >= 1; kvpress's "
+                  "compression_ratio is the share evicted, 1 - kept / prompt)")
+
+
 def _budget(value: BudgetLike) -> Optional[common_pb2.Budget]:
     if value is None:
         return None
+    if isinstance(value, (float, np.floating)):
+        raise InvalidArgument(
+            f"budget={value!r}: create_sequence takes tokens per layer; a fraction of the prompt "
+            "kept is SidecarCache's (kvsidecar.hf), or ceil(fraction * prompt tokens)")
     if isinstance(value, (int, np.integer)):
+        if int(value) == 0:
+            raise InvalidArgument(f"budget=0 {NO_ZERO_BUDGET}; None: no budget (the server's "
+                                  "default budget, unbounded unless an operator set one)")
         return budget(int(value))
     return value
+
+
+def _budget_tokens(value: Optional[int]) -> int:
+    """budget_tokens of Compress / Score on the wire: None = 0 = the sequence's budget."""
+    if value is None:
+        return 0
+    if int(value) == 0:
+        raise InvalidArgument(f"budget_tokens=0 {NO_ZERO_BUDGET}; None: the sequence's budget")
+    return int(value)
 
 
 # Policies whose kept set does not depend on the prompt's queries: a prefix compressed with them
@@ -619,7 +643,8 @@ class Session:
                         layer_windows: Optional[Sequence[int]] = None,
                         from_prefix: str = "") -> sidecar_pb2.CreateSequenceResponse:
         """Creates a sequence. ``policy``: a ``PolicySpec`` or a policy name (None = the server
-        default); ``budget``: a ``Budget`` or tokens per layer (None = unbounded);
+        default); ``budget``: a ``Budget`` or tokens per layer kept (>= 1; None = the server's
+        default budget, unbounded unless an operator set one; 0 is refused);
         ``sequence_id`` empty = server-generated (read it from the response);
         ``layer_windows``: per layer, the sliding window W that layer keeps (its last W tokens,
         whatever the policy), 0 = a global layer; None = no windows. ``from_prefix``:
@@ -900,12 +925,13 @@ class Session:
         layout = self.get_layout(sequence_id)
         return [self.read_layer(entry) for entry in layout.layers]
 
-    def _compress_request(self, sequence_id: str, budget_tokens: int, policy: PolicyLike,
+    def _compress_request(self, sequence_id: str, budget_tokens: Optional[int],
+                          policy: PolicyLike,
                           attention: Optional[common_pb2.AttentionInputs],
                           return_positions: bool) -> sidecar_pb2.CompressRequest:
         request = sidecar_pb2.CompressRequest(
-            session_id=self.session_id, sequence_id=sequence_id, budget_tokens=budget_tokens,
-            return_positions=return_positions)
+            session_id=self.session_id, sequence_id=sequence_id,
+            budget_tokens=_budget_tokens(budget_tokens), return_positions=return_positions)
         spec = _policy(policy)
         if spec is not None:
             request.policy.CopyFrom(spec)
@@ -913,11 +939,12 @@ class Session:
             request.attention.CopyFrom(attention)
         return request
 
-    def compress(self, sequence_id: str, budget_tokens: int = 0, policy: PolicyLike = None,
+    def compress(self, sequence_id: str, budget_tokens: Optional[int] = None,
+                 policy: PolicyLike = None,
                  attention: Optional[common_pb2.AttentionInputs] = None,
                  return_positions: bool = False) -> sidecar_pb2.CompressResponse:
-        """Brings a sequence inside its budget (or ``budget_tokens``) with its policy (or
-        ``policy``), compacting in place. Read it back with :meth:`get_layout`."""
+        """Brings a sequence inside its budget (or ``budget_tokens`` tokens per layer, >= 1;
+        None: the sequence's) with its policy (or ``policy``), compacting in place. Read it back with :meth:`get_layout`."""
         return self._call(self.stub.Compress, self._compress_request(
             sequence_id, budget_tokens, policy, attention, return_positions))
 
@@ -930,11 +957,11 @@ class Session:
         built = []
         for item in requests:
             if isinstance(item, str):
-                built.append(self._compress_request(item, 0, None, None, False))
+                built.append(self._compress_request(item, None, None, None, False))
             elif isinstance(item, dict):
                 args = dict(item)
                 built.append(self._compress_request(
-                    args.pop("sequence_id"), args.pop("budget_tokens", 0),
+                    args.pop("sequence_id"), args.pop("budget_tokens", None),
                     args.pop("policy", None), args.pop("attention", None),
                     args.pop("return_positions", False)))
                 if args:
@@ -977,12 +1004,14 @@ class Session:
                         to_storage(item.inline_kv, self.layout.dtype)).tobytes()
         return request
 
-    def score(self, sequence_id: str, budget_tokens: int = 0, policy: PolicyLike = None,
+    def score(self, sequence_id: str, budget_tokens: Optional[int] = None,
+              policy: PolicyLike = None,
               attention: Optional[common_pb2.AttentionInputs] = None,
               layers: Optional[Sequence[int]] = None) -> sidecar_pb2.ScoreResponse:
         """Dry run: the scores and kept slots the policy would choose; changes nothing."""
         request = sidecar_pb2.ScoreRequest(session_id=self.session_id, sequence_id=sequence_id,
-                                           budget_tokens=budget_tokens, layers=list(layers or []))
+                                           budget_tokens=_budget_tokens(budget_tokens),
+                                           layers=list(layers or []))
         spec = _policy(policy)
         if spec is not None:
             request.policy.CopyFrom(spec)
@@ -1022,16 +1051,26 @@ class Session:
         return self._call(self.stub.Spill, sidecar_pb2.SpillRequest(
             session_id=self.session_id, sequence_id=sequence_id, target=target))
 
-    def publish(self, sequence_id: str, key: str,
-                query_window: Optional[int] = None) -> sidecar_pb2.PublishResponse:
+    def publish(self, sequence_id: str, key: str, query_window: Optional[int] = None,
+                tier: common_pb2.Tier.ValueType = common_pb2.TIER_UNSPECIFIED
+                ) -> sidecar_pb2.PublishResponse:
         """Stores a copy of the sequence's (compressed) cache under ``key`` (from
         :func:`prefix_key`) for this tenant: in the remote tier when the sidecar has one (every
-        sidecar sharing it can use it), else on disk. The sequence stays live. Query-aware
+        sidecar sharing it can use it), else on disk; ``tier`` names one (``TIER_HOST``,
+        ``TIER_DISK``, ``TIER_REMOTE``). The sequence stays live. Query-aware
         policies (all but streaming_llm and keydiff) need ``query_window``, the trailing prefix
         tokens whose queries drove the compression, which must also be in the key."""
         return self._call(self.stub.Publish, sidecar_pb2.PublishRequest(
             session_id=self.session_id, sequence_id=sequence_id, prefix_key=key,
-            query_window=query_window or 0))
+            query_window=query_window or 0, tier=tier))
+
+    def lookup_prefixes(self, keys: Sequence[str]
+                        ) -> Dict[int, sidecar_pb2.LookupPrefixesResponse.Found]:
+        """Which of ``keys`` this tenant has published, without reading them: index into
+        ``keys`` -> where the copy is (tier) and its bytes. Keys not found are absent."""
+        response = self._call(self.stub.LookupPrefixes, sidecar_pb2.LookupPrefixesRequest(
+            session_id=self.session_id, prefix_keys=list(keys)))
+        return {found.index: found for found in response.found}
 
     def unpublish(self, key: str) -> sidecar_pb2.UnpublishResponse:
         """Deletes this tenant's prefix published under ``key`` (NotFound without one)."""

@@ -5,13 +5,15 @@
 
     with kvs.Client(address) as client, client.attach(layout_for(model, "fp32"),
                                                       num_blocks=...) as session:
-        cache = SidecarCache(session, model, policy="snapkv", budget=0.25)
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+        cache = SidecarCache(session, model, policy="snapkv", budget=0.25)  # keeps 25 %
+        out = model.generate(**inputs, cache=cache, max_new_tokens=32)
         cache.release()
 
 `SidecarCache` is a `transformers.Cache`: `generate` and a plain forward loop
-(``model(input_ids, past_key_values=cache, use_cache=True)``) use it as they use `DynamicCache`.
-Every row of the batch is one sidecar sequence with the cache's policy and budget.
+(``model(input_ids, cache=cache, use_cache=True)``; ``past_key_values=`` before transformers
+5.24) use it as they use `DynamicCache`. Every row of the batch is one sidecar sequence with the
+cache's policy and budget. The budget is what each layer keeps: a fraction of the prompt in
+(0, 1] (kvpress's compression_ratio = 1 - budget) or tokens per layer; None keeps everything.
 
 What happens in one forward of B rows and T new tokens:
 
@@ -26,10 +28,13 @@ What happens in one forward of B rows and T new tokens:
                    mapped arena (``torch.from_numpy`` over the shared memory: zero copy); a
                    one-token decode step goes into a small [L][2][H][1][D] buffer sent inline.
                    ``update`` returns what the layer's attention reads: the K/V the sidecar
-                   holds for the layer, gathered from the arena by block table in the sidecar's
-                   slot order, followed by the new block (rounded through the session dtype, as
-                   stored). The worker keeps no copy of the cache: the gathered K/V of one layer
-                   live until that layer's attention is done.
+                   holds for the layer in the sidecar's slot order, followed by the new block
+                   (rounded through the session dtype, as stored). A decode step reads them from
+                   the slot mirror (kvsidecar.hf_mirror: a copy of what the sidecar keeps, read
+                   from the arena once after a prefill block and then kept exact from each
+                   DecodeStep's answer, with the token written into slot count); a prefill block
+                   after held tokens, OmniKV's sparse layers and a cache made with mirror=False
+                   gather them from the arena by block table, for that layer only.
   attention        the model's attention call goes through a wrapper of its own implementation
                    (sdpa or eager), installed on the model by the constructor: it takes the
                    post-RoPE queries (the window the policy reads, see below), builds the mask of
@@ -119,6 +124,7 @@ Not thread-safe: one cache is used by one thread at a time.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import sys
@@ -140,6 +146,7 @@ from kvsidecar.client import (CallFuture, DecodeItem, ReserveItem, Session, atte
                               model_layout)
 from kvsidecar.client import budget as make_budget
 from kvsidecar.client import policy as make_policy
+from kvsidecar.hf_mirror import SlotMirror
 from kvsidecar.v1 import common_pb2, sidecar_pb2
 
 __all__ = ["SidecarCache", "UnsupportedModelError", "layout_for", "blocks_for", "layer_windows"]
@@ -161,6 +168,40 @@ _WRAPPED_PREFIX = "kvsidecar:"
 
 class UnsupportedModelError(ValueError):
     """The model, its config or the way it is called cannot be served by SidecarCache."""
+
+
+def check_budget(budget: Union[int, float, None]) -> None:
+    """Refuses a budget SidecarCache cannot mean: the budget is what is KEPT, a fraction of the
+    prompt in (0, 1] (float) or tokens per layer >= 1 (int); None keeps everything. kvpress's
+    compression_ratio is the share evicted: budget = 1 - compression_ratio."""
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"budget must be a fraction kept (float in (0, 1]), tokens per layer "
+                        f"(int >= 1) or None, got {budget!r}")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        ratio = 1.0 - budget
+        raise ValueError(
+            f"budget={budget!r} is not a fraction kept in (0, 1]: the budget is the share of the "
+            f"prompt each layer keeps (kvpress's compression_ratio = 1 - budget = {ratio:g} is "
+            "the share it evicts: compression_ratio=0.75 is budget=0.25); tokens per layer are "
+            "an int, and None (or 1.0) keeps the whole cache")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(
+            f"budget={budget} keeps no token: the budget is what each layer keeps, tokens per "
+            "layer (int >= 1) or a fraction of the prompt in (0, 1] (kvpress's "
+            "compression_ratio = 1 - budget); None (or 1.0, compression_ratio=0) keeps the "
+            "whole cache")
+
+
+def _check_tokens_budget(budget: Union[int, float, None], prompt: int) -> None:
+    """An int budget above the first block (the prompt) would evict nothing from it."""
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > prompt:
+        raise ValueError(
+            f"budget={budget} tokens per layer is more than the {prompt}-token prompt: nothing "
+            f"would be evicted from it (kvpress's compression_ratio would be 1 - {budget}/"
+            f"{prompt} = {1 - budget / prompt:.3g} < 0); give at most {prompt} tokens, a "
+            "fraction kept in (0, 1], or None (or 1.0) for the whole cache")
 
 
 def _text_config(model_or_config: Any) -> Any:
@@ -393,6 +434,8 @@ class _Step:
         self.real: Optional[Any] = None              # [B][T] bool: not padding (None = all)
         # per row, per sliding layer: the position of each held slot (chunked prefill only)
         self.slot_positions: List[Dict[int, Any]] = []
+        # per stale row of the mirror, per layer: positions [H][count] to read it back with
+        self.refill: Dict[int, Dict[int, np.ndarray]] = {}
         self.next_layer = 0                          # layer whose update() comes next
         self.attended = -1                           # last layer whose attention ran
 
@@ -400,8 +443,8 @@ class _Step:
 def _omnikv_spec(spec: common_pb2.PolicySpec, budget: Union[int, float, None]
                  ) -> common_pb2.PolicySpec:
     """The omnikv PolicySpec with the cache's budget as its selection: an int is k
-    (selected_tokens), a float in (0, 1) the fraction of the prompt (selected_fraction), 1.0 or
-    more every prompt token; 0 or None leaves the spec's own (the sidecar's default: 6.7 %)."""
+    (selected_tokens), a float in (0, 1] the fraction of the prompt (selected_fraction, 1.0:
+    every prompt token); None leaves the spec's own (the sidecar's default: 6.7 %)."""
     out = common_pb2.PolicySpec()
     out.CopyFrom(spec)
     out.omnikv.SetInParent()
@@ -414,7 +457,7 @@ def _omnikv_spec(spec: common_pb2.PolicySpec, budget: Union[int, float, None]
             f"{params.selected_tokens} / selected_fraction={params.selected_fraction} both set "
             "how many prompt tokens Select picks; give one")
     if isinstance(budget, float):
-        params.selected_fraction = min(budget, 1.0)
+        params.selected_fraction = budget
     else:
         params.selected_tokens = int(budget)
     return out
@@ -561,16 +604,28 @@ class SidecarCache(Cache):
         model: the transformers model that will use the cache; its attention is routed through
             the kvsidecar wrapper (queries for the policy, the mask of the compacted cache).
         policy: a policy name ("snapkv", "h2o", ...) or a `PolicySpec` (`kvsidecar.policy`).
-        budget: tokens per layer (int > 0); or a fraction in (0, 1) of the first block's length
-            (the prompt), resolved when it arrives; 0, None or >= 1.0: no budget (the full cache).
-            OmniKV evicts nothing: there the budget is the prompt tokens each filter layer
-            selects per decode step (int: k; fraction: of the prompt; >= 1.0: all of them).
+        budget: what each layer KEEPS: a fraction in (0, 1] of the first block's length (the
+            prompt), resolved when it arrives (kvpress's compression_ratio = 1 - budget: 0.25
+            keeps what compression_ratio=0.75 keeps), or tokens per layer (int, 1 to the prompt
+            length); None or 1.0: no budget, the full cache. Anything else (0, a fraction
+            outside (0, 1], more tokens than the prompt) raises ValueError naming the kvpress
+            equivalent. OmniKV evicts nothing: there the budget is the prompt tokens each filter
+            layer selects per decode step (int: k; fraction: of the prompt; 1.0: all of them).
         overlap: send each DecodeStep without waiting for its answer (applied at the next use).
+        hold_budget: True: every decode step evicts back to the budget (the sidecar scores the
+            new token with the policy at each step); False: the prompt is compressed to the
+            budget once, after its block, and the decoded tokens are all kept (kvpress's
+            protocol: its presses compress during the prefill only). Decode steps that cannot
+            evict send no query: they cost the sidecar an append.
+        mirror: decode steps attend over a copy of the held K/V in slot order, kept exact from
+            each DecodeStep's answer (kvsidecar.hf_mirror), instead of gathering every layer out
+            of the arena at every step; False holds no copy in the worker (slower decoding).
     """
 
     def __init__(self, session: Session, model: Any, policy: Union[str, common_pb2.PolicySpec,
                                                                    None] = "streaming_llm",
-                 budget: Union[int, float, None] = 0, overlap: bool = True) -> None:
+                 budget: Union[int, float, None] = None, overlap: bool = True,
+                 mirror: bool = True, hold_budget: bool = True) -> None:
         check_supported(model)
         lay = session.layout
         want = layout_for(model)
@@ -581,16 +636,14 @@ class SidecarCache(Cache):
                 f"not match the model's L={want.num_layers} H={want.num_kv_heads} "
                 f"D={want.head_dim} (attach with kvsidecar.hf.layout_for(model))")
         spec = make_policy(policy) if isinstance(policy, str) else policy
-        if budget is not None and not isinstance(budget, (int, float)):
-            raise TypeError(f"budget must be an int (tokens) or a float fraction, got {budget!r}")
-        if budget is not None and budget < 0:
-            raise ValueError(f"budget must be >= 0, got {budget}")
+        check_budget(budget)
         # OmniKV never evicts: the budget is how many prompt tokens Select picks per step.
         self._omni: Optional[_OmniKv] = None
+        self._omni_budget: Union[int, float, None] = None
         if spec is not None and spec.name == "omnikv":
             spec = _omnikv_spec(spec, budget)
             self._omni = _OmniKv()
-            budget = None
+            self._omni_budget, budget = budget, None
         self._attn_original = install(model)
         if not getattr(model, "_kvsidecar_mask_hook", False):
             model.register_forward_pre_hook(_capture_mask, with_kwargs=True)
@@ -602,6 +655,10 @@ class SidecarCache(Cache):
         self.policy = spec
         self.budget = budget
         self.overlap = overlap
+        self.use_mirror = mirror
+        self.hold_budget = hold_budget
+        self._mirror: Optional[SlotMirror] = None  # made at the first decode step
+        self._sender: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.num_layers = lay.num_layers
         self.num_kv_heads = lay.num_kv_heads
         self.head_dim = lay.head_dim
@@ -716,7 +773,10 @@ class SidecarCache(Cache):
             self._omni.stage(step, layer_idx)
         new_k = self._store(layer_idx, key_states, 0)
         new_v = self._store(layer_idx, value_states, 1)
-        keys, values = self._assemble(layer_idx, new_k, new_v)
+        if self._mirrors(step, layer_idx):
+            keys, values = self._attend_mirror(layer_idx, new_k, new_v)
+        else:
+            keys, values = self._assemble(layer_idx, new_k, new_v)
         _pending.call = (self, layer_idx, keys)
         return keys, values
 
@@ -732,6 +792,9 @@ class SidecarCache(Cache):
                 common_pb2.DTYPE_BFLOAT16: torch.bfloat16}[self.dtype]
 
     def _create_sequences(self, batch: int, tokens: int) -> None:
+        _check_tokens_budget(self.budget, tokens)
+        if self._omni is not None:
+            _check_tokens_budget(self._omni_budget, tokens)
         budget = self.budget or 0
         if isinstance(budget, float):
             budget = 0 if budget >= 1.0 else max(1, math.ceil(budget * tokens))
@@ -741,7 +804,8 @@ class SidecarCache(Cache):
             for _ in range(batch):
                 resp = self.session.create_sequence(
                     policy=self.policy,
-                    budget=make_budget(self.budget_tokens) if self.budget_tokens > 0 else None,
+                    budget=make_budget(self.budget_tokens)
+                    if self.budget_tokens > 0 and self.hold_budget else None,
                     layer_windows=self.sidecar_windows if any(self.sidecar_windows) else None)
                 made.append(resp.sequence_id)
                 if self._omni is not None and len(made) == 1:
@@ -777,26 +841,7 @@ class SidecarCache(Cache):
         self._input_mask = None
         answered, self._next_layouts = self._next_layouts, None
         if self._seen > 0:
-            # A block after held tokens masks a sliding layer's held slots by position.
-            positions_needed = not step.decode and any(self.windows)
-            if answered is not None and not positions_needed:
-                # The last DecodeStep answered with every row's layout (return_layout).
-                layouts = answered
-            else:
-                # Asked for together: one round trip for the batch, not one per row.
-                pending = [self.session.get_layout_future(seq,
-                                                          omit_positions=not positions_needed)
-                           for seq in self.sequence_ids]
-                layouts = [future.result().layers for future in pending]
-            for layers in layouts:
-                by_layer = sorted(layers, key=lambda e: e.layer)
-                step.held.append([e.count for e in by_layer])
-                step.tables.append([e.block_table for e in by_layer])
-                if positions_needed:
-                    # Every head of a sliding layer holds the same tokens: head 0's positions.
-                    step.slot_positions.append({
-                        e.layer: torch.as_tensor(list(e.positions[:e.count]))
-                        for e in by_layer if self.windows[e.layer] > 0})
+            self._read_layouts(step, answered)
         else:
             step.held = [[0] * self.num_layers for _ in self.sequence_ids]
             step.tables = [[()] * self.num_layers for _ in self.sequence_ids]
@@ -820,6 +865,58 @@ class SidecarCache(Cache):
             for row, res in zip(rows, self.session.batch_reserve(items)):
                 step.reservations[row] = res
         self._step = step
+
+    def _read_layouts(self, step: _Step, answered: Optional[List[List[Any]]]) -> None:
+        """Every row's held counts and block tables for the step: from the last DecodeStep's
+        answer (return_layout) where it has them, else asked with GetLayout for the batch at once
+        (one round trip, not one per row). Positions are asked for where they are needed: a
+        block after held tokens masks a sliding layer's held slots by position, and a row whose
+        mirror is stale is read back with its positions."""
+        positions_needed = not step.decode and any(self.windows)
+        mirror = self._mirror
+        mirrored = step.decode and self.use_mirror
+        if mirrored and mirror is not None and answered is not None:
+            for row, layers in enumerate(answered):
+                counts = np.asarray([e.count for e in sorted(layers, key=lambda e: e.layer)])
+                mirror.clean[:, row] &= mirror.count[:, row] == counts
+        stale = set(range(len(self.sequence_ids))) if mirrored else set()
+        if mirrored and mirror is not None:
+            stale = {row for row in stale if mirror.stale_layers(row).size}
+        with_positions = set(range(len(self.sequence_ids))) if positions_needed else stale
+        ask = [row for row in range(len(self.sequence_ids))
+               if answered is None or row in with_positions]
+        pending = {row: self.session.get_layout_future(
+            self.sequence_ids[row], omit_positions=row not in with_positions) for row in ask}
+        for row in range(len(self.sequence_ids)):
+            if row in pending:
+                layers = pending[row].result().layers
+            else:
+                assert answered is not None
+                layers = answered[row]
+            by_layer = sorted(layers, key=lambda e: e.layer)
+            step.held.append([e.count for e in by_layer])
+            step.tables.append([e.block_table for e in by_layer])
+            if positions_needed:
+                # Every head of a sliding layer holds the same tokens: head 0's positions.
+                step.slot_positions.append({
+                    e.layer: torch.as_tensor(list(e.positions[:e.count]))
+                    for e in by_layer if self.windows[e.layer] > 0})
+            if row in stale:
+                # What a stale layer of the mirror is read back with (per head, slot order).
+                step.refill[row] = {
+                    e.layer: np.asarray(e.positions, np.int32).reshape(self.num_kv_heads,
+                                                                       e.count)
+                    for e in by_layer}
+        if mirrored and mirror is not None and answered is None:
+            # Without the answer's layouts the counts are checked once they arrive: a clean
+            # layer holding another count than the sidecar's is read back (its positions asked).
+            for row in range(len(self.sequence_ids)):
+                mirror.clean[:, row] &= mirror.count[:, row] == np.asarray(step.held[row])
+                if row not in step.refill and mirror.stale_layers(row).size:
+                    layout = self.session.get_layout(self.sequence_ids[row])
+                    step.refill[row] = {
+                        e.layer: np.asarray(e.positions, np.int32).reshape(
+                            self.num_kv_heads, e.count) for e in layout.layers}
 
     def _real_tokens(self, batch: int, tokens: int) -> Any:
         """[B][T] bool of the new block's real (unpadded) tokens from the call's 2D
@@ -877,6 +974,47 @@ class SidecarCache(Cache):
                 view = _as_torch(kview if kv == 0 else vview, self.dtype)  # arena, no copy
                 view.copy_(src[:, first:first + view.shape[1]])
         return stored.to(states.dtype)
+
+    def _mirrors(self, step: _Step, layer: int) -> bool:
+        """Whether the layer's attention reads the slot mirror at this step (decode steps;
+        OmniKV's sparse layers read their staging views from the arena)."""
+        return step.decode and self.use_mirror and (
+            self._omni is None or self._omni.roles[layer] != "sparse")
+
+    def _attend_mirror(self, layer: int, new_k: Any, new_v: Any) -> Tuple[Any, Any]:
+        """[B][H][held_max + 1][D] views of the mirror: each row's held K/V in slot order with
+        the decode token in slot held (rows holding fewer: masked slots after it). Stale rows
+        of the layer are read from the arena first."""
+        step = self._step
+        assert step is not None, "no forward pass in progress"
+        mirror = self._mirror
+        if mirror is None:
+            roles = self._omni.roles if self._omni is not None else []
+            mirror = self._mirror = SlotMirror(
+                self.num_layers, len(self.sequence_ids), self.num_kv_heads, self.head_dim,
+                new_k.dtype, new_k.device,
+                [not roles or roles[i] != "sparse" for i in range(self.num_layers)])
+        for row, positions in step.refill.items():
+            if not mirror.clean[layer, row]:
+                table, n = step.tables[row][layer], step.held[row][layer]
+                mirror.fill(layer, row, self._held_kv(table, n, new_k), positions[layer])
+        if not mirror.clean[layer].all():
+            raise RuntimeError(f"layer {layer}: the slot mirror of rows "
+                               f"{np.flatnonzero(~mirror.clean[layer]).tolist()} was not read")
+        keys, values = mirror.append(layer, new_k, new_v, [row[layer] for row in step.held])
+        return keys, values
+
+    def _held_kv(self, table: Sequence[int], n: int, like: Any) -> Any:
+        """[2][H][n][D]: one row's held K/V of a layer, read from the arena by block table, in
+        the dtype and on the device of `like`."""
+        arena = self._arena()
+        bt = self.session.arena.block_tokens
+        nb = -(-n // bt)
+        index = torch.as_tensor(np.asarray(table[:nb], np.int64), device=arena.device)
+        blocks = arena.index_select(0, index)  # [nb][2][H][bt][D]
+        kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, self.num_kv_heads, nb * bt,
+                                                   self.head_dim)[:, :, :n]
+        return kv.to(like.device, like.dtype)
 
     def _assemble(self, layer: int, new_k: Any, new_v: Any) -> Tuple[Any, Any]:
         """[B][H][held_max + T][D]: each row's held K/V in slot order (rows holding fewer are
@@ -951,6 +1089,12 @@ class SidecarCache(Cache):
         window = self.windows[layer]
         if layer == 0 and given is not None and not self._padded:
             self._check_no_padding(given, t, layer)
+        if self._mirrors(step, layer):
+            if min(counts) == width:
+                return None  # one query over equal rows sees every slot
+            # The decode token sits in slot held of each row: a row sees slots [0, held].
+            visible = (torch.arange(width + 1)[None, :] <= torch.as_tensor(counts)[:, None])
+            return self._as_mask(visible[:, None, None], query, original)
         if step.real is None and min(counts) == width and (
                 t == 1 or (width == 0 and original == "sdpa" and (window == 0 or t <= window))):
             # One query over equal rows sees everything (a sliding layer holds W - 1 tokens);
@@ -979,7 +1123,13 @@ class SidecarCache(Cache):
                 visible[row, :, :len(pos)] &= inside
         # Built on the CPU (small; the held counts and positions live there); attention runs where
         # the query is.
-        visible = visible[:, None].to(query.device)  # [B][1][T][S]
+        return self._as_mask(visible[:, None], query, original)  # [B][1][T][S]
+
+    @staticmethod
+    def _as_mask(visible: Any, query: Any, original: str) -> Any:
+        """A [B][1][T][S] visibility mask as the attention implementation takes it: bool for
+        sdpa, additive for eager."""
+        visible = visible.to(query.device)
         if original == "sdpa":
             return visible
         neg = torch.finfo(query.dtype).min
@@ -1008,11 +1158,23 @@ class SidecarCache(Cache):
                 "2D attention_mask (padding is read from it: call the model the SidecarCache "
                 "was built with, passing attention_mask); custom masks are not supported")
 
+    def _decode_evicts(self) -> bool:
+        """Whether a decode step can evict (and so needs its query): a budget held while
+        decoding, or D2O's fraction budget (rho) on a sequence without a token budget. Without
+        one the DecodeStep only appends, and the query would cost the sidecar its attention over
+        every held key for nothing (the policy's state then lacks the decoded tokens' queries:
+        a later block's compression scores them as the prefill left them)."""
+        if self.budget_tokens > 0:
+            return self.hold_budget
+        return self._name == "d2o" and self.policy is not None and self.policy.d2o.rho > 0
+
     def _take_queries(self, layer: int, query: Any, scale: Optional[float]) -> None:
         if self._query_window == 0:
             return
         step = self._step
         assert step is not None, "no forward pass in progress"
+        if step.decode and not self._decode_evicts():
+            return
         w = 1 if step.decode else self._query_window
         if scale is not None:
             step.scale = float(scale)
@@ -1066,7 +1228,7 @@ class SidecarCache(Cache):
             self.last_attention = attns
             items = [DecodeItem(seq, attention=attn, inline_kv=buf.tobytes(), return_layout=True)
                      for seq, attn, buf in zip(self.sequence_ids, attns, step.inline)]
-            future = self.session.decode_step_future(items)
+            future = self._send(items)
             self._inflight = (future, items, step.positions)
             self._seen += t
             if not self.overlap:
@@ -1075,17 +1237,55 @@ class SidecarCache(Cache):
         if self._arena().is_cuda:
             torch.cuda.synchronize()  # the K/V writes land before the Commit that publishes them
         compress = self.budget_tokens > 0
+        if self._mirror is not None:
+            self._mirror.invalidate()  # the Commit may compact every layer
         rows = [row for row, res in enumerate(step.reservations) if res is not None]
         if len(rows) * self._query_bytes(step) <= self.max_message_bytes:
             attns = [self._attention_of(step, row, every) for row in range(rows_total)]
             self.last_attention = attns
-            self._commit(step, rows, compress, attns)
+            if compress and not self.hold_budget:
+                self._commit_then_compress(step, rows, attns)
+            else:
+                self._commit(step, rows, compress, attns)
         else:
             self.last_attention = []
             self._commit(step, rows, False, [None] * rows_total)
             for row in rows:
                 self._observe_in_chunks(step, row, compress)
         self._seen += t
+
+    def _send(self, items: List[DecodeItem]) -> Any:
+        """Sends the step's DecodeStep from the cache's sender thread; returns its future. gRPC
+        writes a request in the thread that starts the call, and a step's request (every layer's
+        K/V and query: 115 KB for SmolLM2) took 2-7 ms of the model's thread to write on a loaded
+        machine; the sender thread writes it while the model computes its logits."""
+        if self._sender is None:
+            self._sender = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="kvsidecar-decode-step")
+        return self._sender.submit(self.session.decode_step, items)
+
+    def _commit_then_compress(self, step: _Step, rows: List[int],
+                              attns: List[Optional[common_pb2.AttentionInputs]]) -> None:
+        """hold_budget=False (kvpress's protocol): the sequences have no budget; the block is
+        committed, then each row compressed to budget_tokens in one BatchCompress. A policy that
+        reads every query folds them in at the Commit and evicts from that state; a window
+        policy's Compress carries its window (SnapKV, TOVA and CAKE remember nothing between
+        calls)."""
+        every = self._query_window is None
+        self._commit(step, rows, False, attns if every else [None] * len(attns))
+        if not rows:
+            return
+        items = []
+        for row in rows:
+            item: Dict[str, Any] = {"sequence_id": self.sequence_ids[row],
+                                    "budget_tokens": self.budget_tokens}
+            if not every and attns[row] is not None:
+                item["attention"] = attns[row]
+            items.append(item)
+        resp = self.session.batch_compress(items)
+        for row, out in zip(rows, resp.responses):
+            self._counts[row] = [entry.kept for entry in sorted(out.layers,
+                                                                key=lambda e: e.layer)]
 
     def _commit(self, step: _Step, rows: List[int], compress: bool,
                 attns: List[Optional[common_pb2.AttentionInputs]]) -> None:
@@ -1116,7 +1316,8 @@ class SidecarCache(Cache):
                 return  # a row of padding only: nothing to observe, nothing to evict
             self.session.compress(seq, budget_tokens=OBSERVE_ONLY_BUDGET, attention=attn)
         if compress:
-            resp = self.session.compress(seq)
+            resp = self.session.compress(
+                seq, budget_tokens=None if self.hold_budget else self.budget_tokens)
             self._counts[row] = [entry.kept for entry in sorted(resp.layers,
                                                                 key=lambda e: e.layer)]
 
@@ -1133,6 +1334,15 @@ class SidecarCache(Cache):
                     f"sequence {items[row].sequence_id}: the sidecar appended the token at "
                     f"position {out.position}, the model computed {int(positions[0])}")
             self._counts[row] = list(out.counts)
+        if self._mirror is not None:
+            b, evicted = len(resp.items), [list(out.evicted_positions) for out in resp.items]
+            if all(len(e) == self.num_layers * self.num_kv_heads for e in evicted):
+                self._mirror.apply(int(positions[0]), np.asarray(self._counts),
+                                   np.asarray(evicted, np.int64).reshape(
+                                       b, self.num_layers, self.num_kv_heads),
+                                   np.asarray([out.merged for out in resp.items]))
+            else:
+                self._mirror.invalidate()
         # What the next step reads the held K/V by, unless a server that predates return_layout
         # left them out (then the next step asks with GetLayout).
         if all(len(out.layers) == self.num_layers for out in resp.items):
@@ -1162,8 +1372,9 @@ class SidecarCache(Cache):
         created = session.create_sequence(from_prefix=key)
         try:
             layout = session.get_layout(created.sequence_id, omit_positions=True)
-            cache = cls(session, model, policy=created.policy,
-                        budget=int(created.budget.tokens_per_layer), overlap=overlap)
+            tokens = int(created.budget.tokens_per_layer)
+            cache = cls(session, model, policy=created.policy, budget=tokens or None,
+                        overlap=overlap)
         except Exception:
             session.release_sequence(created.sequence_id)
             raise
@@ -1205,6 +1416,7 @@ class SidecarCache(Cache):
                 self._abandon(step)
             ids, self.sequence_ids = self.sequence_ids, []
             self._counts = None
+            self._mirror = None
             self._next_layouts = None
             self._seen = 0
             self._padded = False

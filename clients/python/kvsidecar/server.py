@@ -3,8 +3,11 @@
 :class:`LocalServer` runs the ``kvsidecar`` binary on ephemeral loopback ports with a private
 temporary data directory and shared-memory directory, waits for its "kvsidecar listening" line and
 exposes the data-plane and admin addresses. It is a context manager: leaving the block stops the
-server (SIGTERM, then SIGKILL) and removes its directories. The binary is ``binary`` or
-``$KVSIDECAR_BIN``.
+server (SIGTERM, then SIGKILL) and removes its directories. The binary is ``binary``, else
+``$KVSIDECAR_BIN``, else the server the wheel carries (``kvsidecar/_server``: the binary and the
+shared libraries it needs, built by deploy/server_wheel.sh; ``pip install`` of that wheel is all a
+worker needs). The same server runs from the command line as ``kvsidecar`` (this module's
+:func:`main`, a console script of the wheel).
 
 The server never outlives this process: its stdin is a pipe whose write end only this object
 holds, and it runs with ``--exit_when_stdin_closes``, so when this process dies, even by SIGKILL,
@@ -23,31 +26,63 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
-__all__ = ["LocalServer", "find_binary"]
+__all__ = ["LocalServer", "find_binary", "bundled_binary", "main"]
 
 _LISTENING = re.compile(r"kvsidecar listening data=(\S+) admin=(\S+)")
+_BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_server", "kvsidecar")
+
+
+def bundled_binary() -> Optional[str]:
+    """The server the wheel carries (kvsidecar/_server/kvsidecar), or None in a wheel without."""
+    return _BUNDLED if os.path.isfile(_BUNDLED) and os.access(_BUNDLED, os.X_OK) else None
 
 
 def find_binary(binary: Optional[str] = None) -> str:
-    """``binary``, else ``$KVSIDECAR_BIN``; FileNotFoundError if it is not an executable."""
-    path = binary or os.environ.get("KVSIDECAR_BIN", "")
+    """``binary``, else ``$KVSIDECAR_BIN``, else the wheel's own server; FileNotFoundError if
+    none is an executable."""
+    path = binary or os.environ.get("KVSIDECAR_BIN", "") or bundled_binary() or ""
     if not path:
         raise FileNotFoundError(
-            "no kvsidecar binary: pass binary= or set KVSIDECAR_BIN to <build>/service/kvsidecar")
+            "no kvsidecar binary: pass binary=, set KVSIDECAR_BIN to <build>/service/kvsidecar, "
+            "or install the wheel that carries the server (deploy/server_wheel.sh)")
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         raise FileNotFoundError(f"kvsidecar binary {path!r} is not an executable file")
     return path
+
+
+def server_environment(binary: str) -> Dict[str, str]:
+    """The environment to run `binary` in: the wheel's server finds its libraries beside it
+    (kvsidecar/_server/lib, first on LD_LIBRARY_PATH); any other binary gets ours as it is."""
+    env = dict(os.environ)
+    if os.path.abspath(binary) == _BUNDLED:
+        lib = os.path.join(os.path.dirname(_BUNDLED), "lib")
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (lib, env.get("LD_LIBRARY_PATH", "")) if p)
+    return env
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``kvsidecar`` console script: runs the wheel's server with these arguments."""
+    binary = bundled_binary()
+    if binary is None:
+        print("kvsidecar: this installation carries no server binary (install the wheel built "
+              "by deploy/server_wheel.sh, or run <build>/service/kvsidecar)", file=sys.stderr)
+        return 2
+    args = list(sys.argv[1:] if argv is None else argv)
+    os.execve(binary, [binary, *args], server_environment(binary))
+    return 0  # pragma: no cover - execve does not return
 
 
 class LocalServer:
     """A kvsidecar process on loopback.
 
     Args:
-        binary: path of the ``kvsidecar`` binary (default ``$KVSIDECAR_BIN``).
+        binary: path of the ``kvsidecar`` binary (default ``$KVSIDECAR_BIN``, else the wheel's).
         lease_ms: default session lease.
         extra_args: more command-line flags (see ``kvsidecar --help``).
         start_timeout: seconds to wait for the listening line.
@@ -81,7 +116,8 @@ class LocalServer:
         self._stderr_path = os.path.join(self.dir, "kvsidecar.stderr")
         with open(self._stdout_path, "wb") as out, open(self._stderr_path, "wb") as err:
             self.process = subprocess.Popen(args, stdout=out, stderr=err,
-                                            stdin=subprocess.PIPE)
+                                            stdin=subprocess.PIPE,
+                                            env=server_environment(self.binary))
         deadline = time.monotonic() + start_timeout
         while time.monotonic() < deadline:
             match = _LISTENING.search(self.stdout())

@@ -80,3 +80,23 @@ def test_attention_policy_without_attention_names_it(client, admin):
 def test_unreachable_server_is_unavailable():
     with pytest.raises(errors.Unavailable):
         kvs.Client("127.0.0.1:1", connect_timeout=0.5)
+
+
+def test_a_zero_budget_is_refused_in_every_call(client, admin):
+    """0 keeps nothing: refused wherever a budget is given, naming what None means and kvpress's
+    compression_ratio; None is the default (no budget, the sequence's budget)."""
+    with client.attach(layout("fp16"), num_blocks=16) as session:
+        with pytest.raises(errors.InvalidArgument, match="budget=0 keeps no token.*None"):
+            session.create_sequence("keydiff", budget=0)
+        with pytest.raises(errors.InvalidArgument, match="fraction of the prompt"):
+            session.create_sequence("keydiff", budget=0.25)
+        seq = session.create_sequence("keydiff", budget=4).sequence_id
+        session.append(seq, random_kv("fp16", (2, 2, 2, 6, 16)))
+        for call in (session.compress, session.score):
+            with pytest.raises(errors.InvalidArgument,
+                               match="budget_tokens=0 keeps no token.*compression_ratio"):
+                call(seq, budget_tokens=0)
+        with pytest.raises(errors.InvalidArgument, match="budget_tokens=0"):
+            session.batch_compress([{"sequence_id": seq, "budget_tokens": 0}])
+        assert [e.count for e in session.get_layout(seq).layers] == [6, 6]
+        assert [e.kept for e in session.compress(seq).layers] == [4, 4]  # None: its budget

@@ -214,7 +214,9 @@ struct ReserveItem {
 };
 
 struct CompressOptions {
-  int32_t budget_tokens = 0;             // 0 = the sequence's budget
+  // Tokens each layer keeps (>= 1); nullopt = the sequence's budget. 0 keeps nothing: refused
+  // (INVALID_ARGUMENT naming budget_tokens) without a call, as every client refuses it.
+  std::optional<int32_t> budget_tokens;
   std::optional<v1::PolicySpec> policy;  // nullopt = the sequence's policy
   bool return_positions = false;
 };
@@ -324,6 +326,7 @@ class Session {
   absl::StatusOr<v1::RestoreResponse> Restore(v1::RestoreRequest request);
   absl::StatusOr<v1::PublishResponse> Publish(v1::PublishRequest request);
   absl::StatusOr<v1::UnpublishResponse> Unpublish(v1::UnpublishRequest request);
+  absl::StatusOr<v1::LookupPrefixesResponse> LookupPrefixes(v1::LookupPrefixesRequest request);
 
   v1::Sidecar::Stub* stub() const { return stub_.get(); }
 

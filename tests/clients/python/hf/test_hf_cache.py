@@ -8,6 +8,7 @@ budget: what the model's attention reads is, slot for slot, what GetLayout and t
 and the kept set is the one the sidecar's Score dry run picks."""
 
 import inspect
+import warnings
 
 import numpy as np
 import pytest
@@ -135,7 +136,7 @@ def test_plain_forward_loop_with_chunked_prefill_matches_dynamic_cache(session, 
     steps in a hand-written loop."""
     model = make_model(family)
     ids = prompts(2, 48)
-    cache = SidecarCache(session, model, policy="h2o", budget=0)
+    cache = SidecarCache(session, model, policy="h2o", budget=None)
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
         for chunk in (ids[:, :30], ids[:, 30:]):
@@ -198,7 +199,7 @@ def test_under_budget_attention_reads_the_layout_and_the_score_kept_set(
     # The reference, independent of SidecarCache's query capture: every prompt query as the
     # library's own attention saw it with DynamicCache; the sidecar's Score takes from them what
     # the policy reads. `full` holds the same K/V with a policy that keeps no query state.
-    full = SidecarCache(session, model, policy="streaming_llm", budget=0)
+    full = SidecarCache(session, model, policy="streaming_llm", budget=None)
     small = SidecarCache(session, model, policy=spec, budget=fraction)
     with torch.no_grad():
         model(ids, **{CACHE: DynamicCache(config=model.config)}, use_cache=True)
@@ -258,7 +259,7 @@ def test_snapkv_with_kvpress_defaults_sends_the_window_the_sidecar_resolves(sess
     spec = kvs.policy("snapkv", defaults=kvs.common_pb2.SnapKvParams.DEFAULTS_KVPRESS)
     recorder = _Recorder()
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", recorder)
-    full = SidecarCache(session, model, policy="streaming_llm", budget=0)
+    full = SidecarCache(session, model, policy="streaming_llm", budget=None)
     small = SidecarCache(session, model, policy=spec, budget=fraction)
     with torch.no_grad():
         model(ids, **{CACHE: DynamicCache(config=model.config)}, use_cache=True)
@@ -313,7 +314,7 @@ def test_left_padded_batch_generates_what_dynamic_cache_does(session, family):
               output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.no_grad():
         ref = model.generate(ids, **{CACHE: DynamicCache(config=model.config)}, **kw)
-        cache = SidecarCache(session, model, policy="h2o", budget=0)
+        cache = SidecarCache(session, model, policy="h2o", budget=None)
         out = model.generate(ids, **{CACHE: cache}, **kw)
     assert torch.equal(out.sequences, ref.sequences)
     diff = max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits))
@@ -345,7 +346,7 @@ def test_sampling_with_a_fixed_seed(session):
     model = make_model("qwen2")
     ids = prompts(2, 24)
     runs = []
-    for budget in (0, 0, 8):
+    for budget in (None, None, 8):
         cache = SidecarCache(session, model, policy="tova", budget=budget)
         torch.manual_seed(123)
         with torch.no_grad():
@@ -428,7 +429,7 @@ def test_half_precision_arena_reads_back_what_it_stored(server, monkeypatch, dty
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", recorder)
     with kvs.Client(server.address, timeout=60) as client, \
             client.attach(layout_for(model, dtype), num_blocks=blocks_for(model, 64)) as s:
-        cache = SidecarCache(s, model, policy="keydiff", budget=0)
+        cache = SidecarCache(s, model, policy="keydiff", budget=None)
         ref = DynamicCache(config=model.config)
         with torch.no_grad():
             a = model(ids, **{CACHE: cache}, use_cache=True).logits
@@ -559,3 +560,63 @@ def test_every_policy_serves_a_long_prompt(server, context):
                 assert cache.counts == [[budget] * 3], (name, cache.counts)
             assert sum(cache.counts[0]) <= 3 * budget, (name, cache.counts)
             cache.release()
+
+
+# -- the budget: what is kept, a fraction in (0, 1] or tokens per layer ----------------------------
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1, -0.25, 1.5, 2.5, float("nan")])
+def test_a_budget_that_keeps_nothing_or_more_than_all_is_refused(session, bad):
+    """budget=2.5 once kept everything silently and budget=0 meant 'no budget': both are
+    refused, naming kvpress's equivalent (compression_ratio = 1 - budget)."""
+    model = make_model()
+    with pytest.raises(ValueError, match="compression_ratio"):
+        SidecarCache(session, model, policy="snapkv", budget=bad)
+
+
+@pytest.mark.parametrize("bad", [True, "0.25", [16]])
+def test_a_budget_of_another_type_is_refused(session, bad):
+    with pytest.raises(TypeError, match="fraction kept"):
+        SidecarCache(session, make_model(), policy="snapkv", budget=bad)
+
+
+def test_a_token_budget_above_the_prompt_is_refused_at_the_prompt(session):
+    model = make_model()
+    cache = SidecarCache(session, model, policy="snapkv", budget=PROMPT + 1)
+    with pytest.raises(ValueError, match=rf"more than the {PROMPT}-token prompt.*compression_ratio"):
+        with torch.no_grad():
+            model(prompts(1), **{CACHE: cache}, use_cache=True)
+    assert cache.sequence_ids == []  # nothing was created
+    cache.release()
+
+
+@pytest.mark.parametrize("budget,kept", [(0.75, 30), (0.1, 4), (1.0, PROMPT), (None, PROMPT),
+                                         (PROMPT, PROMPT), (1, 1)])
+def test_the_budget_is_the_fraction_kept(session, budget, kept):
+    """kvpress's compression_ratio=0.25 is budget=0.75: 75 % kept (ceil), not evicted."""
+    model = make_model()
+    cache = SidecarCache(session, model, policy="snapkv", budget=budget)
+    with torch.no_grad():
+        model(prompts(1), **{CACHE: cache}, use_cache=True)
+    assert cache.counts == [[kept] * 3]
+    cache.release()
+
+
+def test_cache_and_past_key_values_name_the_same_cache(session):
+    """transformers 5.24 renamed the argument `cache=`; 5.25 deprecates `past_key_values=` (6.0
+    removes it). SidecarCache works under both names, with the same tokens."""
+    model = make_model()
+    ids = prompts(2)
+    out = {}
+    for name in ("cache", "past_key_values"):
+        cache = SidecarCache(session, model, policy="snapkv", budget=0.5)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[name] = model.generate(ids, attention_mask=torch.ones_like(ids), **{name: cache},
+                                       max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                       pad_token_id=0)
+        assert cache.get_seq_length() == PROMPT + 5, name  # the cache given was the one used
+        cache.release()
+        deprecated = [w for w in caught if "past_key_values" in str(w.message)]
+        if name == "cache":
+            assert not deprecated, [str(w.message) for w in deprecated]
+    assert torch.equal(out["cache"], out["past_key_values"])

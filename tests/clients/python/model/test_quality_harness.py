@@ -198,11 +198,31 @@ def _fake_harness(tmp_path, monkeypatch):
     samples = tasks.make_samples("niah_single", 512, 4, 0, encode, TEMPLATE)
     cfgs = _cfgs()
 
-    def run(store):
+    def run(store, progress=None):
         fake.batch_rows = 2
         harness.run_task(args, "toy", None, tok, None, store, cfgs, "niah_single", 512,
-                         samples, lambda toks: b"\n" in bytes(toks))
+                         samples, lambda toks: b"\n" in bytes(toks),
+                         progress or harness.Progress(0))
     return fake, str(tmp_path / "results.csv"), run
+
+
+def test_every_line_says_n_of_m_and_the_time_left(tmp_path, monkeypatch, capsys):
+    """The run is counted up front (configuration runs over batches of prompts; one for a cell
+    that cannot run), and each line the harness prints starts with N of M and an ETA."""
+    fake, path, run = _fake_harness(tmp_path, monkeypatch)
+    store = scoring.ResultStore(path)
+    samples = tasks.make_samples("niah_single", 512, 4, 0, encode, TEMPLATE)
+    total = harness._units(store, "toy", "niah_single", 512, _cfgs(), samples, 2)
+    assert total == 3 * 2 + 1  # 3 runnable configurations x 2 batches, 1 error cell
+    progress = harness.Progress(total)
+    run(store, progress)
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  [")]
+    assert [l.split(",")[0].strip() for l in lines] == [f"[{n}/7" for n in range(1, 8)]
+    assert all(" elapsed, ETA " in l for l in lines), lines
+    assert lines[-1].split("ETA ")[1].startswith("0:00]")  # nothing left
+    assert harness._units(scoring.ResultStore(path), "toy", "niah_single", 512, _cfgs(),
+                          samples, 2) == 0  # all done: a rerun has nothing to count
+    assert harness.Progress.clock(3725) == "1:02:05" and harness.Progress.clock(65) == "1:05"
 
 
 def test_a_rerun_skips_done_cells_and_finishes_partial_ones(tmp_path, monkeypatch):
